@@ -1,0 +1,205 @@
+"""``meshnet-peer``: the one place that parses flags and prints.
+
+Every expected failure is a :class:`MeshnetError` and is printed as one line
+``error: ...`` with exit status 2 (argparse uses 2 for bad flags too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Sequence
+
+from . import __version__
+from .errors import MeshnetError
+
+EXIT_ERROR = 2
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshnet-peer", description="meshnet-p2p: run LLMs across volunteer peers.")
+    p.add_argument("--version", action="version", version=f"meshnet-p2p {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    shard = sub.add_parser("shard", help="cut and inspect layer shards of a GGUF model")
+    shard_sub = shard.add_subparsers(dest="shard_command", required=True)
+    cut = shard_sub.add_parser("cut", help="write the shard of layers [A, B) of a model")
+    cut.add_argument("--model", help="source GGUF (default: the embedded SmolLM2-135M-Instruct)")
+    cut.add_argument("--layers", required=True, help="layer range A:B (B exclusive)")
+    cut.add_argument("--out", required=True, help="output GGUF path")
+    info = shard_sub.add_parser("info", help="print a model's or shard's identity as JSON")
+    info.add_argument("path")
+
+    gen = sub.add_parser("generate", help="generate text through a route of shards")
+    gen.add_argument("--local", action="store_true", help="run the whole route in this process (no network)")
+    gen.add_argument("--model", help="GGUF model (default: the embedded SmolLM2-135M-Instruct)")
+    gen.add_argument("--split", default="", help="layer cut points, e.g. 10,20 for shards [0,10) [10,20) [20,N)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=_positive, default=64)
+    gen.add_argument("--temperature", type=_nonneg_float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    gen.add_argument("--n-ubatch", type=_positive, default=64, help="micro-batch size (part of the recipe)")
+    gen.add_argument("--seam-dtype", choices=("f32", "f16", "bf16"), default="f32")
+    gen.add_argument("--threads", type=_positive, default=None)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "shard":
+            return _shard(args)
+        if args.command == "generate":
+            return _generate(args)
+    except MeshnetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except ValueError as e:  # request types reject bad values (e.g. top_p) this way
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+    parser.error(f"unknown command {args.command!r}")
+    return EXIT_ERROR
+
+
+def _model_path(arg: str | None) -> str:
+    from .models import default_model_path
+
+    if arg is None:
+        return default_model_path()
+    if not os.path.isfile(arg):
+        from .models import ModelNotFound
+
+        raise ModelNotFound(f"no model file at {arg}")
+    return arg
+
+
+def _shard(args: argparse.Namespace) -> int:
+    from .engine.cut import cut_shard, inspect_gguf, parse_layer_range
+    from .progress import TerminalProgress
+
+    if args.shard_command == "cut":
+        start, end = parse_layer_range(args.layers)
+        model = _model_path(args.model)
+        info = cut_shard(model, start, end, args.out, progress=TerminalProgress(f"layers {start}:{end}"))
+        print(json.dumps(_info_doc(info)))
+        return 0
+    info = inspect_gguf(args.path)
+    print(json.dumps(_info_doc(info)))
+    return 0
+
+
+def _info_doc(info) -> dict:
+    from .engine.recipe import model_digest
+
+    return {
+        "path": info.path,
+        "architecture": info.architecture,
+        "layers": [info.start, info.end],
+        "source_layers": info.source_layers,
+        "role": info.role,
+        "source_sha256": info.source_sha256,
+        "model_digest": model_digest(info.source_sha256, info.architecture, info.source_layers),
+    }
+
+
+def _generate(args: argparse.Namespace) -> int:
+    if not args.local:
+        raise MeshnetError("generation over the network is not available in this build yet; use --local")
+    import time
+
+    from .engine.contract import SamplingParams
+    from .engine.cut import inspect_gguf, sha256_file
+    from .engine.tokenizer import Tokenizer
+    from .local import LocalRoute, parse_split
+    from .progress import TerminalProgress
+
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    t0 = time.perf_counter()
+    model = _model_path(args.model)
+    progress = TerminalProgress("preparing shards")
+    digest = sha256_file(model, progress)
+    info = inspect_gguf(model, source_sha256=digest)
+    if info.is_cut:
+        raise MeshnetError(f"{model} is a shard (layers {info.start}:{info.end}); --local needs the whole model")
+    ranges = parse_split(args.split, info.source_layers)
+    tokenizer = Tokenizer(model)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    prompt = tokenizer.encode(text)
+    route = LocalRoute.from_model(
+        model,
+        ranges,
+        source_sha256=digest,
+        n_ubatch=args.n_ubatch,
+        seam_dtype=args.seam_dtype,
+        max_sessions=1,
+        n_ctx_per_session=len(prompt) + args.max_tokens,
+        n_threads=args.threads,
+        progress=progress,
+    )
+    load_ms = (time.perf_counter() - t0) * 1000
+    try:
+        stream = tokenizer.stream_decoder()
+        on_token = None
+        if not args.json:
+            def on_token(tok: int) -> None:
+                sys.stdout.write(stream.feed(tok))
+                sys.stdout.flush()
+
+        gen = route.generate(prompt, args.max_tokens, sampling, on_token=on_token)
+    finally:
+        route.close()
+    if args.json:
+        doc = {
+            "token_ids": gen.token_ids,
+            "text": tokenizer.decode(gen.token_ids),
+            "prompt_tokens": gen.prompt_tokens,
+            "stopped": gen.stopped,
+            "route": [{"layers": [c.start, c.end], "role": c.role} for c in route.caps],
+            "model": {"path": model, "source_sha256": digest, "model_digest": route.caps[0].model_digest},
+            "recipe": dict(route.caps[0].recipe, digest=route.caps[0].recipe_digest),
+            "timing": {
+                "load_ms": round(load_ms, 3),
+                "ttft_ms": round(gen.ttft_ms, 3),
+                "decode_ms": round(gen.decode_ms, 3),
+                "decode_tokens_per_s": round(gen.decode_tokens_per_s, 3),
+            },
+        }
+        print(json.dumps(doc))
+    else:
+        sys.stdout.write(stream.flush() + "\n")
+        sys.stdout.flush()
+        print(
+            f"[{len(gen.token_ids)} tokens, first after {gen.ttft_ms:.0f} ms, {gen.decode_tokens_per_s:.1f} tok/s, "
+            f"route {' -> '.join(f'{c.start}:{c.end}' for c in route.caps)}]",
+            file=sys.stderr,
+        )
+    return 0

@@ -1,0 +1,240 @@
+"""Cutting a GGUF model into a shard of layers [start, end).
+
+What a shard keeps (llama.cpp requires ``token_embd`` and ``output_norm`` in
+every model file, so every shard carries them in some form):
+
+- head (start == 0): tokenizer, the real ``token_embd``, ``output_norm``; an
+  untied ``output`` matrix is dropped (a head never computes logits, and
+  llama.cpp falls back to ``token_embd`` for it).
+- tail (end == n_layer): tokenizer, ``token_embd``, ``output_norm``, ``output``.
+- middle: slim: a one-row dummy ``token_embd``, ``output_norm``, and a
+  ``none`` tokenizer with ``<arch>.vocab_size = 1`` (no vocabulary at all).
+
+Blocks are copied with their raw (quantized) bytes, renumbered from 0. Every
+shard records where it came from in ``meshnet.*`` keys: the sha256 of the whole
+source file, the source's layer count and the range, so a shard stays bound to
+the exact artifact it was cut from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import MeshnetError
+from .adapters import ArchitectureAdapter, adapter_for
+from .gguf import (
+    GGML_TYPE_F32,
+    GGUFFile,
+    GGUFFormatError,
+    OutTensor,
+    ValueType,
+    encode_kv,
+    read_gguf,
+    write_gguf,
+)
+
+SHARD_FORMAT_VERSION = 1
+K_FORMAT = "meshnet.format_version"
+K_SOURCE_SHA256 = "meshnet.source.sha256"
+K_SOURCE_LAYERS = "meshnet.source.block_count"
+K_SOURCE_SIZE = "meshnet.source.file_size"
+K_SOURCE_NAME = "meshnet.source.name"
+K_START = "meshnet.shard.start"
+K_END = "meshnet.shard.end"
+K_ROLE = "meshnet.shard.role"
+K_ADAPTER = "meshnet.adapter"
+
+Progress = Callable[[str, int, int], None]  # (phase, done, total)
+
+
+class ShardCutError(MeshnetError):
+    """A shard cannot be cut (or loaded) as asked."""
+
+
+class LayerRangeError(ShardCutError):
+    """The layer range is empty or lies outside the model."""
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What a GGUF file is, in shard terms. An uncut model is the range [0, n_layer)."""
+
+    path: str
+    architecture: str
+    adapter_id: str
+    source_sha256: str
+    source_layers: int
+    start: int
+    end: int
+    n_embd: int
+    is_cut: bool
+
+    @property
+    def is_head(self) -> bool:
+        return self.start == 0
+
+    @property
+    def is_tail(self) -> bool:
+        return self.end == self.source_layers
+
+    @property
+    def role(self) -> str:
+        return role_of(self.start, self.end, self.source_layers)
+
+    @property
+    def n_layers(self) -> int:
+        return self.end - self.start
+
+
+def role_of(start: int, end: int, n_layer: int) -> str:
+    if start == 0 and end == n_layer:
+        return "whole"
+    return "head" if start == 0 else "tail" if end == n_layer else "middle"
+
+
+def parse_layer_range(text: str) -> tuple[int, int]:
+    """``"A:B"`` -> (A, B). Raises :class:`LayerRangeError` on anything else."""
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise LayerRangeError(f"layer range {text!r} is not of the form A:B (e.g. 10:20)")
+    start, end = int(parts[0]), int(parts[1])
+    if end <= start:
+        raise LayerRangeError(f"layer range {text!r} is empty: B must be greater than A")
+    return start, end
+
+
+def sha256_file(path: str, progress: Progress | None = None) -> str:
+    h = hashlib.sha256()
+    total = os.path.getsize(path)
+    done = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(4 << 20):
+            h.update(chunk)
+            done += len(chunk)
+            if progress:
+                progress("hashing", done, total)
+    return h.hexdigest()
+
+
+def _model_shape(src: GGUFFile) -> tuple[str, ArchitectureAdapter, int, int]:
+    arch = src.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise GGUFFormatError(f"{os.path.basename(src.path)}: no general.architecture key")
+    adapter = adapter_for(arch)
+    n_layer = src.get(adapter.key("block_count"))
+    n_embd = src.get(adapter.key("embedding_length"))
+    if not isinstance(n_layer, int) or n_layer <= 0 or not isinstance(n_embd, int) or n_embd <= 0:
+        raise GGUFFormatError(f"{os.path.basename(src.path)}: missing or bad {arch}.block_count / embedding_length")
+    return arch, adapter, n_layer, n_embd
+
+
+def inspect_gguf(path: str, *, source_sha256: str | None = None) -> ShardInfo:
+    """Read a model or shard file's shard identity. For an uncut model the source
+    digest is the file's own sha256 (computed unless given)."""
+    src = read_gguf(path)
+    arch, adapter, n_layer, n_embd = _model_shape(src)
+    if K_SOURCE_SHA256 in src.kv:
+        try:
+            version = src.get(K_FORMAT)
+            if version != SHARD_FORMAT_VERSION:
+                raise ShardCutError(f"{path}: shard format version {version!r}, this build reads {SHARD_FORMAT_VERSION}")
+            start, end, total = int(src.get(K_START)), int(src.get(K_END)), int(src.get(K_SOURCE_LAYERS))
+            digest = str(src.get(K_SOURCE_SHA256))
+        except (TypeError, ValueError):
+            raise ShardCutError(f"{path}: malformed meshnet.* shard metadata") from None
+        if end - start != n_layer or not 0 <= start < end <= total or len(digest) != 64:
+            raise ShardCutError(f"{path}: shard metadata says layers {start}:{end} of {total}, but the file holds {n_layer} layers")
+        return ShardInfo(path, arch, adapter.adapter_id, digest, total, start, end, n_embd, True)
+    digest = source_sha256 or sha256_file(path)
+    return ShardInfo(path, arch, adapter.adapter_id, digest, n_layer, 0, n_layer, n_embd, False)
+
+
+def cut_shard(
+    model_path: str,
+    start: int,
+    end: int,
+    out_path: str,
+    *,
+    source_sha256: str | None = None,
+    progress: Progress | None = None,
+) -> ShardInfo:
+    """Write the shard of layers [start, end) of ``model_path`` to ``out_path``."""
+    src = read_gguf(model_path)
+    arch, adapter, n_layer, n_embd = _model_shape(src)
+    if K_SOURCE_SHA256 in src.kv:
+        raise ShardCutError(f"{model_path} is itself a shard (layers {src.get(K_START)}:{src.get(K_END)}); cut from the whole model")
+    if not 0 <= start < end <= n_layer:
+        raise LayerRangeError(f"layers {start}:{end} are outside the model, which has layers 0:{n_layer}")
+    digest = source_sha256 or sha256_file(model_path, progress)
+    role = role_of(start, end, n_layer)
+    head, tail = start == 0, end == n_layer
+
+    kv: list[bytes] = []
+    for key in src.kv_order:
+        entry = src.kv[key]
+        if key == adapter.key("block_count"):
+            kv.append(encode_kv(key, entry.type, end - start))
+        elif key.startswith("meshnet."):
+            continue
+        elif not (head or tail) and (key.startswith("tokenizer.") or key == adapter.key("vocab_size")):
+            continue  # a middle shard has no vocabulary
+        elif (
+            key.startswith(arch + ".")
+            and entry.type is ValueType.ARRAY
+            and entry.array_type is not ValueType.STRING
+            and len(entry.value) == n_layer
+        ):
+            # Per-layer hyperparameters (head counts, FFN widths) follow their layers.
+            kv.append(encode_kv(key, entry.type, entry.value[start:end], entry.array_type))
+        else:
+            kv.append(src.raw_entry(key))
+    if not (head or tail):
+        kv.append(encode_kv("tokenizer.ggml.model", ValueType.STRING, "none"))
+        kv.append(encode_kv(adapter.key("vocab_size"), ValueType.UINT32, 1))
+    kv += [
+        encode_kv(K_FORMAT, ValueType.UINT32, SHARD_FORMAT_VERSION),
+        encode_kv(K_SOURCE_SHA256, ValueType.STRING, digest),
+        encode_kv(K_SOURCE_LAYERS, ValueType.UINT32, n_layer),
+        encode_kv(K_SOURCE_SIZE, ValueType.UINT64, src.file_size),
+        encode_kv(K_SOURCE_NAME, ValueType.STRING, os.path.basename(model_path)),
+        encode_kv(K_START, ValueType.UINT32, start),
+        encode_kv(K_END, ValueType.UINT32, end),
+        encode_kv(K_ROLE, ValueType.STRING, role),
+        encode_kv(K_ADAPTER, ValueType.STRING, adapter.adapter_id),
+    ]
+
+    tensors: list[OutTensor] = []
+    for t in src.tensors:
+        block = adapter.block_of(t.name)
+        source_offset = src.data_offset + t.offset
+        if block is not None:
+            idx, rest = block
+            if start <= idx < end:
+                tensors.append(OutTensor(f"blk.{idx - start}.{rest}", t.dims, t.ggml_type, t.nbytes, source_offset))
+        elif t.name == adapter.token_embd and not (head or tail):
+            dummy = struct.pack(f"<{n_embd}f", *([0.0] * n_embd))
+            tensors.append(OutTensor(t.name, (n_embd, 1), GGML_TYPE_F32, len(dummy), data=dummy))
+        elif t.name == adapter.output and not tail:
+            continue
+        else:
+            tensors.append(OutTensor(t.name, t.dims, t.ggml_type, t.nbytes, source_offset))
+    if not any(adapter.block_of(t.name) for t in tensors):
+        raise ShardCutError(f"{model_path}: no block tensors found for layers {start}:{end}")
+    for needed in (adapter.token_embd, adapter.output_norm):
+        if not any(t.name == needed for t in tensors):
+            raise ShardCutError(f"{model_path}: the model has no {needed!r} tensor")
+
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    write_gguf(
+        out_path,
+        kv,
+        tensors,
+        source_path=model_path,
+        alignment=src.alignment,
+        progress=(lambda d, t: progress("writing", d, t)) if progress else None,
+    )
+    return ShardInfo(out_path, arch, adapter.adapter_id, digest, n_layer, start, end, n_embd, True)

@@ -1,0 +1,433 @@
+"""A small, strict GGUF reader and a streaming GGUF writer.
+
+Why our own and not gguf-py: we need the raw byte span of every metadata entry
+(so a shard copies the source's metadata verbatim, bit for bit, except the few
+keys it must change), hard bounds on every count and length (a truncated or
+hostile file must give a typed error, never a huge allocation), and a writer
+that copies tensor bytes from the source file in fixed-size chunks (no
+whole-model copy in memory). The format is documented in ggml's docs/gguf.md.
+
+Only GGUF v2 and v3 little-endian files are read; v1 is long obsolete.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from ..errors import MeshnetError
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+GGML_MAX_DIMS = 4
+
+# Bounds. Generous for real models, small enough that a corrupt count fails fast.
+MAX_KV = 1 << 16
+MAX_TENSORS = 1 << 20
+MAX_STRING = 1 << 24  # chat templates are ~10 KB; 16 MiB is far beyond any real key
+MAX_ARRAY = 1 << 26
+
+
+class GGUFFormatError(MeshnetError):
+    """The file is not a well-formed GGUF file (bad magic, truncated, corrupt)."""
+
+
+class ValueType(IntEnum):
+    UINT8 = 0
+    INT8 = 1
+    UINT16 = 2
+    INT16 = 3
+    UINT32 = 4
+    INT32 = 5
+    FLOAT32 = 6
+    BOOL = 7
+    STRING = 8
+    ARRAY = 9
+    UINT64 = 10
+    INT64 = 11
+    FLOAT64 = 12
+
+
+_SCALAR_FMT = {
+    ValueType.UINT8: "<B",
+    ValueType.INT8: "<b",
+    ValueType.UINT16: "<H",
+    ValueType.INT16: "<h",
+    ValueType.UINT32: "<I",
+    ValueType.INT32: "<i",
+    ValueType.FLOAT32: "<f",
+    ValueType.BOOL: "<?",
+    ValueType.UINT64: "<Q",
+    ValueType.INT64: "<q",
+    ValueType.FLOAT64: "<d",
+}
+
+# ggml tensor types: id -> (name, elements per block, bytes per block).
+GGML_TYPES: Mapping[int, tuple[str, int, int]] = {
+    0: ("F32", 1, 4),
+    1: ("F16", 1, 2),
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    9: ("Q8_1", 32, 40),
+    10: ("Q2_K", 256, 84),
+    11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144),
+    13: ("Q5_K", 256, 176),
+    14: ("Q6_K", 256, 210),
+    15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66),
+    17: ("IQ2_XS", 256, 74),
+    18: ("IQ3_XXS", 256, 98),
+    19: ("IQ1_S", 256, 50),
+    20: ("IQ4_NL", 32, 18),
+    21: ("IQ3_S", 256, 110),
+    22: ("IQ2_S", 256, 82),
+    23: ("IQ4_XS", 256, 136),
+    24: ("I8", 1, 1),
+    25: ("I16", 1, 2),
+    26: ("I32", 1, 4),
+    27: ("I64", 1, 8),
+    28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, 56),
+    30: ("BF16", 1, 2),
+    34: ("TQ1_0", 256, 54),
+    35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17),
+}
+GGML_TYPE_F32 = 0
+
+
+def tensor_nbytes(ggml_type: int, dims: Sequence[int]) -> int:
+    """Bytes of a tensor's data; dims are GGUF order (ne0 first)."""
+    try:
+        _name, block, size = GGML_TYPES[ggml_type]
+    except KeyError:
+        raise GGUFFormatError(f"unsupported ggml tensor type id {ggml_type}") from None
+    n = 1
+    for d in dims:
+        n *= d
+    if not dims or dims[0] % block:
+        raise GGUFFormatError(f"tensor row of {dims[0] if dims else 0} elements is not a whole number of {block}-element blocks")
+    return n // block * size
+
+
+@dataclass(frozen=True)
+class KVEntry:
+    key: str
+    type: ValueType
+    span: tuple[int, int]  # byte range of the whole entry (key, type, value) in the file
+    value: Any  # decoded; arrays of numbers are tuples, arrays of strings tuples of str
+    array_type: ValueType | None = None
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dims: tuple[int, ...]  # GGUF order: ne0 (row length) first
+    ggml_type: int
+    offset: int  # relative to the data section
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    path: str
+    version: int
+    kv: Mapping[str, KVEntry]
+    kv_order: tuple[str, ...]
+    tensors: tuple[TensorInfo, ...]
+    alignment: int
+    data_offset: int
+    file_size: int
+
+    def get(self, key: str, default: Any = None) -> Any:
+        entry = self.kv.get(key)
+        return default if entry is None else entry.value
+
+    def tensor(self, name: str) -> TensorInfo | None:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        return None
+
+    def raw_entry(self, key: str) -> bytes:
+        start, end = self.kv[key].span
+        with open(self.path, "rb") as f:
+            f.seek(start)
+            return f.read(end - start)
+
+
+class _Short(Exception):
+    """The parse ran past the bytes read so far (maybe only past the window)."""
+
+
+class _Cursor:
+    """Bounds-checked reads over a bytes-like buffer."""
+
+    def __init__(self, buf: memoryview, what: str) -> None:
+        self.buf = buf
+        self.pos = 0
+        self.what = what
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise _Short(f"{self.what}: truncated (needed {n} bytes at offset {self.pos}, have {len(self.buf)})")
+        out = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def unpack(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        return struct.unpack(fmt, self.take(size))[0]
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        if n > MAX_STRING:
+            raise GGUFFormatError(f"{self.what}: string length {n} at offset {self.pos} exceeds the {MAX_STRING}-byte bound")
+        raw = self.take(n)
+        try:
+            return bytes(raw).decode("utf-8")
+        except UnicodeDecodeError:
+            raise GGUFFormatError(f"{self.what}: string at offset {self.pos - n} is not UTF-8") from None
+
+    def value(self, vtype: int) -> tuple[Any, ValueType | None]:
+        try:
+            t = ValueType(vtype)
+        except ValueError:
+            raise GGUFFormatError(f"{self.what}: unknown metadata value type {vtype}") from None
+        if t is ValueType.STRING:
+            return self.string(), None
+        if t is ValueType.ARRAY:
+            sub = self.unpack("<I")
+            count = self.unpack("<Q")
+            if count > MAX_ARRAY:
+                raise GGUFFormatError(f"{self.what}: array of {count} elements exceeds the bound")
+            try:
+                st = ValueType(sub)
+            except ValueError:
+                raise GGUFFormatError(f"{self.what}: unknown array element type {sub}") from None
+            if st is ValueType.ARRAY:
+                raise GGUFFormatError(f"{self.what}: nested arrays are not supported")
+            if st is ValueType.STRING:
+                return tuple(self.string() for _ in range(count)), st
+            fmt = _SCALAR_FMT[st]
+            size = struct.calcsize(fmt)
+            raw = self.take(size * count)
+            return tuple(struct.unpack(f"<{count}{fmt[1]}", raw)), st
+        return self.unpack(_SCALAR_FMT[t]), None
+
+
+def read_gguf(path: str | os.PathLike[str], *, buf: bytes | None = None) -> GGUFFile:
+    """Parse a GGUF file's header, metadata and tensor table, with every bound checked.
+
+    Tensor data is not read, only checked to lie inside the file. ``buf`` lets
+    tests and fuzzers parse bytes directly.
+    """
+    path = os.fspath(path)
+    what = os.path.basename(path) or "gguf"
+    if buf is not None:
+        try:
+            return _parse(memoryview(buf), len(buf), path, what)
+        except _Short as e:
+            raise GGUFFormatError(str(e)) from None
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            # The header has no length field: parse a window and grow it while
+            # the parse runs off its end. Real headers are a few MB (vocabularies).
+            window = min(size, 8 << 20)
+            while True:
+                f.seek(0)
+                data = f.read(window)
+                try:
+                    return _parse(memoryview(data), size, path, what)
+                except _Short as e:
+                    if window >= size:
+                        raise GGUFFormatError(str(e)) from None
+                    window = min(size, window * 4)
+    except OSError as e:
+        raise GGUFFormatError(f"{path}: cannot read: {e.strerror or e}") from None
+
+
+def _parse(data: memoryview, size: int, path: str, what: str) -> GGUFFile:
+    cur = _Cursor(data, what)
+    if len(data) < 4 or bytes(data[:4]) != GGUF_MAGIC:
+        raise GGUFFormatError(f"{what}: not a GGUF file (bad magic)")
+    cur.take(4)
+    version = cur.unpack("<I")
+    if version not in (2, 3):
+        raise GGUFFormatError(f"{what}: unsupported GGUF version {version} (need 2 or 3)")
+    n_tensors = cur.unpack("<Q")
+    n_kv = cur.unpack("<Q")
+    if n_tensors > MAX_TENSORS or n_kv > MAX_KV:
+        raise GGUFFormatError(f"{what}: implausible counts ({n_tensors} tensors, {n_kv} metadata keys)")
+    kv: dict[str, KVEntry] = {}
+    order: list[str] = []
+    for _ in range(n_kv):
+        start = cur.pos
+        key = cur.string()
+        vtype = cur.unpack("<I")
+        value, sub = cur.value(vtype)
+        if key in kv:
+            raise GGUFFormatError(f"{what}: duplicate metadata key {key!r}")
+        kv[key] = KVEntry(key, ValueType(vtype), (start, cur.pos), value, sub)
+        order.append(key)
+    tensors: list[TensorInfo] = []
+    names: set[str] = set()
+    for _ in range(n_tensors):
+        name = cur.string()
+        n_dims = cur.unpack("<I")
+        if not 1 <= n_dims <= GGML_MAX_DIMS:
+            raise GGUFFormatError(f"{what}: tensor {name!r} has {n_dims} dimensions")
+        dims = tuple(cur.unpack("<Q") for _ in range(n_dims))
+        if any(d <= 0 or d > (1 << 40) for d in dims):
+            raise GGUFFormatError(f"{what}: tensor {name!r} has bad dimensions {dims}")
+        gtype = cur.unpack("<I")
+        offset = cur.unpack("<Q")
+        if name in names:
+            raise GGUFFormatError(f"{what}: duplicate tensor {name!r}")
+        names.add(name)
+        tensors.append(TensorInfo(name, dims, gtype, offset, tensor_nbytes(gtype, dims)))
+    alignment = DEFAULT_ALIGNMENT
+    if "general.alignment" in kv:
+        alignment = kv["general.alignment"].value
+        if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
+            raise GGUFFormatError(f"{what}: general.alignment {alignment!r} is not a power of two")
+    data_offset = _align(cur.pos, alignment)
+    for t in tensors:
+        if t.offset % alignment:
+            raise GGUFFormatError(f"{what}: tensor {t.name!r} data is not aligned")
+        if data_offset + t.offset + t.nbytes > size:
+            raise GGUFFormatError(
+                f"{what}: truncated: tensor {t.name!r} needs bytes up to {data_offset + t.offset + t.nbytes}, file has {size}"
+            )
+    return GGUFFile(path, version, kv, tuple(order), tuple(tensors), alignment, data_offset, size)
+
+
+def _align(n: int, alignment: int) -> int:
+    return (n + alignment - 1) // alignment * alignment
+
+
+# --- writing -----------------------------------------------------------------
+
+
+def encode_string(s: str) -> bytes:
+    raw = s.encode("utf-8")
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def encode_kv(key: str, vtype: ValueType, value: Any, array_type: ValueType | None = None) -> bytes:
+    out = [encode_string(key), struct.pack("<I", int(vtype))]
+    out.append(_encode_value(vtype, value, array_type))
+    return b"".join(out)
+
+
+def _encode_value(vtype: ValueType, value: Any, array_type: ValueType | None) -> bytes:
+    if vtype is ValueType.STRING:
+        return encode_string(value)
+    if vtype is ValueType.ARRAY:
+        if array_type is None:
+            raise ValueError("array entries need an element type")
+        items = list(value)
+        head = struct.pack("<IQ", int(array_type), len(items))
+        if array_type is ValueType.STRING:
+            return head + b"".join(encode_string(s) for s in items)
+        return head + struct.pack(f"<{len(items)}{_SCALAR_FMT[array_type][1]}", *items)
+    return struct.pack(_SCALAR_FMT[vtype], value)
+
+
+@dataclass(frozen=True)
+class OutTensor:
+    """A tensor of the file being written: bytes come from ``source_offset`` of the
+    source file, or from ``data`` when the tensor is synthesised (a dummy)."""
+
+    name: str
+    dims: tuple[int, ...]
+    ggml_type: int
+    nbytes: int
+    source_offset: int | None = None
+    data: bytes | None = None
+
+
+CHUNK = 4 << 20
+
+
+def write_gguf(
+    out_path: str,
+    kv_entries: Iterable[bytes],
+    tensors: Sequence[OutTensor],
+    *,
+    source_path: str | None,
+    alignment: int = DEFAULT_ALIGNMENT,
+    progress: Callable[[int, int], None] | None = None,
+) -> None:
+    """Write a GGUF v3 file. ``kv_entries`` are already-encoded entries (raw copies
+    or :func:`encode_kv` output). Tensor bytes are streamed in 4 MiB chunks.
+
+    The file is written under a temporary name and renamed into place, so a crash
+    never leaves a truncated shard where a valid one is expected.
+    """
+    kv_list = list(kv_entries)
+    header = bytearray(GGUF_MAGIC + struct.pack("<IQQ", 3, len(tensors), len(kv_list)))
+    for entry in kv_list:
+        header += entry
+    offset = 0
+    offsets = []
+    for t in tensors:
+        offsets.append(offset)
+        header += encode_string(t.name) + struct.pack("<I", len(t.dims))
+        header += struct.pack(f"<{len(t.dims)}Q", *t.dims) + struct.pack("<IQ", t.ggml_type, offset)
+        offset = _align(offset + t.nbytes, alignment)
+    total = offset
+    header += b"\0" * (_align(len(header), alignment) - len(header))
+    tmp = out_path + ".partial"
+    done = 0
+    try:
+        with open(tmp, "wb") as out, (open(source_path, "rb") if source_path else _NullFile()) as src:
+            out.write(header)
+            for t, off in zip(tensors, offsets):
+                if t.data is not None:
+                    out.write(t.data)
+                    done += len(t.data)
+                else:
+                    src.seek(t.source_offset)
+                    left = t.nbytes
+                    while left:
+                        chunk = src.read(min(CHUNK, left))
+                        if not chunk:
+                            raise GGUFFormatError(f"source ended while copying {t.name!r}")
+                        out.write(chunk)
+                        left -= len(chunk)
+                        done += len(chunk)
+                        if progress:
+                            progress(done, total)
+                pad = _align(off + t.nbytes, alignment) - (off + t.nbytes)
+                out.write(b"\0" * pad)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, out_path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if progress:
+        progress(total, total)
+
+
+class _NullFile:
+    def __enter__(self) -> "_NullFile":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def seek(self, _n: int) -> None:
+        raise GGUFFormatError("no source file to copy tensor data from")

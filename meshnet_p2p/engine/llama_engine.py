@@ -1,0 +1,419 @@
+"""LlamaCppShardEngine: the ShardEngine contract on llama.cpp's low-level API.
+
+One llama.cpp context serves every session of the shard; each session is a
+sequence id with its own KV stream (``kv_unified = False``), so one session's
+cache never changes another's attention numerics, and interleaved sessions
+give exactly what they give run one after another.
+
+How a non-tail shard hands over hidden states: every row of a micro-batch is
+flagged as an output, and the native eval callback copies the tensor
+``l_out-{n_layer-1}`` (the residual stream after the shard's last layer) and
+stops the graph there, so the final norm and lm_head are never computed. The
+tail computes logits for the last row only and samples; logits never leave it.
+
+Bit-exactness rests on three rules, checked by the tests: the seam is float32
+(by default), every shard and the reference use the same micro-batch size, and
+a step is split into micro-batches at the same boundaries everywhere (we call
+llama_decode once per ``n_ubatch`` rows, from the step's first position).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+import llama_cpp
+import numpy as np
+
+from ..errors import MeshnetError
+from .adapters import UnsupportedArchitecture
+from .contract import (
+    HIDDEN,
+    OK,
+    DecodeRequest,
+    EngineCapabilities,
+    HealthResult,
+    LoadRequest,
+    LoadResult,
+    MetricsResult,
+    OpenRequest,
+    PrefillRequest,
+    SamplingParams,
+    ShardEngine,
+    Status,
+    StatusCode,
+    StepResult,
+    Tensor,
+    TensorBundle,
+    TokenOutput,
+)
+from .cut import ShardInfo, inspect_gguf
+from .llama_native import ensure_backend, hooks
+from .recipe import Recipe, model_digest
+from .sampling import sample
+from .seam import decode_seam, encode_seam, seam_itemsize
+from .sessions import Session, SessionTable
+
+_FLASH_ATTN_DISABLED = 0
+_GGML_TYPE_F16 = 1
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m
+
+
+class LlamaCppShardEngine(ShardEngine):
+    def __init__(self) -> None:
+        self._step_lock = threading.Lock()  # held for every llama.cpp call on the context
+        self._table_lock = threading.Lock()  # held briefly for session bookkeeping
+        self._model = None
+        self._ctx = None
+        self._caps: EngineCapabilities | None = None
+        self._info: ShardInfo | None = None
+        self._table: SessionTable | None = None
+        self._running: str | None = None  # session whose step is in llama_decode now
+        self._state = "not-loaded"
+        self._detail = ""
+        self._m = dict(steps=0, tokens_processed=0, tokens_sampled=0, refused=0, cancelled=0, failed_steps=0)
+        self.keep_logits = False  # tests: keep the tail's last logits per session
+        self.last_logits: dict[str, np.ndarray] = {}
+
+    # --- lifecycle -------------------------------------------------------------
+
+    def load(self, request: LoadRequest) -> LoadResult:
+        if self._model is not None:
+            return LoadResult(Status(StatusCode.INVALID_ARGUMENT, "engine is already loaded"), self._caps)
+        try:
+            info = inspect_gguf(request.path, source_sha256=request.source_sha256)
+        except (MeshnetError, UnsupportedArchitecture) as e:
+            self._state, self._detail = "failed", str(e)
+            return LoadResult(Status(StatusCode.LOAD_FAILED, str(e)))
+        except OSError as e:
+            self._state, self._detail = "failed", str(e)
+            return LoadResult(Status(StatusCode.LOAD_FAILED, f"{request.path}: {e}"))
+        ensure_backend()
+        native = hooks()
+        mparams = llama_cpp.llama_model_default_params()
+        mparams.n_gpu_layers = 0
+        mparams.use_extra_bufts = False  # AMX repacking crashes on these CPUs (see FACTS)
+        model = llama_cpp.llama_model_load_from_file(request.path.encode(), mparams)
+        if not model:
+            self._state = "failed"
+            return LoadResult(Status(StatusCode.LOAD_FAILED, f"llama.cpp could not load {request.path}"))
+        n_embd = llama_cpp.llama_model_n_embd(model)
+        vocab = llama_cpp.llama_model_get_vocab(model)
+        n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
+        is_tail = info.is_tail
+        n_ctx_seq = _round_up(request.n_ctx_per_session, 256)  # llama.cpp pads per-sequence contexts to 256
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = n_ctx_seq * request.max_sessions
+        cparams.n_batch = request.n_ubatch
+        cparams.n_ubatch = request.n_ubatch
+        cparams.n_seq_max = request.max_sessions
+        cparams.kv_unified = False
+        # A tail emits one row of logits per step; llama.cpp wants room for one per sequence.
+        outputs = request.max_sessions if is_tail else max(request.n_ubatch, request.max_sessions)
+        cparams.n_outputs_max = outputs
+        cparams.n_outputs_max_per_seq = outputs
+        threads = request.n_threads or os.cpu_count() or 1
+        cparams.n_threads = threads
+        cparams.n_threads_batch = threads
+        cparams.flash_attn_type = _FLASH_ATTN_DISABLED
+        cparams.type_k = _GGML_TYPE_F16
+        cparams.type_v = _GGML_TYPE_F16
+        cparams.no_perf = True
+        self._capture = native.new_state()
+        self._capture.stop_after = 1
+        state_ptr = ctypes.cast(ctypes.pointer(self._capture), ctypes.c_void_p)
+        if not is_tail:
+            cparams.cb_eval = native.eval_cb
+            cparams.cb_eval_user_data = state_ptr
+        cparams.abort_callback = native.abort_cb
+        cparams.abort_callback_data = state_ptr
+        ctx = llama_cpp.llama_init_from_model(model, cparams)
+        if not ctx:
+            llama_cpp.llama_model_free(model)
+            self._state = "failed"
+            return LoadResult(Status(StatusCode.LOAD_FAILED, "llama.cpp could not create a context"))
+        if not is_tail:
+            self._capture.target = f"l_out-{info.n_layers - 1}".encode()
+        self._model, self._ctx, self._vocab, self._info = model, ctx, vocab, info
+        self._mem = llama_cpp.llama_get_memory(ctx)
+        self._n_embd, self._n_vocab = n_embd, (n_vocab if (info.is_head or is_tail) else 0)
+        self._seam = request.seam_dtype
+        self._n_ubatch = request.n_ubatch
+        self._batch_tokens = llama_cpp.llama_batch_init(request.n_ubatch, 0, 1) if info.is_head else None
+        self._batch_embd = None if info.is_head else llama_cpp.llama_batch_init(request.n_ubatch, n_embd, 1)
+        self._native = native  # keep the callbacks alive as long as the context
+        recipe = Recipe(
+            seam_dtype=request.seam_dtype,
+            n_ubatch=request.n_ubatch,
+            kv_dtype="f16",
+            flash_attn=False,
+            adapter_id=info.adapter_id,
+            backend="llama.cpp-cpu",
+            runtime_version=f"llama-cpp-python {llama_cpp.__version__}",
+        )
+        budget = request.kv_token_budget or request.max_sessions * request.n_ctx_per_session
+        self._table = SessionTable(request.max_sessions, budget, request.n_ctx_per_session)
+        self._caps = EngineCapabilities(
+            architecture=info.architecture,
+            start=info.start,
+            end=info.end,
+            source_layers=info.source_layers,
+            n_embd=n_embd,
+            n_vocab=self._n_vocab,
+            role=info.role,
+            max_sessions=request.max_sessions,
+            kv_token_budget=budget,
+            n_ctx_per_session=request.n_ctx_per_session,
+            model_digest=model_digest(info.source_sha256, info.architecture, info.source_layers),
+            recipe_digest=recipe.digest(),
+            recipe=recipe.axes(),
+        )
+        self._state = "serving"
+        return LoadResult(OK, self._caps)
+
+    def capabilities(self) -> EngineCapabilities | None:
+        return self._caps
+
+    def close(self) -> None:
+        with self._step_lock:
+            if self._ctx is not None:
+                llama_cpp.llama_free(self._ctx)
+                self._ctx = None
+            for b in (getattr(self, "_batch_tokens", None), getattr(self, "_batch_embd", None)):
+                if b is not None:
+                    llama_cpp.llama_batch_free(b)
+            self._batch_tokens = self._batch_embd = None
+            if self._model is not None:
+                llama_cpp.llama_model_free(self._model)
+                self._model = None
+            self._state = "closed"
+
+    def __del__(self) -> None:  # a safety net; callers should close()
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # --- sessions --------------------------------------------------------------
+
+    def open_session(self, request: OpenRequest) -> Status:
+        if self._table is None:
+            return Status(StatusCode.NOT_LOADED, "engine is not loaded")
+        with self._table_lock:
+            status, _ = self._table.admit(request.session_id, request.max_tokens, request.sampling)
+            if not status.ok:
+                self._m["refused"] += 1
+            return status
+
+    def rollback(self, session_id: str, position: int) -> Status:
+        if self._table is None:
+            return Status(StatusCode.NOT_LOADED, "engine is not loaded")
+        with self._step_lock:
+            with self._table_lock:
+                status, s = self._table.lookup(session_id)
+                if not status.ok:
+                    return status
+                if not 0 <= position <= s.position:
+                    return Status(
+                        StatusCode.POSITION_MISMATCH,
+                        f"cannot roll back to {position}: session {session_id!r} is at {s.position}",
+                    )
+            llama_cpp.llama_memory_seq_rm(self._mem, s.seq_id, position, -1)
+            s.position = position
+            self.last_logits.pop(session_id, None)
+            return OK
+
+    def cancel(self, session_id: str, *, keep_session: bool = False) -> Status:
+        if self._table is None:
+            return Status(StatusCode.NOT_LOADED, "engine is not loaded")
+        with self._table_lock:
+            s = self._table.sessions.get(session_id)
+            if s is None:
+                return Status(StatusCode.UNKNOWN_SESSION, f"no open session {session_id!r}")
+            if s.cancelled:
+                return OK
+            if self._running == session_id:
+                self._capture.abort = 1
+            if not keep_session:
+                s.cancelled = True
+            self._m["cancelled"] += 1
+        if not keep_session:
+            with self._step_lock:  # waits for the aborted step to unwind
+                llama_cpp.llama_memory_seq_rm(self._mem, s.seq_id, -1, -1)
+                s.position = 0
+        return OK
+
+    def release(self, session_id: str) -> Status:
+        if self._table is None:
+            return Status(StatusCode.NOT_LOADED, "engine is not loaded")
+        with self._table_lock:
+            s = self._table.sessions.get(session_id)
+            if s is not None and self._running == session_id:
+                self._capture.abort = 1
+        if s is None:
+            return OK
+        with self._step_lock:
+            with self._table_lock:
+                if self._table.sessions.get(session_id) is not s:
+                    return OK
+                llama_cpp.llama_memory_seq_rm(self._mem, s.seq_id, -1, -1)
+                self._table.release(session_id)
+                self.last_logits.pop(session_id, None)
+        return OK
+
+    # --- steps -----------------------------------------------------------------
+
+    def prefill(self, request: PrefillRequest) -> StepResult:
+        return self._step(request.session_id, request.position, request.token_ids, request.hidden)
+
+    def decode(self, request: DecodeRequest) -> StepResult:
+        tokens = None if request.token_id is None else (request.token_id,)
+        return self._step(request.session_id, request.position, tokens, request.hidden)
+
+    def _step(
+        self, session_id: str, position: int, tokens: tuple[int, ...] | None, hidden: TensorBundle | None
+    ) -> StepResult:
+        if self._table is None or self._ctx is None:
+            return StepResult(Status(StatusCode.NOT_LOADED, "engine is not loaded"))
+        info = self._info
+        rows, err = self._check_input(tokens, hidden)
+        if err is not None:
+            return self._failed(err)
+        with self._step_lock:
+            with self._table_lock:
+                status, s = self._table.lookup(session_id)
+                if status.ok:
+                    status = self._table.check_step(s, position, len(rows))
+                if not status.ok:
+                    return self._failed(status)
+                self._running = session_id
+                self._capture.abort = 0
+            try:
+                out = self._forward(s, rows, tokens is not None)
+            except Exception as e:  # a bug or native failure must not take the peer down
+                out = Status(StatusCode.INTERNAL, f"step failed: {type(e).__name__}: {e}")
+            finally:
+                with self._table_lock:
+                    self._running = None
+                    aborted = self._capture.abort
+                    self._capture.abort = 0
+            if isinstance(out, Status):
+                # Undo whatever part of the step reached the cache.
+                llama_cpp.llama_memory_seq_rm(self._mem, s.seq_id, s.position, -1)
+                if aborted and out.code is StatusCode.INTERNAL:
+                    out = Status(StatusCode.CANCELLED, "step was cancelled")
+                return self._failed(out)
+            s.position += len(rows)
+            self._m["steps"] += 1
+            self._m["tokens_processed"] += len(rows)
+            if info.is_tail:
+                token = self._sample(s, out)
+                return StepResult(OK, s.position, token=token)
+            bundle = TensorBundle((Tensor(HIDDEN, self._seam, (len(rows), self._n_embd), encode_seam(out, self._seam)),))
+            return StepResult(OK, s.position, hidden=bundle)
+
+    def _failed(self, status: Status) -> StepResult:
+        self._m["failed_steps"] += 1
+        return StepResult(status)
+
+    def _check_input(self, tokens: tuple[int, ...] | None, hidden: TensorBundle | None) -> tuple[object, Status | None]:
+        info = self._info
+        if info.is_head:
+            if tokens is None:
+                return None, Status(StatusCode.WRONG_INPUT, "this is a head shard: it takes token ids, not hidden states")
+            bad = [t for t in tokens if not 0 <= t < self._n_vocab]
+            if bad:
+                return None, Status(StatusCode.INVALID_ARGUMENT, f"token id {bad[0]} is outside the vocabulary of {self._n_vocab}")
+            return tokens, None
+        if hidden is None:
+            return None, Status(StatusCode.WRONG_INPUT, f"this shard starts at layer {info.start}: it takes hidden states, not token ids")
+        t = hidden.get(HIDDEN)
+        if t is None:
+            return None, Status(StatusCode.BAD_TENSOR, f"bundle has no {HIDDEN!r} tensor")
+        if t.dtype != self._seam:
+            return None, Status(StatusCode.BAD_TENSOR, f"hidden state dtype is {t.dtype!r}; this shard's seam is {self._seam!r}")
+        if len(t.shape) != 2 or t.shape[1] != self._n_embd:
+            return None, Status(StatusCode.BAD_TENSOR, f"hidden state shape {t.shape} is not (n_tokens, {self._n_embd})")
+        if len(t.data) != t.shape[0] * t.shape[1] * seam_itemsize(t.dtype):
+            return None, Status(StatusCode.BAD_TENSOR, f"hidden state has {len(t.data)} bytes, shape {t.shape} needs {t.shape[0] * t.shape[1] * seam_itemsize(t.dtype)}")
+        rows = decode_seam(t.data, t.dtype, t.shape)
+        if not np.isfinite(rows).all():
+            return None, Status(StatusCode.BAD_TENSOR, "hidden state holds NaN or infinite values")
+        return rows, None
+
+    def _forward(self, s: Session, rows, is_tokens: bool) -> np.ndarray | Status:
+        """Run ``rows`` (token ids or an (n, n_embd) float32 array) through the shard.
+
+        Returns the (n, n_embd) hidden states for a non-tail shard, the last
+        row's logits for a tail, or a Status on failure.
+        """
+        n = len(rows)
+        tail = self._info.is_tail
+        hidden = None if tail else np.empty((n, self._n_embd), dtype=np.float32)
+        batch = self._batch_tokens if is_tokens else self._batch_embd
+        for start in range(0, n, self._n_ubatch):
+            m = min(self._n_ubatch, n - start)
+            batch.n_tokens = m
+            if is_tokens:
+                for i in range(m):
+                    batch.token[i] = rows[start + i]
+            else:
+                chunk = np.ascontiguousarray(rows[start : start + m], dtype=np.float32)
+                ctypes.memmove(batch.embd, chunk.ctypes.data, chunk.nbytes)
+            last_chunk = start + m == n
+            for i in range(m):
+                batch.pos[i] = s.position + start + i
+                batch.n_seq_id[i] = 1
+                batch.seq_id[i][0] = s.seq_id
+                batch.logits[i] = 1 if not tail else int(last_chunk and i == m - 1)
+            if not tail:
+                self._capture.buf = hidden[start:].ctypes.data
+                self._capture.cap = m * self._n_embd * 4
+                self._capture.len = 0
+                self._capture.captures = 0
+                self._capture.overflow = 0
+            rc = llama_cpp.llama_decode(self._ctx, batch)
+            if rc == 2 or self._capture.abort:
+                return Status(StatusCode.CANCELLED, "step was cancelled")
+            if rc != 0:
+                return Status(StatusCode.INTERNAL, f"llama_decode failed with code {rc}")
+            if not tail and (self._capture.captures != 1 or self._capture.len != m * self._n_embd * 4):
+                return Status(StatusCode.INTERNAL, "hidden-state capture did not see the shard's last layer")
+        if tail:
+            ptr = llama_cpp.llama_get_logits_ith(self._ctx, -1)
+            return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).copy()
+        return hidden
+
+    def _sample(self, s: Session, logits: np.ndarray) -> TokenOutput:
+        if self.keep_logits:
+            self.last_logits[s.session_id] = logits
+        token = sample(logits, s.sampling, s.position)
+        self._m["tokens_sampled"] += 1
+        return TokenOutput(token, bool(llama_cpp.llama_vocab_is_eog(self._vocab, token)))
+
+    # --- observability -----------------------------------------------------------
+
+    def health(self) -> HealthResult:
+        active = len(self._table.sessions) if self._table else 0
+        return HealthResult(self._state == "serving", self._state, active, self._detail)
+
+    def metrics(self) -> MetricsResult:
+        t = self._table
+        with self._table_lock:
+            return MetricsResult(
+                active_sessions=len(t.sessions) if t else 0,
+                kv_tokens_reserved=t.reserved if t else 0,
+                kv_tokens_used=t.used if t else 0,
+                **self._m,
+            )
+
+    def session_position(self, session_id: str) -> int | None:
+        s = self._table.sessions.get(session_id) if self._table else None
+        return None if s is None else s.position
+
+
+__all__ = ["LlamaCppShardEngine", "SamplingParams"]

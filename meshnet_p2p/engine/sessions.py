@@ -1,0 +1,101 @@
+"""Session admission and bookkeeping for one engine, as pure data (no llama.cpp).
+
+Each session owns one llama.cpp sequence id and reserves, when admitted, the KV
+positions it may use (prompt plus generation). Admission reserves up front and
+refuses at once when a session slot or the KV budget is not free: a session
+never fails half-way for lack of cache, and nothing queues silently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .contract import OK, SamplingParams, Status, StatusCode
+
+
+@dataclass
+class Session:
+    session_id: str
+    seq_id: int
+    reserved: int
+    sampling: SamplingParams
+    position: int = 0  # next position expected; everything before is in the cache
+    cancelled: bool = False
+
+
+@dataclass
+class SessionTable:
+    max_sessions: int
+    kv_token_budget: int
+    n_ctx_per_session: int
+    sessions: dict[str, Session] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._free_seq = list(range(self.max_sessions - 1, -1, -1))
+
+    @property
+    def reserved(self) -> int:
+        return sum(s.reserved for s in self.sessions.values())
+
+    @property
+    def used(self) -> int:
+        return sum(s.position for s in self.sessions.values())
+
+    def admit(self, session_id: str, max_tokens: int, sampling: SamplingParams) -> tuple[Status, Session | None]:
+        if session_id in self.sessions:
+            return Status(StatusCode.SESSION_EXISTS, f"session {session_id!r} is already open"), None
+        if max_tokens > self.n_ctx_per_session:
+            return (
+                Status(
+                    StatusCode.CAPACITY_EXHAUSTED,
+                    f"session asks for {max_tokens} tokens; this shard holds at most {self.n_ctx_per_session} per session",
+                ),
+                None,
+            )
+        if not self._free_seq:
+            return (
+                Status(StatusCode.CAPACITY_EXHAUSTED, f"all {self.max_sessions} session slots are in use", retryable=True),
+                None,
+            )
+        free = self.kv_token_budget - self.reserved
+        if max_tokens > free:
+            return (
+                Status(
+                    StatusCode.CAPACITY_EXHAUSTED,
+                    f"session asks for {max_tokens} KV tokens; {free} of {self.kv_token_budget} are free",
+                    retryable=True,
+                ),
+                None,
+            )
+        session = Session(session_id, self._free_seq.pop(), max_tokens, sampling)
+        self.sessions[session_id] = session
+        return OK, session
+
+    def lookup(self, session_id: str) -> tuple[Status, Session | None]:
+        session = self.sessions.get(session_id)
+        if session is None:
+            return Status(StatusCode.UNKNOWN_SESSION, f"no open session {session_id!r} (never opened, or released)"), None
+        if session.cancelled:
+            return Status(StatusCode.CANCELLED, f"session {session_id!r} was cancelled; release it"), None
+        return OK, session
+
+    def check_step(self, session: Session, position: int, n_tokens: int) -> Status:
+        if position != session.position:
+            kind = "gap" if position > session.position else "overlap"
+            return Status(
+                StatusCode.POSITION_MISMATCH,
+                f"step starts at position {position}, but session {session.session_id!r} is at {session.position} ({kind}); "
+                "roll back first to replay",
+            )
+        if position + n_tokens > session.reserved:
+            return Status(
+                StatusCode.CONTEXT_EXHAUSTED,
+                f"step would reach position {position + n_tokens}; the session reserved {session.reserved} tokens",
+            )
+        return OK
+
+    def release(self, session_id: str) -> Session | None:
+        session = self.sessions.pop(session_id, None)
+        if session is not None:
+            self._free_seq.append(session.seq_id)
+        return session

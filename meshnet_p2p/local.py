@@ -1,0 +1,186 @@
+"""A whole route in one process: a chain of shard engines covering every layer.
+
+This is what ``meshnet-peer generate --local`` runs, and the in-process
+baseline that the networked route must match token for token. The chain
+drives each engine through the same ShardEngine calls a network hop makes.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from .engine.contract import (
+    DecodeRequest,
+    EngineError,
+    LoadRequest,
+    OpenRequest,
+    PrefillRequest,
+    SamplingParams,
+    ShardEngine,
+    StepResult,
+)
+from .engine.cut import LayerRangeError, inspect_gguf
+from .engine.llama_engine import LlamaCppShardEngine
+from .errors import MeshnetError
+from .models import ensure_shard
+
+PREFILL_STEP_UBATCHES = 4  # a prefill step carries at most this many micro-batches
+
+
+class RouteError(MeshnetError):
+    pass
+
+
+def parse_split(text: str, n_layer: int) -> list[tuple[int, int]]:
+    """``"10,20"`` with 30 layers -> [(0, 10), (10, 20), (20, 30)]. Empty -> one whole range."""
+    cuts: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if not part.isdigit():
+            raise LayerRangeError(f"split {text!r}: {part!r} is not a layer number")
+        cuts.append(int(part))
+    bounds = [0, *cuts, n_layer]
+    if any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise LayerRangeError(f"split {text!r} must be strictly increasing layer numbers between 1 and {n_layer - 1}")
+    return list(zip(bounds, bounds[1:]))
+
+
+@dataclass
+class Generation:
+    prompt_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+    ttft_ms: float = 0.0  # prompt in, first token out
+    decode_ms: float = 0.0  # every later token
+    stopped: str = "length"  # "length" or "eog"
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = len(self.token_ids) - 1
+        return n / (self.decode_ms / 1000) if n > 0 and self.decode_ms > 0 else 0.0
+
+
+class LocalRoute:
+    def __init__(self, engines: Sequence[ShardEngine]) -> None:
+        caps = [e.capabilities() for e in engines]
+        if not caps or any(c is None for c in caps):
+            raise RouteError("every engine of a route must be loaded")
+        expect = 0
+        for c in caps:
+            if c.start != expect:
+                raise RouteError(f"route has a gap or overlap at layer {expect} (next shard starts at {c.start})")
+            if (c.model_digest, c.recipe_digest) != (caps[0].model_digest, caps[0].recipe_digest):
+                raise RouteError("shards of one route disagree on the model or the recipe")
+            expect = c.end
+        if expect != caps[0].source_layers:
+            raise RouteError(f"route stops at layer {expect} of {caps[0].source_layers}")
+        self.engines = list(engines)
+        self.caps = caps
+        self.n_ubatch = int(caps[0].recipe["n_ubatch"])
+
+    @classmethod
+    def from_model(
+        cls,
+        model_path: str,
+        ranges: Sequence[tuple[int, int]],
+        *,
+        source_sha256: str,
+        n_ubatch: int = 64,
+        seam_dtype: str = "f32",
+        max_sessions: int = 4,
+        n_ctx_per_session: int = 2048,
+        n_threads: int | None = None,
+        progress: Callable[[str, int, int], None] | None = None,
+    ) -> "LocalRoute":
+        engines: list[LlamaCppShardEngine] = []
+        try:
+            for start, end in ranges:
+                whole = (start, end) == (0, ranges[-1][1]) and len(ranges) == 1
+                path = model_path if whole else ensure_shard(model_path, start, end, source_sha256, progress)
+                engine = LlamaCppShardEngine()
+                result = engine.load(
+                    LoadRequest(
+                        path,
+                        max_sessions=max_sessions,
+                        n_ctx_per_session=n_ctx_per_session,
+                        n_threads=n_threads,
+                        seam_dtype=seam_dtype,
+                        n_ubatch=n_ubatch,
+                        source_sha256=source_sha256 if whole else None,
+                    )
+                )
+                engines.append(engine)
+                result.status.raise_for_status()
+            return cls(engines)
+        except BaseException:
+            for e in engines:
+                e.close()
+            raise
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.close()
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int,
+        sampling: SamplingParams = SamplingParams(),
+        *,
+        stop_at_eog: bool = True,
+        on_token: Callable[[int], None] | None = None,
+        session_id: str | None = None,
+    ) -> Generation:
+        """Generate up to ``max_tokens`` tokens after ``prompt`` (stopping early at an
+        end-of-generation token, which is not included)."""
+        if not prompt:
+            raise RouteError("the prompt is empty")
+        if max_tokens < 1:
+            raise RouteError("max_tokens must be at least 1")
+        sid = session_id or uuid.uuid4().hex
+        need = len(prompt) + max_tokens
+        opened: list[ShardEngine] = []
+        try:
+            for e in self.engines:
+                e.open_session(OpenRequest(sid, need, sampling)).raise_for_status()
+                opened.append(e)
+            gen = Generation(prompt_tokens=len(prompt))
+            t0 = time.perf_counter()
+            step = self.n_ubatch * PREFILL_STEP_UBATCHES
+            for start in range(0, len(prompt), step):
+                chunk = tuple(prompt[start : start + step])
+                result = self._through(lambda e, h: PrefillRequest(sid, start, token_ids=chunk if h is None else None, hidden=h))
+            token = result.token
+            t1 = time.perf_counter()
+            gen.ttft_ms = (t1 - t0) * 1000
+            position = len(prompt)
+            while True:
+                if token.is_eog and stop_at_eog:
+                    gen.stopped = "eog"
+                    break
+                gen.token_ids.append(token.token_id)
+                if on_token:
+                    on_token(token.token_id)
+                if len(gen.token_ids) >= max_tokens:
+                    break
+                tid = token.token_id
+                result = self._through(lambda e, h: DecodeRequest(sid, position, token_id=tid if h is None else None, hidden=h))
+                token = result.token
+                position += 1
+            gen.decode_ms = (time.perf_counter() - t1) * 1000
+            return gen
+        finally:
+            for e in opened:
+                e.release(sid)
+
+    def _through(self, make: Callable) -> StepResult:
+        hidden = None
+        result = None
+        for engine in self.engines:
+            request = make(engine, hidden)
+            result = engine.prefill(request) if isinstance(request, PrefillRequest) else engine.decode(request)
+            if not result.status.ok:
+                raise EngineError(result.status)
+            hidden = result.hidden
+        return result
