@@ -20,6 +20,7 @@ llama_decode once per ``n_ubatch`` rows, from the step's first position).
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import threading
 
@@ -143,8 +144,10 @@ class LlamaCppShardEngine(ShardEngine):
         self._n_embd, self._n_vocab = n_embd, (n_vocab if (info.is_head or is_tail) else 0)
         self._seam = request.seam_dtype
         self._n_ubatch = request.n_ubatch
-        self._batch_tokens = llama_cpp.llama_batch_init(request.n_ubatch, 0, 1) if info.is_head else None
-        self._batch_embd = None if info.is_head else llama_cpp.llama_batch_init(request.n_ubatch, n_embd, 1)
+        self._batch = _BatchViews(request.n_ubatch, n_embd, embd_input=not info.is_head)
+        self._eog: dict[int, bool] = {}
+        self._logits_addr = 0
+        self._logits_view: np.ndarray | None = None
         self._native = native  # keep the callbacks alive as long as the context
         recipe = Recipe(
             seam_dtype=request.seam_dtype,
@@ -183,10 +186,9 @@ class LlamaCppShardEngine(ShardEngine):
             if self._ctx is not None:
                 llama_cpp.llama_free(self._ctx)
                 self._ctx = None
-            for b in (getattr(self, "_batch_tokens", None), getattr(self, "_batch_embd", None)):
-                if b is not None:
-                    llama_cpp.llama_batch_free(b)
-            self._batch_tokens = self._batch_embd = None
+            if getattr(self, "_batch", None) is not None:
+                self._batch.free()
+                self._batch = None
             if self._model is not None:
                 llama_cpp.llama_model_free(self._model)
                 self._model = None
@@ -341,59 +343,74 @@ class LlamaCppShardEngine(ShardEngine):
         if len(t.data) != t.shape[0] * t.shape[1] * seam_itemsize(t.dtype):
             return None, Status(StatusCode.BAD_TENSOR, f"hidden state has {len(t.data)} bytes, shape {t.shape} needs {t.shape[0] * t.shape[1] * seam_itemsize(t.dtype)}")
         rows = decode_seam(t.data, t.dtype, t.shape)
-        if not np.isfinite(rows).all():
+        # One reduction instead of an elementwise isfinite: any NaN or inf (or a
+        # sum so large it overflows, which is garbage anyway) makes the sum non-finite.
+        if not math.isfinite(float(np.add.reduce(rows, axis=None))):
             return None, Status(StatusCode.BAD_TENSOR, "hidden state holds NaN or infinite values")
         return rows, None
 
     def _forward(self, s: Session, rows, is_tokens: bool) -> np.ndarray | Status:
         """Run ``rows`` (token ids or an (n, n_embd) float32 array) through the shard.
 
-        Returns the (n, n_embd) hidden states for a non-tail shard, the last
-        row's logits for a tail, or a Status on failure.
+        Returns the (n, n_embd) hidden states for a non-tail shard, a view of the
+        last row's logits for a tail, or a Status on failure. This is the hot
+        path of every token: numpy views over the batch buffers, no per-row ctypes.
         """
         n = len(rows)
         tail = self._info.is_tail
+        b = self._batch
+        cap = self._capture
         hidden = None if tail else np.empty((n, self._n_embd), dtype=np.float32)
-        batch = self._batch_tokens if is_tokens else self._batch_embd
+        row_bytes = self._n_embd * 4
         for start in range(0, n, self._n_ubatch):
             m = min(self._n_ubatch, n - start)
-            batch.n_tokens = m
+            b.batch.n_tokens = m
             if is_tokens:
-                for i in range(m):
-                    batch.token[i] = rows[start + i]
+                b.token[:m] = rows[start : start + m]
             else:
-                chunk = np.ascontiguousarray(rows[start : start + m], dtype=np.float32)
-                ctypes.memmove(batch.embd, chunk.ctypes.data, chunk.nbytes)
-            last_chunk = start + m == n
-            for i in range(m):
-                batch.pos[i] = s.position + start + i
-                batch.n_seq_id[i] = 1
-                batch.seq_id[i][0] = s.seq_id
-                batch.logits[i] = 1 if not tail else int(last_chunk and i == m - 1)
-            if not tail:
-                self._capture.buf = hidden[start:].ctypes.data
-                self._capture.cap = m * self._n_embd * 4
-                self._capture.len = 0
-                self._capture.captures = 0
-                self._capture.overflow = 0
-            rc = llama_cpp.llama_decode(self._ctx, batch)
-            if rc == 2 or self._capture.abort:
+                b.embd[:m] = rows[start : start + m]
+            np.add(b.steps[:m], s.position + start, out=b.pos[:m])
+            b.seq[:m] = s.seq_id
+            if tail:
+                b.logits[:m] = 0
+                if start + m == n:
+                    b.logits[m - 1] = 1
+            else:
+                b.logits[:m] = 1
+                cap.buf = b.capture_addr  # a fixed buffer: its address is computed once
+                cap.cap = m * row_bytes
+                cap.len = 0
+                cap.captures = 0
+            rc = llama_cpp.llama_decode(self._ctx, b.batch)
+            if rc == 2 or cap.abort:
                 return Status(StatusCode.CANCELLED, "step was cancelled")
             if rc != 0:
                 return Status(StatusCode.INTERNAL, f"llama_decode failed with code {rc}")
-            if not tail and (self._capture.captures != 1 or self._capture.len != m * self._n_embd * 4):
-                return Status(StatusCode.INTERNAL, "hidden-state capture did not see the shard's last layer")
+            if not tail:
+                if cap.captures != 1 or cap.len != m * row_bytes:
+                    return Status(StatusCode.INTERNAL, "hidden-state capture did not see the shard's last layer")
+                hidden[start : start + m] = b.capture[:m]
         if tail:
-            ptr = llama_cpp.llama_get_logits_ith(self._ctx, -1)
-            return np.ctypeslib.as_array(ptr, shape=(self._n_vocab,)).copy()
+            return self._last_logits()
         return hidden
+
+    def _last_logits(self) -> np.ndarray:
+        # A view over llama.cpp's logits row, rebuilt only if the buffer moves.
+        addr = ctypes.cast(llama_cpp.llama_get_logits_ith(self._ctx, -1), ctypes.c_void_p).value
+        if addr != self._logits_addr:
+            self._logits_view = np.frombuffer((ctypes.c_float * self._n_vocab).from_address(addr), dtype=np.float32)
+            self._logits_addr = addr
+        return self._logits_view
 
     def _sample(self, s: Session, logits: np.ndarray) -> TokenOutput:
         if self.keep_logits:
-            self.last_logits[s.session_id] = logits
+            self.last_logits[s.session_id] = logits.copy()
         token = sample(logits, s.sampling, s.position)
         self._m["tokens_sampled"] += 1
-        return TokenOutput(token, bool(llama_cpp.llama_vocab_is_eog(self._vocab, token)))
+        eog = self._eog.get(token)
+        if eog is None:
+            eog = self._eog[token] = bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
+        return TokenOutput(token, eog)
 
     # --- observability -----------------------------------------------------------
 
@@ -414,6 +431,47 @@ class LlamaCppShardEngine(ShardEngine):
     def session_position(self, session_id: str) -> int | None:
         s = self._table.sessions.get(session_id) if self._table else None
         return None if s is None else s.position
+
+
+class _BatchViews:
+    """A llama_batch whose arrays are numpy arrays we own.
+
+    Every row of a step belongs to one sequence (one session per step), so each
+    row's seq-id list is one slot of a single contiguous array; per-token work
+    is then a few numpy slice assignments instead of per-row ctypes calls. The
+    struct is built by hand (not llama_batch_init) so llama.cpp never frees it.
+    """
+
+    def __init__(self, n: int, n_embd: int, *, embd_input: bool) -> None:
+        self.token = None if embd_input else np.zeros(n, dtype=np.int32)
+        self.embd = np.zeros((n, n_embd), dtype=np.float32) if embd_input else None
+        self.pos = np.zeros(n, dtype=np.int32)
+        self.n_seq_id = np.ones(n, dtype=np.int32)
+        self.seq = np.zeros(n, dtype=np.int32)
+        self.logits = np.zeros(n, dtype=np.int8)
+        self.steps = np.arange(n, dtype=np.int32)
+        self.capture = np.zeros((n, n_embd), dtype=np.float32)
+        self.capture_addr = self.capture.__array_interface__["data"][0]
+        seq_base = self.seq.__array_interface__["data"][0]
+        self._seq_ptrs = np.array([seq_base + 4 * i for i in range(n)], dtype=np.uintp)
+        b = llama_cpp.llama_batch()
+        b.n_tokens = 0
+        if self.token is not None:
+            b.token = _ptr(self.token, llama_cpp.llama_token)
+        if self.embd is not None:
+            b.embd = _ptr(self.embd, ctypes.c_float)
+        b.pos = _ptr(self.pos, llama_cpp.llama_pos)
+        b.n_seq_id = _ptr(self.n_seq_id, ctypes.c_int32)
+        b.seq_id = _ptr(self._seq_ptrs, ctypes.POINTER(llama_cpp.llama_seq_id))
+        b.logits = _ptr(self.logits, ctypes.c_int8)
+        self.batch = b
+
+    def free(self) -> None:
+        self.batch = None  # the arrays are numpy's; nothing native to free
+
+
+def _ptr(array: np.ndarray, ctype) -> ctypes._Pointer:
+    return ctypes.cast(array.__array_interface__["data"][0], ctypes.POINTER(ctype))
 
 
 __all__ = ["LlamaCppShardEngine", "SamplingParams"]

@@ -1,0 +1,50 @@
+import pytest
+
+from meshnet_p2p.engine.contract import LoadRequest
+from meshnet_p2p.engine.cut import cut_shard, sha256_file
+from meshnet_p2p.engine.llama_engine import LlamaCppShardEngine
+from meshnet_p2p.models import default_model_path
+
+N_UBATCH = 32  # small, so ordinary test prompts span several micro-batches
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def model_digest(model_path: str) -> str:
+    return sha256_file(model_path)
+
+
+@pytest.fixture(scope="session")
+def shard_dir(tmp_path_factory, model_path: str, model_digest: str):
+    """Shards of the embedded model, cut once per test session."""
+    d = tmp_path_factory.mktemp("shards")
+    paths = {}
+    for start, end in [(0, 10), (10, 20), (20, 30), (0, 15), (15, 30)]:
+        paths[(start, end)] = str(d / f"{start}-{end}.gguf")
+        cut_shard(model_path, start, end, paths[(start, end)], source_sha256=model_digest)
+    return paths
+
+
+@pytest.fixture
+def load_engine(model_digest):
+    """Load engines that are closed when the test ends."""
+    engines = []
+
+    def load(path: str, **kw) -> LlamaCppShardEngine:
+        kw.setdefault("n_ubatch", N_UBATCH)
+        kw.setdefault("n_threads", 2)
+        kw.setdefault("max_sessions", 4)
+        kw.setdefault("n_ctx_per_session", 512)
+        e = LlamaCppShardEngine()
+        result = e.load(LoadRequest(path, **kw))
+        engines.append(e)
+        result.status.raise_for_status()
+        return e
+
+    yield load
+    for e in engines:
+        e.close()

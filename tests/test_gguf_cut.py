@@ -1,0 +1,206 @@
+"""GGUF parsing (strict, bounded, fuzzed) and cutting shards."""
+
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from meshnet_p2p.engine.adapters import UnsupportedArchitecture
+from meshnet_p2p.engine.contract import LoadRequest, StatusCode
+from meshnet_p2p.engine.cut import (
+    LayerRangeError,
+    ShardCutError,
+    cut_shard,
+    inspect_gguf,
+    parse_layer_range,
+)
+from meshnet_p2p.engine.gguf import GGUFFormatError, OutTensor, ValueType, encode_kv, read_gguf, write_gguf
+from meshnet_p2p.engine.llama_engine import LlamaCppShardEngine
+
+
+def tiny_gguf(path, arch="llama", n_layer=2, n_embd=32, extra_kv=()):
+    kv = [
+        encode_kv("general.architecture", ValueType.STRING, arch),
+        encode_kv(f"{arch}.block_count", ValueType.UINT32, n_layer),
+        encode_kv(f"{arch}.embedding_length", ValueType.UINT32, n_embd),
+        encode_kv(f"{arch}.feed_forward_length", ValueType.ARRAY, list(range(100, 100 + n_layer)), ValueType.UINT32),
+        *extra_kv,
+    ]
+    row = struct.pack(f"<{n_embd}f", *range(n_embd))
+    tensors = [OutTensor("token_embd.weight", (n_embd, 1), 0, len(row), data=row)]
+    tensors.append(OutTensor("output_norm.weight", (n_embd,), 0, len(row), data=row))
+    for i in range(n_layer):
+        tensors.append(OutTensor(f"blk.{i}.attn_norm.weight", (n_embd,), 0, len(row), data=row))
+    write_gguf(str(path), kv, tensors, source_path=None)
+    return str(path)
+
+
+def test_writer_and_reader_round_trip(tmp_path):
+    path = tiny_gguf(tmp_path / "m.gguf", n_layer=3)
+    f = read_gguf(path)
+    assert f.get("general.architecture") == "llama"
+    assert f.get("llama.feed_forward_length") == (100, 101, 102)
+    assert [t.name for t in f.tensors][-1] == "blk.2.attn_norm.weight"
+    assert f.file_size == os.path.getsize(path)
+
+
+def test_real_model_metadata_is_copied_byte_for_byte(shard_dir, model_path):
+    src, head = read_gguf(model_path), read_gguf(shard_dir[(0, 10)])
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "llama.rope.freq_base"):
+        assert head.raw_entry(key) == src.raw_entry(key)
+    assert head.get("llama.block_count") == 10
+
+
+@pytest.mark.parametrize("data", [b"", b"GGU", b"NOPE" + b"\0" * 100, b"GGUF" + struct.pack("<I", 7) + b"\0" * 16])
+def test_not_a_gguf_is_a_typed_error(tmp_path, data):
+    p = tmp_path / "x.gguf"
+    p.write_bytes(data)
+    with pytest.raises(GGUFFormatError):
+        read_gguf(p)
+
+
+def test_truncated_model_is_refused_everywhere(tmp_path, model_path):
+    truncated = tmp_path / "truncated.gguf"
+    with open(model_path, "rb") as src, open(truncated, "wb") as out:
+        out.write(src.read(os.path.getsize(model_path) // 2))
+    with pytest.raises(GGUFFormatError, match="truncated"):
+        read_gguf(truncated)
+    with pytest.raises(GGUFFormatError):
+        cut_shard(str(truncated), 0, 10, str(tmp_path / "out.gguf"))
+    engine = LlamaCppShardEngine()
+    result = engine.load(LoadRequest(str(truncated)))
+    assert result.status.code is StatusCode.LOAD_FAILED and "truncated" in result.status.message
+    assert not engine.health().serving
+    header_only = tmp_path / "header.gguf"
+    with open(model_path, "rb") as src, open(header_only, "wb") as out:
+        out.write(src.read(1000))
+    with pytest.raises(GGUFFormatError, match="truncated"):
+        read_gguf(header_only)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.binary(max_size=512))
+def test_fuzz_random_bytes_only_raise_format_errors(data):
+    try:
+        read_gguf("fuzz", buf=b"GGUF" + data)
+    except GGUFFormatError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def small_header(tmp_path_factory):
+    path = tiny_gguf(tmp_path_factory.mktemp("fuzz") / "m.gguf")
+    return open(path, "rb").read()
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_fuzz_mutated_headers_only_raise_format_errors(small_header, data):
+    buf = bytearray(small_header)
+    for _ in range(data.draw(st.integers(1, 8))):
+        i = data.draw(st.integers(0, len(buf) - 1))
+        buf[i] = data.draw(st.integers(0, 255))
+    cut = data.draw(st.integers(0, len(buf)))
+    try:
+        read_gguf("fuzz", buf=bytes(buf[:cut]))
+    except GGUFFormatError:
+        pass
+
+
+def test_shards_are_bound_to_their_source(shard_dir, model_digest):
+    roles = {}
+    for (start, end), path in shard_dir.items():
+        info = inspect_gguf(path)
+        assert (info.start, info.end, info.source_layers) == (start, end, 30)
+        assert info.source_sha256 == model_digest
+        roles[(start, end)] = info.role
+        f = read_gguf(path)
+        assert f.get("meshnet.source.sha256") == model_digest
+        assert f.get("llama.block_count") == end - start
+        blocks = {t.name.split(".")[1] for t in f.tensors if t.name.startswith("blk.")}
+        assert blocks == {str(i) for i in range(end - start)}
+    assert roles[(0, 10)] == "head" and roles[(10, 20)] == "middle" and roles[(20, 30)] == "tail"
+
+
+def test_middle_shard_is_slim_and_has_no_vocabulary(shard_dir):
+    middle = read_gguf(shard_dir[(10, 20)])
+    assert middle.get("tokenizer.ggml.model") == "none"
+    assert "tokenizer.ggml.tokens" not in middle.kv
+    assert middle.tensor("token_embd.weight").dims == (576, 1)
+    head = read_gguf(shard_dir[(0, 10)])
+    assert head.tensor("token_embd.weight").dims == (576, 49152)
+    assert os.path.getsize(shard_dir[(10, 20)]) < os.path.getsize(shard_dir[(0, 10)]) / 2
+
+
+def test_per_layer_metadata_arrays_follow_their_layers(tmp_path):
+    src = tiny_gguf(tmp_path / "m.gguf", n_layer=4)
+    cut_shard(src, 1, 3, str(tmp_path / "s.gguf"))
+    assert read_gguf(tmp_path / "s.gguf").get("llama.feed_forward_length") == (101, 102)
+
+
+@pytest.mark.parametrize("start,end", [(0, 31), (25, 40), (30, 31)])
+def test_range_outside_the_model_is_refused(tmp_path, model_path, model_digest, start, end):
+    with pytest.raises(LayerRangeError, match="outside the model"):
+        cut_shard(model_path, start, end, str(tmp_path / "x.gguf"), source_sha256=model_digest)
+    assert not (tmp_path / "x.gguf").exists()
+
+
+@pytest.mark.parametrize("text", ["10", "a:b", "5:5", "9:3", "1:2:3", ""])
+def test_bad_range_text_is_refused(text):
+    with pytest.raises(LayerRangeError):
+        parse_layer_range(text)
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "granite", "bert"])
+def test_unsupported_architecture_is_refused_by_name(tmp_path, arch):
+    src = tiny_gguf(tmp_path / "m.gguf", arch=arch)
+    with pytest.raises(UnsupportedArchitecture, match=repr(arch)):
+        cut_shard(src, 0, 1, str(tmp_path / "s.gguf"))
+    engine = LlamaCppShardEngine()
+    result = engine.load(LoadRequest(src))
+    assert result.status.code is StatusCode.LOAD_FAILED and arch in result.status.message
+
+
+def test_gemma3_refusal_says_why(tmp_path):
+    src = tiny_gguf(tmp_path / "m.gguf", arch="gemma3")
+    with pytest.raises(UnsupportedArchitecture, match="sliding-window"):
+        cut_shard(src, 0, 1, str(tmp_path / "s.gguf"))
+
+
+def test_a_shard_is_not_cut_again(shard_dir, tmp_path):
+    with pytest.raises(ShardCutError, match="itself a shard"):
+        cut_shard(shard_dir[(0, 10)], 0, 5, str(tmp_path / "x.gguf"))
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "meshnet_p2p", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_shard_cut_and_info(tmp_path, model_path):
+    out = tmp_path / "tail.gguf"
+    r = run_cli("shard", "cut", "--model", model_path, "--layers", "20:30", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["layers"] == [20, 30] and doc["role"] == "tail"
+    r = run_cli("shard", "info", str(out))
+    assert json.loads(r.stdout)["source_sha256"] == doc["source_sha256"]
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["shard", "cut", "--layers", "0:99", "--out", "x.gguf"], "outside the model"),
+        (["shard", "cut", "--layers", "banana", "--out", "x.gguf"], "A:B"),
+        (["shard", "cut", "--model", "/nonexistent.gguf", "--layers", "0:1", "--out", "x.gguf"], "no model file"),
+        (["shard", "info", "/etc/hostname"], "not a GGUF"),
+    ],
+)
+def test_cli_errors_are_one_clear_line(tmp_path, args, needle):
+    r = subprocess.run([sys.executable, "-m", "meshnet_p2p", *args], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert r.returncode == 2
+    assert needle in r.stderr and "Traceback" not in r.stderr
