@@ -52,6 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     info = shard_sub.add_parser("info", help="print a model's or shard's identity as JSON")
     info.add_argument("path")
 
+    ident = sub.add_parser("identity", help="create or show this peer's Ed25519 identity")
+    ident_sub = ident.add_subparsers(dest="identity_command", required=True)
+    for name, text in (("new", "create a new identity key file (0600)"), ("show", "print the peer ID of a key file")):
+        cmd = ident_sub.add_parser(name, help=text)
+        cmd.add_argument("--identity", help="key file (default: $XDG_CONFIG_HOME/meshnet-p2p/identity.key)")
+        if name == "new":
+            cmd.add_argument("--force", action="store_true", help="replace an existing key file")
+
     gen = sub.add_parser("generate", help="generate text through a route of shards")
     gen.add_argument("--local", action="store_true", help="run the whole route in this process (no network)")
     gen.add_argument("--model", help="GGUF model (default: the embedded SmolLM2-135M-Instruct)")
@@ -78,6 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _shard(args)
         if args.command == "generate":
             return _generate(args)
+        if args.command == "identity":
+            return _identity(args)
     except MeshnetError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
@@ -129,6 +139,19 @@ def _info_doc(info) -> dict:
         "source_sha256": info.source_sha256,
         "model_digest": model_digest(info.source_sha256, info.architecture, info.source_layers),
     }
+
+
+def _identity(args: argparse.Namespace) -> int:
+    from .identity import Identity, default_identity_path
+
+    path = args.identity or default_identity_path()
+    if args.identity_command == "new":
+        ident = Identity.generate()
+        ident.save(path, overwrite=args.force)
+    else:
+        ident = Identity.load(path)
+    print(json.dumps({"peer_id": str(ident.peer_id), "path": os.path.abspath(path)}))
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:

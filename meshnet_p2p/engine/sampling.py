@@ -29,7 +29,12 @@ def sample(logits: np.ndarray, params: SamplingParams, position: int) -> int:
     x = logits.astype(np.float64) / params.temperature
     n = x.shape[0]
     if 0 < params.top_k < n:
-        candidates = np.argpartition(-x, params.top_k - 1)[: params.top_k]
+        # The k largest, ties at the boundary going to the lowest token ids, so the
+        # candidate set never depends on the partition algorithm's whims.
+        kth = np.partition(x, n - params.top_k)[n - params.top_k]
+        above = np.flatnonzero(x > kth)
+        tied = np.flatnonzero(x == kth)[: params.top_k - len(above)]
+        candidates = np.concatenate([above, tied])
     else:
         candidates = np.arange(n)
     # Highest logit first; ties broken by token id so the order is total.

@@ -1,0 +1,162 @@
+"""Identities, peer IDs, key files and multiaddrs."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from meshnet_p2p.identity import (
+    Identity,
+    IdentityError,
+    KeyFileError,
+    PeerId,
+    b58decode,
+    b58encode,
+    encode_public_key,
+)
+from meshnet_p2p.multiaddr import Multiaddr, MultiaddrError
+
+VECTORS = json.loads((pathlib.Path(__file__).parent.parent / "identity" / "vectors.json").read_text())
+
+
+@pytest.mark.parametrize("v", VECTORS["ed25519"])
+def test_conformance_vectors(v):
+    ident = Identity.from_protobuf(bytes.fromhex(v["private_key_protobuf_hex"]))
+    assert encode_public_key(ident.public_key_bytes).hex() == v["public_key_protobuf_hex"]
+    assert str(ident.peer_id) == v["peer_id"]
+    assert PeerId.from_string(v["peer_id"]) == ident.peer_id
+    assert ident.to_protobuf().hex() == v["private_key_protobuf_hex"]
+
+
+@pytest.mark.parametrize("v", VECTORS["invalid_peer_ids"], ids=lambda v: v["why"])
+def test_invalid_peer_ids_are_refused(v):
+    with pytest.raises(IdentityError):
+        PeerId.from_string(v["text"])
+
+
+def test_signatures_verify_against_the_peer_id_alone():
+    a, b = Identity.generate(), Identity.generate()
+    sig = a.sign(b"hello")
+    pid = PeerId.from_string(str(a.peer_id))
+    assert pid.verify(sig, b"hello")
+    assert not pid.verify(sig, b"hellO")
+    assert not b.peer_id.verify(sig, b"hello")
+    assert not pid.verify(b"\0" * 64, b"hello")
+    assert str(a.peer_id).startswith("12D3KooW") and len(str(a.peer_id)) == 52
+
+
+@given(st.binary(max_size=60))
+def test_base58_round_trips(data):
+    assert b58decode(b58encode(data)) == data
+
+
+@given(st.text(max_size=80))
+def test_fuzz_peer_id_parser_only_raises_identity_errors(text):
+    try:
+        PeerId.from_string(text)
+    except IdentityError:
+        pass
+
+
+def test_mismatched_private_key_encoding_is_refused():
+    good = Identity.generate().to_protobuf()
+    other = Identity.generate().public_key_bytes
+    with pytest.raises(IdentityError, match="does not match"):
+        Identity.from_protobuf(good[:36] + other)
+
+
+def test_key_files_are_0600_and_unsafe_ones_refused(tmp_path):
+    path = str(tmp_path / "sub" / "id.key")
+    ident = Identity.generate()
+    ident.save(path)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert Identity.load(path).peer_id == ident.peer_id
+    with pytest.raises(KeyFileError, match="already exists"):
+        Identity.generate().save(path)
+    os.chmod(path, 0o644)
+    with pytest.raises(KeyFileError, match="readable by others"):
+        Identity.load(path)
+    os.chmod(path, 0o600)
+    with open(path, "ab") as f:
+        f.write(b"junk")
+    with pytest.raises(KeyFileError):
+        Identity.load(path)
+    with pytest.raises(KeyFileError, match="no identity"):
+        Identity.load(str(tmp_path / "missing.key"))
+
+
+PID = VECTORS["ed25519"][0]["peer_id"]
+
+
+@pytest.mark.parametrize(
+    "text,host,port,transport",
+    [
+        (f"/ip4/127.0.0.1/udp/4001/p2p/{PID}", "127.0.0.1", 4001, "udp"),
+        (f"/ip4/10.0.0.2/tcp/4001/p2p/{PID}", "10.0.0.2", 4001, "tcp"),
+        (f"/ip6/::1/udp/0/p2p/{PID}", "::1", 0, "udp"),
+        (f"/dns4/boot.example.org/tcp/443/p2p/{PID}", "boot.example.org", 443, "tcp"),
+        ("/ip4/127.0.0.1/tcp/9000", "127.0.0.1", 9000, "tcp"),
+    ],
+)
+def test_multiaddrs_parse_and_print_back(text, host, port, transport):
+    m = Multiaddr.parse(text)
+    assert (m.host, m.port, m.transport) == (host, port, transport)
+    assert str(m) == text
+    if "/p2p/" in text:
+        assert str(m.peer_id) == PID
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "ip4/127.0.0.1/udp/1",
+        "/ip4/300.0.0.1/udp/1",
+        "/ip4/127.0.0.1/udp/70000",
+        "/ip4/127.0.0.1/udp/",
+        "/ip4/127.0.0.1/udp/01",
+        "/ip4/127.0.0.1/quic/1",
+        "/dns4/bad_name!/tcp/1",
+        "/ip4/127.0.0.1/udp/1/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N",
+        "/ip4/127.0.0.1/udp/1/tcp/2",
+        "/",
+    ],
+)
+def test_bad_multiaddrs_are_refused(text):
+    with pytest.raises(MultiaddrError):
+        Multiaddr.parse(text)
+
+
+@given(st.text(alphabet="/abcdefgiptu0123456789.:-KDW", max_size=80))
+def test_fuzz_multiaddr_parser_only_raises_multiaddr_errors(text):
+    try:
+        Multiaddr.parse(text)
+    except MultiaddrError:
+        pass
+
+
+def run_cli(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "meshnet_p2p", *args], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_cli_identity_new_and_show(tmp_path):
+    path = str(tmp_path / "id.key")
+    r = run_cli("identity", "new", "--identity", path)
+    assert r.returncode == 0, r.stderr
+    new = json.loads(r.stdout)
+    assert new["peer_id"].startswith("12D3KooW")
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    r = run_cli("identity", "show", "--identity", path)
+    assert json.loads(r.stdout)["peer_id"] == new["peer_id"]
+    r = run_cli("identity", "new", "--identity", path)
+    assert r.returncode == 2 and "already exists" in r.stderr
+    os.chmod(path, 0o640)
+    r = run_cli("identity", "show", "--identity", path)
+    assert r.returncode == 2 and "chmod 600" in r.stderr and "Traceback" not in r.stderr
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+    r = run_cli("identity", "new", env=env)
+    assert r.returncode == 0 and (tmp_path / "cfg" / "meshnet-p2p" / "identity.key").exists()
