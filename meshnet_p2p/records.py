@@ -1,0 +1,190 @@
+"""Signed records: the one envelope for everything that crosses the network.
+
+Wire form (msgpack array)::
+
+    [payload_type, payload, seq, issued_at_ms, expires_at_ms, signer, signature]
+
+``payload`` is the canonical msgpack encoding of the record's content (maps
+with sorted keys, no extension types); ``signer`` is the signer's peer ID
+bytes, which carry its Ed25519 key; the signature covers a domain tag and the
+first six fields. A record is accepted only if every check passes; each
+rejection has a reason (:class:`Reject`), so a caller can count and log them.
+
+The verifier is pure: the clock, the known payload types and the replay state
+are data passed in, so every reason is tested without a network or a clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Mapping
+
+import msgpack
+
+from .errors import MeshnetError
+from .identity import Identity, IdentityError, PeerId
+
+DOMAIN = b"meshnet-record-v1\0"
+MAX_RECORD_BYTES = 16 * 1024  # a capability report is well under 2 KB
+MAX_CLOCK_SKEW_MS = 30_000
+MAX_LIFETIME_MS = 24 * 3600 * 1000
+
+
+class Reject(str, Enum):
+    OVERSIZED = "oversized"
+    MALFORMED = "malformed"
+    UNKNOWN_TYPE = "unknown-type"
+    BAD_SIGNATURE = "bad-signature"
+    SIGNER_MISMATCH = "signer-mismatch"
+    EXPIRED = "expired"
+    FROM_FUTURE = "from-future"
+    REPLAYED = "replayed"
+
+
+class RecordRejected(MeshnetError):
+    def __init__(self, reason: Reject, detail: str) -> None:
+        self.reason = reason
+        super().__init__(f"record rejected ({reason.value}): {detail}")
+
+
+@dataclass(frozen=True)
+class PayloadType:
+    """A kind of record: its name, size bound, and the payload field (if any)
+    that claims a peer identity, which must equal the signer."""
+
+    name: str
+    max_payload_bytes: int = 8 * 1024
+    claimed_peer_field: str | None = "peer_id"
+    replay_key_field: str | None = None  # records of one signer are ordered per this field's value
+
+
+@dataclass(frozen=True)
+class Record:
+    payload_type: str
+    content: Mapping[str, Any]
+    seq: int
+    issued_at_ms: int
+    expires_at_ms: int
+    signer: PeerId
+    signature: bytes
+    wire: bytes
+
+
+def canonical(obj: Any) -> bytes:
+    """Canonical msgpack: map keys sorted, binary as bin, no floats NaN games."""
+    return msgpack.packb(_sorted(obj), use_bin_type=True)
+
+
+def _sorted(obj: Any) -> Any:
+    if isinstance(obj, Mapping):
+        if not all(isinstance(k, str) for k in obj):
+            raise TypeError("record maps must have string keys")
+        return {k: _sorted(obj[k]) for k in sorted(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [_sorted(x) for x in obj]
+    return obj
+
+
+def _unpack(data: bytes) -> Any:
+    # unpackb bounds every string/array/map length by the input's size, and the
+    # input is size-checked first; extension types are refused outright.
+    return msgpack.unpackb(
+        data,
+        raw=False,
+        strict_map_key=True,
+        use_list=True,
+        max_ext_len=0,
+    )
+
+
+def sign_record(
+    identity: Identity,
+    payload_type: str,
+    content: Mapping[str, Any],
+    *,
+    seq: int,
+    now_ms: int,
+    ttl_ms: int,
+) -> bytes:
+    payload = canonical(content)
+    head = [payload_type, payload, seq, now_ms, now_ms + ttl_ms, identity.peer_id.multihash]
+    signature = identity.sign(DOMAIN + msgpack.packb(head, use_bin_type=True))
+    return msgpack.packb(head + [signature], use_bin_type=True)
+
+
+@dataclass
+class RecordVerifier:
+    """Verifies envelopes against known types, a clock, and the sequence numbers
+    seen so far (per signer, type and replay key)."""
+
+    types: Mapping[str, PayloadType]
+    max_clock_skew_ms: int = MAX_CLOCK_SKEW_MS
+    max_lifetime_ms: int = MAX_LIFETIME_MS
+    last_seq: dict[tuple[bytes, str, Any], int] = field(default_factory=dict)
+
+    def verify(self, wire: bytes, now_ms: int, *, remember: bool = True) -> Record:
+        if len(wire) > MAX_RECORD_BYTES:
+            raise RecordRejected(Reject.OVERSIZED, f"{len(wire)} bytes > {MAX_RECORD_BYTES}")
+        try:
+            fields = _unpack(wire)
+        except Exception as e:  # msgpack raises many types for bad input
+            raise RecordRejected(Reject.MALFORMED, f"not msgpack: {type(e).__name__}") from None
+        if not (isinstance(fields, list) and len(fields) == 7):
+            raise RecordRejected(Reject.MALFORMED, "envelope is not a 7-element array")
+        ptype, payload, seq, issued, expires, signer_bytes, signature = fields
+        if not (
+            isinstance(ptype, str)
+            and isinstance(payload, bytes)
+            and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**63 for x in (seq, issued, expires))
+            and isinstance(signer_bytes, bytes)
+            and isinstance(signature, bytes)
+            and len(signature) == 64
+        ):
+            raise RecordRejected(Reject.MALFORMED, "envelope fields have the wrong types")
+        kind = self.types.get(ptype)
+        if kind is None:
+            raise RecordRejected(Reject.UNKNOWN_TYPE, f"payload type {ptype[:64]!r} is not known here")
+        if len(payload) > kind.max_payload_bytes:
+            raise RecordRejected(Reject.OVERSIZED, f"{ptype} payload of {len(payload)} bytes > {kind.max_payload_bytes}")
+        try:
+            signer = PeerId.from_bytes(signer_bytes)
+        except IdentityError as e:
+            raise RecordRejected(Reject.MALFORMED, f"signer: {e}") from None
+        head = msgpack.packb(fields[:6], use_bin_type=True)
+        if not signer.verify(signature, DOMAIN + head):
+            raise RecordRejected(Reject.BAD_SIGNATURE, f"signature does not verify for {signer}")
+        try:
+            content = _unpack(payload)
+        except Exception as e:
+            raise RecordRejected(Reject.MALFORMED, f"payload is not msgpack: {type(e).__name__}") from None
+        if not isinstance(content, dict):
+            raise RecordRejected(Reject.MALFORMED, "payload is not a map")
+        try:
+            if canonical(content) != payload:
+                raise RecordRejected(Reject.MALFORMED, "payload is not canonically encoded")
+        except TypeError as e:
+            raise RecordRejected(Reject.MALFORMED, str(e)) from None
+        if kind.claimed_peer_field is not None:
+            claimed = content.get(kind.claimed_peer_field)
+            if claimed != str(signer):
+                raise RecordRejected(
+                    Reject.SIGNER_MISMATCH, f"record claims peer {str(claimed)[:60]!r} but is signed by {signer}"
+                )
+        if issued > now_ms + self.max_clock_skew_ms:
+            raise RecordRejected(Reject.FROM_FUTURE, f"issued {issued - now_ms} ms in the future")
+        if expires <= now_ms:
+            raise RecordRejected(Reject.EXPIRED, f"expired {now_ms - expires} ms ago")
+        if expires < issued or expires - issued > self.max_lifetime_ms:
+            raise RecordRejected(Reject.MALFORMED, "lifetime is negative or longer than allowed")
+        replay_key = (signer.multihash, ptype, content.get(kind.replay_key_field) if kind.replay_key_field else None)
+        try:
+            hash(replay_key)
+        except TypeError:
+            raise RecordRejected(Reject.MALFORMED, "replay key field is not a scalar") from None
+        last = self.last_seq.get(replay_key)
+        if last is not None and seq <= last:
+            raise RecordRejected(Reject.REPLAYED, f"sequence {seq} is not newer than {last} already seen")
+        if remember:
+            self.last_seq[replay_key] = seq
+        return Record(ptype, content, seq, issued, expires, signer, signature, wire)
