@@ -28,7 +28,6 @@ import llama_cpp
 import numpy as np
 
 from ..errors import MeshnetError
-from .adapters import UnsupportedArchitecture
 from .contract import (
     HIDDEN,
     OK,
@@ -87,7 +86,7 @@ class LlamaCppShardEngine(ShardEngine):
             return LoadResult(Status(StatusCode.INVALID_ARGUMENT, "engine is already loaded"), self._caps)
         try:
             info = inspect_gguf(request.path, source_sha256=request.source_sha256)
-        except (MeshnetError, UnsupportedArchitecture) as e:
+        except MeshnetError as e:  # bad file, unsupported architecture, bad shard metadata
             self._state, self._detail = "failed", str(e)
             return LoadResult(Status(StatusCode.LOAD_FAILED, str(e)))
         except OSError as e:
