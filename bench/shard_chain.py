@@ -59,7 +59,7 @@ def main() -> int:
     finally:
         whole.close()
         chain.close()
-    same = all(a.token_ids == b.token_ids for a, b in zip(runs["whole"], runs["chain"]))
+    same = all(a.token_ids == b.token_ids for a, b in zip(runs["whole"], runs["chain"], strict=True))
 
     def med(name, attr):
         return statistics.median(getattr(g, attr) for g in runs[name])

@@ -22,7 +22,7 @@ from .engine.contract import (
     ShardEngine,
     StepResult,
 )
-from .engine.cut import LayerRangeError, inspect_gguf
+from .engine.cut import LayerRangeError
 from .engine.llama_engine import LlamaCppShardEngine
 from .errors import MeshnetError
 from .models import ensure_shard
@@ -42,9 +42,9 @@ def parse_split(text: str, n_layer: int) -> list[tuple[int, int]]:
             raise LayerRangeError(f"split {text!r}: {part!r} is not a layer number")
         cuts.append(int(part))
     bounds = [0, *cuts, n_layer]
-    if any(b <= a for a, b in zip(bounds, bounds[1:])):
+    if any(b <= a for a, b in zip(bounds, bounds[1:], strict=False)):
         raise LayerRangeError(f"split {text!r} must be strictly increasing layer numbers between 1 and {n_layer - 1}")
-    return list(zip(bounds, bounds[1:]))
+    return list(zip(bounds, bounds[1:], strict=False))
 
 
 @dataclass
@@ -126,7 +126,7 @@ class LocalRoute:
         self,
         prompt: Sequence[int],
         max_tokens: int,
-        sampling: SamplingParams = SamplingParams(),
+        sampling: SamplingParams | None = None,
         *,
         stop_at_eog: bool = True,
         on_token: Callable[[int], None] | None = None,
@@ -143,14 +143,14 @@ class LocalRoute:
         opened: list[ShardEngine] = []
         try:
             for e in self.engines:
-                e.open_session(OpenRequest(sid, need, sampling)).raise_for_status()
+                e.open_session(OpenRequest(sid, need, sampling or SamplingParams())).raise_for_status()
                 opened.append(e)
             gen = Generation(prompt_tokens=len(prompt))
             t0 = time.perf_counter()
             step = self.n_ubatch * PREFILL_STEP_UBATCHES
             for start in range(0, len(prompt), step):
                 chunk = tuple(prompt[start : start + step])
-                result = self._through(lambda e, h: PrefillRequest(sid, start, token_ids=chunk if h is None else None, hidden=h))
+                result = self.step(sid, start, chunk)
             token = result.token
             t1 = time.perf_counter()
             gen.ttft_ms = (t1 - t0) * 1000
@@ -164,8 +164,7 @@ class LocalRoute:
                     on_token(token.token_id)
                 if len(gen.token_ids) >= max_tokens:
                     break
-                tid = token.token_id
-                result = self._through(lambda e, h: DecodeRequest(sid, position, token_id=tid if h is None else None, hidden=h))
+                result = self.step(sid, position, (token.token_id,), decode=True)
                 token = result.token
                 position += 1
             gen.decode_ms = (time.perf_counter() - t1) * 1000
@@ -174,12 +173,18 @@ class LocalRoute:
             for e in opened:
                 e.release(sid)
 
-    def _through(self, make: Callable) -> StepResult:
+    def step(self, session_id: str, position: int, token_ids: Sequence[int], *, decode: bool = False) -> StepResult:
+        """Run one prefill chunk (or one decode token) through every shard in turn;
+        returns the tail's result. Raises :class:`EngineError` on a non-OK status."""
         hidden = None
         result = None
         for engine in self.engines:
-            request = make(engine, hidden)
-            result = engine.prefill(request) if isinstance(request, PrefillRequest) else engine.decode(request)
+            if decode:
+                request = DecodeRequest(session_id, position, token_id=None if hidden else token_ids[0], hidden=hidden)
+                result = engine.decode(request)
+            else:
+                request = PrefillRequest(session_id, position, token_ids=None if hidden else tuple(token_ids), hidden=hidden)
+                result = engine.prefill(request)
             if not result.status.ok:
                 raise EngineError(result.status)
             hidden = result.hidden

@@ -35,7 +35,7 @@ def shard_dir(tmp_path_factory, model_path: str, model_digest: str):
 
 
 @pytest.fixture
-def load_engine(model_digest):
+def load_engine():
     """Load engines that are closed when the test ends."""
     engines = []
 

@@ -50,8 +50,8 @@ def test_chain_matches_whole_model_exactly(split, shard_dir, load_engine, refere
         step_logits = []
         orig = engines[-1]._sample
 
-        def spy(s, logits, _orig=orig):
-            step_logits.append(logits.copy())
+        def spy(s, logits, _orig=orig, _out=step_logits):
+            _out.append(logits.copy())
             return _orig(s, logits)
 
         engines[-1]._sample = spy
@@ -61,7 +61,7 @@ def test_chain_matches_whole_model_exactly(split, shard_dir, load_engine, refere
             engines[-1]._sample = orig
         assert gen.token_ids == ref_tokens, prompt
         assert len(step_logits) == MAX_TOKENS
-        for mine, ref in zip(step_logits, ref_logits):
+        for mine, ref in zip(step_logits, ref_logits, strict=True):
             # bit-identical, not merely close
             assert mine.tobytes() == ref.tobytes()
 

@@ -32,35 +32,24 @@ def chain(shard_dir, load_engine):
     return [load_engine(shard_dir[r]) for r in [(0, 10), (10, 20), (20, 30)]]
 
 
-def through(chain, make):
-    result, hidden = None, None
-    for e in chain:
-        req = make(hidden)
-        result = e.prefill(req) if isinstance(req, PrefillRequest) else e.decode(req)
-        assert result.status.ok, result.status
-        hidden = result.hidden
-    return result
-
-
 def test_interleaved_sessions_equal_serial_runs(chain, prompts):
     n_new = 12
     serial = [LocalRoute(chain).generate(p, n_new, stop_at_eog=False).token_ids for p in prompts]
 
     sids = [f"s{i}" for i in range(len(prompts))]
-    for sid, p in zip(sids, prompts):
+    for sid, p in zip(sids, prompts, strict=True):
         for e in chain:
             assert e.open_session(OpenRequest(sid, len(p) + n_new)).ok
     out = {sid: [] for sid in sids}
     pos = {}
     # prefill every session, then decode them round-robin, one step each
-    for sid, p in zip(sids, prompts):
-        r = through(chain, lambda h, sid=sid, p=p: PrefillRequest(sid, 0, token_ids=None if h else tuple(p), hidden=h))
+    for sid, p in zip(sids, prompts, strict=True):
+        r = LocalRoute(chain).step(sid, 0, p)
         out[sid].append(r.token.token_id)
         pos[sid] = len(p)
     for _ in range(n_new - 1):
         for sid in sids:
-            tok = out[sid][-1]
-            r = through(chain, lambda h, sid=sid, tok=tok: DecodeRequest(sid, pos[sid], token_id=None if h else tok, hidden=h))
+            r = LocalRoute(chain).step(sid, pos[sid], out[sid][-1:], decode=True)
             out[sid].append(r.token.token_id)
             pos[sid] += 1
     assert [out[s] for s in sids] == serial
@@ -95,7 +84,7 @@ def test_bad_input_gets_typed_errors_and_other_sessions_keep_going(chain, prompt
         assert e.open_session(OpenRequest(good, 64)).ok
         assert e.open_session(OpenRequest("bad", 64)).ok
     p = tuple(prompts[0])
-    first = through(chain, lambda h: PrefillRequest(good, 0, token_ids=None if h else p, hidden=h))
+    first = LocalRoute(chain).step(good, 0, p)
 
     def code(result):
         return result.status.code
@@ -124,7 +113,7 @@ def test_bad_input_gets_typed_errors_and_other_sessions_keep_going(chain, prompt
 
     # ...and the good session continues exactly where it was
     tok = first.token.token_id
-    after = through(chain, lambda h: DecodeRequest(good, len(p), token_id=None if h else tok, hidden=h))
+    after = LocalRoute(chain).step(good, len(p), (tok,), decode=True)
     solo = LocalRoute(chain).generate(list(p), 2, stop_at_eog=False).token_ids
     assert [tok, after.token.token_id] == solo
 
@@ -136,10 +125,10 @@ def test_rollback_and_replay_reproduce_the_same_tokens(chain, prompts):
     sid = "replay"
     for e in chain:
         assert e.open_session(OpenRequest(sid, 64)).ok
-    out = [through(chain, lambda h: PrefillRequest(sid, 0, token_ids=None if h else tuple(p), hidden=h)).token.token_id]
+    route = LocalRoute(chain)
+    out = [route.step(sid, 0, p).token.token_id]
     for i in range(4):
-        tok = out[-1]
-        out.append(through(chain, lambda h: DecodeRequest(sid, len(p) + i, token_id=None if h else tok, hidden=h)).token.token_id)
+        out.append(route.step(sid, len(p) + i, out[-1:], decode=True).token.token_id)
     # forget the last three positions everywhere, then replay them
     keep = len(p) + 1
     for e in chain:
@@ -148,8 +137,7 @@ def test_rollback_and_replay_reproduce_the_same_tokens(chain, prompts):
     assert chain[0].rollback(sid, keep + 5).code is StatusCode.POSITION_MISMATCH
     out = out[:2]
     for i in range(1, 7):
-        tok = out[-1]
-        out.append(through(chain, lambda h: DecodeRequest(sid, len(p) + i, token_id=None if h else tok, hidden=h)).token.token_id)
+        out.append(route.step(sid, len(p) + i, out[-1:], decode=True).token.token_id)
     assert out == expected
 
 

@@ -314,5 +314,5 @@ class ShardEngine(abc.ABC):
     @abc.abstractmethod
     def metrics(self) -> MetricsResult: ...
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a no-op default, not an abstract method
         """Free native resources. Idempotent."""

@@ -12,6 +12,7 @@ Only GGUF v2 and v3 little-endian files are read; v1 is long obsolete.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from dataclasses import dataclass
@@ -389,13 +390,15 @@ def write_gguf(
     tmp = out_path + ".partial"
     done = 0
     try:
-        with open(tmp, "wb") as out, (open(source_path, "rb") if source_path else _NullFile()) as src:
+        with open(tmp, "wb") as out, (open(source_path, "rb") if source_path else contextlib.nullcontext()) as src:
             out.write(header)
-            for t, off in zip(tensors, offsets):
+            for t, off in zip(tensors, offsets, strict=True):
                 if t.data is not None:
                     out.write(t.data)
                     done += len(t.data)
                 else:
+                    if src is None:
+                        raise GGUFFormatError(f"no source file to copy {t.name!r} from")
                     src.seek(t.source_offset)
                     left = t.nbytes
                     while left:
@@ -420,14 +423,3 @@ def write_gguf(
         raise
     if progress:
         progress(total, total)
-
-
-class _NullFile:
-    def __enter__(self) -> "_NullFile":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-    def seek(self, _n: int) -> None:
-        raise GGUFFormatError("no source file to copy tensor data from")

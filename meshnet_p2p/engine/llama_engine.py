@@ -39,7 +39,6 @@ from .contract import (
     MetricsResult,
     OpenRequest,
     PrefillRequest,
-    SamplingParams,
     ShardEngine,
     Status,
     StatusCode,
@@ -473,4 +472,4 @@ def _ptr(array: np.ndarray, ctype) -> ctypes._Pointer:
     return ctypes.cast(array.__array_interface__["data"][0], ctypes.POINTER(ctype))
 
 
-__all__ = ["LlamaCppShardEngine", "SamplingParams"]
+__all__ = ["LlamaCppShardEngine"]
