@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import msgpack
 
@@ -57,6 +57,7 @@ class PayloadType:
     max_payload_bytes: int = 8 * 1024
     claimed_peer_field: str | None = "peer_id"
     replay_key_field: str | None = None  # records of one signer are ordered per this field's value
+    validate: Callable[[Mapping[str, Any]], str | None] | None = None  # why content is malformed, or None
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,23 @@ def sign_record(
     return msgpack.packb(head + [signature], use_bin_type=True)
 
 
+def peek(wire: bytes) -> tuple[bytes, int, Any] | None:
+    """(signer bytes, seq, content key) of an envelope, unverified, or None.
+
+    Lets a node drop a record it already has before paying for a signature
+    check: gossip delivers each record from several neighbours."""
+    if len(wire) > MAX_RECORD_BYTES:
+        return None
+    try:
+        fields = _unpack(wire)
+        if not (isinstance(fields, list) and len(fields) == 7 and isinstance(fields[1], bytes)):
+            return None
+        content = _unpack(fields[1])
+        return fields[5], fields[2], content.get("key") if isinstance(content, dict) else None
+    except Exception:
+        return None
+
+
 @dataclass
 class RecordVerifier:
     """Verifies envelopes against known types, a clock, and the sequence numbers
@@ -165,6 +183,10 @@ class RecordVerifier:
                 raise RecordRejected(Reject.MALFORMED, "payload is not canonically encoded")
         except TypeError as e:
             raise RecordRejected(Reject.MALFORMED, str(e)) from None
+        if kind.validate is not None:
+            why = kind.validate(content)
+            if why is not None:
+                raise RecordRejected(Reject.MALFORMED, f"{ptype} content: {why}")
         if kind.claimed_peer_field is not None:
             claimed = content.get(kind.claimed_peer_field)
             if claimed != str(signer):

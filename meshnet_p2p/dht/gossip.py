@@ -1,0 +1,111 @@
+"""Which gossiped records are new, as pure data: per topic, the newest record of
+each signer, with a per-signer rate bound.
+
+A record is forwarded only the first time this node sees it (a newer sequence
+from its signer), which is what stops epidemic push from looping. Duplicates
+cost nothing, not even rate budget: the same report arriving from six
+neighbours is one report. A signer may publish ``burst`` records at once and
+``rate_per_s`` on average; a valid record under that bound is always accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..records import Record
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    at_ms: int
+
+
+@dataclass
+class GossipState:
+    rate_per_s: float = 20.0
+    burst: float = 40.0
+    max_topics: int = 1024
+    max_per_topic: int = 1024
+    topics: dict[str, dict[bytes, Record]] = field(default_factory=dict)
+    _buckets: dict[bytes, _Bucket] = field(default_factory=dict)
+
+    def offer(self, topic: str, record: Record, now_ms: int) -> str:
+        """"new" (keep and forward), "duplicate", "old", "expired", "rate-limited" or "full"."""
+        if record.expires_at_ms <= now_ms:
+            return "expired"
+        signer = record.signer.multihash
+        known = self.topics.get(topic, {}).get(signer)
+        if known is not None:
+            if known.seq == record.seq:
+                return "duplicate"
+            if known.seq > record.seq:
+                return "old"
+        elif topic not in self.topics and len(self.topics) >= self.max_topics:
+            return "full"
+        elif len(self.topics.get(topic, {})) >= self.max_per_topic:
+            return "full"
+        bucket = self._buckets.get(signer)
+        if bucket is None:
+            bucket = self._buckets[signer] = _Bucket(self.burst, now_ms)
+        bucket.tokens = min(self.burst, bucket.tokens + (now_ms - bucket.at_ms) / 1000 * self.rate_per_s)
+        bucket.at_ms = now_ms
+        if bucket.tokens < 1:
+            return "rate-limited"
+        bucket.tokens -= 1
+        self.topics.setdefault(topic, {})[signer] = record
+        return "new"
+
+    def known(self, topic: Any, signer: Any, seq: Any) -> bool:
+        """True if a record of ``signer`` at least as new as ``seq`` is held already."""
+        if not isinstance(topic, str) or not isinstance(signer, bytes) or not isinstance(seq, int):
+            return False
+        rec = self.topics.get(topic, {}).get(signer)
+        return rec is not None and rec.seq >= seq
+
+    def records(self, topic: str) -> list[Record]:
+        return list(self.topics.get(topic, {}).values())
+
+    def digest(self, limit: int = 400) -> dict[str, dict[bytes, int]]:
+        """What this node holds, for a pull: {topic: {signer: seq}} (bounded)."""
+        out: dict[str, dict[bytes, int]] = {}
+        n = 0
+        for topic, records in self.topics.items():
+            for signer, rec in records.items():
+                if n >= limit:
+                    return out
+                out.setdefault(topic, {})[signer] = rec.seq
+                n += 1
+        return out
+
+    @staticmethod
+    def parse_digest(raw: Any) -> dict[str, dict[bytes, int]]:
+        if not isinstance(raw, dict) or len(raw) > 1024:
+            return {}
+        out: dict[str, dict[bytes, int]] = {}
+        for topic, seqs in raw.items():
+            if isinstance(topic, str) and isinstance(seqs, dict) and len(seqs) <= 1024:
+                out[topic] = {s: q for s, q in seqs.items() if isinstance(s, bytes) and isinstance(q, int)}
+        return out
+
+    def missing_from(self, have: dict[str, dict[bytes, int]], *, budget: int) -> list[Record]:
+        """Records newer than what a peer's digest says it holds, up to ``budget`` bytes."""
+        out, used = [], 0
+        for topic, records in self.topics.items():
+            theirs = have.get(topic, {})
+            for signer, rec in records.items():
+                if theirs.get(signer, -1) < rec.seq:
+                    if used + len(rec.wire) > budget:
+                        return out
+                    out.append(rec)
+                    used += len(rec.wire)
+        return out
+
+    def expire(self, now_ms: int) -> None:
+        for topic in list(self.topics):
+            records = self.topics[topic]
+            for signer in [s for s, r in records.items() if r.expires_at_ms <= now_ms]:
+                del records[signer]
+            if not records:
+                del self.topics[topic]

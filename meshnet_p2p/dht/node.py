@@ -1,0 +1,432 @@
+"""A DHT node on trio: Kademlia over signed UDP datagrams, plus push-pull gossip.
+
+The node is thin I/O around pure parts: :mod:`routing` (the table),
+:mod:`lookup` (the traversal), :mod:`storage` (values), :mod:`wire`
+(datagrams) and :mod:`gossip` (what to forward). Everything runs in one
+nursery owned by :meth:`DHTNode.run`.
+
+A node in *client mode* (behind NAT, unreachable from outside) asks and
+stores but says so in every request, so nobody adds it to a routing table.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import trio
+
+from ..errors import MeshnetError
+from ..identity import Identity, PeerId
+from ..records import PayloadType, Record, RecordRejected, RecordVerifier, peek
+from . import wire
+from .gossip import GossipState
+from .lookup import iterative_lookup
+from .routing import Contact, RoutingTable, key_id, node_id_of
+from .storage import ValueStore
+from .transport import Addr, DatagramTransport
+
+log = logging.getLogger(__name__)
+
+
+class DHTError(MeshnetError):
+    pass
+
+
+def wall_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass
+class DHTConfig:
+    k: int = 20
+    alpha: int = 3
+    request_timeout: float = 0.5
+    client_mode: bool = False
+    refresh_interval: float = 60.0
+    republish_interval: float = 300.0
+    gossip_fanout: int = 6
+    gossip_pull_interval: float = 1.0
+    get_quorum: int = 3  # a get stops once this many of the closest nodes answered with values
+    max_pages: int = 16
+
+
+class DHTNode:
+    def __init__(
+        self,
+        identity: Identity,
+        transport: DatagramTransport,
+        types: Mapping[str, PayloadType],
+        config: DHTConfig | None = None,
+        *,
+        now_ms: Callable[[], int] = wall_ms,
+    ) -> None:
+        self.identity = identity
+        self.peer_id = identity.peer_id
+        self.node_id = node_id_of(self.peer_id)
+        self.transport = transport
+        self.config = config or DHTConfig()
+        self.now_ms = now_ms
+        self.table = RoutingTable(self.node_id, self.config.k)
+        self.store = ValueStore()
+        self.verifier = RecordVerifier(types)
+        self.gossip = GossipState()
+        self.stats: Counter[str] = Counter()
+        self._pending: dict[bytes, tuple[PeerId | None, trio.MemorySendChannel]] = {}
+        self._pinging: set[int] = set()
+        self._subscribers: dict[str, list[trio.MemorySendChannel]] = {}
+        self._nursery: trio.Nursery | None = None
+        self.observed_addr: Addr | None = None
+
+    @property
+    def addr(self) -> Addr:
+        return self.transport.local_addr
+
+    def contact(self) -> Contact:
+        host, port = self.addr
+        return Contact(self.node_id, self.peer_id, host, port)
+
+    # --- lifecycle -------------------------------------------------------------------
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._receive_loop)
+            nursery.start_soon(self._maintenance_loop)
+            nursery.start_soon(self._gossip_pull_loop)
+            task_status.started(self)
+
+    def stop(self) -> None:
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+
+    # --- requests out --------------------------------------------------------------------
+
+    async def request(self, contact: Contact | Addr, kind: str, body: dict[str, Any]) -> wire.Message | None:
+        """Send a request and wait (bounded by the request timeout) for its answer.
+        A contact's answer must come from that contact's key; None on timeout."""
+        if isinstance(contact, Contact):
+            addr, expect = contact.addr, contact.peer_id
+        else:
+            addr, expect = contact, None
+        if self.config.client_mode:
+            body = {**body, "client": True}
+        rpc_id = wire.new_rpc_id()
+        send, recv = trio.open_memory_channel[wire.Message](1)
+        self._pending[rpc_id] = (expect, send)
+        try:
+            self.stats["sent_" + kind] += 1
+            await self.transport.send(wire.encode(self.identity, kind, rpc_id, body, self.now_ms()), addr)
+            with trio.move_on_after(self.config.request_timeout):
+                return await recv.receive()
+            self.stats["timeouts"] += 1
+            return None
+        finally:
+            del self._pending[rpc_id]
+
+    async def ping(self, contact: Contact | Addr) -> wire.Message | None:
+        return await self.request(contact, "ping", {})
+
+    # --- requests in -----------------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        while True:
+            data, addr = await self.transport.receive()
+            try:
+                msg = wire.decode(data, self.now_ms())
+            except wire.BadDatagram as e:
+                self.stats["bad_datagrams"] += 1
+                log.debug("dropped datagram from %s: %s", addr, e)
+                continue
+            if msg.sender == self.peer_id:
+                continue
+            if msg.kind in wire.RESPONSES:
+                pending = self._pending.get(msg.rpc_id)
+                if pending is None or (pending[0] is not None and pending[0] != msg.sender):
+                    self.stats["unexpected_responses"] += 1
+                    continue
+                self._heard_from(msg.sender, addr, client=False)
+                try:
+                    pending[1].send_nowait(msg)
+                except trio.WouldBlock:
+                    pass
+                continue
+            self._heard_from(msg.sender, addr, client=bool(msg.body.get("client")))
+            try:
+                kind, body = self._handle(msg, addr)
+            except wire.BadDatagram as e:
+                self.stats["bad_requests"] += 1
+                log.debug("bad %s from %s: %s", msg.kind, msg.sender, e)
+                continue
+            await self.transport.send(wire.encode(self.identity, kind, msg.rpc_id, body, self.now_ms()), addr)
+
+    def _heard_from(self, peer: PeerId, addr: Addr, *, client: bool) -> None:
+        if client:
+            return
+        stale = self.table.add(Contact.of(peer, addr[0], addr[1]))
+        if stale is not None and stale.node_id not in self._pinging and self._nursery is not None:
+            self._pinging.add(stale.node_id)
+            self._nursery.start_soon(self._check_stale, stale)
+
+    async def _check_stale(self, stale: Contact) -> None:
+        try:
+            if await self.ping(stale) is None:
+                self.table.evict(stale.node_id)
+                self.stats["evicted"] += 1
+        finally:
+            self._pinging.discard(stale.node_id)
+
+    def _handle(self, msg: wire.Message, addr: Addr) -> tuple[str, dict[str, Any]]:
+        body, k = msg.body, self.config.k
+        exclude = {node_id_of(msg.sender)}
+        if msg.kind == "ping":
+            return "pong", {"observed": [addr[0], addr[1]]}
+        if msg.kind == "find_node":
+            target = wire.field(body, "target", bytes, max_len=32)
+            nearest = self.table.nearest(int.from_bytes(target, "big"), k, exclude)
+            return "nodes", {"nodes": wire.encode_contacts(nearest)}
+        if msg.kind == "find_value":
+            key = wire.field(body, "key", str, max_len=512)
+            after = body.get("after", b"")
+            if not isinstance(after, bytes) or len(after) > 64:
+                raise wire.BadDatagram("bad cursor")
+            records, more = self.store.get(key, self.now_ms(), after=after, budget=40_000)
+            nearest = self.table.nearest(key_id(key.encode()), k, exclude) if not after else []
+            return "values", {"values": [r.wire for r in records], "more": more, "nodes": wire.encode_contacts(nearest)}
+        if msg.kind == "store":
+            key = wire.field(body, "key", str, max_len=512)
+            ok, reason = self._accept(key, wire.field(body, "record", bytes, max_len=16_384))
+            return "stored", {"ok": ok, "reason": reason}
+        if msg.kind == "gossip_push":
+            records = wire.field(body, "records", list, max_len=32)
+            accepted = sum(self._gossip_in(r, from_peer=msg.sender) for r in records if isinstance(r, bytes))
+            return "gossip_ack", {"accepted": accepted}
+        if msg.kind == "gossip_pull":
+            have = self.gossip.parse_digest(body.get("have"))
+            return "gossip_records", {"records": [r.wire for r in self.gossip.missing_from(have, budget=40_000)]}
+        raise wire.BadDatagram(f"no handler for {msg.kind}")
+
+    def _verify(self, wire_record: bytes) -> Record | None:
+        try:
+            return self.verifier.verify(wire_record, self.now_ms(), remember=False)
+        except RecordRejected as e:
+            self.stats["rejected_" + e.reason.value] += 1
+            return None
+
+    def _accept(self, key: str, wire_record: bytes) -> tuple[bool, str]:
+        record = self._verify(wire_record)
+        if record is None:
+            return False, "record rejected"
+        ok, reason = self.store.put(key, record, self.now_ms())
+        if ok and reason != "unchanged":
+            self._gossip_in(wire_record, from_peer=None, record=record)
+        return ok, reason
+
+    # --- public API: DHT --------------------------------------------------------------------
+
+    async def bootstrap(self, seeds: list[Contact]) -> int:
+        """Join through ``seeds`` (whose peer IDs are checked); returns how many answered."""
+        answered = 0
+        async with trio.open_nursery() as nursery:
+
+            async def one(c: Contact) -> None:
+                nonlocal answered
+                reply = await self.ping(c)
+                if reply is not None:
+                    answered += 1
+                    obs = reply.body.get("observed")
+                    if isinstance(obs, list) and len(obs) == 2:
+                        self.observed_addr = (str(obs[0]), int(obs[1])) if isinstance(obs[1], int) else None
+
+            for c in seeds:
+                nursery.start_soon(one, c)
+        if self.config.client_mode:
+            for c in seeds:  # a client is in nobody's table, so it keeps its seeds in its own
+                self.table.add(c)
+        await self.find_node(self.node_id)
+        return answered
+
+    async def find_node(self, target: int) -> list[Contact]:
+        async def call(c: Contact):
+            reply = await self.request(c, "find_node", {"target": target.to_bytes(32, "big")})
+            if reply is None or reply.kind != "nodes":
+                return None
+            return None, self._contacts(reply.body.get("nodes"))
+
+        result = await iterative_lookup(
+            target, self.table.nearest(target), call, k=self.config.k, alpha=self.config.alpha,
+            timeout=self.config.request_timeout * 2, on_fail=self._lookup_failed, on_abandon=self._suspect,
+        )
+        return result.closest
+
+    async def put(self, key: str, record_wire: bytes) -> int:
+        """Store a record under ``key`` on the k nodes closest to it (and here).
+        Returns how many remote nodes accepted it. Raises :class:`RecordRejected`
+        or :class:`DHTError` if this node itself would not accept it."""
+        record = self.verifier.verify(record_wire, self.now_ms(), remember=False)
+        ok, reason = self.store.put(key, record, self.now_ms())
+        if not ok:
+            raise DHTError(f"cannot store under {key!r}: {reason}")
+        self._gossip_in(record_wire, from_peer=None, record=record)
+        closest = await self.find_node(key_id(key.encode()))
+        stored = 0
+        async with trio.open_nursery() as nursery:
+
+            async def one(c: Contact) -> None:
+                nonlocal stored
+                reply = await self.request(c, "store", {"key": key, "record": record_wire})
+                if reply is not None and reply.kind == "stored" and reply.body.get("ok") is True:
+                    stored += 1
+
+            for c in closest:
+                nursery.start_soon(one, c)
+        return stored
+
+    async def get(self, key: str) -> list[Record]:
+        """Every live record under ``key`` that the closest nodes hold (newest per signer)."""
+        target = key_id(key.encode())
+        local, _ = self.store.get(key, self.now_ms(), budget=1 << 30)
+        found: dict[bytes, Record] = {r.signer.multihash: r for r in local}
+
+        async def call(c: Contact):
+            records, after = [], b""
+            for _ in range(self.config.max_pages):
+                reply = await self.request(c, "find_value", {"key": key, "after": after})
+                if reply is None or reply.kind != "values":
+                    return None if not records and after == b"" else (records, [])
+                values = reply.body.get("values")
+                if not isinstance(values, list):
+                    return None
+                for w in values[:256]:
+                    if isinstance(w, bytes):
+                        rec = self._verify(w)
+                        if rec is not None and rec.content.get("key") == key:
+                            records.append(rec)
+                contacts = self._contacts(reply.body.get("nodes")) if after == b"" else []
+                if not reply.body.get("more") or not records:
+                    return records, contacts
+                after = records[-1].signer.multihash
+            return records, []
+
+        def enough(responses: dict[int, list[Record]]) -> bool:
+            return sum(1 for recs in responses.values() if recs) >= self.config.get_quorum
+
+        result = await iterative_lookup(
+            target, self.table.nearest(target), call, k=self.config.k, alpha=self.config.alpha,
+            timeout=self.config.request_timeout * 2, on_fail=self._lookup_failed, on_abandon=self._suspect, done=enough,
+        )
+        for recs in result.responses.values():
+            for rec in recs:
+                old = found.get(rec.signer.multihash)
+                if old is None or rec.seq > old.seq:
+                    found[rec.signer.multihash] = rec
+        now = self.now_ms()
+        return sorted((r for r in found.values() if r.expires_at_ms > now), key=lambda r: r.signer.multihash)
+
+    def _contacts(self, raw: Any) -> list[Contact]:
+        try:
+            return [Contact.of(p, h, port) for p, h, port in wire.decode_contacts(raw, self.config.k * 2)]
+        except wire.BadDatagram:
+            self.stats["bad_contacts"] += 1
+            return []
+
+    def _suspect(self, c: Contact) -> None:
+        """A lookup gave up waiting on ``c``: ping it in the background, evict it if silent."""
+        if self.table.get(c.node_id) is not None and c.node_id not in self._pinging and self._nursery is not None:
+            self._pinging.add(c.node_id)
+            self._nursery.start_soon(self._check_stale, c)
+
+    def _lookup_failed(self, c: Contact) -> None:
+        if self.table.fail(c.node_id):
+            self.stats["evicted"] += 1
+
+    # --- public API: gossip ------------------------------------------------------------------
+
+    def subscribe(self, topic: str, max_buffer: int = 1024) -> trio.MemoryReceiveChannel:
+        """New records on ``topic`` (a DHT key) as they arrive, gossip or store."""
+        send, recv = trio.open_memory_channel[Record](max_buffer)
+        self._subscribers.setdefault(topic, []).append(send)
+        for rec in self.gossip.records(topic):
+            try:
+                send.send_nowait(rec)
+            except trio.WouldBlock:
+                break
+        return recv
+
+    def records(self, topic: str) -> list[Record]:
+        now = self.now_ms()
+        return [r for r in self.gossip.records(topic) if r.expires_at_ms > now]
+
+    async def publish(self, key: str, record_wire: bytes) -> int:
+        """Announce a record: gossip it at once and store it in the DHT."""
+        return await self.put(key, record_wire)
+
+    def _gossip_in(self, record_wire: bytes, *, from_peer: PeerId | None, record: Record | None = None) -> bool:
+        if record is None:
+            head = peek(record_wire)
+            if head is not None and self.gossip.known(head[2], head[0], head[1]):
+                self.stats["gossip_duplicate"] += 1
+                return False  # already held: not worth a signature check
+            record = self._verify(record_wire)
+        if record is None:
+            return False
+        topic = record.content.get("key")
+        if not isinstance(topic, str):
+            return False
+        verdict = self.gossip.offer(topic, record, self.now_ms())
+        if verdict != "new":
+            if verdict == "rate-limited":
+                self.stats["gossip_rate_limited"] += 1
+            return False
+        self.stats["gossip_new"] += 1
+        for chan in self._subscribers.get(topic, []):
+            try:
+                chan.send_nowait(record)
+            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+        if self._nursery is not None:
+            targets = [c for c in self.table.contacts() if c.peer_id != from_peer and c.peer_id != record.signer]
+            for c in random.sample(targets, min(len(targets), self.config.gossip_fanout)):
+                self._nursery.start_soon(self._push, c, record.wire)
+        return True
+
+    async def _push(self, contact: Contact, record_wire: bytes) -> None:
+        await self.request(contact, "gossip_push", {"records": [record_wire]})
+
+    async def _gossip_pull_loop(self) -> None:
+        while True:
+            await trio.sleep(self.config.gossip_pull_interval * (0.5 + random.random()))
+            contacts = self.table.contacts()
+            if not contacts:
+                continue
+            peer = random.choice(contacts)
+            reply = await self.request(peer, "gossip_pull", {"have": self.gossip.digest()})
+            if reply is None or reply.kind != "gossip_records":
+                continue
+            records = reply.body.get("records")
+            if isinstance(records, list):
+                for w in records[:64]:
+                    if isinstance(w, bytes):
+                        self._gossip_in(w, from_peer=peer.peer_id)
+
+    # --- maintenance -------------------------------------------------------------------------
+
+    async def _maintenance_loop(self) -> None:
+        last_refresh = last_republish = trio.current_time()
+        while True:
+            await trio.sleep(min(self.config.refresh_interval, self.config.republish_interval) / 4)
+            now = trio.current_time()
+            self.store.expire(self.now_ms())
+            self.gossip.expire(self.now_ms())
+            if now - last_refresh >= self.config.refresh_interval:
+                last_refresh = now
+                await self.find_node(random.getrandbits(256))
+            if now - last_republish >= self.config.republish_interval:
+                last_republish = now
+                for key, rec in self.store.items():
+                    if rec.signer == self.peer_id:
+                        await self.put(key, rec.wire)

@@ -1,0 +1,121 @@
+"""DHT datagrams: every one signed by its sender, parsed strictly and bounded.
+
+Wire form (msgpack array)::
+
+    ["mdht1", kind, rpc_id, sender, sent_ms, body, signature]
+
+``sender`` is the sender's peer ID bytes (which carry its key); the signature
+covers a domain tag and the first six fields. A datagram whose signature does
+not verify, whose clock is far off, or whose body is not of its kind's shape
+is dropped with a reason (:class:`BadDatagram`), before any state changes.
+Node IDs are derived from the verified key, so nobody can claim a position
+in the ID space they do not hold the key for.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from ..errors import MeshnetError
+from ..identity import Identity, IdentityError, PeerId
+
+VERSION = "mdht1"
+DOMAIN = b"meshnet-dht-v1\0"
+MAX_DATAGRAM = 60_000
+MAX_CLOCK_SKEW_MS = 60_000
+
+REQUESTS = {"ping", "find_node", "find_value", "store", "gossip_push", "gossip_pull"}
+RESPONSES = {"pong", "nodes", "values", "stored", "gossip_ack", "gossip_records"}
+KINDS = REQUESTS | RESPONSES
+
+
+class BadDatagram(MeshnetError):
+    pass
+
+
+@dataclass(frozen=True)
+class Message:
+    kind: str
+    rpc_id: bytes
+    sender: PeerId
+    sent_ms: int
+    body: dict[str, Any]
+
+
+def new_rpc_id() -> bytes:
+    return os.urandom(8)
+
+
+def encode(identity: Identity, kind: str, rpc_id: bytes, body: dict[str, Any], now_ms: int) -> bytes:
+    head = [VERSION, kind, rpc_id, identity.peer_id.multihash, now_ms, body]
+    packed_head = msgpack.packb(head, use_bin_type=True)
+    data = msgpack.packb(head + [identity.sign(DOMAIN + packed_head)], use_bin_type=True)
+    if len(data) > MAX_DATAGRAM:
+        raise ValueError(f"{kind} datagram of {len(data)} bytes exceeds {MAX_DATAGRAM}")
+    return data
+
+
+def decode(data: bytes, now_ms: int) -> Message:
+    if len(data) > MAX_DATAGRAM:
+        raise BadDatagram("oversized datagram")
+    try:
+        fields = msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0)
+    except Exception as e:
+        raise BadDatagram(f"not msgpack: {type(e).__name__}") from None
+    if not (isinstance(fields, list) and len(fields) == 7):
+        raise BadDatagram("not a 7-element datagram")
+    version, kind, rpc_id, sender, sent_ms, body, signature = fields
+    if version != VERSION:
+        raise BadDatagram(f"unknown version {str(version)[:16]!r}")
+    if kind not in KINDS:
+        raise BadDatagram(f"unknown kind {str(kind)[:32]!r}")
+    if not (isinstance(rpc_id, bytes) and len(rpc_id) == 8):
+        raise BadDatagram("bad rpc id")
+    if not (isinstance(sent_ms, int) and not isinstance(sent_ms, bool)) or abs(sent_ms - now_ms) > MAX_CLOCK_SKEW_MS:
+        raise BadDatagram("sender clock is too far off (or bad timestamp)")
+    if not isinstance(body, dict) or not (isinstance(signature, bytes) and len(signature) == 64) or not isinstance(sender, bytes):
+        raise BadDatagram("malformed fields")
+    try:
+        peer = PeerId.from_bytes(sender)
+    except IdentityError as e:
+        raise BadDatagram(f"bad sender: {e}") from None
+    if not peer.verify(signature, DOMAIN + msgpack.packb(fields[:6], use_bin_type=True)):
+        raise BadDatagram(f"signature does not verify for {peer}")
+    return Message(kind, rpc_id, peer, sent_ms, body)
+
+
+# --- body helpers: strict field access ----------------------------------------
+
+
+def field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], *, max_len: int | None = None) -> Any:
+    value = body.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+        raise BadDatagram(f"field {name!r} missing or of the wrong type")
+    if max_len is not None and len(value) > max_len:
+        raise BadDatagram(f"field {name!r} is too long")
+    return value
+
+
+def encode_contacts(contacts) -> list[list[Any]]:
+    return [[c.peer_id.multihash, c.host, c.port] for c in contacts]
+
+
+def decode_contacts(raw: Any, limit: int) -> list[tuple[PeerId, str, int]]:
+    if not isinstance(raw, list) or len(raw) > limit:
+        raise BadDatagram("bad contact list")
+    out = []
+    for item in raw:
+        if not (isinstance(item, list) and len(item) == 3):
+            raise BadDatagram("bad contact")
+        pid, host, port = item
+        if not (isinstance(pid, bytes) and isinstance(host, str) and len(host) <= 255 and isinstance(port, int) and 0 < port < 65536):
+            raise BadDatagram("bad contact fields")
+        try:
+            out.append((PeerId.from_bytes(pid), host, port))
+        except IdentityError:
+            raise BadDatagram("bad contact peer id") from None
+    return out

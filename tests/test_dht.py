@@ -1,0 +1,316 @@
+"""The DHT and gossip on an in-process swarm: fake network, virtual time."""
+
+import time
+
+import msgpack
+import pytest
+import trio
+import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
+
+from meshnet_p2p.capability import TYPES, CapabilityReport, model_key
+from meshnet_p2p.dht import wire
+from meshnet_p2p.dht.gossip import GossipState
+from meshnet_p2p.dht.lookup import iterative_lookup
+from meshnet_p2p.dht.node import DHTConfig, DHTNode
+from meshnet_p2p.dht.routing import Contact, RoutingTable, node_id_of
+from meshnet_p2p.identity import Identity
+from meshnet_p2p.records import RecordRejected, RecordVerifier, Reject, sign_record
+from meshnet_p2p.testing import FakeNetwork, start_swarm, swarm_identity
+
+MODEL = "ab" * 32
+KEY = model_key(MODEL)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def report(ident: Identity, seq: int = 1, layers=(0, 10), ttl_ms: int = 600_000) -> bytes:
+    rep = CapabilityReport(MODEL, "cd" * 32, layers, ("/ip4/127.0.0.1/tcp/7000",), 12.5, 2)
+    return rep.sign(ident, seq=seq, now_ms=now_ms(), ttl_ms=ttl_ms)
+
+
+@pytest.fixture
+def autojump_clock():
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+# --- routing table (pure) ---------------------------------------------------------
+
+
+def contact(i: int) -> Contact:
+    return Contact.of(swarm_identity(i).peer_id, "10.0.0.1", 1000 + i)
+
+
+def test_full_bucket_asks_for_a_ping_and_eviction_promotes_the_replacement():
+    table = RoutingTable(local_id=0, k=2, max_failures=2)
+    # craft IDs that land in one bucket: all with the top bit set
+    cs = [c for c in (contact(i) for i in range(1, 60)) if c.node_id >> 255][:3]
+    assert table.add(cs[0]) is None and table.add(cs[1]) is None
+    stale = table.add(cs[2])
+    assert stale == cs[0]  # the least recently seen member
+    assert cs[2].node_id not in {c.node_id for c in table.contacts()}
+    assert not table.fail(cs[0].node_id)  # one timeout is forgiven
+    assert table.fail(cs[0].node_id)  # the second evicts...
+    assert {c.node_id for c in table.contacts()} == {cs[1].node_id, cs[2].node_id}  # ...and promotes
+
+
+def test_nearest_is_ordered_by_xor_distance():
+    table = RoutingTable(local_id=node_id_of(swarm_identity(0).peer_id), k=20)
+    for i in range(1, 50):
+        table.add(contact(i))
+    target = contact(77).node_id
+    got = table.nearest(target, 10)
+    assert [c.node_id ^ target for c in got] == sorted(c.node_id ^ target for c in table.contacts())[:10]
+
+
+# --- lookup (pure traversal, network passed in) -----------------------------------------
+
+
+async def test_frozen_peers_cost_one_timeout_each_and_never_stall_the_lookup(autojump_clock):
+    nodes = [contact(i) for i in range(1, 101)]
+    frozen = {c.node_id for c in nodes[::5]}  # 20%
+    failed = []
+    target = contact(500).node_id
+
+    async def call(c):
+        if c.node_id in frozen:
+            await trio.sleep_forever()
+        await trio.sleep(0.001)
+        # each node knows a random-ish slice of the swarm, nearest-first to the target
+        known = [n for n in nodes if (n.node_id ^ c.node_id) % 3 == 0]
+        return None, sorted(known, key=lambda n: n.node_id ^ target)[:20]
+
+    start = trio.current_time()
+    result = await iterative_lookup(target, nodes[:3], call, k=20, alpha=3, timeout=0.5, on_fail=failed.append)
+    elapsed = trio.current_time() - start
+    live = sorted((n for n in nodes if n.node_id not in frozen), key=lambda n: n.node_id ^ target)[:20]
+    assert [c.node_id for c in result.closest] == [c.node_id for c in live]
+    assert {c.node_id for c in failed} <= frozen
+    # a frozen peer stops holding a slot after slow_after (0.1 s): the lookup
+    # finishes in a few slow-steps, not a timeout per frozen peer
+    assert elapsed < 0.5
+    assert result.queried <= 8 * 20
+
+
+# --- the swarm ---------------------------------------------------------------------------
+
+
+async def test_put_and_get_across_a_swarm(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        _, nodes = await start_swarm(nursery, 30, TYPES)
+        assert all(len(n.table) >= 10 for n in nodes)
+        publishers = nodes[2:7]
+        for i, p in enumerate(publishers):
+            assert await p.put(KEY, report(p.identity, layers=(i, i + 1))) >= 10
+        for reader in (nodes[0], nodes[15], nodes[29]):
+            got = await reader.get(KEY)
+            assert sorted(r.content["layers"][0] for r in got) == [0, 1, 2, 3, 4]
+            assert {r.signer for r in got} == {p.peer_id for p in publishers}
+        nursery.cancel_scope.cancel()
+
+
+async def test_many_values_under_one_key_are_paged(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        _, nodes = await start_swarm(nursery, 12, TYPES, config=DHTConfig(k=4))
+        signers = [swarm_identity(1000 + i) for i in range(80)]  # ~0.6 KB each: > one datagram
+        for s in signers:
+            await nodes[1].put(KEY, report(s))
+        got = await nodes[7].get(KEY)
+        assert {r.signer for r in got} == {s.peer_id for s in signers}
+        nursery.cancel_scope.cancel()
+
+
+async def test_forged_and_replayed_records_never_reach_a_lookup(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        _, nodes = await start_swarm(nursery, 20, TYPES)
+        alice, mallory = nodes[3], nodes[4]
+        await alice.put(KEY, report(alice.identity, seq=5, layers=(0, 10)))
+        # Mallory signs a report that claims to be Alice's: refused locally...
+        forged = sign_record(mallory.identity, "meshnet/capability/v1",
+                             CapabilityReport(MODEL, "cd" * 32, (0, 30), (), 1.0, 9).content(alice.identity),
+                             seq=99, now_ms=now_ms(), ttl_ms=60_000)
+        with pytest.raises(RecordRejected) as e:
+            await mallory.put(KEY, forged)
+        assert e.value.reason is Reject.SIGNER_MISMATCH
+        # ...and when pushed raw into every node's store, refused there too
+        for n in nodes:
+            reply = await mallory.request(n.contact(), "store", {"key": KEY, "record": forged})
+            if reply is not None:
+                assert reply.body["ok"] is False
+        # an old report of Alice's, replayed, does not replace the newer one
+        old = report(alice.identity, seq=4, layers=(20, 30))
+        for n in nodes:
+            reply = await mallory.request(n.contact(), "store", {"key": KEY, "record": old})
+            if reply is not None:
+                assert reply.body["ok"] is False
+        # a record replanted under another key is refused
+        reply = await mallory.request(nodes[9].contact(), "store", {"key": "model/" + "ee" * 32, "record": report(alice.identity, seq=6)})
+        assert reply.body["ok"] is False
+        for reader in nodes:
+            got = await reader.get(KEY)
+            assert [(r.signer, r.seq, r.content["layers"]) for r in got] == [(alice.peer_id, 5, [0, 10])]
+        assert sum(n.stats["rejected_signer-mismatch"] for n in nodes) >= len(nodes) - 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_expired_records_are_not_returned(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        clock = {"now": now_ms()}
+        net = FakeNetwork()
+        nodes = []
+        for i in range(8):
+            node = DHTNode(swarm_identity(i + 1), net.endpoint(), TYPES, now_ms=lambda: clock["now"])
+            await nursery.start(node.run)
+            nodes.append(node)
+        for node in nodes[1:]:
+            await node.bootstrap([nodes[0].contact()])
+        rep = CapabilityReport(MODEL, "cd" * 32, (0, 10), (), 1.0, 1)
+        await nodes[2].put(KEY, rep.sign(nodes[2].identity, seq=1, now_ms=clock["now"], ttl_ms=10_000))
+        assert len(await nodes[5].get(KEY)) == 1
+        clock["now"] += 11_000
+        assert await nodes[6].get(KEY) == []
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_fifth_of_the_swarm_frozen_still_answers_fast(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        net, nodes = await start_swarm(nursery, 50, TYPES, seeds=3)
+        await nodes[1].put(KEY, report(nodes[1].identity))
+        frozen = nodes[10::5]  # 8 of 50, never a seed or the publisher
+        for n in frozen:
+            net.freeze(n.addr)
+        worst = 0.0
+        for reader in nodes:
+            if reader in frozen:
+                continue
+            start = trio.current_time()
+            got = await reader.get(KEY)
+            worst = max(worst, trio.current_time() - start)
+            assert [r.signer for r in got] == [nodes[1].peer_id]
+        assert worst < 2.0
+        await trio.sleep(1.0)  # virtual time: background liveness pings time out
+        # the frozen peers the lookups gave up on were checked and evicted
+        assert sum(n.stats["evicted"] for n in nodes) > 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_gossip_reaches_every_live_node_quickly(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        net, nodes = await start_swarm(nursery, 40, TYPES, seeds=2)
+        for n in nodes[20:24]:
+            net.freeze(n.addr)
+        subs = [n.subscribe(KEY) for n in nodes]
+        start = trio.current_time()
+        await nodes[5].publish(KEY, report(nodes[5].identity))
+        live = [i for i, n in enumerate(nodes) if n.addr not in net.frozen]
+        with trio.fail_after(10):
+            for i in live:
+                rec = await subs[i].receive()
+                assert rec.signer == nodes[5].peer_id
+        assert trio.current_time() - start < 2.0
+        nursery.cancel_scope.cancel()
+
+
+def test_gossip_rate_bound_never_drops_valid_reports_under_it():
+    verify = RecordVerifier(TYPES).verify
+    ident = swarm_identity(7)
+    state = GossipState(rate_per_s=10, burst=10)
+    t = now_ms()
+    # 10 reports at once (the burst), then 10 per second for 5 seconds: all new
+    verdicts = [state.offer(KEY, verify(report(ident, seq=i), t, remember=False), t) for i in range(1, 11)]
+    for s in range(1, 51):
+        at = t + s * 100
+        verdicts.append(state.offer(KEY, verify(report(ident, seq=10 + s), at, remember=False), at))
+    assert verdicts == ["new"] * 60
+    # duplicates cost nothing; a flood beyond the bound is limited
+    assert state.offer(KEY, verify(report(ident, seq=60), t, remember=False), t + 5000) == "duplicate"
+    flood = [state.offer(KEY, verify(report(ident, seq=100 + i), t, remember=False), t + 5000) for i in range(20)]
+    assert "rate-limited" in flood
+
+
+async def test_client_mode_nodes_use_the_dht_but_are_not_routed_to(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        net, nodes = await start_swarm(nursery, 15, TYPES)
+        client = DHTNode(swarm_identity(999), net.endpoint(), TYPES, DHTConfig(client_mode=True))
+        await nursery.start(client.run)
+        assert await client.bootstrap([nodes[0].contact()]) == 1
+        assert await client.put(KEY, report(client.identity)) > 0
+        assert [r.signer for r in await nodes[9].get(KEY)] == [client.peer_id]
+        assert all(n.table.get(client.node_id) is None for n in nodes)
+        nursery.cancel_scope.cancel()
+
+
+# --- datagrams -----------------------------------------------------------------------------
+
+
+def test_tampered_datagrams_are_dropped():
+    ident = swarm_identity(1)
+    data = bytearray(wire.encode(ident, "ping", b"12345678", {}, now_ms()))
+    assert wire.decode(bytes(data), now_ms()).sender == ident.peer_id
+    data[-70] ^= 1
+    with pytest.raises(wire.BadDatagram):
+        wire.decode(bytes(data), now_ms())
+    with pytest.raises(wire.BadDatagram, match="clock"):
+        wire.decode(wire.encode(ident, "ping", b"12345678", {}, now_ms() - 3_600_000), now_ms())
+
+
+@given(st.binary(max_size=400))
+def test_fuzz_datagram_decoder_only_raises_bad_datagram(data):
+    try:
+        wire.decode(data, now_ms())
+    except wire.BadDatagram:
+        pass
+
+
+@given(st.lists(st.one_of(st.binary(max_size=40), st.integers(-(2**63), 2**64 - 1), st.text(max_size=10), st.none()), max_size=8))
+def test_fuzz_well_signed_garbage_bodies_are_refused_cleanly(items):
+    ident = swarm_identity(2)
+    body = {"target": items[0] if items else None, "nodes": items, "key": items[-1] if items else None}
+    msg = wire.decode(wire.encode(ident, "find_node", b"abcdefgh", body, now_ms()), now_ms())
+    try:
+        wire.field(msg.body, "target", bytes, max_len=32)
+        wire.decode_contacts(msg.body.get("nodes"), 40)
+    except wire.BadDatagram:
+        pass
+
+
+async def test_a_spoofed_response_from_another_key_is_ignored(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        _, nodes = await start_swarm(nursery, 3, TYPES)
+        a, b, mallory = nodes
+        async with trio.open_nursery() as inner:
+            results = []
+
+            async def ask():
+                results.append(await a.ping(b.contact()))
+
+            # Mallory answers every pending rpc of A's with her own key, first
+            real_send = b.transport.send
+
+            async def slow_send(data, addr):
+                await trio.sleep(0.1)
+                await real_send(data, addr)
+
+            b.transport.send = slow_send
+            inner.start_soon(ask)
+            await trio.sleep(0.01)
+            for rpc_id in list(a._pending):
+                forged = wire.encode(mallory.identity, "pong", rpc_id, {"observed": ["1.2.3.4", 1]}, now_ms())
+                await mallory.transport.send(forged, a.addr)
+        assert results[0] is not None and results[0].sender == b.peer_id
+        assert a.stats["unexpected_responses"] >= 1
+        nursery.cancel_scope.cancel()
+
+
+def test_malformed_capability_content_is_refused():
+    ident = swarm_identity(3)
+    content = CapabilityReport(MODEL, "cd" * 32, (0, 10), (), 1.0, 1).content(ident)
+    for bad in ({"layers": [10, 5]}, {"layers": "0:10"}, {"model_digest": "short"}, {"key": "model/other"}):
+        wire_record = sign_record(ident, "meshnet/capability/v1", {**content, **bad}, seq=1, now_ms=now_ms(), ttl_ms=1000)
+        with pytest.raises(RecordRejected) as e:
+            RecordVerifier(TYPES).verify(wire_record, now_ms())
+        assert e.value.reason is Reject.MALFORMED
+    assert msgpack  # used above via records
