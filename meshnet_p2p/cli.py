@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "new":
             cmd.add_argument("--force", action="store_true", help="replace an existing key file")
 
+    boot = sub.add_parser("bootstrap", help="run a bootstrap peer (DHT and gossip only, no model)")
+    boot.add_argument("--listen", default="127.0.0.1:4001", help="HOST:PORT for the UDP socket (port 0: any)")
+    boot.add_argument("--identity", help="key file (created if missing; default: a fresh identity per run)")
+    boot.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
+                      help="other bootstrap peers to join (repeatable; default $MESHNET_BOOTSTRAP)")
+
     gen = sub.add_parser("generate", help="generate text through a route of shards")
     gen.add_argument("--local", action="store_true", help="run the whole route in this process (no network)")
     gen.add_argument("--model", help="GGUF model (default: the embedded SmolLM2-135M-Instruct)")
@@ -88,6 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "identity":
             return _identity(args)
+        if args.command == "bootstrap":
+            return _bootstrap(args)
     except MeshnetError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
@@ -151,6 +159,45 @@ def _identity(args: argparse.Namespace) -> int:
     else:
         ident = Identity.load(path)
     print(json.dumps({"peer_id": str(ident.peer_id), "path": os.path.abspath(path)}))
+    return 0
+
+
+def _load_or_create_identity(path: str | None):
+    from .identity import Identity
+
+    if path is None:
+        return Identity.generate()
+    if not os.path.exists(path):
+        ident = Identity.generate()
+        ident.save(path)
+        return ident
+    return Identity.load(path)
+
+
+def _bootstrap(args: argparse.Namespace) -> int:
+    import signal
+
+    import trio
+
+    from .network import bootstrap_addrs, node_multiaddr, parse_listen, start_node
+
+    parse_listen(args.listen)  # a bad flag fails before anything starts
+    identity = _load_or_create_identity(args.identity)
+    seeds = bootstrap_addrs(args.bootstrap, env={} if args.bootstrap else None)
+
+    async def serve() -> None:
+        async with trio.open_nursery() as nursery:
+            node = await start_node(nursery, identity, listen=args.listen, bootstrap=seeds, require_bootstrap=False)
+            print(f"listening on {node_multiaddr(node)}", flush=True)
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for _ in signals:
+                    break
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(serve)
+    except OSError as e:
+        raise MeshnetError(f"cannot listen on {args.listen}: {e.strerror or e}") from None
     return 0
 
 

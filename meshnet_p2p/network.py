@@ -1,0 +1,125 @@
+"""The control plane's Python API: start a DHT node on a real socket, join
+through bootstrap peers, publish and find capability reports.
+
+    async with trio.open_nursery() as nursery:
+        node = await start_node(nursery, identity, listen="127.0.0.1:0",
+                                bootstrap=["/ip4/127.0.0.1/udp/4001/p2p/12D3KooW..."])
+        await node.publish(model_key(digest), report.sign(identity, seq=1, now_ms=...))
+        peers = await peers_for_model(node, digest)
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from typing import Iterable, Mapping
+
+import trio
+
+from .capability import TYPES, model_key
+from .dht.node import DHTConfig, DHTNode
+from .dht.routing import Contact
+from .dht.transport import UdpTransport
+from .errors import MeshnetError
+from .identity import Identity
+from .multiaddr import Multiaddr, MultiaddrError
+from .records import PayloadType, Record
+
+ENV_BOOTSTRAP = "MESHNET_BOOTSTRAP"
+DEFAULT_LIST = pathlib.Path(__file__).resolve().parent.parent / "bootstrap" / "peers.txt"
+
+
+class BootstrapError(MeshnetError):
+    pass
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[IPV6]:PORT``."""
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise BootstrapError(f"--listen {text!r} is not HOST:PORT (e.g. 127.0.0.1:0)")
+    return host, int(port)
+
+
+def read_bootstrap_list(path: pathlib.Path | str) -> list[str]:
+    """One multiaddr per line; ``#`` starts a comment."""
+    out = []
+    for line in pathlib.Path(path).read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            out.append(line)
+    return out
+
+
+def bootstrap_addrs(flags: Iterable[str] | None, env: Mapping[str, str] | None = None) -> list[Multiaddr]:
+    """Bootstrap peers from ``--bootstrap`` flags, else ``$MESHNET_BOOTSTRAP``
+    (space or comma separated), else the default list file. Each must be a UDP
+    multiaddr naming the peer ID that will be checked when it answers."""
+    env = os.environ if env is None else env
+    texts = list(flags or [])
+    if not texts and env.get(ENV_BOOTSTRAP):
+        texts = env[ENV_BOOTSTRAP].replace(",", " ").split()
+    if not texts and DEFAULT_LIST.exists():
+        texts = read_bootstrap_list(DEFAULT_LIST)
+    addrs = []
+    for text in texts:
+        try:
+            addr = Multiaddr.parse(text)
+        except MultiaddrError as e:
+            raise BootstrapError(f"bad bootstrap address: {e}") from None
+        if addr.transport != "udp" or addr.peer_id is None or addr.host is None:
+            raise BootstrapError(f"bootstrap address {text!r} must be /ip4|ip6|dns4/<host>/udp/<port>/p2p/<peer id>")
+        addrs.append(addr)
+    return addrs
+
+
+def contact_of(addr: Multiaddr) -> Contact:
+    return Contact.of(addr.peer_id, addr.host, addr.port)
+
+
+def node_multiaddr(node: DHTNode) -> Multiaddr:
+    host, port = node.addr
+    proto = "ip6" if ":" in host else "ip4"
+    return Multiaddr.parse(f"/{proto}/{host}/udp/{port}/p2p/{node.peer_id}")
+
+
+async def start_node(
+    nursery: trio.Nursery,
+    identity: Identity,
+    *,
+    listen: str = "127.0.0.1:0",
+    bootstrap: Iterable[str | Multiaddr] = (),
+    client_mode: bool = False,
+    types: Mapping[str, PayloadType] = TYPES,
+    config: DHTConfig | None = None,
+    require_bootstrap: bool = True,
+) -> DHTNode:
+    """Bind, start and (if bootstrap peers are given) join. Raises
+    :class:`BootstrapError` if none of the bootstrap peers answered with the key
+    its multiaddr names."""
+    host, port = parse_listen(listen)
+    transport = await UdpTransport.bind(host, port)
+    config = config or DHTConfig()
+    config.client_mode = client_mode
+    node = DHTNode(identity, transport, types, config)
+    await nursery.start(node.run)
+    seeds = [contact_of(a if isinstance(a, Multiaddr) else Multiaddr.parse(a)) for a in bootstrap]
+    seeds = [c for c in seeds if c.peer_id != identity.peer_id]
+    if seeds:
+        answered = await node.bootstrap(seeds)
+        if answered == 0 and require_bootstrap:
+            node.stop()
+            raise BootstrapError(f"none of the {len(seeds)} bootstrap peers answered (or they answered with another key)")
+    return node
+
+
+async def peers_for_model(node: DHTNode, model_digest: str) -> list[Record]:
+    """Live capability reports for a model: what gossip brought, plus a DHT lookup."""
+    key = model_key(model_digest)
+    found = {r.signer.multihash: r for r in node.records(key)}
+    for rec in await node.get(key):
+        old = found.get(rec.signer.multihash)
+        if old is None or rec.seq > old.seq:
+            found[rec.signer.multihash] = rec
+    return sorted(found.values(), key=lambda r: r.content["layers"][0])
