@@ -314,3 +314,21 @@ def test_malformed_capability_content_is_refused():
             RecordVerifier(TYPES).verify(wire_record, now_ms())
         assert e.value.reason is Reject.MALFORMED
     assert msgpack  # used above via records
+
+
+async def test_republish_moves_records_away_from_nodes_that_went_silent(autojump_clock):
+    config = DHTConfig(k=3, republish_interval=20.0, refresh_interval=20.0)
+    async with trio.open_nursery() as nursery:
+        net, nodes = await start_swarm(nursery, 12, TYPES, config=config, seeds=2)
+        publisher = nodes[5]
+        await publisher.put(KEY, report(publisher.identity))
+        holders = [n for n in nodes if n is not publisher and n.store.get(KEY, now_ms())[0]]
+        assert holders
+        for n in holders:
+            net.freeze(n.addr)
+        reader = next(n for n in nodes if n not in holders and n is not publisher)
+        await trio.sleep(45)  # virtual: maintenance refreshes, evicts the silent, republishes
+        live_holders = [n for n in nodes if n not in holders and n is not publisher and n.store.get(KEY, now_ms())[0]]
+        assert live_holders
+        assert [r.signer for r in await reader.get(KEY)] == [publisher.peer_id]
+        nursery.cancel_scope.cancel()
