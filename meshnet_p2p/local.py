@@ -138,20 +138,11 @@ class LocalRoute:
             raise RouteError("the prompt is empty")
         if max_tokens < 1:
             raise RouteError("max_tokens must be at least 1")
-        sid = session_id or uuid.uuid4().hex
-        need = len(prompt) + max_tokens
-        opened: list[ShardEngine] = []
+        sid = self.open(len(prompt) + max_tokens, sampling, session_id=session_id)
         try:
-            for e in self.engines:
-                e.open_session(OpenRequest(sid, need, sampling or SamplingParams())).raise_for_status()
-                opened.append(e)
             gen = Generation(prompt_tokens=len(prompt))
             t0 = time.perf_counter()
-            step = self.n_ubatch * PREFILL_STEP_UBATCHES
-            for start in range(0, len(prompt), step):
-                chunk = tuple(prompt[start : start + step])
-                result = self.step(sid, start, chunk)
-            token = result.token
+            token = self.prefill(sid, prompt).token
             t1 = time.perf_counter()
             gen.ttft_ms = (t1 - t0) * 1000
             position = len(prompt)
@@ -170,8 +161,34 @@ class LocalRoute:
             gen.decode_ms = (time.perf_counter() - t1) * 1000
             return gen
         finally:
+            self.release(sid)
+
+    def open(self, max_tokens: int, sampling: SamplingParams | None = None, *, session_id: str | None = None) -> str:
+        """Open a session on every shard (all or none). Returns its id."""
+        sid = session_id or uuid.uuid4().hex
+        opened: list[ShardEngine] = []
+        try:
+            for e in self.engines:
+                e.open_session(OpenRequest(sid, max_tokens, sampling or SamplingParams())).raise_for_status()
+                opened.append(e)
+        except BaseException:
             for e in opened:
                 e.release(sid)
+            raise
+        return sid
+
+    def release(self, session_id: str) -> None:
+        for e in self.engines:
+            e.release(session_id)
+
+    def prefill(self, session_id: str, prompt: Sequence[int]) -> StepResult:
+        """The whole prompt, in steps of whole micro-batches (so every shard splits
+        it at the same boundaries). Returns the last step's result."""
+        step = self.n_ubatch * PREFILL_STEP_UBATCHES
+        result = None
+        for start in range(0, len(prompt), step):
+            result = self.step(session_id, start, prompt[start : start + step])
+        return result
 
     def step(self, session_id: str, position: int, token_ids: Sequence[int], *, decode: bool = False) -> StepResult:
         """Run one prefill chunk (or one decode token) through every shard in turn;
