@@ -66,6 +66,28 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
                       help="other bootstrap peers to join (repeatable; default $MESHNET_BOOTSTRAP)")
 
+    relay = sub.add_parser("relay", help="run a relay for peers behind NAT (splices TLS it cannot read)")
+    relay.add_argument("--listen", default="127.0.0.1:4002", help="HOST:PORT for the TCP socket (port 0: any)")
+    relay.add_argument("--identity", help="key file (created if missing; default: a fresh identity per run)")
+    relay.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
+                       help="also join the DHT through these peers (repeatable; default $MESHNET_BOOTSTRAP)")
+    relay.add_argument("--max-reservations", type=_positive, default=128)
+    relay.add_argument("--max-connections-per-peer", type=_positive, default=16)
+    relay.add_argument("--max-mbps-per-peer", type=float, default=512.0, help="bandwidth per peer, megabits/s")
+
+    serve = sub.add_parser("serve", help="serve one shard over the gRPC data plane (no DHT)")
+    serve.add_argument("--shard", help="a cut shard GGUF (or use --model with --layers)")
+    serve.add_argument("--model", help="source GGUF to cut from (default: the embedded model)")
+    serve.add_argument("--layers", help="layer range A:B to cut from --model")
+    serve.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT for gRPC")
+    serve.add_argument("--identity", help="key file (created if missing; default: a fresh identity per run)")
+    serve.add_argument("--relay", metavar="MULTIADDR", help="also be reachable through this relay")
+    serve.add_argument("--max-sessions", type=_positive, default=4)
+    serve.add_argument("--n-ubatch", type=_positive, default=64)
+    serve.add_argument("--n-ctx", type=_positive, default=2048, help="KV tokens per session")
+    serve.add_argument("--threads", type=_positive, default=None)
+    serve.add_argument("--max-message-bytes", type=_positive, default=16 << 20)
+
     gen = sub.add_parser("generate", help="generate text through a route of shards")
     gen.add_argument("--local", action="store_true", help="run the whole route in this process (no network)")
     gen.add_argument("--model", help="GGUF model (default: the embedded SmolLM2-135M-Instruct)")
@@ -96,6 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _identity(args)
         if args.command == "bootstrap":
             return _bootstrap(args)
+        if args.command == "relay":
+            return _relay(args)
+        if args.command == "serve":
+            return _serve(args)
     except MeshnetError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
@@ -198,6 +224,75 @@ def _bootstrap(args: argparse.Namespace) -> int:
         trio.run(serve)
     except OSError as e:
         raise MeshnetError(f"cannot listen on {args.listen}: {e.strerror or e}") from None
+    return 0
+
+
+def _relay(args: argparse.Namespace) -> int:
+    import signal
+
+    import trio
+
+    from .dataplane.relay import Relay, RelayLimits
+    from .network import bootstrap_addrs, parse_listen, start_node
+
+    host, port = parse_listen(args.listen)
+    identity = _load_or_create_identity(args.identity)
+    seeds = bootstrap_addrs(args.bootstrap, env={} if args.bootstrap else None)
+    limits = RelayLimits(max_reservations=args.max_reservations, max_connections_per_peer=args.max_connections_per_peer,
+                         bytes_per_second_per_peer=args.max_mbps_per_peer * 1e6 / 8)
+
+    async def run() -> None:
+        relay = Relay(identity, limits)
+        async with trio.open_nursery() as nursery:
+            bound = await nursery.start(relay.serve, host, port)
+            if seeds:
+                await start_node(nursery, identity, listen=f"{host}:0", bootstrap=seeds, require_bootstrap=False)
+            proto = "ip6" if ":" in host else "ip4"
+            print(f"listening on /{proto}/{host}/tcp/{bound}/p2p/{identity.peer_id}", flush=True)
+            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for _ in signals:
+                    break
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(run)
+    except OSError as e:
+        raise MeshnetError(f"cannot listen on {args.listen}: {e.strerror or e}") from None
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import trio
+
+    from .dataplane.serve import Limits, ServeOptions, serve
+    from .engine.cut import parse_layer_range, sha256_file
+    from .models import ensure_shard
+    from .multiaddr import Multiaddr
+    from .network import parse_listen
+    from .progress import TerminalProgress
+
+    host, port = parse_listen(args.listen)
+    relay = Multiaddr.parse(args.relay) if args.relay else None
+    if args.shard:
+        if args.layers or args.model:
+            raise MeshnetError("give either --shard, or --model/--layers, not both")
+        shard = args.shard
+        if not os.path.isfile(shard):
+            raise MeshnetError(f"no shard file at {shard}")
+    elif args.layers:
+        start, end = parse_layer_range(args.layers)
+        model = _model_path(args.model)
+        progress = TerminalProgress(f"layers {start}:{end}")
+        shard = ensure_shard(model, start, end, sha256_file(model, progress), progress)
+    else:
+        raise MeshnetError("serve needs --shard PATH, or --layers A:B (with --model or the embedded model)")
+    opts = ServeOptions(shard, host, port, _load_or_create_identity(args.identity), relay=relay,
+                        max_sessions=args.max_sessions, n_ctx_per_session=args.n_ctx, n_ubatch=args.n_ubatch,
+                        n_threads=args.threads, limits=Limits(max_message_bytes=args.max_message_bytes))
+    try:
+        trio.run(serve, opts, lambda line: print(line, flush=True))
+    except OSError as e:
+        raise MeshnetError(f"cannot serve on {args.listen}: {e.strerror or e}") from None
     return 0
 
 

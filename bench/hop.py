@@ -1,0 +1,119 @@
+"""Per-token decode overhead of one data-plane hop, measured side by side in one run.
+
+    python bench/hop.py [--layers 10:20] [--tokens 200] [--json]
+
+Runs the same middle shard three ways, in turns of --block tokens: the engine
+called in this process, the same shard served by a `meshnet-peer serve`
+process over gRPC+TLS on loopback (direct), and the same server reached
+through a `meshnet-peer relay` process. The server process is also attached to
+the relay. Each step carries one token's float32 hidden state (2,304 bytes for
+SmolLM2) in and out, as a real hop does. Reports medians. Target (issue 4):
+direct_overhead_ms < 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from meshnet_p2p.dataplane.client import ShardClient, open_channel
+from meshnet_p2p.dataplane.tls import verify_binding
+from meshnet_p2p.engine.contract import HIDDEN, DecodeRequest, LoadRequest, OpenRequest, Tensor, TensorBundle
+from meshnet_p2p.engine.cut import parse_layer_range, sha256_file
+from meshnet_p2p.engine.llama_engine import LlamaCppShardEngine
+from meshnet_p2p.models import default_model_path, ensure_shard
+from meshnet_p2p.multiaddr import Multiaddr
+
+
+def start(cmd: list[str], lines: int) -> tuple[subprocess.Popen, list[str]]:
+    proc = subprocess.Popen([sys.executable, "-m", "meshnet_p2p", *cmd], stdout=subprocess.PIPE, text=True)
+    return proc, [proc.stdout.readline().strip() for _ in range(lines)]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", default="10:20")
+    ap.add_argument("--tokens", type=int, default=300)
+    ap.add_argument("--block", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=1, help="llama.cpp threads, in-process and in the server alike")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    model = default_model_path()
+    start_l, end_l = parse_layer_range(args.layers)
+    shard = ensure_shard(model, start_l, end_l, sha256_file(model))
+    procs = []
+    try:
+        relay, (relay_line,) = start(["relay", "--listen", "127.0.0.1:0"], 1)
+        procs.append(relay)
+        relay_addr = Multiaddr.parse(relay_line.removeprefix("listening on "))
+        server, lines = start(["serve", "--shard", shard, "--threads", str(args.threads), "--relay", str(relay_addr)], 3)
+        procs.append(server)
+        addr = Multiaddr.parse(lines[0].removeprefix("listening on "))
+        peer = addr.peer_id
+        cert = verify_binding(bytes.fromhex(lines[1].split()[1]), peer, int(time.time() * 1000))
+
+        engine = LlamaCppShardEngine()
+        engine.load(LoadRequest(shard, max_sessions=1, n_ctx_per_session=args.tokens + 8, n_threads=args.threads)).status.raise_for_status()
+        direct = ShardClient(open_channel(cert, address=(addr.host, addr.port)))
+        relayed = ShardClient(open_channel(cert, relay=(relay_addr.host, relay_addr.port), peer_id=peer))
+        fp = direct.capability().fingerprint
+        n_embd = engine.capabilities().n_embd
+        rng = np.random.default_rng(0)
+        hidden = [TensorBundle((Tensor(HIDDEN, "f32", (1, n_embd), (rng.standard_normal((1, n_embd)) * 0.1).astype(np.float32).tobytes()),))
+                  for _ in range(args.tokens)]
+        engine.open_session(OpenRequest("local", args.tokens + 8)).raise_for_status()
+        streams = {"direct": direct.session(fp, max_tokens=args.tokens + 8), "relay": relayed.session(fp, max_tokens=args.tokens + 8)}
+        times: dict[str, list[float]] = {"inprocess": [], "direct": [], "relay": []}
+        outputs: dict[str, list[bytes]] = {k: [] for k in times}
+        pos = 0
+        while pos < args.tokens:
+            n = min(args.block, args.tokens - pos)
+            for way in ("inprocess", "direct", "relay"):
+                for i in range(pos, pos + n):
+                    t0 = time.perf_counter()
+                    if way == "inprocess":
+                        out = engine.decode(DecodeRequest("local", i, hidden=hidden[i])).hidden
+                    else:
+                        out = streams[way].step(i, hidden=hidden[i], decode=True).hidden
+                    times[way].append(time.perf_counter() - t0)
+                    outputs[way].append(out.tensors[0].data)
+            pos += n
+        for s in streams.values():
+            s.release()
+        direct.close()
+        relayed.close()
+        engine.close()
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)
+
+    med = {k: statistics.median(v) * 1000 for k, v in times.items()}
+    doc = {
+        "layers": [start_l, end_l],
+        "tokens": args.tokens,
+        "inprocess_ms": round(med["inprocess"], 3),
+        "direct_ms": round(med["direct"], 3),
+        "relay_ms": round(med["relay"], 3),
+        "direct_overhead_ms": round(med["direct"] - med["inprocess"], 3),
+        "relay_overhead_ms": round(med["relay"] - med["inprocess"], 3),
+        "identical_outputs": outputs["inprocess"] == outputs["direct"] == outputs["relay"],
+    }
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        for k, v in doc.items():
+            print(f"{k:22s} {v}")
+    return 0 if doc["identical_outputs"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Generated at build time from proto/ (see setup.py); not edited, not committed."""

@@ -1,0 +1,1 @@
+"""The data plane: the ShardRuntime gRPC service, identity-bound TLS, relays."""

@@ -1,0 +1,339 @@
+"""Opaque relays for peers behind NAT: an HTTP CONNECT splice.
+
+A peer that cannot accept connections keeps one outbound *control*
+connection to a relay, on which it proves its identity (it signs the relay's
+nonce; the relay signs the peer's, so each knows who the other is). A client
+dials the relay with ``CONNECT <peer id>.peer:443`` (grpcio does this itself,
+given the channel option ``grpc.http_proxy``); the relay asks the peer, over
+its control connection, to open a *data* connection for that client, and
+splices the two byte streams. TLS runs end to end, client to peer: the relay
+sees ciphertext only, and any byte it changed would fail the TLS record MAC.
+
+Limits: reservations in total, concurrent connections per peer, and bytes per
+second per peer (a token bucket over all of the peer's connections). When the
+peer's control connection ends, its reservation and every splice it carries
+end too; when either side of a splice closes, the other is closed.
+
+Control protocol (one line each, ``\\n``-terminated):
+    peer -> relay   MESHNET-RESERVE <peer id> <peer nonce hex>
+    relay -> peer   CHALLENGE <relay nonce hex> <relay signature hex>
+    peer -> relay   SIG <peer signature hex>
+    relay -> peer   OK | ERR <reason>
+    relay -> peer   OPEN <token>                  (per client)
+    peer -> relay   (new connection) MESHNET-ATTACH <token>
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass, field
+from typing import Callable
+
+import trio
+
+from ..errors import MeshnetError
+from ..identity import Identity, IdentityError, PeerId
+from ..multiaddr import Multiaddr
+
+PEER_DOMAIN = b"meshnet-relay-reserve-v1\0"
+RELAY_DOMAIN = b"meshnet-relay-accept-v1\0"
+MAX_LINE = 8192
+
+
+class RelayError(MeshnetError):
+    pass
+
+
+@dataclass(frozen=True)
+class RelayLimits:
+    max_reservations: int = 128
+    max_connections_per_peer: int = 16
+    bytes_per_second_per_peer: float = 64e6
+    burst_bytes: float = 16e6
+    handshake_timeout: float = 10.0
+    attach_timeout: float = 10.0
+
+
+class _LineReader:
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self.buf = b""
+
+    async def line(self, limit: int = MAX_LINE) -> bytes:
+        while b"\n" not in self.buf:
+            if len(self.buf) > limit:
+                raise RelayError("line too long")
+            chunk = await self.stream.receive_some(4096)
+            if not chunk:
+                raise RelayError("connection closed during the handshake")
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line.rstrip(b"\r")
+
+    async def http_head(self) -> list[bytes]:
+        lines = []
+        while True:
+            line = await self.line()
+            if not line:
+                return lines
+            lines.append(line)
+            if len(lines) > 64:
+                raise RelayError("too many header lines")
+
+
+class _TokenBucket:
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst = rate, burst
+        self.tokens = burst
+        self.at = trio.current_time()
+
+    async def take(self, n: int) -> None:
+        while True:
+            now = trio.current_time()
+            self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+            self.at = now
+            if self.tokens >= min(n, self.burst):
+                self.tokens -= n
+                return
+            await trio.sleep((min(n, self.burst) - self.tokens) / self.rate)
+
+
+@dataclass
+class _Reservation:
+    peer_id: PeerId
+    control: trio.abc.Stream
+    bucket: _TokenBucket
+    send_lock: trio.Lock = field(default_factory=trio.Lock)
+    pending: dict[str, trio.MemorySendChannel] = field(default_factory=dict)
+    scopes: set[trio.CancelScope] = field(default_factory=set)
+    connections: int = 0
+
+
+async def _splice(a: trio.abc.Stream, b: trio.abc.Stream, bucket: _TokenBucket | None,
+                  transform: Callable[[bytes, str], bytes] | None = None, first: tuple[bytes, bytes] = (b"", b"")) -> int:
+    """Copy bytes both ways until either side closes; returns bytes moved."""
+    moved = 0
+
+    async def pump(src, dst, leftover: bytes, direction: str, nursery: trio.Nursery) -> None:
+        nonlocal moved
+        try:
+            if leftover:
+                await dst.send_all(transform(leftover, direction) if transform else leftover)
+            while True:
+                data = await src.receive_some(65536)
+                if not data:
+                    break
+                if bucket is not None:
+                    await bucket.take(len(data))
+                await dst.send_all(transform(data, direction) if transform else data)
+                moved += len(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        nursery.cancel_scope.cancel()  # one side ended: end the splice
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(pump, a, b, first[0], "a->b", nursery)
+        nursery.start_soon(pump, b, a, first[1], "b->a", nursery)
+    return moved
+
+
+class Relay:
+    def __init__(self, identity: Identity, limits: RelayLimits = RelayLimits()) -> None:
+        self.identity = identity
+        self.limits = limits
+        self.reservations: dict[str, _Reservation] = {}  # lowercased peer id -> reservation
+        self._tokens: dict[str, _Reservation] = {}
+        self.transform: Callable[[bytes, str], bytes] | None = None  # what a dishonest operator could do
+        self.stats = {"reservations": 0, "refused": 0, "spliced": 0, "bytes": 0}
+
+    async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        self.port = listeners[0].socket.getsockname()[1]
+        task_status.started(self.port)
+        await trio.serve_listeners(self._handle, listeners)
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        reader = _LineReader(stream)
+        try:
+            with trio.fail_after(self.limits.handshake_timeout):
+                first = await reader.line()
+            if first.startswith(b"CONNECT "):
+                await self._client(stream, reader, first)
+            elif first.startswith(b"MESHNET-RESERVE "):
+                await self._reserve(stream, reader, first)
+            elif first.startswith(b"MESHNET-ATTACH "):
+                await self._attach(stream, reader, first)
+        except (RelayError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError, IdentityError, ValueError):
+            pass
+        finally:
+            await trio.aclose_forcefully(stream)
+
+    async def _reserve(self, stream, reader: _LineReader, first: bytes) -> None:
+        parts = first.decode(errors="replace").split()
+        if len(parts) != 3:
+            raise RelayError("bad reserve line")
+        peer = PeerId.from_string(parts[1])
+        peer_nonce = bytes.fromhex(parts[2])
+        if len(peer_nonce) != 32:
+            raise RelayError("bad nonce")
+        nonce = os.urandom(32)
+        sig = self.identity.sign(RELAY_DOMAIN + peer_nonce + peer.multihash)
+        await stream.send_all(f"CHALLENGE {nonce.hex()} {sig.hex()}\n".encode())
+        with trio.fail_after(self.limits.handshake_timeout):
+            reply = (await reader.line()).decode(errors="replace").split()
+        if len(reply) != 2 or reply[0] != "SIG" or not peer.verify(bytes.fromhex(reply[1]), PEER_DOMAIN + nonce + self.identity.peer_id.multihash):
+            await stream.send_all(b"ERR identity not proven\n")
+            self.stats["refused"] += 1
+            return
+        key = str(peer).lower()
+        old = self.reservations.get(key)
+        if old is None and len(self.reservations) >= self.limits.max_reservations:
+            await stream.send_all(b"ERR relay full\n")
+            self.stats["refused"] += 1
+            return
+        if old is not None:
+            await trio.aclose_forcefully(old.control)  # the newest control connection wins
+        res = _Reservation(peer, stream, _TokenBucket(self.limits.bytes_per_second_per_peer, self.limits.burst_bytes))
+        self.reservations[key] = res
+        self.stats["reservations"] += 1
+        await stream.send_all(b"OK\n")
+        try:
+            while True:  # the peer sends nothing more; this only notices it going away
+                if not await stream.receive_some(1024):
+                    break
+        finally:
+            if self.reservations.get(key) is res:
+                del self.reservations[key]
+            for scope in list(res.scopes):
+                scope.cancel()
+            for token in list(res.pending):
+                self._tokens.pop(token, None)
+
+    async def _client(self, stream, reader: _LineReader, first: bytes) -> None:
+        await reader.http_head()
+        parts = first.decode(errors="replace").split()
+        target = parts[1] if len(parts) >= 2 else ""
+        host = target.rsplit(":", 1)[0].lower()
+        if not host.endswith(".peer"):
+            await stream.send_all(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+            return
+        res = self.reservations.get(host[: -len(".peer")])
+        if res is None:
+            await stream.send_all(b"HTTP/1.1 404 Not Found\r\n\r\n")
+            return
+        if res.connections >= self.limits.max_connections_per_peer:
+            await stream.send_all(b"HTTP/1.1 429 Too Many Requests\r\n\r\n")
+            self.stats["refused"] += 1
+            return
+        res.connections += 1
+        token = secrets.token_hex(16)
+        send, recv = trio.open_memory_channel(1)
+        res.pending[token] = send
+        self._tokens[token] = res
+        try:
+            with trio.CancelScope() as scope:
+                res.scopes.add(scope)
+                async with res.send_lock:
+                    await res.control.send_all(f"OPEN {token}\n".encode())
+                with trio.fail_after(self.limits.attach_timeout):
+                    data_stream, data_reader, attached = await recv.receive()
+                try:
+                    await stream.send_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                    self.stats["spliced"] += 1
+                    self.stats["bytes"] += await _splice(stream, data_stream, res.bucket, self.transform,
+                                                         first=(reader.buf, data_reader.buf))
+                finally:
+                    attached.set()
+        finally:
+            res.scopes.discard(scope)
+            res.pending.pop(token, None)
+            self._tokens.pop(token, None)
+            res.connections -= 1
+
+    async def _attach(self, stream, reader: _LineReader, first: bytes) -> None:
+        parts = first.decode(errors="replace").split()
+        token = parts[1] if len(parts) == 2 else ""
+        res = self._tokens.pop(token, None)
+        if res is None:
+            return
+        chan = res.pending.pop(token, None)
+        if chan is None:
+            return
+        attached = trio.Event()
+        try:
+            chan.send_nowait((stream, reader, attached))
+        except (trio.WouldBlock, trio.BrokenResourceError):
+            return
+        await attached.wait()  # the client's handler owns the splice; keep this stream open until it ends
+
+
+async def reserve(relay: Multiaddr, identity: Identity) -> tuple[trio.abc.Stream, _LineReader]:
+    """Open a control connection to ``relay`` and reserve a slot, each side
+    proving its identity. Raises :class:`RelayError` if the relay is not the
+    peer its multiaddr names, or refuses."""
+    relay_peer = relay.peer_id
+    if relay_peer is None or relay.transport != "tcp":
+        raise RelayError(f"relay address {relay} must be /ip4/<host>/tcp/<port>/p2p/<relay peer id>")
+    control = await trio.open_tcp_stream(relay.host, relay.port)
+    try:
+        reader = _LineReader(control)
+        my_nonce = os.urandom(32)
+        await control.send_all(f"MESHNET-RESERVE {identity.peer_id} {my_nonce.hex()}\n".encode())
+        parts = (await reader.line()).decode(errors="replace").split()
+        if len(parts) != 3 or parts[0] != "CHALLENGE":
+            raise RelayError("relay did not answer the reservation")
+        if not relay_peer.verify(bytes.fromhex(parts[2]), RELAY_DOMAIN + my_nonce + identity.peer_id.multihash):
+            raise RelayError(f"the relay at {relay.host}:{relay.port} is not {relay_peer}")
+        sig = identity.sign(PEER_DOMAIN + bytes.fromhex(parts[1]) + relay_peer.multihash)
+        await control.send_all(f"SIG {sig.hex()}\n".encode())
+        verdict = await reader.line()
+        if verdict != b"OK":
+            raise RelayError(f"relay refused the reservation: {verdict.decode(errors='replace')}")
+        return control, reader
+    except BaseException:
+        await trio.aclose_forcefully(control)
+        raise
+
+
+async def attach_to_relay(relay: Multiaddr, identity: Identity, local: tuple[str, int], *,
+                          task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Reserve a slot on ``relay`` and serve each client it announces by splicing
+    a fresh connection to the relay with one to ``local`` (this peer's gRPC port).
+    The first reservation must succeed; later, a lost relay is retried with backoff."""
+    control, reader = await reserve(relay, identity)
+    task_status.started()
+    backoff = 0.5
+    while True:
+        try:
+            async with trio.open_nursery() as nursery:
+                while True:
+                    line = (await reader.line()).decode(errors="replace").split()
+                    if len(line) == 2 and line[0] == "OPEN":
+                        nursery.start_soon(_serve_one, relay, line[1], local)
+        except (OSError, RelayError, trio.BrokenResourceError, ValueError, ExceptionGroup):
+            pass  # the relay went away (errors from the nursery arrive grouped)
+        await trio.aclose_forcefully(control)
+        while True:
+            await trio.sleep(backoff)
+            backoff = min(backoff * 2, 30.0)
+            try:
+                control, reader = await reserve(relay, identity)
+                backoff = 0.5
+                break
+            except (OSError, RelayError, trio.BrokenResourceError, ValueError):
+                continue
+
+
+async def _serve_one(relay: Multiaddr, token: str, local: tuple[str, int]) -> None:
+    try:
+        data = await trio.open_tcp_stream(relay.host, relay.port)
+        await data.send_all(f"MESHNET-ATTACH {token}\n".encode())
+        inner = await trio.open_tcp_stream(*local)
+        try:
+            await _splice(data, inner, None)
+        finally:
+            await trio.aclose_forcefully(inner)
+            await trio.aclose_forcefully(data)
+    except OSError:
+        pass

@@ -1,0 +1,305 @@
+"""The ShardRuntime gRPC servicer: the Session stream in front of a ShardEngine.
+
+It fails closed, with a typed error, on: a fingerprint that does not match
+(naming every mismatching recipe axis), a stale route epoch, an expired
+deadline, fragments that do not tile or fail their CRC32C, exhausted
+flow-control credit (topped up in-band), a repeated idempotency step (acked,
+never applied twice), cancels in-band and out-of-band (also one that arrives
+before its session opens), oversized messages and sessions beyond capacity.
+Errors are per session: nothing one stream does reaches another's state.
+
+grpcio runs each stream on a thread of its pool, which reads the stream's
+requests in order. An in-band cancel therefore acts between steps (later
+steps of the cancelled work or session fail closed); the unary Cancel RPC,
+served on another thread, reaches a step while it runs and aborts it in the
+engine. (A second reader thread per stream would let in-band cancels do that
+too, at ~50-100 us per step; the out-of-band path keeps the hot path lean.)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import grpc
+
+from .._proto import shard_runtime_pb2 as pb
+from .._proto import shard_runtime_pb2_grpc as pb_grpc
+from ..engine.contract import (
+    DecodeRequest,
+    OpenRequest,
+    PrefillRequest,
+    SamplingParams,
+    ShardEngine,
+    StatusCode,
+)
+from ..engine.recipe import explain_mismatch
+from .session_state import SessionState, Verdict
+from .tensors import PayloadError, bundle_from_proto, bundle_to_proto
+
+E = pb.ErrorCode
+
+_ENGINE_CODES = {
+    StatusCode.NOT_LOADED: E.INTERNAL,
+    StatusCode.LOAD_FAILED: E.INTERNAL,
+    StatusCode.INVALID_ARGUMENT: E.INVALID_ARGUMENT,
+    StatusCode.UNKNOWN_SESSION: E.UNKNOWN_SESSION,
+    StatusCode.SESSION_EXISTS: E.INVALID_ARGUMENT,
+    StatusCode.CAPACITY_EXHAUSTED: E.CAPACITY,
+    StatusCode.CONTEXT_EXHAUSTED: E.CONTEXT_EXHAUSTED,
+    StatusCode.POSITION_MISMATCH: E.POSITION_MISMATCH,
+    StatusCode.BAD_TENSOR: E.BAD_TENSOR,
+    StatusCode.WRONG_INPUT: E.WRONG_INPUT,
+    StatusCode.CANCELLED: E.CANCELLED,
+    StatusCode.INTERNAL: E.INTERNAL,
+}
+
+_VERDICT_ERRORS = {
+    Verdict.CANCELLED: (E.CANCELLED, "work was cancelled", False),
+    Verdict.EPOCH_STALE: (E.EPOCH_STALE, "step carries a stale route epoch", False),
+    Verdict.DEADLINE: (E.DEADLINE_EXCEEDED, "the step's deadline has passed", False),
+    Verdict.NO_CREDIT: (E.FLOW_CONTROL, "no flow-control credit left; top up in-band", True),
+    Verdict.NOT_OPEN: (E.PROTOCOL, "step before SessionOpen", False),
+}
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_credits: int = 64
+    max_message_bytes: int = 16 << 20
+    max_prefill_tokens: int = 4096
+    max_pending_cancels: int = 4096  # cancels remembered for sessions not open yet
+
+
+def _error(code: int, detail: str, *, work_id: str = "", step: int = 0, retryable: bool = False,
+           terminal: bool = False, mismatches: list[str] | None = None) -> pb.SessionResponse:
+    return pb.SessionResponse(error=pb.Error(code=code, detail=detail, retryable=retryable, work_id=work_id,
+                                             idempotency_step=step, terminal=terminal, mismatches=mismatches or []))
+
+
+class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
+    def __init__(self, engine: ShardEngine, *, peer_id: str = "", limits: Limits = Limits(),
+                 now_ms=lambda: int(time.time() * 1000)) -> None:
+        self.engine = engine
+        self.peer_id = peer_id
+        self.limits = limits
+        self.now_ms = now_ms
+        caps = engine.capabilities()
+        if caps is None:
+            raise ValueError("the engine must be loaded before it is served")
+        self.caps = caps
+        self.fingerprint = pb.Fingerprint(
+            model_digest=caps.model_digest, recipe_digest=caps.recipe_digest,
+            recipe_axes={k: str(v) for k, v in caps.recipe.items()},
+        )
+        self._lock = threading.Lock()
+        self._states: dict[str, SessionState] = {}
+        self._running: dict[str, str] = {}  # session id -> work id of the step in the engine now
+
+    # --- unary ---------------------------------------------------------------------
+
+    def GetCapability(self, request, context):
+        c = self.caps
+        m = self.engine.metrics()
+        return pb.Capability(
+            peer_id=self.peer_id, fingerprint=self.fingerprint,
+            layers=pb.LayerRange(start=c.start, end=c.end, total=c.source_layers),
+            max_sessions=c.max_sessions, free_sessions=c.max_sessions - m.active_sessions,
+            kv_token_budget=c.kv_token_budget, flow_control=self._limits_proto(),
+            n_embd=c.n_embd, seam_dtype=str(c.recipe["seam_dtype"]),
+        )
+
+    def Health(self, request, context):
+        h = self.engine.health()
+        return pb.HealthReport(serving=h.serving, state=h.state, active_sessions=h.active_sessions, detail=h.detail)
+
+    def Cancel(self, request, context):
+        newly = self._cancel(request.session_id, request.work_id)
+        return pb.CancelResponse(cancelled=newly)
+
+    def Release(self, request, context):
+        with self._lock:
+            existed = self._states.pop(request.session_id, None) is not None
+        self.engine.release(request.session_id)
+        return pb.ReleaseResponse(released=existed)
+
+    def _limits_proto(self) -> pb.FlowControl:
+        lim = self.limits
+        return pb.FlowControl(credits=lim.max_credits, max_message_bytes=lim.max_message_bytes,
+                              max_prefill_tokens=lim.max_prefill_tokens)
+
+    def _state(self, session_id: str) -> SessionState | None:
+        with self._lock:
+            return self._states.get(session_id)
+
+    def _cancel(self, session_id: str, work_id: str) -> bool:
+        """Mark cancelled (creating the state if the session is not open yet) and
+        abort the engine's in-flight step for it."""
+        with self._lock:
+            state = self._states.get(session_id)
+            if state is None:
+                if len(self._states) >= self.limits.max_pending_cancels or not session_id:
+                    return False
+                state = self._states[session_id] = SessionState(session_id)
+            newly = state.cancel(work_id)
+            opened = state.opened
+            running = self._running.get(session_id)
+        if opened and not work_id:
+            self.engine.cancel(session_id)  # ends the session, aborting any running step
+        elif opened and running == work_id:
+            self.engine.cancel(session_id, keep_session=True)  # aborts only that step
+        return newly
+
+    # --- the Session stream ----------------------------------------------------------------
+
+    def Session(self, request_iterator, context) -> Iterator[pb.SessionResponse]:
+        opened_id = None
+        released = False
+        try:
+            for req in request_iterator:
+                kind = req.WhichOneof("kind")
+                if req.ByteSize() > self.limits.max_message_bytes:
+                    yield _error(E.OVERSIZED, f"message of {req.ByteSize()} bytes exceeds {self.limits.max_message_bytes}")
+                    continue
+                if kind == "open":
+                    if opened_id is not None:
+                        yield _error(E.PROTOCOL, "the session is already open on this stream")
+                        continue
+                    reply, opened_id = self._open(req.open)
+                    yield reply
+                    if opened_id is None:
+                        return
+                    continue
+                if opened_id is None:
+                    yield _error(E.PROTOCOL, f"{kind or 'empty message'} before SessionOpen", terminal=True)
+                    return
+                state = self._state(opened_id)
+                if state is None:
+                    yield _error(E.UNKNOWN_SESSION, "the session was released out of band", terminal=True)
+                    return
+                if kind == "step":
+                    yield self._step(opened_id, state, req.step)
+                elif kind == "credit":
+                    state.top_up(req.credit.credits)
+                elif kind == "cancel":
+                    self._cancel(opened_id, req.cancel.work_id)
+                    whole = not req.cancel.work_id
+                    yield _error(E.CANCELLED, req.cancel.reason or "cancelled", work_id=req.cancel.work_id, terminal=whole)
+                    if whole:
+                        return
+                elif kind == "rollback":
+                    status = self.engine.rollback(opened_id, req.rollback.position)
+                    state.epoch = max(state.epoch, req.rollback.route_epoch)
+                    if status.ok:
+                        yield pb.SessionResponse(ack=pb.Ack())
+                    else:
+                        yield _error(_ENGINE_CODES[status.code], status.message)
+                elif kind == "release":
+                    self.engine.release(opened_id)
+                    released = True
+                    yield pb.SessionResponse(released=pb.Released(session_id=opened_id))
+                    return
+                else:
+                    yield _error(E.PROTOCOL, "unknown message", terminal=True)
+                    return
+        except grpc.RpcError:
+            pass  # the client went away mid-stream
+        finally:
+            if opened_id is not None:
+                if not released:
+                    self.engine.release(opened_id)  # the client went away: free its capacity
+                with self._lock:
+                    self._states.pop(opened_id, None)
+
+    def _open(self, msg: pb.SessionOpen) -> tuple[pb.SessionResponse, str | None]:
+        sid = msg.session_id
+        if not sid or len(sid) > 128:
+            return _error(E.INVALID_ARGUMENT, "a session id must be 1..128 characters", terminal=True), None
+        theirs = msg.fingerprint
+        if (theirs.model_digest, theirs.recipe_digest) != (self.fingerprint.model_digest, self.fingerprint.recipe_digest):
+            reasons = []
+            if theirs.model_digest != self.fingerprint.model_digest:
+                reasons.append(f"model_digest is {theirs.model_digest[:16]!r}... there, {self.fingerprint.model_digest[:16]!r}... here")
+            reasons += explain_mismatch(dict(self.fingerprint.recipe_axes), dict(theirs.recipe_axes))
+            if not reasons:
+                reasons.append("recipe_digest differs on an axis this peer does not know")
+            return _error(E.FINGERPRINT_MISMATCH, "; ".join(reasons), terminal=True, mismatches=reasons), None
+        with self._lock:
+            state = self._states.get(sid)
+            if state is not None and state.opened:
+                return _error(E.INVALID_ARGUMENT, f"session {sid!r} is already open", terminal=True), None
+            if state is None:
+                state = self._states[sid] = SessionState(sid)
+            if state.cancelled:
+                self._states.pop(sid, None)
+                return _error(E.CANCELLED, "the session was cancelled before it opened", terminal=True), None
+        sampling_msg = msg.sampling
+        try:
+            sampling = SamplingParams(
+                temperature=sampling_msg.temperature, top_k=sampling_msg.top_k,
+                top_p=sampling_msg.top_p or 1.0, seed=sampling_msg.seed,
+            )
+            status = self.engine.open_session(OpenRequest(sid, max(1, msg.max_tokens), sampling))
+        except ValueError as e:
+            self._forget(sid)
+            return _error(E.INVALID_ARGUMENT, str(e), terminal=True), None
+        if not status.ok:
+            self._forget(sid)
+            return _error(_ENGINE_CODES[status.code], status.message, retryable=status.retryable, terminal=True), None
+        credits = min(msg.proposed.credits or self.limits.max_credits, self.limits.max_credits)
+        state.open(msg.route_epoch, credits)
+        granted = pb.FlowControl(credits=credits, max_message_bytes=self.limits.max_message_bytes,
+                                 max_prefill_tokens=self.limits.max_prefill_tokens)
+        layers = pb.LayerRange(start=self.caps.start, end=self.caps.end, total=self.caps.source_layers)
+        return pb.SessionResponse(accepted=pb.SessionAccepted(session_id=sid, route_epoch=msg.route_epoch,
+                                                              granted=granted, layers=layers)), sid
+
+    def _forget(self, sid: str) -> None:
+        with self._lock:
+            self._states.pop(sid, None)
+
+    def _step(self, sid: str, state: SessionState, step: pb.Step) -> pb.SessionResponse:
+        wid, n = step.work_id, step.idempotency_step
+        verdict = state.check_step(wid, n, step.route_epoch, step.deadline_unix_ms, self.now_ms())
+        if verdict is Verdict.DUPLICATE:
+            return pb.SessionResponse(ack=pb.Ack(work_id=wid, idempotency_step=n, duplicate=True))
+        if verdict is not Verdict.APPLY:
+            code, detail, retryable = _VERDICT_ERRORS[verdict]
+            return _error(code, detail, work_id=wid, step=n, retryable=retryable)
+        hidden = None
+        if step.HasField("hidden"):
+            try:
+                hidden = bundle_from_proto(step.hidden)
+            except PayloadError as e:
+                return _error(E.PAYLOAD_CORRUPT, str(e), work_id=wid, step=n)
+        tokens = tuple(step.token_ids) if not hidden else None
+        if len(step.token_ids) > self.limits.max_prefill_tokens:
+            return _error(E.OVERSIZED, f"{len(step.token_ids)} tokens exceed {self.limits.max_prefill_tokens}", work_id=wid, step=n)
+        state.applied(n, step.route_epoch)
+        with self._lock:
+            self._running[sid] = wid
+        try:
+            if step.decode:
+                if tokens is not None and len(tokens) != 1:
+                    return _error(E.INVALID_ARGUMENT, "a decode step carries exactly one token", work_id=wid, step=n)
+                result = self.engine.decode(DecodeRequest(sid, step.position, token_id=tokens[0] if tokens else None, hidden=hidden))
+            else:
+                result = self.engine.prefill(PrefillRequest(sid, step.position, token_ids=tokens, hidden=hidden))
+        except ValueError as e:  # request types refuse malformed steps (no input, negative position)
+            return _error(E.INVALID_ARGUMENT, str(e), work_id=wid, step=n)
+        finally:
+            with self._lock:
+                self._running.pop(sid, None)
+        if not result.status.ok:
+            s = result.status
+            return _error(_ENGINE_CODES[s.code], s.message, work_id=wid, step=n, retryable=s.retryable)
+        out = pb.StepResult(work_id=wid, idempotency_step=n, position=result.position)
+        if result.token is not None:
+            out.has_token = True
+            out.token_id = result.token.token_id
+            out.is_eog = result.token.is_eog
+        else:
+            bundle_to_proto(result.hidden, out=out.hidden)
+        return pb.SessionResponse(result=out)

@@ -1,0 +1,75 @@
+"""Per-session protocol state of the Session stream, as a pure state machine.
+
+Decides, for each incoming step, whether it may reach the engine: cancelled
+work, a stale route epoch, an expired deadline, a repeated idempotency step
+(acknowledged, never applied twice) and exhausted flow-control credit are all
+refused here, before any shard state changes. Cancels may arrive before the
+session is opened (an out-of-band Cancel racing its SessionOpen) and are
+remembered, so the session fails closed when it does open.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Verdict(str, Enum):
+    APPLY = "apply"
+    DUPLICATE = "duplicate"
+    CANCELLED = "cancelled"
+    EPOCH_STALE = "epoch-stale"
+    DEADLINE = "deadline"
+    NO_CREDIT = "no-credit"
+    NOT_OPEN = "not-open"
+
+
+@dataclass
+class SessionState:
+    session_id: str
+    epoch: int = 0
+    credits: int = 0
+    max_credits: int = 0
+    opened: bool = False
+    cancelled: bool = False  # the whole session
+    cancelled_work: set[str] = field(default_factory=set)
+    last_step: int = -1  # highest idempotency step applied
+
+    def open(self, epoch: int, credits: int) -> None:
+        self.opened = True
+        self.epoch = epoch
+        self.credits = self.max_credits = credits
+
+    def check_step(self, work_id: str, step: int, epoch: int, deadline_ms: int, now_ms: int) -> Verdict:
+        if not self.opened:
+            return Verdict.NOT_OPEN
+        if self.cancelled or work_id in self.cancelled_work:
+            return Verdict.CANCELLED
+        if epoch < self.epoch:
+            return Verdict.EPOCH_STALE
+        if deadline_ms and now_ms > deadline_ms:
+            return Verdict.DEADLINE
+        if step <= self.last_step:
+            return Verdict.DUPLICATE
+        if self.credits <= 0:
+            return Verdict.NO_CREDIT
+        return Verdict.APPLY
+
+    def applied(self, step: int, epoch: int) -> None:
+        """A step reached the engine (whatever its outcome): spend a credit, remember it."""
+        self.last_step = max(self.last_step, step)
+        self.credits -= 1
+        self.epoch = max(self.epoch, epoch)
+
+    def top_up(self, credits: int) -> int:
+        self.credits = min(self.max_credits, self.credits + credits)
+        return self.credits
+
+    def cancel(self, work_id: str = "") -> bool:
+        """Returns True if something newly became cancelled."""
+        if not work_id:
+            was, self.cancelled = self.cancelled, True
+            return not was
+        was = work_id in self.cancelled_work
+        self.cancelled_work.add(work_id)
+        return not was

@@ -1,0 +1,71 @@
+"""Tensor bundles on the wire: named tensors split into fragments, each tensor
+checked for exact tiling and its CRC32C before anything uses its bytes."""
+
+from __future__ import annotations
+
+import google_crc32c
+
+from .._proto import shard_runtime_pb2 as pb
+from ..engine.contract import Tensor, TensorBundle
+from ..engine.seam import seam_itemsize
+
+MAX_TENSORS = 8
+MAX_FRAGMENTS = 1024
+
+
+class PayloadError(ValueError):
+    """A bundle that does not tile, fails its checksum, or is malformed."""
+
+
+def crc32c(data: bytes) -> int:
+    return google_crc32c.value(data)
+
+
+def bundle_to_proto(bundle: TensorBundle, fragment_bytes: int = 1 << 20, out: pb.TensorBundle | None = None) -> pb.TensorBundle:
+    """Fill ``out`` (a field of the message being built, to avoid a copy) or a new bundle."""
+    out = pb.TensorBundle() if out is None else out
+    for t in bundle.tensors:
+        td = out.tensors.add(name=t.name, dtype=t.dtype, shape=list(t.shape), total_bytes=len(t.data), crc32c=crc32c(t.data))
+        for off in range(0, max(len(t.data), 1), fragment_bytes):
+            td.fragments.add(byte_offset=off, payload=t.data[off : off + fragment_bytes])
+    return out
+
+
+def bundle_from_proto(msg: pb.TensorBundle) -> TensorBundle:
+    if not 0 < len(msg.tensors) <= MAX_TENSORS:
+        raise PayloadError(f"a bundle carries 1..{MAX_TENSORS} tensors, this one {len(msg.tensors)}")
+    tensors = []
+    for td in msg.tensors:
+        if len(td.fragments) > MAX_FRAGMENTS:
+            raise PayloadError(f"tensor {td.name!r}: too many fragments")
+        expected = 0
+        parts = []
+        for frag in sorted(td.fragments, key=lambda f: f.byte_offset):
+            if frag.byte_offset != expected:
+                kind = "gap" if frag.byte_offset > expected else "overlap"
+                raise PayloadError(f"tensor {td.name!r}: fragment at {frag.byte_offset} does not tile ({kind} after {expected})")
+            parts.append(frag.payload)
+            expected += len(frag.payload)
+        if expected != td.total_bytes:
+            raise PayloadError(f"tensor {td.name!r}: fragments cover {expected} bytes, declared {td.total_bytes}")
+        data = b"".join(parts) if len(parts) != 1 else parts[0]
+        if crc32c(data) != td.crc32c:
+            raise PayloadError(f"tensor {td.name!r}: CRC32C mismatch")
+        shape = tuple(int(d) for d in td.shape)
+        try:
+            n = 1
+            for d in shape:
+                n *= d
+            if n * seam_itemsize(td.dtype) != len(data):
+                raise PayloadError(f"tensor {td.name!r}: {len(data)} bytes do not match shape {shape} of {td.dtype}")
+            tensors.append(Tensor(td.name, td.dtype, shape, data))
+        except KeyError:
+            raise PayloadError(f"tensor {td.name!r}: unknown dtype {td.dtype[:16]!r}") from None
+        except ValueError as e:
+            if isinstance(e, PayloadError):
+                raise
+            raise PayloadError(str(e)) from None
+    try:
+        return TensorBundle(tuple(tensors))
+    except ValueError as e:
+        raise PayloadError(str(e)) from None
