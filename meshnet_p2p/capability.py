@@ -60,6 +60,9 @@ class CapabilityReport:
     free_sessions: int = 0
     kv_tokens_free: int = 0
     relay: str | None = None  # multiaddr of the relay it is reachable through, if not direct
+    tls_cert: str = ""  # PEM of the data plane's TLS certificate (the signature binds it to the peer)
+    public_name: str = ""
+    departing: bool = False  # announced on shutdown: route around this peer
 
     def content(self, identity: Identity) -> dict[str, Any]:
         return {
@@ -74,6 +77,9 @@ class CapabilityReport:
             "kv_tokens_free": self.kv_tokens_free,
             "direct": self.relay is None,
             "relay": self.relay,
+            "tls_cert": self.tls_cert,
+            "name": self.public_name[:64],
+            "departing": self.departing,
             "version": __version__,
         }
 

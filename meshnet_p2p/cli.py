@@ -88,9 +88,28 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--threads", type=_positive, default=None)
     serve.add_argument("--max-message-bytes", type=_positive, default=16 << 20)
 
+    join = sub.add_parser("join", help="volunteer: serve a range of layers to the swarm")
+    join.add_argument("--model", help="GGUF model to serve (default: the embedded SmolLM2-135M-Instruct)")
+    join.add_argument("--layers", default="auto", help="A:B, or auto: what the swarm most needs (default)")
+    join.add_argument("--num-layers", type=_positive, help="with --layers auto: how many layers (default: a third)")
+    join.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT for the data plane (gRPC over TLS)")
+    join.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
+                      help="bootstrap peers (repeatable; default $MESHNET_BOOTSTRAP, then bootstrap/peers.txt)")
+    join.add_argument("--identity", help="key file (created if missing; default: a fresh identity per run)")
+    join.add_argument("--relay", metavar="MULTIADDR", help="be reachable through this relay (behind NAT)")
+    join.add_argument("--max-sessions", type=_positive, default=4)
+    join.add_argument("--n-ctx", type=_positive, default=2048, help="KV tokens per session")
+    join.add_argument("--n-ubatch", type=_positive, default=64)
+    join.add_argument("--threads", type=_positive, default=None)
+    join.add_argument("--public-name", default="", help="a name shown to clients")
+
     gen = sub.add_parser("generate", help="generate text through a route of shards")
     gen.add_argument("--local", action="store_true", help="run the whole route in this process (no network)")
-    gen.add_argument("--model", help="GGUF model (default: the embedded SmolLM2-135M-Instruct)")
+    gen.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
+                     help="bootstrap peers to find the swarm (repeatable; default $MESHNET_BOOTSTRAP)")
+    gen.add_argument("--step-timeout", type=float, default=10.0, help="seconds before a silent peer is failed over")
+    gen.add_argument("--model", help="GGUF model (default: the embedded SmolLM2-135M-Instruct); "
+                                     "over the network also a model digest, with the embedded model's tokenizer")
     gen.add_argument("--split", default="", help="layer cut points, e.g. 10,20 for shards [0,10) [10,20) [20,N)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=_positive, default=64)
@@ -118,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _identity(args)
         if args.command == "bootstrap":
             return _bootstrap(args)
+        if args.command == "join":
+            return _join(args)
         if args.command == "relay":
             return _relay(args)
         if args.command == "serve":
@@ -296,10 +317,80 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _join(args: argparse.Namespace) -> int:
+    import trio
+
+    from .engine.cut import parse_layer_range
+    from .multiaddr import Multiaddr
+    from .network import bootstrap_addrs, parse_listen
+    from .peer import JoinOptions, join
+    from .progress import TerminalProgress
+
+    host, port = parse_listen(args.listen)
+    layers = None if args.layers == "auto" else parse_layer_range(args.layers)
+    seeds = bootstrap_addrs(args.bootstrap, env={} if args.bootstrap else None)
+    if not seeds:
+        raise MeshnetError("join needs bootstrap peers: --bootstrap MULTIADDR or MESHNET_BOOTSTRAP")
+    opts = JoinOptions(
+        model_path=_model_path(args.model), layers=layers, num_layers=args.num_layers, listen_host=host,
+        listen_port=port, bootstrap=seeds, identity=_load_or_create_identity(args.identity),
+        relay=Multiaddr.parse(args.relay) if args.relay else None, max_sessions=args.max_sessions,
+        n_ctx_per_session=args.n_ctx, n_ubatch=args.n_ubatch, n_threads=args.threads,
+        public_name=args.public_name, progress=TerminalProgress("preparing the shard"),
+    )
+    try:
+        trio.run(join, opts, lambda line: print(line, flush=True))
+    except OSError as e:
+        raise MeshnetError(f"cannot serve on {args.listen}: {e.strerror or e}") from None
+    return 0
+
+
+def _generate_network(args: argparse.Namespace, sampling) -> int:
+    import re
+
+    from .client import Client
+    from .network import bootstrap_addrs
+
+    seeds = bootstrap_addrs(args.bootstrap, env={} if args.bootstrap else None)
+    if not seeds:
+        raise MeshnetError("generate needs bootstrap peers (--bootstrap MULTIADDR or MESHNET_BOOTSTRAP), or --local")
+    digest = None
+    model = None
+    if args.model and re.fullmatch(r"[0-9a-f]{64}", args.model):
+        digest = args.model
+    else:
+        model = _model_path(args.model)
+    events = (lambda msg: print(f"[{msg}]", file=sys.stderr, flush=True))
+    client = Client(seeds, model_path=model, model_digest=digest, step_timeout=args.step_timeout, on_event=events)
+    on_token = None if args.json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+    result = client.generate(args.prompt, args.max_tokens, sampling, chat=args.chat, on_token=on_token)
+    if args.json:
+        print(json.dumps({
+            "token_ids": result.token_ids,
+            "text": result.text,
+            "prompt_tokens": result.prompt_tokens,
+            "stopped": result.stopped,
+            "route": result.route,
+            "failovers": result.failovers,
+            "model_digest": client.model_digest,
+            "timing": {"ttft_ms": round(result.ttft_ms, 3), "decode_ms": round(result.decode_ms, 3),
+                       "decode_tokens_per_s": round(result.decode_tokens_per_s, 3)},
+        }))
+    else:
+        sys.stdout.write("\n")
+        route = " -> ".join(f"{h['layers'][0]}:{h['layers'][1]}@{h['peer_id'][-8:]}" for h in result.route)
+        print(f"[{len(result.token_ids)} tokens, first after {result.ttft_ms:.0f} ms, "
+              f"{result.decode_tokens_per_s:.1f} tok/s, route {route}]", file=sys.stderr)
+    return 0
+
+
 def _generate(args: argparse.Namespace) -> int:
-    if not args.local:
-        raise MeshnetError("generation over the network is not available in this build yet; use --local")
     import time
+
+    from .engine.contract import SamplingParams
+
+    if not args.local:
+        return _generate_network(args, SamplingParams(args.temperature, args.top_k, args.top_p, args.seed))
 
     from .engine.contract import SamplingParams
     from .engine.cut import inspect_gguf, sha256_file

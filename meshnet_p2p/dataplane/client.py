@@ -101,10 +101,13 @@ class ShardClient:
 
     def session(self, fingerprint: pb.Fingerprint, *, max_tokens: int, session_id: str | None = None,
                 route_epoch: int = 0, sampling: pb.Sampling | None = None, credits: int = 16,
-                timeout: float | None = None, record: bool = False) -> "SessionStream":
+                timeout: float | None = -1.0, record: bool = False) -> "SessionStream":
+        """A Session stream. ``timeout`` bounds the whole stream (default: the
+        client's timeout); None means no bound (a long generation), in which
+        case the caller guards each step itself."""
         return SessionStream(self, fingerprint, max_tokens=max_tokens, session_id=session_id or uuid.uuid4().hex,
                              route_epoch=route_epoch, sampling=sampling or pb.Sampling(), credits=credits,
-                             timeout=timeout or self.timeout, record=record)
+                             timeout=self.timeout if timeout == -1.0 else timeout, record=record)
 
     def close(self) -> None:
         self.channel.close()
@@ -125,7 +128,7 @@ class SessionStream:
     the stream breaks. Credit is topped up in-band before it runs out."""
 
     def __init__(self, client: ShardClient, fingerprint: pb.Fingerprint, *, max_tokens: int, session_id: str,
-                 route_epoch: int, sampling: pb.Sampling, credits: int, timeout: float, record: bool = False) -> None:
+                 route_epoch: int, sampling: pb.Sampling, credits: int, timeout: float | None, record: bool = False) -> None:
         self.session_id = session_id
         self.route_epoch = route_epoch
         self._q: queue.SimpleQueue = queue.SimpleQueue()

@@ -81,8 +81,10 @@ def _error(code: int, detail: str, *, work_id: str = "", step: int = 0, retryabl
 
 class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
     def __init__(self, engine: ShardEngine, *, peer_id: str = "", limits: Limits = Limits(),
-                 now_ms=lambda: int(time.time() * 1000)) -> None:
+                 now_ms=lambda: int(time.time() * 1000), on_open=None) -> None:
         self.engine = engine
+        self.on_open = on_open  # called with each newly opened session id
+        self.draining = False  # set on shutdown: open sessions finish, new ones are refused
         self.peer_id = peer_id
         self.limits = limits
         self.now_ms = now_ms
@@ -217,6 +219,8 @@ class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
         sid = msg.session_id
         if not sid or len(sid) > 128:
             return _error(E.INVALID_ARGUMENT, "a session id must be 1..128 characters", terminal=True), None
+        if self.draining:
+            return _error(E.CAPACITY, "this peer is leaving the network", terminal=True), None
         theirs = msg.fingerprint
         if (theirs.model_digest, theirs.recipe_digest) != (self.fingerprint.model_digest, self.fingerprint.recipe_digest):
             reasons = []
@@ -250,6 +254,8 @@ class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
             return _error(_ENGINE_CODES[status.code], status.message, retryable=status.retryable, terminal=True), None
         credits = min(msg.proposed.credits or self.limits.max_credits, self.limits.max_credits)
         state.open(msg.route_epoch, credits)
+        if self.on_open is not None:
+            self.on_open(sid)
         granted = pb.FlowControl(credits=credits, max_message_bytes=self.limits.max_message_bytes,
                                  max_prefill_tokens=self.limits.max_prefill_tokens)
         layers = pb.LayerRange(start=self.caps.start, end=self.caps.end, total=self.caps.source_layers)

@@ -387,7 +387,9 @@ def write_gguf(
         offset = _align(offset + t.nbytes, alignment)
     total = offset
     header += b"\0" * (_align(len(header), alignment) - len(header))
-    tmp = out_path + ".partial"
+    # A name of our own: two processes cutting the same shard at once must not
+    # write into one file; whichever renames last wins, both files being whole.
+    tmp = f"{out_path}.{os.getpid()}.{os.urandom(4).hex()}.partial"
     done = 0
     try:
         with open(tmp, "wb") as out, (open(source_path, "rb") if source_path else contextlib.nullcontext()) as src:

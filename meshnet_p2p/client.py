@@ -1,0 +1,353 @@
+"""The client: find a route through the swarm and generate tokens through it.
+
+    client = Client(bootstrap=["/ip4/127.0.0.1/udp/4001/p2p/12D3KooW..."])
+    result = client.generate("The capital of France is", max_tokens=32)   # plain code
+    result = await client.agenerate(...)                                  # from trio
+
+Discovery: a DHT node in client mode fetches the signed capability reports
+for the model; only reports that agree on the recipe form a route (a peer on
+another recipe would compute other numbers). The route is the cheapest chain
+of peers covering every layer (:func:`meshnet_p2p.placement.plan_route`).
+
+The client drives every hop itself and keeps each hop's inputs. When a peer
+dies, stalls past the step deadline or answers with an error, the client bans
+it for a while, plans a replacement for just that span of layers, replays the
+span's inputs into the replacement (rebuilding its cache), and goes on. With
+greedy sampling (or a seed) the output is the same as without the failure.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import trio
+
+from ._proto import shard_runtime_pb2 as pb
+from .capability import TYPES, model_key
+from .dataplane.client import SessionStream, ShardClient, ShardConnectionError, ShardError, open_channel
+from .engine.contract import SamplingParams, TensorBundle
+from .errors import MeshnetError
+from .identity import Identity, PeerId
+from .multiaddr import Multiaddr
+from .network import start_node
+from .placement import NoRoute, Span, plan_route
+
+PREFILL_CHUNK = 256  # tokens per prefill step: a multiple of every sane n_ubatch
+
+
+class GenerationError(MeshnetError):
+    pass
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    prompt_tokens: int
+    route: list[dict]
+    ttft_ms: float
+    decode_ms: float
+    failovers: int = 0
+    stopped: str = "length"
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        n = len(self.token_ids) - 1
+        return n / (self.decode_ms / 1000) if n > 0 and self.decode_ms > 0 else 0.0
+
+
+async def discover(bootstrap: Sequence[str | Multiaddr], model_digest: str, *, identity: Identity | None = None) -> list[Span]:
+    """Capability reports for a model, as spans, from a short-lived client-mode DHT node."""
+    async with trio.open_nursery() as nursery:
+        node = await start_node(nursery, identity or Identity.generate(), bootstrap=bootstrap, client_mode=True, types=TYPES)
+        records = await node.get(model_key(model_digest))
+        nursery.cancel_scope.cancel()
+    spans = [Span.from_report(r) for r in records]
+    return [s for s in spans if not s.departing]
+
+
+def pick_recipe(spans: list[Span], n_layer: int) -> list[Span]:
+    """The spans of the one recipe that can serve the whole model (the one with most peers)."""
+    groups: dict[str, list[Span]] = {}
+    for s in spans:
+        groups.setdefault(s.record.content["recipe_digest"], []).append(s)
+    for group in sorted(groups.values(), key=len, reverse=True):
+        try:
+            plan_route(group, 0, n_layer)
+            return group
+        except NoRoute:
+            continue
+    return max(groups.values(), key=len) if groups else []
+
+
+class _Watchdog:
+    """Cancels a stream's call when a step runs past its deadline (a frozen peer
+    never answers, and grpcio's blocking read has no timeout of its own)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._deadline: float | None = None
+        self._target = None
+        self._closed = False
+        self.fired = False
+        threading.Thread(target=self._run, name="step-watchdog", daemon=True).start()
+
+    def arm(self, stream: SessionStream, seconds: float) -> None:
+        with self._cond:
+            self._deadline, self._target = time.monotonic() + seconds, stream
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._deadline = self._target = None
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                if self._deadline is None:
+                    self._cond.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                self.fired = True
+                self._target._call.cancel()
+                self._deadline = self._target = None
+
+
+@dataclass
+class _Hop:
+    span: Span
+    client: ShardClient
+    stream: SessionStream
+    history: list[tuple[int, object, bool]] = field(default_factory=list)  # (position, input, decode)
+
+    def close(self) -> None:
+        try:
+            self.stream.close()
+        finally:
+            self.client.close()
+
+
+class RouteSession:
+    """One generation's session across a chain of peers, with failover."""
+
+    def __init__(self, spans_provider: Callable[[], list[Span]], n_layer: int, *, max_tokens: int,
+                 sampling: SamplingParams, step_timeout: float = 10.0, max_failovers: int = 4,
+                 ban_seconds: float = 60.0, on_event: Callable[[str], None] | None = None) -> None:
+        self.spans_provider = spans_provider
+        self.n_layer = n_layer
+        self.max_tokens = max_tokens
+        self.sampling = sampling
+        self.step_timeout = step_timeout
+        self.max_failovers = max_failovers
+        self.ban_seconds = ban_seconds
+        self.on_event = on_event or (lambda msg: None)
+        self.session_id = uuid.uuid4().hex
+        self.epoch = 0
+        self.banned: dict[str, float] = {}
+        self.failovers = 0
+        self.watchdog = _Watchdog()
+        self.spans = spans_provider()
+        self.hops = self._open_chain(0, n_layer)
+
+    # --- building the chain -------------------------------------------------------------------
+
+    def _banned_now(self) -> set[str]:
+        now = time.monotonic()
+        return {p for p, until in self.banned.items() if until > now}
+
+    def _open_chain(self, start: int, end: int) -> list[_Hop]:
+        last_error: Exception | None = None
+        for attempt in range(self.max_failovers + 1):
+            route = plan_route(self.spans, start, end, banned=self._banned_now())
+            hops: list[_Hop] = []
+            try:
+                for span in route:
+                    hops.append(self._open_hop(span))
+                return hops
+            except (ShardConnectionError, ShardError, MeshnetError) as e:
+                last_error = e
+                bad = route[len(hops)].peer_id
+                self.banned[bad] = time.monotonic() + self.ban_seconds
+                self.on_event(f"cannot open a session on {bad}: {e}")
+                for h in hops:
+                    h.close()
+                time.sleep(min(2.0, 0.1 * 2**attempt))
+                self.spans = self.spans_provider()
+        raise GenerationError(f"could not open a route for layers {start}-{end - 1}: {last_error}")
+
+    def _open_hop(self, span: Span) -> _Hop:
+        c = span.record.content
+        cert = c.get("tls_cert", "").encode()
+        peer = PeerId.from_string(c["peer_id"])
+        if c.get("relay"):
+            relay = Multiaddr.parse(c["relay"])
+            channel = open_channel(cert, relay=(relay.host, relay.port), peer_id=peer)
+        else:
+            addr = Multiaddr.parse(c["addrs"][0])
+            if addr.peer_id != peer:
+                raise MeshnetError(f"report of {peer} advertises an address of another peer")
+            channel = open_channel(cert, address=(addr.host, addr.port))
+        client = ShardClient(channel, timeout=self.step_timeout)
+        try:
+            cap = client.capability()
+            if cap.fingerprint.model_digest != c["model_digest"] or cap.fingerprint.recipe_digest != c["recipe_digest"]:
+                raise MeshnetError(f"{peer} serves another model or recipe than it announced")
+            if (cap.layers.start, cap.layers.end) != (span.start, span.end):
+                raise MeshnetError(f"{peer} serves other layers than it announced")
+            s = self.sampling
+            stream = client.session(cap.fingerprint, max_tokens=self.max_tokens, session_id=self.session_id,
+                                    route_epoch=self.epoch, timeout=None,
+                                    sampling=pb.Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed))
+        except BaseException:
+            client.close()
+            raise
+        return _Hop(span, client, stream)
+
+    # --- stepping -------------------------------------------------------------------------------
+
+    def _call(self, hop: _Hop, position: int, payload, decode: bool):
+        self.watchdog.arm(hop.stream, self.step_timeout)
+        try:
+            if isinstance(payload, TensorBundle):
+                return hop.stream.step(position, hidden=payload, decode=decode)
+            return hop.stream.step(position, token_ids=payload, decode=decode)
+        finally:
+            self.watchdog.disarm()
+
+    def step(self, position: int, token_ids: Sequence[int], decode: bool):
+        """One step through every hop; returns the tail's reply."""
+        payload: object = tuple(token_ids)
+        i = 0
+        while i < len(self.hops):
+            hop = self.hops[i]
+            try:
+                reply = self._call(hop, position, payload, decode)
+            except (ShardConnectionError, ShardError) as e:
+                self._replace(i, e)
+                continue  # retry this step on the replacement
+            hop.history.append((position, payload, decode))
+            payload = reply.hidden if reply.hidden is not None else reply
+            i += 1
+        return payload
+
+    def _replace(self, index: int, error: Exception) -> None:
+        failed = self.hops[index]
+        self.failovers += 1
+        if self.failovers > self.max_failovers:
+            raise GenerationError(f"gave up after {self.max_failovers} failovers; last: {error}")
+        self.banned[failed.span.peer_id] = time.monotonic() + self.ban_seconds
+        self.on_event(f"peer {failed.span.peer_id} failed on layers {failed.span.start}-{failed.span.end - 1} ({error}); rerouting")
+        failed.close()
+        self.spans = self.spans_provider()
+        self.epoch += 1
+        new_hops = self._open_chain(failed.span.start, failed.span.end)
+        # Rebuild the replacement's caches: replay everything the failed hop was given.
+        for position, payload, decode in failed.history:
+            x = payload
+            for hop in new_hops:
+                reply = self._call(hop, position, x, decode)
+                hop.history.append((position, x, decode))
+                x = reply.hidden if reply.hidden is not None else reply
+        self.hops[index : index + 1] = new_hops
+
+    def route(self) -> list[dict]:
+        return [{"peer_id": h.span.peer_id, "layers": [h.span.start, h.span.end]} for h in self.hops]
+
+    def close(self) -> None:
+        for hop in self.hops:
+            self.watchdog.arm(hop.stream, self.step_timeout)  # a peer that froze must not hang us here
+            try:
+                hop.stream.release()
+            except MeshnetError:
+                pass
+            finally:
+                self.watchdog.disarm()
+            hop.client.close()
+        self.watchdog.close()
+
+
+class Client:
+    def __init__(self, bootstrap: Sequence[str | Multiaddr], *, model_path: str | None = None,
+                 model_digest: str | None = None, step_timeout: float = 10.0, max_failovers: int = 4,
+                 on_event: Callable[[str], None] | None = None) -> None:
+        from .engine.cut import inspect_gguf, sha256_file
+        from .engine.recipe import model_digest as digest_of
+        from .engine.tokenizer import Tokenizer
+        from .models import default_model_path
+
+        self.bootstrap = list(bootstrap)
+        path = model_path or default_model_path()
+        sha = sha256_file(path)
+        info = inspect_gguf(path, source_sha256=sha)
+        self.n_layer = info.source_layers
+        self.model_digest = model_digest or digest_of(info.source_sha256, info.architecture, info.source_layers)
+        self.tokenizer = Tokenizer(path)
+        self.step_timeout = step_timeout
+        self.max_failovers = max_failovers
+        self.on_event = on_event
+
+    async def spans(self) -> list[Span]:
+        return pick_recipe(await discover(self.bootstrap, self.model_digest), self.n_layer)
+
+    def generate(self, prompt: str, max_tokens: int = 64, sampling: SamplingParams | None = None, *,
+                 chat: bool = False, on_token: Callable[[str], None] | None = None, stop_at_eog: bool = True) -> GenerationResult:
+        """From plain (non-trio) code."""
+        return self._generate(lambda: trio.run(self.spans), prompt, max_tokens, sampling or SamplingParams(),
+                              chat, on_token, stop_at_eog)
+
+    async def agenerate(self, prompt: str, max_tokens: int = 64, sampling: SamplingParams | None = None, *,
+                        chat: bool = False, on_token: Callable[[str], None] | None = None,
+                        stop_at_eog: bool = True) -> GenerationResult:
+        """From trio: the token loop runs in one worker thread (blocking gRPC), and
+        route discovery comes back to this trio loop."""
+        provider = lambda: trio.from_thread.run(self.spans)  # noqa: E731
+        return await trio.to_thread.run_sync(self._generate, provider, prompt, max_tokens,
+                                             sampling or SamplingParams(), chat, on_token, stop_at_eog)
+
+    def _generate(self, provider, prompt, max_tokens, sampling, chat, on_token, stop_at_eog) -> GenerationResult:
+        text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise GenerationError("the prompt is empty")
+        session = RouteSession(provider, self.n_layer, max_tokens=len(ids) + max_tokens, sampling=sampling,
+                               step_timeout=self.step_timeout, max_failovers=self.max_failovers, on_event=self.on_event)
+        decoder = self.tokenizer.stream_decoder()
+        out: list[int] = []
+        stopped = "length"
+        try:
+            t0 = time.perf_counter()
+            reply = None
+            for start in range(0, len(ids), PREFILL_CHUNK):
+                reply = session.step(start, ids[start : start + PREFILL_CHUNK], decode=False)
+            t1 = time.perf_counter()
+            position = len(ids)
+            while True:
+                if reply.is_eog and stop_at_eog:
+                    stopped = "eog"
+                    break
+                out.append(reply.token_id)
+                if on_token:
+                    on_token(decoder.feed(reply.token_id))
+                if len(out) >= max_tokens:
+                    break
+                reply = session.step(position, [reply.token_id], decode=True)
+                position += 1
+            t2 = time.perf_counter()
+            if on_token:
+                on_token(decoder.flush())
+            return GenerationResult(out, self.tokenizer.decode(out), len(ids), session.route(),
+                                    (t1 - t0) * 1000, (t2 - t1) * 1000, session.failovers, stopped)
+        finally:
+            session.close()

@@ -1,0 +1,152 @@
+"""``meshnet-peer join``: a volunteer serving a range of layers to the swarm.
+
+Cut (or reuse) the shard, load it, serve it over the gRPC data plane, join the
+DHT through the bootstrap peers, and announce a signed capability report
+(layers, addresses, TLS certificate, measured throughput, free capacity)
+under ``model/<model digest>``, re-announced while alive. On SIGINT/SIGTERM:
+announce departure, refuse new sessions, let open ones finish (bounded), exit 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import trio
+
+from .capability import CAPABILITY_TTL_MS, CapabilityReport, model_key
+from .dataplane.relay import attach_to_relay
+from .dataplane.server import ShardServer
+from .dataplane.servicer import ShardRuntimeServicer
+from .dataplane.tls import make_tls_credentials
+from .engine.contract import HIDDEN, DecodeRequest, LoadRequest, OpenRequest, PrefillRequest, Tensor, TensorBundle
+from .engine.cut import inspect_gguf, sha256_file
+from .engine.llama_engine import LlamaCppShardEngine
+from .engine.recipe import model_digest
+from .errors import MeshnetError
+from .identity import Identity
+from .models import ensure_shard
+from .multiaddr import Multiaddr
+from .network import peers_for_model, start_node
+from .placement import Span, choose_span
+
+ANNOUNCE_INTERVAL_S = 30.0
+DRAIN_GRACE_S = 30.0
+
+
+@dataclass
+class JoinOptions:
+    model_path: str
+    layers: tuple[int, int] | None  # None: choose automatically
+    num_layers: int | None  # for automatic choice; default: a third of the model
+    listen_host: str
+    listen_port: int
+    bootstrap: list
+    identity: Identity
+    relay: Multiaddr | None = None
+    max_sessions: int = 4
+    n_ctx_per_session: int = 2048
+    n_ubatch: int = 64
+    n_threads: int | None = None
+    public_name: str = ""
+    progress: Callable | None = None
+
+
+def measure_throughput(engine: LlamaCppShardEngine, steps: int = 8) -> float:
+    """Decode tokens/s of this shard alone, from a few real steps."""
+    caps = engine.capabilities()
+    sid = "__throughput__"
+    engine.open_session(OpenRequest(sid, steps + 2)).raise_for_status()
+    try:
+        def req(kind, pos):
+            if caps.is_head:
+                return kind(sid, pos, **({"token_ids": (1,)} if kind is PrefillRequest else {"token_id": 1}))
+            h = TensorBundle((Tensor(HIDDEN, str(caps.recipe["seam_dtype"]), (1, caps.n_embd),
+                                     np.zeros((1, caps.n_embd), np.float32).tobytes()),))
+            return kind(sid, pos, hidden=h)
+
+        engine.prefill(req(PrefillRequest, 0)).status.raise_for_status()
+        t0 = time.perf_counter()
+        for pos in range(1, steps + 1):
+            engine.decode(req(DecodeRequest, pos)).status.raise_for_status()
+        return steps / (time.perf_counter() - t0)
+    finally:
+        engine.release(sid)
+
+
+async def join(opts: JoinOptions, print_line: Callable[[str], None] = print) -> None:
+    source_sha = await trio.to_thread.run_sync(sha256_file, opts.model_path, opts.progress)
+    info = await trio.to_thread.run_sync(lambda: inspect_gguf(opts.model_path, source_sha256=source_sha))
+    if info.is_cut:
+        raise MeshnetError(f"{opts.model_path} is a shard; join needs the whole model to cut from")
+    digest = model_digest(source_sha, info.architecture, info.source_layers)
+    key = model_key(digest)
+    engine = LlamaCppShardEngine()
+    try:
+        await _serve(opts, engine, info, source_sha, digest, key, print_line)
+    finally:
+        engine.close()  # only after every task that could touch it has ended
+
+
+async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> None:
+    async with trio.open_nursery() as nursery:
+        node = await start_node(nursery, opts.identity, listen=f"{opts.listen_host}:0", bootstrap=opts.bootstrap)
+        if opts.layers is None:
+            reports = await peers_for_model(node, digest)
+            num = opts.num_layers or max(1, info.source_layers // 3)
+            start, end = choose_span([Span.from_report(r) for r in reports], info.source_layers, num)
+        else:
+            start, end = opts.layers
+        shard = opts.model_path if (start, end) == (0, info.source_layers) else await trio.to_thread.run_sync(
+            lambda: ensure_shard(opts.model_path, start, end, source_sha, opts.progress))
+        load = await trio.to_thread.run_sync(lambda: engine.load(LoadRequest(
+            shard, max_sessions=opts.max_sessions, n_ctx_per_session=opts.n_ctx_per_session, n_ubatch=opts.n_ubatch,
+            n_threads=opts.n_threads, source_sha256=source_sha if shard == opts.model_path else None)))
+        load.status.raise_for_status()
+        throughput = await trio.to_thread.run_sync(measure_throughput, engine)
+        creds = make_tls_credentials()
+        servicer = ShardRuntimeServicer(engine, peer_id=str(opts.identity.peer_id),
+                                        on_open=lambda sid: print_line(f"session {sid[:12]} opened"))
+        server = ShardServer(servicer, creds, host=opts.listen_host, port=opts.listen_port)
+        await nursery.start(server.serve)
+        proto = "ip6" if ":" in opts.listen_host else "ip4"
+        addr = f"/{proto}/{opts.listen_host}/tcp/{server.port}/p2p/{opts.identity.peer_id}"
+        if opts.relay is not None:
+            await nursery.start(attach_to_relay, opts.relay, opts.identity, ("127.0.0.1", server.port))
+        caps = engine.capabilities()
+
+        def report(departing: bool = False) -> bytes:
+            m = engine.metrics()
+            rep = CapabilityReport(
+                digest, caps.recipe_digest, (start, end), (addr,), throughput=round(throughput, 2),
+                free_sessions=0 if departing else caps.max_sessions - m.active_sessions,
+                kv_tokens_free=caps.kv_token_budget - m.kv_tokens_reserved,
+                relay=str(opts.relay) if opts.relay else None, tls_cert=creds.cert_pem.decode(),
+                public_name=opts.public_name, departing=departing,
+            )
+            now = int(time.time() * 1000)
+            return rep.sign(opts.identity, seq=now, now_ms=now, ttl_ms=10_000 if departing else CAPABILITY_TTL_MS)
+
+        await node.publish(key, report())
+        print_line(f"listening on {addr}")
+
+        async def announce() -> None:
+            while True:
+                await trio.sleep(ANNOUNCE_INTERVAL_S)
+                await node.publish(key, report())
+
+        nursery.start_soon(announce)
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for _ in signals:
+                break
+        # Leave politely: say so, refuse newcomers, let open sessions finish.
+        servicer.draining = True
+        with trio.move_on_after(5):
+            await node.publish(key, report(departing=True))
+        with trio.move_on_after(DRAIN_GRACE_S):
+            while engine.metrics().active_sessions:
+                await trio.sleep(0.1)
+        nursery.cancel_scope.cancel()

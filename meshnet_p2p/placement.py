@@ -1,0 +1,134 @@
+"""Which layers a volunteer should serve, and which chain of peers a client
+should use: pure functions of the capability reports (no network here).
+
+- :func:`choose_span` is the volunteer's side (petals' block selection idea):
+  serve the window whose weakest layer has the least throughput today, so
+  missing layers are covered first and the swarm's bottleneck rises.
+- :func:`plan_route` is the client's side: a shortest path over layer
+  boundaries, where a peer serving [a, b) is an edge a -> b costing its
+  measured latency plus its compute time; full or departing peers and banned
+  ones are left out. When there is no path it says which layers nobody serves.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from .errors import MeshnetError
+
+DEFAULT_HOP_MS = 2.0
+DEFAULT_TOKENS_PER_S = 50.0
+
+
+class NoRoute(MeshnetError):
+    def __init__(self, missing: list[tuple[int, int]], detail: str = "") -> None:
+        self.missing = missing
+        ranges = ", ".join(f"{a}-{b - 1}" if b - a > 1 else f"{a}" for a, b in missing)
+        super().__init__(f"no route: no available peer serves layers {ranges}" + (f" ({detail})" if detail else ""))
+
+
+@dataclass(frozen=True)
+class Span:
+    peer_id: str
+    start: int
+    end: int
+    throughput: float = 0.0  # tokens/s this peer measured for its span
+    free_sessions: int = 1
+    departing: bool = False
+    record: Any = None  # the verified capability report it came from
+
+    @classmethod
+    def from_report(cls, record) -> "Span":
+        c = record.content
+        return cls(c["peer_id"], c["layers"][0], c["layers"][1], float(c.get("throughput") or 0.0),
+                   int(c.get("free_sessions", 0)), bool(c.get("departing")), record)
+
+
+def coverage(spans: Iterable[Span], n_layer: int) -> list[float]:
+    """Throughput serving each layer, summed over peers (a peer without a measure counts 1)."""
+    per_layer = [0.0] * n_layer
+    for s in spans:
+        if s.departing:
+            continue
+        for layer in range(max(0, s.start), min(n_layer, s.end)):
+            per_layer[layer] += s.throughput or 1.0
+    return per_layer
+
+
+def choose_span(spans: Iterable[Span], n_layer: int, num_layers: int) -> tuple[int, int]:
+    """The window of ``num_layers`` layers this new peer should serve."""
+    num_layers = max(1, min(num_layers, n_layer))
+    per_layer = coverage(spans, n_layer)
+    best = min(
+        range(0, n_layer - num_layers + 1),
+        key=lambda a: (min(per_layer[a : a + num_layers]), sum(per_layer[a : a + num_layers]), a),
+    )
+    return best, best + num_layers
+
+
+def missing_layers(spans: Iterable[Span], start: int, end: int) -> list[tuple[int, int]]:
+    covered = [False] * (end - start)
+    for s in spans:
+        for layer in range(max(start, s.start), min(end, s.end)):
+            covered[layer - start] = True
+    out, run = [], None
+    for i, c in enumerate(covered):
+        if not c and run is None:
+            run = start + i
+        elif c and run is not None:
+            out.append((run, start + i))
+            run = None
+    if run is not None:
+        out.append((run, end))
+    return out
+
+
+def span_cost_ms(span: Span, latency_ms: dict[str, float] | None = None) -> float:
+    hop = (latency_ms or {}).get(span.peer_id, DEFAULT_HOP_MS)
+    tps = span.throughput if span.throughput > 0 else DEFAULT_TOKENS_PER_S
+    # per token: the round trip plus this peer's compute, which scales with its span
+    return hop + 1000.0 / tps
+
+
+def plan_route(
+    spans: Iterable[Span],
+    start: int,
+    end: int,
+    *,
+    banned: set[str] = frozenset(),
+    latency_ms: dict[str, float] | None = None,
+) -> list[Span]:
+    """The cheapest chain of peers covering layers [start, end), boundary to boundary."""
+    usable = [s for s in spans if s.peer_id not in banned and not s.departing and s.free_sessions > 0 and s.start < s.end]
+    edges: dict[int, list[Span]] = {}
+    for s in usable:
+        edges.setdefault(s.start, []).append(s)
+    best: dict[int, float] = {start: 0.0}
+    prev: dict[int, Span] = {}
+    heap = [(0.0, start)]
+    while heap:
+        cost, at = heapq.heappop(heap)
+        if at == end:
+            break
+        if cost > best.get(at, float("inf")):
+            continue
+        for s in edges.get(at, []):
+            if s.end > end:
+                continue
+            c = cost + span_cost_ms(s, latency_ms)
+            if c < best.get(s.end, float("inf")):
+                best[s.end] = c
+                prev[s.end] = s
+                heapq.heappush(heap, (c, s.end))
+    if end not in best:
+        gaps = missing_layers(usable, start, end)
+        detail = "" if gaps else "peers exist for every layer, but their ranges do not chain from one boundary to the next"
+        raise NoRoute(gaps or [(start, end)], detail)
+    route, at = [], end
+    while at != start:
+        s = prev[at]
+        route.append(s)
+        at = s.start
+    return route[::-1]

@@ -1,0 +1,141 @@
+"""The product end to end: a bootstrap peer and `meshnet-peer join` processes on
+loopback, a client generating through them, and failover when a peer dies or
+freezes mid-generation."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+
+import pytest
+
+from meshnet_p2p.client import Client
+from meshnet_p2p.engine.tokenizer import Tokenizer
+
+from .reference import reference_generate
+
+PROMPT = "The capital of France is"
+N_UBATCH = 64  # join's default
+
+
+class Proc:
+    """An OS process whose stdout lines are collected as they come."""
+
+    def __init__(self, *args: str) -> None:
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.p = subprocess.Popen([sys.executable, "-m", "meshnet_p2p", *args], stdout=subprocess.PIPE,
+                                  stderr=self.stderr, text=True)
+        self.lines: list[str] = []
+        self.changed = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.p.stdout:
+            with self.changed:
+                self.lines.append(line.strip())
+                self.changed.notify_all()
+
+    def wait_line(self, prefix: str, timeout: float = 120) -> str:
+        with self.changed:
+            ok = self.changed.wait_for(lambda: any(l.startswith(prefix) for l in self.lines) or self.p.poll() is not None, timeout)
+            found = [l for l in self.lines if l.startswith(prefix)]
+        if not (ok and found):
+            self.stderr.seek(0)
+            raise AssertionError(f"no {prefix!r} line: {self.lines}; stderr: {self.stderr.read()[-2000:]}")
+        return found[0]
+
+    @property
+    def peer_id(self) -> str:
+        return self.wait_line("listening on ").rsplit("/", 1)[1]
+
+    def stop(self) -> int | None:
+        if self.p.poll() is None:
+            try:
+                self.p.send_signal(signal.SIGCONT)
+                self.p.send_signal(signal.SIGTERM)
+                return self.p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+        return self.p.wait(timeout=30)
+
+
+def start_swarm(tmp_path, spans, *extra):
+    env_cache = str(tmp_path)
+    os.environ["MESHNET_CACHE_DIR"] = env_cache
+    boot = Proc("bootstrap", "--listen", "127.0.0.1:0")
+    addr = boot.wait_line("listening on ").removeprefix("listening on ")
+    joins = [Proc("join", "--layers", s, "--bootstrap", addr, "--threads", "1", *extra) for s in spans]
+    try:
+        for j in joins:
+            j.wait_line("listening on ")
+    except BaseException:
+        for p in joins + [boot]:
+            p.stop()
+        raise
+    return boot, addr, joins
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    ids = Tokenizer(model_path).encode(PROMPT)
+    return reference_generate(model_path, ids, 32, n_ubatch=N_UBATCH)[0]
+
+
+def test_three_joined_peers_generate_exactly_the_whole_model(tmp_path, reference):
+    boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"])
+    try:
+        r = subprocess.run([sys.executable, "-m", "meshnet_p2p", "generate", "--bootstrap", addr, "--prompt", PROMPT,
+                            "--temperature", "0", "--max-tokens", "32", "--json"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        assert doc["token_ids"] == reference
+        assert [h["layers"] for h in doc["route"]] == [[0, 10], [10, 20], [20, 30]]
+        assert [h["peer_id"] for h in doc["route"]] == [j.peer_id for j in joins]
+        assert doc["timing"]["ttft_ms"] > 0
+        assert all(any(l.startswith("session ") for l in j.lines) for j in joins)  # a line per served session
+    finally:
+        codes = [j.stop() for j in joins] + [boot.stop()]
+    assert codes == [0, 0, 0, 0]  # SIGTERM: depart, drain, exit 0
+
+
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+def test_generation_survives_a_middle_peer_failing(tmp_path, reference, model_path, fault):
+    boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "10:20", "20:30"])
+    middles = joins[1:3]
+    try:
+        events = []
+        client = Client([addr], model_path=model_path, step_timeout=3.0, on_event=events.append)
+        count = {"n": 0, "victim": None}
+
+        def on_token(_text):
+            count["n"] += 1
+            if count["n"] == 5:
+                serving = [m for m in middles if any(l.startswith("session ") for l in m.lines)]
+                assert len(serving) == 1
+                count["victim"] = serving[0]
+                serving[0].p.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+
+        result = client.generate(PROMPT, 32, on_token=on_token, stop_at_eog=False)
+        assert result.token_ids == reference
+        assert result.failovers == 1 and events
+        survivor = next(m for m in middles if m is not count["victim"])
+        assert result.route[1]["peer_id"] == survivor.peer_id
+    finally:
+        for p in joins + [boot]:
+            p.stop()
+
+
+def test_no_route_names_the_missing_layers(tmp_path, model_path):
+    boot, addr, joins = start_swarm(tmp_path, ["0:10", "20:30"])
+    try:
+        r = subprocess.run([sys.executable, "-m", "meshnet_p2p", "generate", "--bootstrap", addr, "--prompt", "hi", "--json"],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2
+        assert "layers 10-19" in r.stderr and "Traceback" not in r.stderr
+    finally:
+        for p in joins + [boot]:
+            p.stop()
