@@ -103,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--threads", type=_positive, default=None)
     join.add_argument("--public-name", default="", help="a name shown to clients")
 
+    demo = sub.add_parser("demo", help="start a local swarm (bootstrap + 3 volunteers), generate, shut down")
+    demo.add_argument("--prompt", default=None, help="what to ask (default: a short question)")
+    demo.add_argument("--max-tokens", type=_positive, default=64)
+    demo.add_argument("--no-chat", action="store_true", help="send the prompt as is, without the chat template")
+    demo.add_argument("--model", help="GGUF model (default: the embedded SmolLM2-135M-Instruct)")
+    demo.add_argument("--json", action="store_true", help="print the result as JSON")
+
     gen = sub.add_parser("generate", help="generate text through a route of shards")
     gen.add_argument("--local", action="store_true", help="run the whole route in this process (no network)")
     gen.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
@@ -137,6 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _identity(args)
         if args.command == "bootstrap":
             return _bootstrap(args)
+        if args.command == "demo":
+            return _demo(args)
         if args.command == "join":
             return _join(args)
         if args.command == "relay":
@@ -314,6 +323,19 @@ def _serve(args: argparse.Namespace) -> int:
         trio.run(serve, opts, lambda line: print(line, flush=True))
     except OSError as e:
         raise MeshnetError(f"cannot serve on {args.listen}: {e.strerror or e}") from None
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import io
+
+    from .demo import DEFAULT_PROMPT, run_demo
+
+    model = _model_path(args.model) if args.model else None
+    out = io.StringIO() if args.json else sys.stdout
+    result = run_demo(args.prompt or DEFAULT_PROMPT, args.max_tokens, chat=not args.no_chat, model=model, out=out)
+    if args.json:
+        print(json.dumps(result))
     return 0
 
 

@@ -332,3 +332,17 @@ async def test_republish_moves_records_away_from_nodes_that_went_silent(autojump
         assert live_holders
         assert [r.signer for r in await reader.get(KEY)] == [publisher.peer_id]
         nursery.cancel_scope.cancel()
+
+
+def test_choose_span_covers_missing_layers_first_and_plan_route_is_cheapest():
+    from meshnet_p2p.placement import NoRoute, Span, choose_span, plan_route
+
+    spans = [Span("a", 0, 10, 50.0), Span("b", 20, 30, 50.0)]
+    assert choose_span(spans, 30, 10) == (10, 20)
+    spans.append(Span("c", 10, 20, 50.0))
+    assert choose_span(spans, 30, 10) in {(0, 10), (10, 20), (20, 30)}
+    spans += [Span("fast", 10, 20, 500.0), Span("full", 0, 30, 1000.0, free_sessions=0)]
+    assert [s.peer_id for s in plan_route(spans, 0, 30)] == ["a", "fast", "b"]
+    assert [s.peer_id for s in plan_route(spans, 0, 30, banned={"fast"})] == ["a", "c", "b"]
+    with pytest.raises(NoRoute, match="10-19"):
+        plan_route(spans, 0, 30, banned={"fast", "c"})

@@ -139,3 +139,33 @@ def test_no_route_names_the_missing_layers(tmp_path, model_path):
     finally:
         for p in joins + [boot]:
             p.stop()
+
+
+def test_demo_runs_a_swarm_and_cleans_up(tmp_path):
+    env = {**os.environ, "MESHNET_CACHE_DIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "meshnet_p2p", "demo", "--prompt", "Say hi.", "--max-tokens", "8", "--json"],
+                       capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert len(doc["token_ids"]) >= 1 and doc["text"]
+    assert [h["layers"] for h in doc["route"]] == [[0, 10], [10, 20], [20, 30]]
+    assert "shutting the swarm down" in r.stderr
+    # every process the demo started is gone (tests run one at a time, so any would be its own)
+    left = subprocess.run(["pgrep", "-f", "meshnet_p2p (join|bootstrap)"], capture_output=True, text=True).stdout
+    assert not left.strip()
+
+
+def test_auto_layers_cover_what_is_missing(tmp_path, reference):
+    boot, addr, joins = start_swarm(tmp_path, ["0:10", "20:30"])
+    auto = Proc("join", "--layers", "auto", "--num-layers", "10", "--bootstrap", addr, "--threads", "1")
+    try:
+        auto.wait_line("listening on ")
+        r = subprocess.run([sys.executable, "-m", "meshnet_p2p", "generate", "--bootstrap", addr, "--prompt", PROMPT,
+                            "--max-tokens", "32", "--json"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        assert doc["route"][1] == {"peer_id": auto.peer_id, "layers": [10, 20]}
+        assert doc["token_ids"] == reference
+    finally:
+        for p in [auto] + joins + [boot]:
+            p.stop()

@@ -1,0 +1,79 @@
+"""``meshnet-peer demo``: a whole swarm on this machine, in one command.
+
+Starts a bootstrap peer and three volunteers (``meshnet-peer join``, each its
+own OS process, on loopback) serving a third of the embedded model each,
+generates from a prompt through them, prints the text and the route, and
+shuts everything down (SIGTERM, then waits for each process).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Callable, TextIO
+
+from .client import Client
+from .errors import MeshnetError
+
+DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
+
+
+class _Process:
+    def __init__(self, args: list[str]) -> None:
+        self.p = subprocess.Popen([sys.executable, "-m", "meshnet_p2p", *args], stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, text=True)
+        self.first_line = ""
+        self._ready = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.p.stdout:
+            if line.startswith("listening on ") and not self.first_line:
+                self.first_line = line.strip().removeprefix("listening on ")
+                self._ready.set()
+        self._ready.set()
+
+    def address(self, timeout: float) -> str:
+        if not self._ready.wait(timeout) or not self.first_line:
+            raise MeshnetError(f"`meshnet-peer {' '.join(self.p.args[3:5])}` did not start")
+        return self.first_line
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+        try:
+            self.p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+
+
+def run_demo(prompt: str = DEFAULT_PROMPT, max_tokens: int = 64, *, chat: bool = True, model: str | None = None,
+             out: TextIO = sys.stdout, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> dict:
+    procs: list[_Process] = []
+    try:
+        log("starting a bootstrap peer ...")
+        boot = _Process(["bootstrap", "--listen", "127.0.0.1:0"])
+        procs.append(boot)
+        addr = boot.address(60)
+        model_args = ["--model", model] if model else []
+        for span in ("0:10", "10:20", "20:30"):
+            procs.append(_Process(["join", "--layers", span, "--bootstrap", addr, "--threads", "1", *model_args]))
+        for p, span in zip(procs[1:], ("0:10", "10:20", "20:30"), strict=True):
+            log(f"volunteer serving layers {span} at {p.address(300)}")
+        client = Client([addr], model_path=model)
+        t0 = time.perf_counter()
+        result = client.generate(prompt, max_tokens, chat=chat, on_token=lambda t: (out.write(t), out.flush()))
+        out.write("\n")
+        route = " -> ".join(f"layers {h['layers'][0]}-{h['layers'][1] - 1} on {h['peer_id']}" for h in result.route)
+        log(f"route: {route}")
+        log(f"{len(result.token_ids)} tokens in {time.perf_counter() - t0:.2f} s "
+            f"(first after {result.ttft_ms:.0f} ms, {result.decode_tokens_per_s:.1f} tok/s)")
+        return {"text": result.text, "token_ids": result.token_ids, "route": result.route}
+    finally:
+        log("shutting the swarm down ...")
+        for p in reversed(procs):
+            p.stop()
