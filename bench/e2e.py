@@ -18,7 +18,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 from meshnet_p2p.client import Client
 from meshnet_p2p.demo import _Process

@@ -110,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", help="GGUF model (default: the embedded SmolLM2-135M-Instruct)")
     demo.add_argument("--json", action="store_true", help="print the result as JSON")
 
+    api = sub.add_parser("api", help="serve an OpenAI-compatible HTTP API in front of the swarm")
+    api.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
+                     help="bootstrap peers (repeatable; default $MESHNET_BOOTSTRAP)")
+    api.add_argument("--listen", default="127.0.0.1:8000", help="HOST:PORT for HTTP (port 0: any)")
+    api.add_argument("--model", help="GGUF model whose tokenizer to use (default: the embedded model)")
+    api.add_argument("--step-timeout", type=float, default=10.0)
+
     gen = sub.add_parser("generate", help="generate text through a route of shards")
     gen.add_argument("--local", action="store_true", help="run the whole route in this process (no network)")
     gen.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
@@ -146,6 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bootstrap(args)
         if args.command == "demo":
             return _demo(args)
+        if args.command == "api":
+            return _api(args)
         if args.command == "join":
             return _join(args)
         if args.command == "relay":
@@ -336,6 +345,25 @@ def _demo(args: argparse.Namespace) -> int:
     result = run_demo(args.prompt or DEFAULT_PROMPT, args.max_tokens, chat=not args.no_chat, model=model, out=out)
     if args.json:
         print(json.dumps(result))
+    return 0
+
+
+def _api(args: argparse.Namespace) -> int:
+    import trio
+
+    from .api import serve_api
+    from .client import Client
+    from .network import bootstrap_addrs, parse_listen
+
+    host, port = parse_listen(args.listen)
+    seeds = bootstrap_addrs(args.bootstrap, env={} if args.bootstrap else None)
+    if not seeds:
+        raise MeshnetError("api needs bootstrap peers: --bootstrap MULTIADDR or MESHNET_BOOTSTRAP")
+    client = Client(seeds, model_path=_model_path(args.model) if args.model else None, step_timeout=args.step_timeout)
+    try:
+        trio.run(serve_api, client, client.model_name, host, port, lambda line: print(line, flush=True))
+    except OSError as e:
+        raise MeshnetError(f"cannot listen on {args.listen}: {e.strerror or e}") from None
     return 0
 
 

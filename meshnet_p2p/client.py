@@ -18,6 +18,7 @@ greedy sampling (or a seed) the output is the same as without the failure.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -294,6 +295,8 @@ class Client:
         self.n_layer = info.source_layers
         self.model_digest = model_digest or digest_of(info.source_sha256, info.architecture, info.source_layers)
         self.tokenizer = Tokenizer(path)
+        # the file name up to its first dot: "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct"
+        self.model_name = os.path.basename(path).split(".")[0] or self.model_digest
         self.step_timeout = step_timeout
         self.max_failovers = max_failovers
         self.on_event = on_event

@@ -7,8 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
-import threading
 
 import pytest
 
@@ -16,66 +14,10 @@ from meshnet_p2p.client import Client
 from meshnet_p2p.engine.tokenizer import Tokenizer
 
 from .reference import reference_generate
+from .swarm import Proc, start_swarm
 
 PROMPT = "The capital of France is"
 N_UBATCH = 64  # join's default
-
-
-class Proc:
-    """An OS process whose stdout lines are collected as they come."""
-
-    def __init__(self, *args: str) -> None:
-        self.stderr = tempfile.TemporaryFile(mode="w+")
-        self.p = subprocess.Popen([sys.executable, "-m", "meshnet_p2p", *args], stdout=subprocess.PIPE,
-                                  stderr=self.stderr, text=True)
-        self.lines: list[str] = []
-        self.changed = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.p.stdout:
-            with self.changed:
-                self.lines.append(line.strip())
-                self.changed.notify_all()
-
-    def wait_line(self, prefix: str, timeout: float = 120) -> str:
-        with self.changed:
-            ok = self.changed.wait_for(lambda: any(l.startswith(prefix) for l in self.lines) or self.p.poll() is not None, timeout)
-            found = [l for l in self.lines if l.startswith(prefix)]
-        if not (ok and found):
-            self.stderr.seek(0)
-            raise AssertionError(f"no {prefix!r} line: {self.lines}; stderr: {self.stderr.read()[-2000:]}")
-        return found[0]
-
-    @property
-    def peer_id(self) -> str:
-        return self.wait_line("listening on ").rsplit("/", 1)[1]
-
-    def stop(self) -> int | None:
-        if self.p.poll() is None:
-            try:
-                self.p.send_signal(signal.SIGCONT)
-                self.p.send_signal(signal.SIGTERM)
-                return self.p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-        return self.p.wait(timeout=30)
-
-
-def start_swarm(tmp_path, spans, *extra):
-    env_cache = str(tmp_path)
-    os.environ["MESHNET_CACHE_DIR"] = env_cache
-    boot = Proc("bootstrap", "--listen", "127.0.0.1:0")
-    addr = boot.wait_line("listening on ").removeprefix("listening on ")
-    joins = [Proc("join", "--layers", s, "--bootstrap", addr, "--threads", "1", *extra) for s in spans]
-    try:
-        for j in joins:
-            j.wait_line("listening on ")
-    except BaseException:
-        for p in joins + [boot]:
-            p.stop()
-        raise
-    return boot, addr, joins
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +111,19 @@ def test_auto_layers_cover_what_is_missing(tmp_path, reference):
     finally:
         for p in [auto] + joins + [boot]:
             p.stop()
+
+
+async def test_the_client_works_from_trio(tmp_path, reference, model_path):
+    import trio
+
+    boot, addr, joins = await trio.to_thread.run_sync(start_swarm, tmp_path, ["0:15", "15:30"])
+    try:
+        client = Client([addr], model_path=model_path)
+        tokens = []
+        result = await client.agenerate(PROMPT, 32, stop_at_eog=False, on_token=tokens.append)
+        assert result.token_ids == reference
+        assert "".join(tokens) == result.text
+        assert [h["layers"] for h in result.route] == [[0, 15], [15, 30]]
+    finally:
+        for p in joins + [boot]:
+            await trio.to_thread.run_sync(p.stop)
