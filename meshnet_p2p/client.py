@@ -87,43 +87,36 @@ def pick_recipe(spans: list[Span], n_layer: int) -> list[Span]:
 
 class _Watchdog:
     """Cancels a stream's call when a step runs past its deadline (a frozen peer
-    never answers, and grpcio's blocking read has no timeout of its own)."""
+    never answers, and grpcio's blocking read has no timeout of its own).
+
+    Arming is a plain assignment, not a wake-up: the watchdog checks a few times
+    a second, which is precise enough for deadlines of seconds and keeps the
+    per-hop hot path free of thread switches."""
+
+    TICK = 0.1
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._deadline: float | None = None
-        self._target = None
-        self._closed = False
+        self._armed: tuple[float, SessionStream] | None = None
+        self._stop = threading.Event()
         self.fired = False
         threading.Thread(target=self._run, name="step-watchdog", daemon=True).start()
 
     def arm(self, stream: SessionStream, seconds: float) -> None:
-        with self._cond:
-            self._deadline, self._target = time.monotonic() + seconds, stream
-            self._cond.notify()
+        self._armed = (time.monotonic() + seconds, stream)
 
     def disarm(self) -> None:
-        with self._cond:
-            self._deadline = self._target = None
+        self._armed = None
 
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
+        self._stop.set()
 
     def _run(self) -> None:
-        with self._cond:
-            while not self._closed:
-                if self._deadline is None:
-                    self._cond.wait()
-                    continue
-                left = self._deadline - time.monotonic()
-                if left > 0:
-                    self._cond.wait(left)
-                    continue
+        while not self._stop.wait(self.TICK):
+            armed = self._armed
+            if armed is not None and time.monotonic() > armed[0]:
                 self.fired = True
-                self._target._call.cancel()
-                self._deadline = self._target = None
+                self._armed = None
+                armed[1]._call.cancel()
 
 
 @dataclass
