@@ -6,10 +6,12 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
 from meshnet_p2p.dataplane.client import ShardClient, ShardConnectionError, ShardError, open_channel
@@ -382,3 +384,58 @@ async def test_server_shutdown_from_trio_leaves_no_thread_or_session(shard_dir, 
     assert not leftover
     stream.close()
     client.close()
+
+
+async def test_relay_limits_connections_per_peer_and_splices_bytes(relay):
+    from meshnet_p2p.dataplane.relay import attach_to_relay
+
+    async def echo(stream):
+        async for data in stream:
+            await stream.send_all(data)
+
+    peer = Identity.generate()
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, echo, 0, host="127.0.0.1"))
+        local_port = listeners[0].socket.getsockname()[1]
+        await nursery.start(attach_to_relay, relay.multiaddr, peer, ("127.0.0.1", local_port))
+        target = f"CONNECT {str(peer.peer_id).lower()}.peer:443 HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+        conns = []
+        for _ in range(2):  # the fixture allows two per peer
+            s = await trio.open_tcp_stream("127.0.0.1", relay.multiaddr.port)
+            await s.send_all(target)
+            assert (await s.receive_some(100)).startswith(b"HTTP/1.1 200")
+            conns.append(s)
+        await conns[0].send_all(b"ping through the splice")
+        got = b""
+        while len(got) < 23:
+            got += await conns[0].receive_some(100)
+        assert got == b"ping through the splice"
+        third = await trio.open_tcp_stream("127.0.0.1", relay.multiaddr.port)
+        await third.send_all(target)
+        assert (await third.receive_some(100)).startswith(b"HTTP/1.1 429")
+        await third.aclose()
+        # a closed client frees its slot
+        await conns.pop().aclose()
+        with trio.fail_after(10):
+            while relay.reservations[str(peer.peer_id).lower()].connections >= 2:
+                await trio.sleep(0.01)
+        s = await trio.open_tcp_stream("127.0.0.1", relay.multiaddr.port)
+        await s.send_all(target)
+        assert (await s.receive_some(100)).startswith(b"HTTP/1.1 200")
+        for c in conns + [s]:
+            await c.aclose()
+        nursery.cancel_scope.cancel()
+
+
+def test_relay_bandwidth_bucket_bounds_bytes_per_second():
+    from meshnet_p2p.dataplane.relay import _TokenBucket
+
+    async def main():
+        bucket = _TokenBucket(rate=1000.0, burst=500.0)
+        start = trio.current_time()
+        for _ in range(10):
+            await bucket.take(250)  # 2,500 bytes: 500 of burst, then 2,000 at 1,000/s
+        return trio.current_time() - start
+
+    elapsed = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert 1.9 <= elapsed <= 2.1
