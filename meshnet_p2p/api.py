@@ -24,6 +24,7 @@ from pydantic import BaseModel, Field
 from .client import Client, GenerationError
 from .engine.contract import SamplingParams
 from .errors import MeshnetError
+from .lifecycle import until_signalled
 from .placement import NoRoute, plan_route
 
 
@@ -175,8 +176,6 @@ def _usage(result) -> dict[str, int]:
 
 
 async def serve_api(client: Client, model_name: str, host: str, port: int, print_line=print) -> None:
-    import signal
-
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
@@ -189,7 +188,5 @@ async def serve_api(client: Client, model_name: str, host: str, port: int, print
         bound = await nursery.start(lambda task_status: serve(create_app(client, model_name), config,
                                                               shutdown_trigger=stop.wait, task_status=task_status))
         print_line(f"listening on {bound[0]}")
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for _ in signals:
-                break
+        await until_signalled()
         stop.set()

@@ -240,9 +240,9 @@ def _load_or_create_identity(path: str | None):
 
 
 def _bootstrap(args: argparse.Namespace) -> int:
-    import signal
-
     import trio
+
+    from .lifecycle import until_signalled
 
     from .network import bootstrap_addrs, node_multiaddr, parse_listen, start_node
 
@@ -254,9 +254,7 @@ def _bootstrap(args: argparse.Namespace) -> int:
         async with trio.open_nursery() as nursery:
             node = await start_node(nursery, identity, listen=args.listen, bootstrap=seeds, require_bootstrap=False)
             print(f"listening on {node_multiaddr(node)}", flush=True)
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for _ in signals:
-                    break
+            await until_signalled()
             nursery.cancel_scope.cancel()
 
     try:
@@ -267,9 +265,9 @@ def _bootstrap(args: argparse.Namespace) -> int:
 
 
 def _relay(args: argparse.Namespace) -> int:
-    import signal
-
     import trio
+
+    from .lifecycle import until_signalled
 
     from .dataplane.relay import Relay, RelayLimits
     from .network import bootstrap_addrs, parse_listen, start_node
@@ -288,9 +286,7 @@ def _relay(args: argparse.Namespace) -> int:
                 await start_node(nursery, identity, listen=f"{host}:0", bootstrap=seeds, require_bootstrap=False)
             proto = "ip6" if ":" in host else "ip4"
             print(f"listening on /{proto}/{host}/tcp/{bound}/p2p/{identity.peer_id}", flush=True)
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for _ in signals:
-                    break
+            await until_signalled()
             nursery.cancel_scope.cancel()
 
     try:

@@ -9,7 +9,6 @@ announce departure, refuse new sessions, let open ones finish (bounded), exit 0.
 
 from __future__ import annotations
 
-import signal
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -18,16 +17,14 @@ import numpy as np
 import trio
 
 from .capability import CAPABILITY_TTL_MS, CapabilityReport, model_key
-from .dataplane.relay import attach_to_relay
-from .dataplane.server import ShardServer
-from .dataplane.servicer import ShardRuntimeServicer
-from .dataplane.tls import make_tls_credentials
+from .dataplane.serve import start_data_plane
 from .engine.contract import HIDDEN, DecodeRequest, LoadRequest, OpenRequest, PrefillRequest, Tensor, TensorBundle
 from .engine.cut import inspect_gguf, sha256_file
 from .engine.llama_engine import LlamaCppShardEngine
 from .engine.recipe import model_digest
 from .errors import MeshnetError
 from .identity import Identity
+from .lifecycle import until_signalled
 from .models import ensure_shard
 from .multiaddr import Multiaddr
 from .network import peers_for_model, start_node
@@ -107,15 +104,9 @@ async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> Non
             n_threads=opts.n_threads, source_sha256=source_sha if shard == opts.model_path else None)))
         load.status.raise_for_status()
         throughput = await trio.to_thread.run_sync(measure_throughput, engine)
-        creds = make_tls_credentials()
-        servicer = ShardRuntimeServicer(engine, peer_id=str(opts.identity.peer_id),
-                                        on_open=lambda sid: print_line(f"session {sid[:12]} opened"))
-        server = ShardServer(servicer, creds, host=opts.listen_host, port=opts.listen_port)
-        await nursery.start(server.serve)
-        proto = "ip6" if ":" in opts.listen_host else "ip4"
-        addr = f"/{proto}/{opts.listen_host}/tcp/{server.port}/p2p/{opts.identity.peer_id}"
-        if opts.relay is not None:
-            await nursery.start(attach_to_relay, opts.relay, opts.identity, ("127.0.0.1", server.port))
+        plane = await start_data_plane(nursery, engine, opts.identity, opts.listen_host, opts.listen_port,
+                                       relay=opts.relay, on_open=lambda sid: print_line(f"session {sid[:12]} opened"))
+        servicer, creds, addr = plane.servicer, plane.creds, plane.addr
         caps = engine.capabilities()
 
         def report(departing: bool = False) -> bytes:
@@ -139,9 +130,7 @@ async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> Non
                 await node.publish(key, report())
 
         nursery.start_soon(announce)
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for _ in signals:
-                break
+        await until_signalled()
         # Leave politely: say so, refuse newcomers, let open sessions finish.
         servicer.draining = True
         with trio.move_on_after(5):

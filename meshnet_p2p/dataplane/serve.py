@@ -10,7 +10,6 @@ tests) to run a shard as its own process. It prints, when ready::
 
 from __future__ import annotations
 
-import signal
 import time
 from dataclasses import dataclass
 
@@ -20,10 +19,11 @@ from ..engine.contract import LoadRequest
 from ..engine.llama_engine import LlamaCppShardEngine
 from ..identity import Identity
 from ..multiaddr import Multiaddr
+from ..lifecycle import until_signalled
 from .relay import attach_to_relay
 from .server import ShardServer
 from .servicer import Limits, ShardRuntimeServicer
-from .tls import make_tls_credentials, sign_binding
+from .tls import TlsCredentials, make_tls_credentials, sign_binding
 
 
 @dataclass
@@ -47,26 +47,42 @@ def load_engine(opts: ServeOptions) -> LlamaCppShardEngine:
     return engine
 
 
+@dataclass
+class DataPlane:
+    servicer: ShardRuntimeServicer
+    server: ShardServer
+    creds: TlsCredentials
+    addr: str  # this peer's gRPC multiaddr
+
+
+async def start_data_plane(nursery: trio.Nursery, engine, identity: Identity, host: str, port: int, *,
+                           relay: Multiaddr | None = None, limits: Limits = Limits(), on_open=None) -> DataPlane:
+    """Serve ``engine`` over gRPC with a fresh identity-bound TLS certificate (and
+    through ``relay`` too, if given), in ``nursery``. Shared by serve and join."""
+    creds = make_tls_credentials()
+    servicer = ShardRuntimeServicer(engine, peer_id=str(identity.peer_id), limits=limits, on_open=on_open)
+    server = ShardServer(servicer, creds, host=host, port=port)
+    await nursery.start(server.serve)
+    if relay is not None:
+        await nursery.start(attach_to_relay, relay, identity, ("127.0.0.1", server.port))
+    proto = "ip6" if ":" in host else "ip4"
+    return DataPlane(servicer, server, creds, f"/{proto}/{host}/tcp/{server.port}/p2p/{identity.peer_id}")
+
+
 async def serve(opts: ServeOptions, print_line=print) -> None:
     engine = load_engine(opts)
     try:
-        creds = make_tls_credentials()
-        servicer = ShardRuntimeServicer(engine, peer_id=str(opts.identity.peer_id), limits=opts.limits)
-        server = ShardServer(servicer, creds, host=opts.listen_host, port=opts.listen_port)
         async with trio.open_nursery() as nursery:
-            await nursery.start(server.serve)
-            proto = "ip6" if ":" in opts.listen_host else "ip4"
-            print_line(f"listening on /{proto}/{opts.listen_host}/tcp/{server.port}/p2p/{opts.identity.peer_id}")
-            print_line(f"tls-binding {sign_binding(opts.identity, creds, now_ms=int(time.time() * 1000)).hex()}")
+            plane = await start_data_plane(nursery, engine, opts.identity, opts.listen_host, opts.listen_port,
+                                           relay=opts.relay, limits=opts.limits)
+            print_line(f"listening on {plane.addr}")
+            print_line(f"tls-binding {sign_binding(opts.identity, plane.creds, now_ms=int(time.time() * 1000)).hex()}")
             if opts.relay is not None:
-                await nursery.start(attach_to_relay, opts.relay, opts.identity, ("127.0.0.1", server.port))
                 print_line(f"reachable via {opts.relay}/p2p-circuit/p2p/{opts.identity.peer_id}")
-            with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-                async for _ in signals:
-                    break
+            await until_signalled()
             nursery.cancel_scope.cancel()
     finally:
         engine.close()
 
 
-__all__ = ["ServeOptions", "serve", "Limits"]
+__all__ = ["ServeOptions", "serve", "Limits", "start_data_plane"]
