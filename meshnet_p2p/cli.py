@@ -174,14 +174,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _model_path(arg: str | None) -> str:
-    from .models import default_model_path
+    """A GGUF path, or the embedded model (no argument, or its name)."""
+    from .models import DEFAULT_MODEL_NAME, ModelNotFound, default_model_path
 
-    if arg is None:
+    if arg is None or arg == DEFAULT_MODEL_NAME:
         return default_model_path()
     if not os.path.isfile(arg):
-        from .models import ModelNotFound
-
-        raise ModelNotFound(f"no model file at {arg}")
+        raise ModelNotFound(f"no model file at {arg} (and it is not the name {DEFAULT_MODEL_NAME!r})")
     return arg
 
 
