@@ -138,7 +138,8 @@ class RouteSession:
 
     def __init__(self, spans_provider: Callable[[], list[Span]], n_layer: int, *, max_tokens: int,
                  sampling: SamplingParams, step_timeout: float = 10.0, max_failovers: int = 4,
-                 ban_seconds: float = 60.0, on_event: Callable[[str], None] | None = None) -> None:
+                 ban_seconds: float = 60.0, on_event: Callable[[str], None] | None = None,
+                 latency_ms: dict[str, float] | None = None) -> None:
         self.spans_provider = spans_provider
         self.n_layer = n_layer
         self.max_tokens = max_tokens
@@ -150,6 +151,7 @@ class RouteSession:
         self.session_id = uuid.uuid4().hex
         self.epoch = 0
         self.banned: dict[str, float] = {}
+        self.latency_ms: dict[str, float] = latency_ms if latency_ms is not None else {}
         self.failovers = 0
         self.watchdog = _Watchdog()
         self.spans = spans_provider()
@@ -164,7 +166,7 @@ class RouteSession:
     def _open_chain(self, start: int, end: int) -> list[_Hop]:
         last_error: Exception | None = None
         for attempt in range(self.max_failovers + 1):
-            route = plan_route(self.spans, start, end, banned=self._banned_now())
+            route = plan_route(self.spans, start, end, banned=self._banned_now(), latency_ms=self.latency_ms)
             hops: list[_Hop] = []
             try:
                 for span in route:
@@ -195,7 +197,10 @@ class RouteSession:
             channel = open_channel(cert, address=(addr.host, addr.port))
         client = ShardClient(channel, timeout=self.step_timeout)
         try:
-            cap = client.capability()
+            cap = client.capability()  # also sets up the connection (TLS handshake)
+            t0 = time.perf_counter()
+            client.health()
+            self.latency_ms[span.peer_id] = (time.perf_counter() - t0) * 1000  # a round trip, used when re-planning
             if cap.fingerprint.model_digest != c["model_digest"] or cap.fingerprint.recipe_digest != c["recipe_digest"]:
                 raise MeshnetError(f"{peer} serves another model or recipe than it announced")
             if (cap.layers.start, cap.layers.end) != (span.start, span.end):
@@ -293,6 +298,7 @@ class Client:
         self.step_timeout = step_timeout
         self.max_failovers = max_failovers
         self.on_event = on_event
+        self.latency_ms: dict[str, float] = {}  # peer -> measured round trip, kept across generations
 
     async def spans(self) -> list[Span]:
         return pick_recipe(await discover(self.bootstrap, self.model_digest), self.n_layer)
@@ -318,7 +324,8 @@ class Client:
         if not ids:
             raise GenerationError("the prompt is empty")
         session = RouteSession(provider, self.n_layer, max_tokens=len(ids) + max_tokens, sampling=sampling,
-                               step_timeout=self.step_timeout, max_failovers=self.max_failovers, on_event=self.on_event)
+                               step_timeout=self.step_timeout, max_failovers=self.max_failovers, on_event=self.on_event,
+                               latency_ms=self.latency_ms)
         decoder = self.tokenizer.stream_decoder()
         out: list[int] = []
         stopped = "length"

@@ -88,8 +88,10 @@ def missing_layers(spans: Iterable[Span], start: int, end: int) -> list[tuple[in
 def span_cost_ms(span: Span, latency_ms: dict[str, float] | None = None) -> float:
     hop = (latency_ms or {}).get(span.peer_id, DEFAULT_HOP_MS)
     tps = span.throughput if span.throughput > 0 else DEFAULT_TOKENS_PER_S
-    # per token: the round trip plus this peer's compute, which scales with its span
-    return hop + 1000.0 / tps
+    # per token: the round trip plus this peer's compute; a peer with one free
+    # session left is nudged below one with room (it may be gone by the time we ask)
+    crowding = 1.0 / max(1, span.free_sessions)
+    return hop + 1000.0 / tps + crowding
 
 
 def plan_route(
