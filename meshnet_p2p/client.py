@@ -29,7 +29,14 @@ import trio
 
 from ._proto import shard_runtime_pb2 as pb
 from .capability import TYPES, model_key
-from .dataplane.client import SessionStream, ShardClient, ShardConnectionError, ShardError, open_channel
+from .dataplane.client import (
+    SessionStream,
+    ShardClient,
+    ShardConnectionError,
+    ShardError,
+    open_channel,
+)
+from .dataplane.tls import cert_identity
 from .engine.contract import SamplingParams, TensorBundle
 from .errors import MeshnetError
 from .identity import Identity, PeerId
@@ -187,6 +194,8 @@ class RouteSession:
         c = span.record.content
         cert = c.get("tls_cert", "").encode()
         peer = PeerId.from_string(c["peer_id"])
+        if cert_identity(cert) != peer:  # a report cannot pass off another peer's certificate
+            raise MeshnetError(f"the TLS certificate in {peer}'s report belongs to another peer")
         if c.get("relay"):
             relay = Multiaddr.parse(c["relay"])
             channel = open_channel(cert, relay=(relay.host, relay.port), peer_id=peer)

@@ -439,3 +439,19 @@ def test_relay_bandwidth_bucket_bounds_bytes_per_second():
 
     elapsed = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert 1.9 <= elapsed <= 2.1
+
+
+def test_a_certificate_names_its_owner_and_cannot_be_claimed_by_another(middle):
+    from meshnet_p2p.dataplane.tls import TlsCredentials, cert_identity, make_tls_credentials, sign_binding
+
+    assert cert_identity(middle.cert) == middle.peer_id
+    mallory = Identity.generate()
+    # Mallory copies the middle peer's (public) certificate into a binding she signs
+    stolen = TlsCredentials(b"", middle.cert)
+    with pytest.raises(TlsBindingError, match="belongs to"):
+        verify_binding(sign_binding(mallory, stolen, now_ms=now_ms()), mallory.peer_id, now_ms())
+    with pytest.raises(TlsBindingError, match="no peer identity"):
+        cert_identity(make_tls_credentials().cert_pem)  # a certificate without the extension
+    # an identity extension whose signature covers another key
+    other = make_tls_credentials(mallory)
+    assert cert_identity(other.cert_pem) == mallory.peer_id

@@ -59,7 +59,7 @@ async def start_data_plane(nursery: trio.Nursery, engine, identity: Identity, ho
                            relay: Multiaddr | None = None, limits: Limits = Limits(), on_open=None) -> DataPlane:
     """Serve ``engine`` over gRPC with a fresh identity-bound TLS certificate (and
     through ``relay`` too, if given), in ``nursery``. Shared by serve and join."""
-    creds = make_tls_credentials()
+    creds = make_tls_credentials(identity)
     servicer = ShardRuntimeServicer(engine, peer_id=str(identity.peer_id), limits=limits, on_open=on_open)
     server = ShardServer(servicer, creds, host=host, port=port)
     await nursery.start(server.serve)

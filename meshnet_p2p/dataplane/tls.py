@@ -1,12 +1,15 @@
 """TLS bound to a peer's Ed25519 identity.
 
 grpcio's TLS cannot use Ed25519 certificates, so each peer makes a P-256 key
-and a self-signed certificate for its data plane, and vouches for it with its
-Ed25519 identity in a signed record (``meshnet/tls/v1``, and the same
-certificate inside its capability report). A client pins exactly that
-certificate as its only root: the TLS handshake then proves the server holds
-the key the peer's identity signed for, and nobody else can pass it, relay
-operators included.
+and a self-signed certificate for its data plane. The certificate carries,
+as libp2p's TLS spec does (extension 1.3.6.1.4.1.53594.1.1, a DER
+``SignedKey``), the peer's Ed25519 public key and its signature over the
+certificate's public key: the certificate itself says whose it is, so nobody
+can pass off another peer's certificate as their own. Peers publish the
+certificate in signed records (``meshnet/tls/v1`` and their capability
+report); a client checks the embedded identity and pins exactly that
+certificate as its only root, so the TLS handshake proves it talks to that
+peer, relay operators notwithstanding.
 """
 
 from __future__ import annotations
@@ -21,7 +24,13 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from ..errors import MeshnetError
-from ..identity import Identity, PeerId
+from ..identity import (
+    Identity,
+    IdentityError,
+    PeerId,
+    decode_public_key,
+    encode_public_key,
+)
 from ..records import PayloadType, RecordRejected, RecordVerifier, sign_record
 
 TLS_NAME = "meshnet-peer"  # the certificate's DNS name; clients override the target name to it
@@ -60,7 +69,50 @@ def cert_fingerprint(cert_pem: bytes) -> str:
     return hashlib.sha256(der).hexdigest()
 
 
-def make_tls_credentials(days: int = 30) -> TlsCredentials:
+LIBP2P_TLS_OID = x509.ObjectIdentifier("1.3.6.1.4.1.53594.1.1")
+_SIGN_PREFIX = b"libp2p-tls-handshake:"
+
+
+def _der_octets(data: bytes) -> bytes:
+    return bytes([0x04, len(data)]) + data  # short-form lengths suffice: every field is < 128 bytes
+
+
+def _signed_key(identity: Identity, spki: bytes) -> bytes:
+    body = _der_octets(encode_public_key(identity.public_key_bytes)) + _der_octets(identity.sign(_SIGN_PREFIX + spki))
+    return bytes([0x30, len(body)]) + body
+
+
+def cert_identity(cert_pem: bytes) -> PeerId:
+    """The peer a certificate belongs to, from its signed-key extension (verified)."""
+    try:
+        cert = x509.load_pem_x509_certificate(cert_pem)
+        ext = cert.extensions.get_extension_for_oid(LIBP2P_TLS_OID).value.value
+    except (ValueError, x509.ExtensionNotFound):
+        raise TlsBindingError("the certificate carries no peer identity") from None
+    parts, pos = [], 2
+    if len(ext) < 2 or ext[0] != 0x30 or ext[1] != len(ext) - 2:
+        raise TlsBindingError("malformed identity extension")
+    while pos < len(ext) and len(parts) < 3:
+        if ext[pos] != 0x04 or pos + 2 > len(ext) or ext[pos + 1] >= 128:
+            raise TlsBindingError("malformed identity extension")
+        n = ext[pos + 1]
+        parts.append(ext[pos + 2 : pos + 2 + n])
+        pos += 2 + n
+    if len(parts) != 2 or pos != len(ext):
+        raise TlsBindingError("malformed identity extension")
+    try:
+        peer = PeerId.from_public_key(decode_public_key(parts[0]))
+    except IdentityError as e:
+        raise TlsBindingError(f"identity extension: {e}") from None
+    spki = cert.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    if not peer.verify(parts[1], _SIGN_PREFIX + spki):
+        raise TlsBindingError("the certificate's identity signature does not cover its key")
+    return peer
+
+
+def make_tls_credentials(identity: Identity | None = None, days: int = 30) -> TlsCredentials:
+    """A P-256 key and self-signed certificate; with ``identity``, the certificate
+    carries that identity's signature over its key (what peers always use)."""
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, TLS_NAME)])
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -74,8 +126,11 @@ def make_tls_credentials(days: int = 30) -> TlsCredentials:
         .not_valid_after(now + datetime.timedelta(days=days))
         .add_extension(x509.SubjectAlternativeName([x509.DNSName(TLS_NAME)]), critical=False)
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
     )
+    if identity is not None:
+        spki = key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+        cert = cert.add_extension(x509.UnrecognizedExtension(LIBP2P_TLS_OID, _signed_key(identity, spki)), critical=False)
+    cert = cert.sign(key, hashes.SHA256())
     key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     return TlsCredentials(key_pem, cert.public_bytes(serialization.Encoding.PEM))
 
@@ -94,4 +149,8 @@ def verify_binding(record_wire: bytes, expected_peer: PeerId, now_ms: int) -> by
         raise TlsBindingError(f"TLS binding rejected: {e}") from None
     if rec.signer != expected_peer:
         raise TlsBindingError(f"TLS binding is signed by {rec.signer}, not by {expected_peer}")
-    return rec.content["cert"].encode()
+    cert = rec.content["cert"].encode()
+    owner = cert_identity(cert)
+    if owner != expected_peer:
+        raise TlsBindingError(f"the certificate belongs to {owner}, not to {expected_peer}")
+    return cert
