@@ -226,6 +226,13 @@ def _identity(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_options(args: argparse.Namespace):
+    from .engine.contract import EngineOptions
+
+    return EngineOptions(max_sessions=args.max_sessions, n_ctx_per_session=args.n_ctx, n_ubatch=args.n_ubatch,
+                         n_threads=args.threads)
+
+
 def _load_or_create_identity(path: str | None):
     from .identity import Identity
 
@@ -321,8 +328,7 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         raise MeshnetError("serve needs --shard PATH, or --layers A:B (with --model or the embedded model)")
     opts = ServeOptions(shard, host, port, _load_or_create_identity(args.identity), relay=relay,
-                        max_sessions=args.max_sessions, n_ctx_per_session=args.n_ctx, n_ubatch=args.n_ubatch,
-                        n_threads=args.threads, limits=Limits(max_message_bytes=args.max_message_bytes))
+                        engine=_engine_options(args), limits=Limits(max_message_bytes=args.max_message_bytes))
     try:
         trio.run(serve, opts, lambda line: print(line, flush=True))
     except OSError as e:
@@ -379,8 +385,7 @@ def _join(args: argparse.Namespace) -> int:
     opts = JoinOptions(
         model_path=_model_path(args.model), layers=layers, num_layers=args.num_layers, listen_host=host,
         listen_port=port, bootstrap=seeds, identity=_load_or_create_identity(args.identity),
-        relay=Multiaddr.parse(args.relay) if args.relay else None, max_sessions=args.max_sessions,
-        n_ctx_per_session=args.n_ctx, n_ubatch=args.n_ubatch, n_threads=args.threads,
+        relay=Multiaddr.parse(args.relay) if args.relay else None, engine=_engine_options(args),
         public_name=args.public_name, progress=TerminalProgress("preparing the shard"),
     )
     try:

@@ -18,7 +18,7 @@ import trio
 
 from .capability import CAPABILITY_TTL_MS, CapabilityReport, model_key
 from .dataplane.serve import start_data_plane
-from .engine.contract import HIDDEN, DecodeRequest, LoadRequest, OpenRequest, PrefillRequest, Tensor, TensorBundle
+from .engine.contract import HIDDEN, DecodeRequest, EngineOptions, OpenRequest, PrefillRequest, Tensor, TensorBundle
 from .engine.cut import inspect_gguf, sha256_file
 from .engine.llama_engine import LlamaCppShardEngine
 from .engine.recipe import model_digest
@@ -44,10 +44,7 @@ class JoinOptions:
     bootstrap: list
     identity: Identity
     relay: Multiaddr | None = None
-    max_sessions: int = 4
-    n_ctx_per_session: int = 2048
-    n_ubatch: int = 64
-    n_threads: int | None = None
+    engine: EngineOptions = EngineOptions()
     public_name: str = ""
     progress: Callable | None = None
 
@@ -99,9 +96,9 @@ async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> Non
             start, end = opts.layers
         shard = opts.model_path if (start, end) == (0, info.source_layers) else await trio.to_thread.run_sync(
             lambda: ensure_shard(opts.model_path, start, end, source_sha, opts.progress))
-        load = await trio.to_thread.run_sync(lambda: engine.load(LoadRequest(
-            shard, max_sessions=opts.max_sessions, n_ctx_per_session=opts.n_ctx_per_session, n_ubatch=opts.n_ubatch,
-            n_threads=opts.n_threads, source_sha256=source_sha if shard == opts.model_path else None)))
+        whole = shard == opts.model_path
+        load = await trio.to_thread.run_sync(
+            lambda: engine.load(opts.engine.load_request(shard, source_sha256=source_sha if whole else None)))
         load.status.raise_for_status()
         throughput = await trio.to_thread.run_sync(measure_throughput, engine)
         plane = await start_data_plane(nursery, engine, opts.identity, opts.listen_host, opts.listen_port,

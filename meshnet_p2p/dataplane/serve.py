@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import trio
 
-from ..engine.contract import LoadRequest
+from ..engine.contract import EngineOptions
 from ..engine.llama_engine import LlamaCppShardEngine
 from ..identity import Identity
 from ..multiaddr import Multiaddr
@@ -33,17 +33,13 @@ class ServeOptions:
     listen_port: int
     identity: Identity
     relay: Multiaddr | None = None
-    max_sessions: int = 4
-    n_ctx_per_session: int = 2048
-    n_ubatch: int = 64
-    n_threads: int | None = None
+    engine: EngineOptions = EngineOptions()
     limits: Limits = Limits()
 
 
 def load_engine(opts: ServeOptions) -> LlamaCppShardEngine:
     engine = LlamaCppShardEngine()
-    engine.load(LoadRequest(opts.shard_path, max_sessions=opts.max_sessions, n_ctx_per_session=opts.n_ctx_per_session,
-                            n_ubatch=opts.n_ubatch, n_threads=opts.n_threads)).status.raise_for_status()
+    engine.load(opts.engine.load_request(opts.shard_path)).status.raise_for_status()
     return engine
 
 

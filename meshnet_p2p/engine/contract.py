@@ -160,6 +160,20 @@ class LoadRequest:
 
 
 @dataclass(frozen=True)
+class EngineOptions:
+    """How a serving process runs its engine (the knobs `serve` and `join` share)."""
+
+    max_sessions: int = 4
+    n_ctx_per_session: int = 2048
+    n_ubatch: int = 64
+    n_threads: int | None = None
+
+    def load_request(self, path: str, *, source_sha256: str | None = None) -> "LoadRequest":
+        return LoadRequest(path, max_sessions=self.max_sessions, n_ctx_per_session=self.n_ctx_per_session,
+                           n_ubatch=self.n_ubatch, n_threads=self.n_threads, source_sha256=source_sha256)
+
+
+@dataclass(frozen=True)
 class LoadResult:
     status: Status
     capabilities: "EngineCapabilities | None" = None
