@@ -285,7 +285,7 @@ def _relay(args: argparse.Namespace) -> int:
                          bytes_per_second_per_peer=args.max_mbps_per_peer * 1e6 / 8)
 
     async def run() -> None:
-        relay = Relay(identity, limits)
+        relay = Relay(identity, limits, on_splice=lambda peer: print(f"splice to {peer}", flush=True))
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(relay.serve, host, port)
             if seeds:

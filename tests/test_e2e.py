@@ -127,3 +127,22 @@ async def test_the_client_works_from_trio(tmp_path, reference, model_path):
     finally:
         for p in joins + [boot]:
             await trio.to_thread.run_sync(p.stop)
+
+
+def test_a_peer_behind_a_relay_serves_through_it(tmp_path, reference):
+    relay = Proc("relay", "--listen", "127.0.0.1:0")
+    relay_addr = relay.wait_line("listening on ").removeprefix("listening on ")
+    boot, addr, joins = start_swarm(tmp_path, ["0:10", "20:30"])
+    nat = Proc("join", "--layers", "10:20", "--bootstrap", addr, "--threads", "1", "--relay", relay_addr)
+    try:
+        nat.wait_line("listening on ")
+        r = subprocess.run([sys.executable, "-m", "meshnet_p2p", "generate", "--bootstrap", addr, "--prompt", PROMPT,
+                            "--max-tokens", "32", "--json"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        assert doc["token_ids"] == reference
+        assert doc["route"][1]["peer_id"] == nat.peer_id
+        assert relay.wait_line("splice to ") == f"splice to {nat.peer_id}"  # it really went through the relay
+    finally:
+        codes = [p.stop() for p in [nat] + joins + [boot, relay]]
+    assert codes == [0] * len(codes)

@@ -139,8 +139,10 @@ async def _splice(a: trio.abc.Stream, b: trio.abc.Stream, bucket: _TokenBucket |
 
 
 class Relay:
-    def __init__(self, identity: Identity, limits: RelayLimits = RelayLimits()) -> None:
+    def __init__(self, identity: Identity, limits: RelayLimits = RelayLimits(),
+                 on_splice: Callable[[PeerId], None] | None = None) -> None:
         self.identity = identity
+        self.on_splice = on_splice  # told of each client connection spliced to a peer
         self.limits = limits
         self.reservations: dict[str, _Reservation] = {}  # lowercased peer id -> reservation
         self._tokens: dict[str, _Reservation] = {}
@@ -241,6 +243,8 @@ class Relay:
                 try:
                     await stream.send_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
                     self.stats["spliced"] += 1
+                    if self.on_splice is not None:
+                        self.on_splice(res.peer_id)
                     self.stats["bytes"] += await _splice(stream, data_stream, res.bucket, self.transform,
                                                          first=(reader.buf, data_reader.buf))
                 finally:
