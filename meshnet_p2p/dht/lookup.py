@@ -48,7 +48,7 @@ async def iterative_lookup(
     ``call(contact)`` returns ``(answer, contacts it knows)`` or None on failure.
     ``done(responses)`` may end the lookup early (e.g. enough values found).
 
-    A request unanswered after ``slow_after`` (default: a fifth of ``timeout``)
+    A request unanswered after ``slow_after`` (default: a tenth of ``timeout``)
     stops holding one of the ``alpha`` slots and stops counting among the k
     closest, so a frozen peer delays nothing; if it answers before the lookup
     ends its answer is still used, and if it times out it is reported failed.
@@ -56,7 +56,7 @@ async def iterative_lookup(
     closer is left to ask; slow requests are then abandoned.
     """
     max_queries = max_queries or 8 * k
-    slow_after = timeout / 5 if slow_after is None else slow_after
+    slow_after = timeout / 10 if slow_after is None else slow_after
     candidates: dict[int, Contact] = {c.node_id: c for c in seeds}
     state: dict[int, str] = {}  # node id -> pending | slow | ok | failed
     started: dict[int, float] = {}  # pending (not slow) requests: node id -> start time
