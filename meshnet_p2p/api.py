@@ -25,6 +25,7 @@ from .client import Client, GenerationError
 from .engine.contract import SamplingParams
 from .errors import MeshnetError
 from .lifecycle import until_signalled
+from .network import BootstrapError
 from .placement import NoRoute, plan_route
 
 
@@ -75,7 +76,7 @@ def create_app(client: Client, model_name: str) -> FastAPI:
 
     @app.exception_handler(MeshnetError)
     async def meshnet_error(request: Request, exc: MeshnetError):
-        status = 503 if isinstance(exc, (NoRoute, GenerationError)) else 400
+        status = 503 if isinstance(exc, (NoRoute, GenerationError, BootstrapError)) else 400
         return _error(status, str(exc), "swarm_unavailable" if status == 503 else "invalid_request_error")
 
     @app.get("/v1/models")

@@ -13,7 +13,7 @@ import sys
 from typing import Sequence
 
 from . import __version__
-from .errors import MeshnetError
+from .errors import MeshnetError, unwrap_errors
 
 EXIT_ERROR = 2
 
@@ -143,24 +143,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.command == "shard":
-            return _shard(args)
-        if args.command == "generate":
-            return _generate(args)
-        if args.command == "identity":
-            return _identity(args)
-        if args.command == "bootstrap":
-            return _bootstrap(args)
-        if args.command == "demo":
-            return _demo(args)
-        if args.command == "api":
-            return _api(args)
-        if args.command == "join":
-            return _join(args)
-        if args.command == "relay":
-            return _relay(args)
-        if args.command == "serve":
-            return _serve(args)
+        with unwrap_errors():
+            return _dispatch(parser, args)
     except MeshnetError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_ERROR
@@ -169,8 +153,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130
-    parser.error(f"unknown command {args.command!r}")
-    return EXIT_ERROR
+
+
+def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    handlers = {
+        "shard": _shard, "identity": _identity, "generate": _generate, "demo": _demo, "join": _join,
+        "bootstrap": _bootstrap, "relay": _relay, "serve": _serve, "api": _api,
+    }
+    handler = handlers.get(args.command)
+    if handler is None:
+        parser.error(f"unknown command {args.command!r}")
+    return handler(args)
 
 
 def _model_path(arg: str | None) -> str:

@@ -38,7 +38,7 @@ from .dataplane.client import (
 )
 from .dataplane.tls import cert_identity
 from .engine.contract import SamplingParams, TensorBundle
-from .errors import MeshnetError
+from .errors import MeshnetError, unwrap_errors
 from .identity import Identity, PeerId
 from .multiaddr import Multiaddr
 from .network import start_node
@@ -70,10 +70,11 @@ class GenerationResult:
 
 async def discover(bootstrap: Sequence[str | Multiaddr], model_digest: str, *, identity: Identity | None = None) -> list[Span]:
     """Capability reports for a model, as spans, from a short-lived client-mode DHT node."""
-    async with trio.open_nursery() as nursery:
-        node = await start_node(nursery, identity or Identity.generate(), bootstrap=bootstrap, client_mode=True, types=TYPES)
-        records = await node.get(model_key(model_digest))
-        nursery.cancel_scope.cancel()
+    with unwrap_errors():
+        async with trio.open_nursery() as nursery:
+            node = await start_node(nursery, identity or Identity.generate(), bootstrap=bootstrap, client_mode=True, types=TYPES)
+            records = await node.get(model_key(model_digest))
+            nursery.cancel_scope.cancel()
     spans = [Span.from_report(r) for r in records]
     return [s for s in spans if not s.departing]
 

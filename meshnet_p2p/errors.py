@@ -7,3 +7,29 @@ CLI can print it as one clear line and a server can map it to a status code.
 
 class MeshnetError(Exception):
     """Base class of every expected, user- or peer-caused failure."""
+
+
+def _leaves(exc: BaseException):
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield exc
+
+
+class unwrap_errors:
+    """Re-raise a trio nursery's exception group as its single expected error.
+
+    trio wraps whatever escapes a nursery in an exception group; when every
+    leaf is a :class:`MeshnetError` (a refused bootstrap, no route...), callers
+    want that error, not the group. Anything else propagates unchanged."""
+
+    def __enter__(self) -> "unwrap_errors":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        if isinstance(exc, BaseExceptionGroup):
+            leaves = list(_leaves(exc))
+            if leaves and all(isinstance(e, MeshnetError) for e in leaves):
+                raise leaves[0] from None
+        return False

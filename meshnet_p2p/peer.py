@@ -22,7 +22,7 @@ from .engine.contract import HIDDEN, DecodeRequest, EngineOptions, OpenRequest, 
 from .engine.cut import inspect_gguf, sha256_file
 from .engine.llama_engine import LlamaCppShardEngine
 from .engine.recipe import model_digest
-from .errors import MeshnetError
+from .errors import MeshnetError, unwrap_errors
 from .identity import Identity
 from .lifecycle import until_signalled
 from .models import ensure_shard
@@ -80,7 +80,8 @@ async def join(opts: JoinOptions, print_line: Callable[[str], None] = print) -> 
     key = model_key(digest)
     engine = LlamaCppShardEngine()
     try:
-        await _serve(opts, engine, info, source_sha, digest, key, print_line)
+        with unwrap_errors():
+            await _serve(opts, engine, info, source_sha, digest, key, print_line)
     finally:
         engine.close()  # only after every task that could touch it has ended
 

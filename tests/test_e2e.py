@@ -146,3 +146,14 @@ def test_a_peer_behind_a_relay_serves_through_it(tmp_path, reference):
     finally:
         codes = [p.stop() for p in [nat] + joins + [boot, relay]]
     assert codes == [0] * len(codes)
+
+
+@pytest.mark.parametrize("command", [["join", "--layers", "0:10"], ["generate", "--prompt", "hi"]])
+def test_unreachable_bootstrap_is_one_clear_error(command):
+    from meshnet_p2p.identity import Identity
+
+    nobody = f"/ip4/127.0.0.1/udp/9/p2p/{Identity.generate().peer_id}"
+    r = subprocess.run([sys.executable, "-m", "meshnet_p2p", *command, "--bootstrap", nobody],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert "bootstrap peers answered" in r.stderr and "Traceback" not in r.stderr
