@@ -143,10 +143,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        with unwrap_errors():
+        with unwrap_errors(MeshnetError, OSError, ValueError):
             return _dispatch(parser, args)
     except MeshnetError as e:
         print(f"error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except OSError as e:  # a port taken, an address not ours, a peer refusing the connection
+        print(f"error: meshnet-peer {args.command}: {e.strerror or e}", file=sys.stderr)
         return EXIT_ERROR
     except ValueError as e:  # request types reject bad values (e.g. top_p) this way
         print(f"error: {e}", file=sys.stderr)

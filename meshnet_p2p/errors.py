@@ -24,12 +24,15 @@ class unwrap_errors:
     leaf is a :class:`MeshnetError` (a refused bootstrap, no route...), callers
     want that error, not the group. Anything else propagates unchanged."""
 
+    def __init__(self, *kinds: type[BaseException]) -> None:
+        self.kinds = kinds or (MeshnetError,)
+
     def __enter__(self) -> "unwrap_errors":
         return self
 
     def __exit__(self, kind, exc, tb) -> bool:
         if isinstance(exc, BaseExceptionGroup):
             leaves = list(_leaves(exc))
-            if leaves and all(isinstance(e, MeshnetError) for e in leaves):
+            if leaves and all(isinstance(e, self.kinds) for e in leaves):
                 raise leaves[0] from None
         return False

@@ -157,3 +157,12 @@ def test_unreachable_bootstrap_is_one_clear_error(command):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "bootstrap peers answered" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("command", [["bootstrap", "--listen", "10.255.255.1:0"],
+                                     ["serve", "--layers", "0:10", "--relay", "/ip4/127.0.0.1/tcp/9/p2p/"
+                                      "12D3KooWBtg3aaRMjxwedh83aGiUkwSxDwUZkzuJcfaqUmo7R3pq"]])
+def test_socket_errors_are_one_clear_line(command):
+    # binding an address that is not this machine's, and a relay that refuses: no traceback
+    r = subprocess.run([sys.executable, "-m", "meshnet_p2p", *command], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.startswith("error:") and "Traceback" not in r.stderr
