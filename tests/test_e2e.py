@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from meshnet_p2p.client import Client
+from meshnet_p2p import Client
 from meshnet_p2p.engine.tokenizer import Tokenizer
 
 from .reference import reference_generate
