@@ -11,10 +11,10 @@ import threading
 class Proc:
     """An OS process whose stdout lines are collected as they come."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, env: dict | None = None) -> None:
         self.stderr = tempfile.TemporaryFile(mode="w+")
         self.p = subprocess.Popen([sys.executable, "-m", "meshnet_p2p", *args], stdout=subprocess.PIPE,
-                                  stderr=self.stderr, text=True)
+                                  stderr=self.stderr, text=True, env=env)
         self.lines: list[str] = []
         self.changed = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
@@ -50,11 +50,10 @@ class Proc:
 
 
 def start_swarm(tmp_path, spans, *extra):
-    env_cache = str(tmp_path)
-    os.environ["MESHNET_CACHE_DIR"] = env_cache
-    boot = Proc("bootstrap", "--listen", "127.0.0.1:0")
+    env = {**os.environ, "MESHNET_CACHE_DIR": str(tmp_path)}  # shards cut for this test only
+    boot = Proc("bootstrap", "--listen", "127.0.0.1:0", env=env)
     addr = boot.wait_line("listening on ").removeprefix("listening on ")
-    joins = [Proc("join", "--layers", s, "--bootstrap", addr, "--threads", "1", *extra) for s in spans]
+    joins = [Proc("join", "--layers", s, "--bootstrap", addr, "--threads", "1", *extra, env=env) for s in spans]
     try:
         for j in joins:
             j.wait_line("listening on ")
