@@ -99,8 +99,8 @@ def create_app(client: Client, model_name: str) -> FastAPI:
         token = trio.lowlevel.current_trio_token()
 
         def on_token(text: str) -> None:
-            if text:
-                trio.from_thread.run_sync(send.send_nowait, text, trio_token=token)
+            if text:  # blocks the generation thread while the HTTP client is slow to read
+                trio.from_thread.run(send.send, text, trio_token=token)
 
         async def produce(task_status=trio.TASK_STATUS_IGNORED):
             async with send:
