@@ -196,3 +196,38 @@ def test_engine_reports_health_and_metrics(chain, prompts):
     assert m.steps == 4 and m.tokens_sampled == 4
     caps = chain[1].capabilities()
     assert (caps.start, caps.end, caps.role, caps.n_vocab) == (10, 20, "middle", 0)
+
+
+def test_llama_decode_always_runs_on_the_engines_own_thread(shard_dir, load_engine, monkeypatch):
+    """With OpenMP, llama.cpp keeps a thread team per calling thread; steps
+    arriving from many handler threads must still reach llama_decode from one."""
+    import llama_cpp
+
+    callers = []
+    real = llama_cpp.llama_decode
+
+    def recording(ctx, batch):
+        callers.append(threading.get_ident())
+        return real(ctx, batch)
+
+    monkeypatch.setattr(llama_cpp, "llama_decode", recording)
+    e = load_engine(shard_dir[(10, 20)], n_threads=2)
+    n_embd = e.capabilities().n_embd
+    rows = TensorBundle((Tensor(HIDDEN, "f32", (1, n_embd), np.full((1, n_embd), 0.01, np.float32).tobytes()),))
+    step_threads = []
+
+    def run(sid: str) -> None:
+        step_threads.append(threading.get_ident())
+        assert e.open_session(OpenRequest(sid, 8)).ok
+        for pos in range(3):
+            e.decode(DecodeRequest(sid, pos, hidden=rows)).status.raise_for_status()
+
+    for sid in ("a", "b", "c"):
+        t = threading.Thread(target=run, args=(sid,))
+        t.start()
+        t.join()
+    assert len(callers) == 9
+    assert len(set(callers)) == 1
+    assert callers[0] not in step_threads
+    e.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("llama-compute")]
