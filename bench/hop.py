@@ -9,12 +9,19 @@ through a `meshnet-peer relay` process. The server process is also attached to
 the relay. Each step carries one token's float32 hidden state (2,304 bytes for
 SmolLM2) in and out, as a real hop does. Reports medians. Target (issue 4):
 direct_overhead_ms < 1.
+
+A fourth way, the floor, serves the same shard behind a bare grpcio stream
+over the same TLS (bench/_grpc_floor.py: raw bytes, no protobuf, no session
+protocol), so the run also splits the overhead into what grpcio itself costs
+here (``floor_overhead_ms``) and what our stack adds (``stack_overhead_ms``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import queue
 import statistics
 import subprocess
 import sys
@@ -41,7 +48,8 @@ def main() -> int:
     ap.add_argument("--layers", default="10:20")
     ap.add_argument("--tokens", type=int, default=300)
     ap.add_argument("--block", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=1, help="llama.cpp threads, in-process and in the server alike")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="llama.cpp threads, in-process and in the server alike (default: as serve and join, one per CPU)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -59,6 +67,15 @@ def main() -> int:
         peer = addr.peer_id
         cert = verify_binding(bytes.fromhex(lines[1].split()[1]), peer, int(time.time() * 1000))
 
+        floor = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "_grpc_floor.py"), shard,
+                                  str(args.threads), str(args.tokens + 8)], stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
+        procs.append(floor)
+        floor_port, floor_cert = int(floor.stdout.readline()), bytes.fromhex(floor.stdout.readline().strip())
+        floor_q: queue.SimpleQueue = queue.SimpleQueue()
+        floor_channel = open_channel(floor_cert, address=("127.0.0.1", floor_port))
+        same = lambda b: b  # noqa: E731
+        floor_replies = floor_channel.stream_stream("/floor.Hop/Step", same, same)(iter(floor_q.get, None))
+
         engine = LlamaCppShardEngine()
         engine.load(LoadRequest(shard, max_sessions=1, n_ctx_per_session=args.tokens + 8, n_threads=args.threads)).status.raise_for_status()
         direct = ShardClient(open_channel(cert, address=(addr.host, addr.port)))
@@ -70,30 +87,35 @@ def main() -> int:
                   for _ in range(args.tokens)]
         engine.open_session(OpenRequest("local", args.tokens + 8)).raise_for_status()
         streams = {"direct": direct.session(fp, max_tokens=args.tokens + 8), "relay": relayed.session(fp, max_tokens=args.tokens + 8)}
-        times: dict[str, list[float]] = {"inprocess": [], "direct": [], "relay": []}
+        times: dict[str, list[float]] = {"inprocess": [], "floor": [], "direct": [], "relay": []}
         outputs: dict[str, list[bytes]] = {k: [] for k in times}
         pos = 0
         while pos < args.tokens:
             n = min(args.block, args.tokens - pos)
-            for way in ("inprocess", "direct", "relay"):
+            for way in times:
                 for i in range(pos, pos + n):
                     t0 = time.perf_counter()
                     if way == "inprocess":
-                        out = engine.decode(DecodeRequest("local", i, hidden=hidden[i])).hidden
+                        out = engine.decode(DecodeRequest("local", i, hidden=hidden[i])).hidden.tensors[0].data
+                    elif way == "floor":
+                        floor_q.put(hidden[i].tensors[0].data)
+                        out = next(floor_replies)
                     else:
-                        out = streams[way].step(i, hidden=hidden[i], decode=True).hidden
+                        out = streams[way].step(i, hidden=hidden[i], decode=True).hidden.tensors[0].data
                     times[way].append(time.perf_counter() - t0)
-                    outputs[way].append(out.tensors[0].data)
+                    outputs[way].append(out)
             pos += n
         for s in streams.values():
             s.release()
+        floor_q.put(None)
+        floor_channel.close()
+        floor.stdin.close()
         direct.close()
         relayed.close()
         engine.close()
     finally:
-        for p in procs:
+        for p in reversed(procs):  # the server before the relay it is attached to
             p.terminate()
-        for p in procs:
             p.wait(timeout=30)
 
     med = {k: statistics.median(v) * 1000 for k, v in times.items()}
@@ -103,9 +125,12 @@ def main() -> int:
         "inprocess_ms": round(med["inprocess"], 3),
         "direct_ms": round(med["direct"], 3),
         "relay_ms": round(med["relay"], 3),
+        "floor_ms": round(med["floor"], 3),
         "direct_overhead_ms": round(med["direct"] - med["inprocess"], 3),
         "relay_overhead_ms": round(med["relay"] - med["inprocess"], 3),
-        "identical_outputs": outputs["inprocess"] == outputs["direct"] == outputs["relay"],
+        "floor_overhead_ms": round(med["floor"] - med["inprocess"], 3),
+        "stack_overhead_ms": round(med["direct"] - med["floor"], 3),
+        "identical_outputs": outputs["inprocess"] == outputs["floor"] == outputs["direct"] == outputs["relay"],
     }
     if args.json:
         print(json.dumps(doc))
