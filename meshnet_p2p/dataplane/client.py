@@ -181,14 +181,20 @@ class SessionStream:
             self.send(pb.SessionRequest(credit=pb.CreditTopUp(credits=self.granted.credits - self.credits)))
             self.credits = self.granted.credits
         n = next(self._steps) if idempotency_step is None else idempotency_step
-        msg = pb.Step(work_id=work_id or f"w{n}", idempotency_step=n, route_epoch=self.route_epoch,
-                      position=position, decode=decode, deadline_unix_ms=deadline_ms)
+        request = pb.SessionRequest()
+        msg = request.step  # built in place: wrapping a finished Step would copy its payload
+        msg.work_id = work_id or f"w{n}"
+        msg.idempotency_step = n
+        msg.route_epoch = self.route_epoch
+        msg.position = position
+        msg.decode = decode
+        msg.deadline_unix_ms = deadline_ms
         if token_ids is not None:
             msg.token_ids.extend(token_ids)
         if hidden is not None:
             bundle_to_proto(hidden, out=msg.hidden)
         self.credits -= 1
-        resp = self.request(pb.SessionRequest(step=msg))
+        resp = self.request(request)
         kind = resp.WhichOneof("kind")
         if kind == "ack":
             return StepReply(position, None, None, False, resp)  # a duplicate: acknowledged, not applied

@@ -301,11 +301,15 @@ class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
         if not result.status.ok:
             s = result.status
             return _error(_ENGINE_CODES[s.code], s.message, work_id=wid, step=n, retryable=s.retryable)
-        out = pb.StepResult(work_id=wid, idempotency_step=n, position=result.position)
+        response = pb.SessionResponse()
+        out = response.result  # built in place: wrapping a finished StepResult would copy its payload
+        out.work_id = wid
+        out.idempotency_step = n
+        out.position = result.position
         if result.token is not None:
             out.has_token = True
             out.token_id = result.token.token_id
             out.is_eog = result.token.is_eog
         else:
             bundle_to_proto(result.hidden, out=out.hidden)
-        return pb.SessionResponse(result=out)
+        return response

@@ -40,7 +40,10 @@ def bundle_from_proto(msg: pb.TensorBundle) -> TensorBundle:
             raise PayloadError(f"tensor {td.name!r}: too many fragments")
         expected = 0
         parts = []
-        for frag in sorted(td.fragments, key=lambda f: f.byte_offset):
+        fragments = td.fragments
+        if len(fragments) > 1:
+            fragments = sorted(fragments, key=lambda f: f.byte_offset)
+        for frag in fragments:
             if frag.byte_offset != expected:
                 kind = "gap" if frag.byte_offset > expected else "overlap"
                 raise PayloadError(f"tensor {td.name!r}: fragment at {frag.byte_offset} does not tile ({kind} after {expected})")
