@@ -100,7 +100,7 @@ class ShardClient:
         return self._unary(self.stub.Release, pb.ReleaseRequest(session_id=session_id)).released
 
     def session(self, fingerprint: pb.Fingerprint, *, max_tokens: int, session_id: str | None = None,
-                route_epoch: int = 0, sampling: pb.Sampling | None = None, credits: int = 16,
+                route_epoch: int = 0, sampling: pb.Sampling | None = None, credits: int = 64,
                 timeout: float | None = -1.0, record: bool = False) -> "SessionStream":
         """A Session stream. ``timeout`` bounds the whole stream (default: the
         client's timeout); None means no bound (a long generation), in which
