@@ -27,17 +27,14 @@ import trio
 from meshnet_p2p.capability import CapabilityReport, model_key
 from meshnet_p2p.identity import Identity
 from meshnet_p2p.network import node_multiaddr, start_node
+from meshnet_p2p.records import wall_ms
 
 GOSSIP_MODEL = "99" * 32
 
 
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
 def report_for(identity: Identity, digest: str, seq: int = 1) -> bytes:
     rep = CapabilityReport(digest, "00" * 32, (0, 10), ("/ip4/127.0.0.1/tcp/1",), 1.0, 1)
-    return rep.sign(identity, seq=seq, now_ms=now_ms(), ttl_ms=600_000)
+    return rep.sign(identity, seq=seq, now_ms=wall_ms(), ttl_ms=600_000)
 
 
 # --- worker: M nodes in one process -------------------------------------------------------

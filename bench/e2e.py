@@ -20,12 +20,12 @@ import statistics
 import sys
 
 from meshnet_p2p.client import Client
-from meshnet_p2p.demo import _Process
 from meshnet_p2p.engine.contract import SamplingParams
 from meshnet_p2p.engine.cut import sha256_file
 from meshnet_p2p.engine.tokenizer import Tokenizer
 from meshnet_p2p.local import LocalRoute
 from meshnet_p2p.models import default_model_path
+from meshnet_p2p.peer_process import PeerProcess
 
 PROMPT = ("The history of clockmaking is a story of patience. Early water clocks measured hours by the flow "
           "of water through a small opening, while mechanical clocks in medieval towers used weights and gears.")
@@ -42,11 +42,11 @@ def main() -> int:
     model = default_model_path()
     procs = []
     try:
-        boot = _Process(["bootstrap", "--listen", "127.0.0.1:0"])
+        boot = PeerProcess("bootstrap", "--listen", "127.0.0.1:0")
         procs.append(boot)
         addr = boot.address(60)
         for span in ("0:10", "10:20", "20:30"):
-            procs.append(_Process(["join", "--layers", span, "--bootstrap", addr, "--threads", str(args.threads)]))
+            procs.append(PeerProcess("join", "--layers", span, "--bootstrap", addr, "--threads", str(args.threads)))
         for p in procs[1:]:
             p.address(300)
         client = Client([addr])

@@ -36,11 +36,8 @@ from meshnet_p2p.engine.cut import parse_layer_range, sha256_file
 from meshnet_p2p.engine.llama_engine import LlamaCppShardEngine
 from meshnet_p2p.models import default_model_path, ensure_shard
 from meshnet_p2p.multiaddr import Multiaddr
-
-
-def start(cmd: list[str], lines: int) -> tuple[subprocess.Popen, list[str]]:
-    proc = subprocess.Popen([sys.executable, "-m", "meshnet_p2p", *cmd], stdout=subprocess.PIPE, text=True)
-    return proc, [proc.stdout.readline().strip() for _ in range(lines)]
+from meshnet_p2p.peer_process import PeerProcess
+from meshnet_p2p.records import wall_ms
 
 
 def main() -> int:
@@ -56,20 +53,20 @@ def main() -> int:
     model = default_model_path()
     start_l, end_l = parse_layer_range(args.layers)
     shard = ensure_shard(model, start_l, end_l, sha256_file(model))
-    procs = []
+    procs: list[PeerProcess] = []
+    floor = None
     try:
-        relay, (relay_line,) = start(["relay", "--listen", "127.0.0.1:0"], 1)
+        relay = PeerProcess("relay", "--listen", "127.0.0.1:0")
         procs.append(relay)
-        relay_addr = Multiaddr.parse(relay_line.removeprefix("listening on "))
-        server, lines = start(["serve", "--shard", shard, "--threads", str(args.threads), "--relay", str(relay_addr)], 3)
+        relay_addr = Multiaddr.parse(relay.address())
+        server = PeerProcess("serve", "--shard", shard, "--threads", str(args.threads), "--relay", str(relay_addr))
         procs.append(server)
-        addr = Multiaddr.parse(lines[0].removeprefix("listening on "))
+        addr = Multiaddr.parse(server.address())
         peer = addr.peer_id
-        cert = verify_binding(bytes.fromhex(lines[1].split()[1]), peer, int(time.time() * 1000))
+        cert = verify_binding(bytes.fromhex(server.wait_line("tls-binding ").split()[1]), peer, wall_ms())
 
         floor = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "_grpc_floor.py"), shard,
                                   str(args.threads), str(args.tokens + 8)], stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
-        procs.append(floor)
         floor_port, floor_cert = int(floor.stdout.readline()), bytes.fromhex(floor.stdout.readline().strip())
         floor_q: queue.SimpleQueue = queue.SimpleQueue()
         floor_channel = open_channel(floor_cert, address=("127.0.0.1", floor_port))
@@ -114,9 +111,11 @@ def main() -> int:
         relayed.close()
         engine.close()
     finally:
+        if floor is not None:
+            floor.terminate()
+            floor.wait(timeout=30)
         for p in reversed(procs):  # the server before the relay it is attached to
-            p.terminate()
-            p.wait(timeout=30)
+            p.stop()
 
     med = {k: statistics.median(v) * 1000 for k, v in times.items()}
     doc = {

@@ -8,60 +8,27 @@ shuts everything down (SIGTERM, then waits for each process).
 
 from __future__ import annotations
 
-import signal
-import subprocess
 import sys
-import threading
 import time
 from typing import Callable, TextIO
 
 from .client import Client
-from .errors import MeshnetError
+from .peer_process import PeerProcess
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
 
-class _Process:
-    def __init__(self, args: list[str]) -> None:
-        self.p = subprocess.Popen([sys.executable, "-m", "meshnet_p2p", *args], stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, text=True)
-        self.first_line = ""
-        self._ready = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.p.stdout:
-            if line.startswith("listening on ") and not self.first_line:
-                self.first_line = line.strip().removeprefix("listening on ")
-                self._ready.set()
-        self._ready.set()
-
-    def address(self, timeout: float) -> str:
-        if not self._ready.wait(timeout) or not self.first_line:
-            raise MeshnetError(f"`meshnet-peer {' '.join(self.p.args[3:5])}` did not start")
-        return self.first_line
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGTERM)
-        try:
-            self.p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait()
-
-
 def run_demo(prompt: str = DEFAULT_PROMPT, max_tokens: int = 64, *, chat: bool = True, model: str | None = None,
              out: TextIO = sys.stdout, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> dict:
-    procs: list[_Process] = []
+    procs: list[PeerProcess] = []
     try:
         log("starting a bootstrap peer ...")
-        boot = _Process(["bootstrap", "--listen", "127.0.0.1:0"])
+        boot = PeerProcess("bootstrap", "--listen", "127.0.0.1:0")
         procs.append(boot)
         addr = boot.address(60)
         model_args = ["--model", model] if model else []
         for span in ("0:10", "10:20", "20:30"):
-            procs.append(_Process(["join", "--layers", span, "--bootstrap", addr, "--threads", "1", *model_args]))
+            procs.append(PeerProcess("join", "--layers", span, "--bootstrap", addr, "--threads", "1", *model_args))
         for p, span in zip(procs[1:], ("0:10", "10:20", "20:30"), strict=True):
             log(f"volunteer serving layers {span} at {p.address(300)}")
         client = Client([addr], model_path=model)

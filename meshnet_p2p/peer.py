@@ -29,6 +29,7 @@ from .models import ensure_shard
 from .multiaddr import Multiaddr
 from .network import peers_for_model, start_node
 from .placement import Span, choose_span
+from .records import wall_ms
 
 ANNOUNCE_INTERVAL_S = 30.0
 DRAIN_GRACE_S = 30.0
@@ -116,7 +117,7 @@ async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> Non
                 relay=str(opts.relay) if opts.relay else None, tls_cert=creds.cert_pem.decode(),
                 public_name=opts.public_name, departing=departing,
             )
-            now = int(time.time() * 1000)
+            now = wall_ms()
             return rep.sign(opts.identity, seq=now, now_ms=now, ttl_ms=10_000 if departing else CAPABILITY_TTL_MS)
 
         await node.publish(key, report())

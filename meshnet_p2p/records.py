@@ -16,6 +16,7 @@ are data passed in, so every reason is tested without a network or a clock.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable, Mapping
@@ -29,6 +30,11 @@ DOMAIN = b"meshnet-record-v1\0"
 MAX_RECORD_BYTES = 16 * 1024  # a capability report is well under 2 KB
 MAX_CLOCK_SKEW_MS = 30_000
 MAX_LIFETIME_MS = 24 * 3600 * 1000
+
+
+def wall_ms() -> int:
+    """Unix time in milliseconds: the clock of record timestamps and step deadlines."""
+    return int(time.time() * 1000)
 
 
 class Reject(str, Enum):

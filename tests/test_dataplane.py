@@ -1,9 +1,6 @@
 """The data plane over real sockets: `meshnet-peer serve` processes with real
 llama.cpp shards behind them, gRPC with identity-bound TLS, and relays."""
 
-import signal
-import subprocess
-import sys
 import threading
 import time
 from functools import partial
@@ -23,38 +20,30 @@ from meshnet_p2p.engine.tokenizer import Tokenizer
 from meshnet_p2p.identity import Identity
 from meshnet_p2p.local import LocalRoute
 from meshnet_p2p.multiaddr import Multiaddr
+from meshnet_p2p.peer_process import PeerProcess
+from meshnet_p2p.records import wall_ms
 
 from .conftest import N_UBATCH
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 class Served:
     """A `meshnet-peer serve` process and a way to reach it."""
 
     def __init__(self, shard: str, *extra: str) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "meshnet_p2p", "serve", "--shard", shard, "--threads", "2",
-             "--n-ubatch", str(N_UBATCH), "--n-ctx", "2048", *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        )
-        n_lines = 3 if "--relay" in extra else 2
-        lines = [self.proc.stdout.readline().strip() for _ in range(n_lines)]
-        assert lines[0].startswith("listening on "), lines
-        self.addr = Multiaddr.parse(lines[0].removeprefix("listening on "))
+        self.proc = PeerProcess("serve", "--shard", shard, "--threads", "2", "--n-ubatch", str(N_UBATCH),
+                                "--n-ctx", "2048", *extra)
+        if "--relay" in extra:
+            self.proc.wait_line("reachable via ")
+        self.addr = Multiaddr.parse(self.proc.address())
         self.peer_id = self.addr.peer_id
-        self.binding = bytes.fromhex(lines[1].split()[1])
-        self.cert = verify_binding(self.binding, self.peer_id, now_ms())
+        self.binding = bytes.fromhex(self.proc.wait_line("tls-binding ").split()[1])
+        self.cert = verify_binding(self.binding, self.peer_id, wall_ms())
 
     def client(self, **kw) -> ShardClient:
         return ShardClient(open_channel(self.cert, address=(self.addr.host, self.addr.port)), **kw)
 
     def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=30)
+        return self.proc.stop()
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +94,7 @@ def test_a_client_pinned_to_another_identity_is_refused(middle, tmp_path):
         c.capability()
     c.close()
     with pytest.raises(TlsBindingError):  # a binding counts only from the peer it names
-        verify_binding(middle.binding, Identity.generate().peer_id, now_ms())
+        verify_binding(middle.binding, Identity.generate().peer_id, wall_ms())
 
 
 # --- every negative path fails closed ------------------------------------------------------------
@@ -132,7 +121,7 @@ def test_stale_epoch_expired_deadline_and_bad_payloads(middle):
         with pytest.raises(ShardError, match="EPOCH_STALE"):
             raw_step(s, work_id="a", idempotency_step=1, route_epoch=4, position=0)
         with pytest.raises(ShardError, match="DEADLINE_EXCEEDED"):
-            s.step(0, hidden=hidden(1), deadline_ms=now_ms() - 1000)
+            s.step(0, hidden=hidden(1), deadline_ms=wall_ms() - 1000)
         good = hidden(2).tensors[0].data
         gap = pb.TensorData(name=HIDDEN, dtype="f32", shape=[2, 576], total_bytes=len(good), crc32c=crc32c(good),
                             fragments=[pb.Fragment(byte_offset=0, payload=good[:100]), pb.Fragment(byte_offset=200, payload=good[200:])])
@@ -449,7 +438,7 @@ def test_a_certificate_names_its_owner_and_cannot_be_claimed_by_another(middle):
     # Mallory copies the middle peer's (public) certificate into a binding she signs
     stolen = TlsCredentials(b"", middle.cert)
     with pytest.raises(TlsBindingError, match="belongs to"):
-        verify_binding(sign_binding(mallory, stolen, now_ms=now_ms()), mallory.peer_id, now_ms())
+        verify_binding(sign_binding(mallory, stolen, now_ms=wall_ms()), mallory.peer_id, wall_ms())
     with pytest.raises(TlsBindingError, match="no peer identity"):
         cert_identity(make_tls_credentials().cert_pem)  # a certificate without the extension
     # an identity extension whose signature covers another key

@@ -1,6 +1,5 @@
 """The DHT and gossip on an in-process swarm: fake network, virtual time."""
 
-import time
 
 import msgpack
 import pytest
@@ -16,20 +15,16 @@ from meshnet_p2p.dht.lookup import iterative_lookup
 from meshnet_p2p.dht.node import DHTConfig, DHTNode
 from meshnet_p2p.dht.routing import Contact, RoutingTable, node_id_of
 from meshnet_p2p.identity import Identity
-from meshnet_p2p.records import RecordRejected, RecordVerifier, Reject, sign_record
+from meshnet_p2p.records import RecordRejected, RecordVerifier, Reject, sign_record, wall_ms
 from meshnet_p2p.testing import FakeNetwork, start_swarm, swarm_identity
 
 MODEL = "ab" * 32
 KEY = model_key(MODEL)
 
 
-def now_ms() -> int:
-    return int(time.time() * 1000)
-
-
 def report(ident: Identity, seq: int = 1, layers=(0, 10), ttl_ms: int = 600_000) -> bytes:
     rep = CapabilityReport(MODEL, "cd" * 32, layers, ("/ip4/127.0.0.1/tcp/7000",), 12.5, 2)
-    return rep.sign(ident, seq=seq, now_ms=now_ms(), ttl_ms=ttl_ms)
+    return rep.sign(ident, seq=seq, now_ms=wall_ms(), ttl_ms=ttl_ms)
 
 
 @pytest.fixture
@@ -131,7 +126,7 @@ async def test_forged_and_replayed_records_never_reach_a_lookup(autojump_clock):
         # Mallory signs a report that claims to be Alice's: refused locally...
         forged = sign_record(mallory.identity, "meshnet/capability/v1",
                              CapabilityReport(MODEL, "cd" * 32, (0, 30), (), 1.0, 9).content(alice.identity),
-                             seq=99, now_ms=now_ms(), ttl_ms=60_000)
+                             seq=99, now_ms=wall_ms(), ttl_ms=60_000)
         with pytest.raises(RecordRejected) as e:
             await mallory.put(KEY, forged)
         assert e.value.reason is Reject.SIGNER_MISMATCH
@@ -158,7 +153,7 @@ async def test_forged_and_replayed_records_never_reach_a_lookup(autojump_clock):
 
 async def test_expired_records_are_not_returned(autojump_clock):
     async with trio.open_nursery() as nursery:
-        clock = {"now": now_ms()}
+        clock = {"now": wall_ms()}
         net = FakeNetwork()
         nodes = []
         for i in range(8):
@@ -218,7 +213,7 @@ def test_gossip_rate_bound_never_drops_valid_reports_under_it():
     verify = RecordVerifier(TYPES).verify
     ident = swarm_identity(7)
     state = GossipState(rate_per_s=10, burst=10)
-    t = now_ms()
+    t = wall_ms()
     # 10 reports at once (the burst), then 10 per second for 5 seconds: all new
     verdicts = [state.offer(KEY, verify(report(ident, seq=i), t, remember=False), t) for i in range(1, 11)]
     for s in range(1, 51):
@@ -248,19 +243,19 @@ async def test_client_mode_nodes_use_the_dht_but_are_not_routed_to(autojump_cloc
 
 def test_tampered_datagrams_are_dropped():
     ident = swarm_identity(1)
-    data = bytearray(wire.encode(ident, "ping", b"12345678", {}, now_ms()))
-    assert wire.decode(bytes(data), now_ms()).sender == ident.peer_id
+    data = bytearray(wire.encode(ident, "ping", b"12345678", {}, wall_ms()))
+    assert wire.decode(bytes(data), wall_ms()).sender == ident.peer_id
     data[-70] ^= 1
     with pytest.raises(wire.BadDatagram):
-        wire.decode(bytes(data), now_ms())
+        wire.decode(bytes(data), wall_ms())
     with pytest.raises(wire.BadDatagram, match="clock"):
-        wire.decode(wire.encode(ident, "ping", b"12345678", {}, now_ms() - 3_600_000), now_ms())
+        wire.decode(wire.encode(ident, "ping", b"12345678", {}, wall_ms() - 3_600_000), wall_ms())
 
 
 @given(st.binary(max_size=400))
 def test_fuzz_datagram_decoder_only_raises_bad_datagram(data):
     try:
-        wire.decode(data, now_ms())
+        wire.decode(data, wall_ms())
     except wire.BadDatagram:
         pass
 
@@ -269,7 +264,7 @@ def test_fuzz_datagram_decoder_only_raises_bad_datagram(data):
 def test_fuzz_well_signed_garbage_bodies_are_refused_cleanly(items):
     ident = swarm_identity(2)
     body = {"target": items[0] if items else None, "nodes": items, "key": items[-1] if items else None}
-    msg = wire.decode(wire.encode(ident, "find_node", b"abcdefgh", body, now_ms()), now_ms())
+    msg = wire.decode(wire.encode(ident, "find_node", b"abcdefgh", body, wall_ms()), wall_ms())
     try:
         wire.field(msg.body, "target", bytes, max_len=32)
         wire.decode_contacts(msg.body.get("nodes"), 40)
@@ -298,7 +293,7 @@ async def test_a_spoofed_response_from_another_key_is_ignored(autojump_clock):
             inner.start_soon(ask)
             await trio.sleep(0.01)
             for rpc_id in list(a._pending):
-                forged = wire.encode(mallory.identity, "pong", rpc_id, {"observed": ["1.2.3.4", 1]}, now_ms())
+                forged = wire.encode(mallory.identity, "pong", rpc_id, {"observed": ["1.2.3.4", 1]}, wall_ms())
                 await mallory.transport.send(forged, a.addr)
         assert results[0] is not None and results[0].sender == b.peer_id
         assert a.stats["unexpected_responses"] >= 1
@@ -309,9 +304,9 @@ def test_malformed_capability_content_is_refused():
     ident = swarm_identity(3)
     content = CapabilityReport(MODEL, "cd" * 32, (0, 10), (), 1.0, 1).content(ident)
     for bad in ({"layers": [10, 5]}, {"layers": "0:10"}, {"model_digest": "short"}, {"key": "model/other"}):
-        wire_record = sign_record(ident, "meshnet/capability/v1", {**content, **bad}, seq=1, now_ms=now_ms(), ttl_ms=1000)
+        wire_record = sign_record(ident, "meshnet/capability/v1", {**content, **bad}, seq=1, now_ms=wall_ms(), ttl_ms=1000)
         with pytest.raises(RecordRejected) as e:
-            RecordVerifier(TYPES).verify(wire_record, now_ms())
+            RecordVerifier(TYPES).verify(wire_record, wall_ms())
         assert e.value.reason is Reject.MALFORMED
     assert msgpack  # used above via records
 
@@ -322,13 +317,13 @@ async def test_republish_moves_records_away_from_nodes_that_went_silent(autojump
         net, nodes = await start_swarm(nursery, 12, TYPES, config=config, seeds=2)
         publisher = nodes[5]
         await publisher.put(KEY, report(publisher.identity))
-        holders = [n for n in nodes if n is not publisher and n.store.get(KEY, now_ms())[0]]
+        holders = [n for n in nodes if n is not publisher and n.store.get(KEY, wall_ms())[0]]
         assert holders
         for n in holders:
             net.freeze(n.addr)
         reader = next(n for n in nodes if n not in holders and n is not publisher)
         await trio.sleep(45)  # virtual: maintenance refreshes, evicts the silent, republishes
-        live_holders = [n for n in nodes if n not in holders and n is not publisher and n.store.get(KEY, now_ms())[0]]
+        live_holders = [n for n in nodes if n not in holders and n is not publisher and n.store.get(KEY, wall_ms())[0]]
         assert live_holders
         assert [r.signer for r in await reader.get(KEY)] == [publisher.peer_id]
         nursery.cancel_scope.cancel()

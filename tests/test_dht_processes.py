@@ -4,7 +4,6 @@ on loopback, joined by in-test nodes on real UDP sockets."""
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import trio
@@ -12,6 +11,7 @@ import trio
 from meshnet_p2p.capability import CapabilityReport, model_key
 from meshnet_p2p.identity import Identity
 from meshnet_p2p.network import BootstrapError, peers_for_model, start_node
+from meshnet_p2p.records import wall_ms
 
 MODEL = "ef" * 32
 
@@ -71,7 +71,7 @@ async def test_publish_and_find_across_six_processes(six_bootstraps):
             reader = await start_node(nursery, reader_id, bootstrap=[addrs[5]])
             updates = reader.subscribe(model_key(MODEL))
             report = CapabilityReport(MODEL, "01" * 32, (0, 10), ("/ip4/127.0.0.1/tcp/7001",), 20.0, 3)
-            stored = await publisher.publish(model_key(MODEL), report.sign(publisher_id, seq=1, now_ms=int(time.time() * 1000)))
+            stored = await publisher.publish(model_key(MODEL), report.sign(publisher_id, seq=1, now_ms=wall_ms()))
             assert stored >= 3
             # found by a lookup...
             found = await peers_for_model(reader, MODEL)
@@ -79,7 +79,7 @@ async def test_publish_and_find_across_six_processes(six_bootstraps):
             assert found[0].content["layers"] == [0, 10]
             # ...and a newer report reaches the reader by gossip, through the processes
             newer = CapabilityReport(MODEL, "01" * 32, (0, 10), ("/ip4/127.0.0.1/tcp/7001",), 20.0, 1)
-            await publisher.publish(model_key(MODEL), newer.sign(publisher_id, seq=2, now_ms=int(time.time() * 1000)))
+            await publisher.publish(model_key(MODEL), newer.sign(publisher_id, seq=2, now_ms=wall_ms()))
             while True:
                 rec = await updates.receive()
                 if rec.seq == 2:

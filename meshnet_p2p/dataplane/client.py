@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import queue
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -227,6 +226,3 @@ class SessionStream:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def now_ms() -> int:
-    return int(time.time() * 1000)

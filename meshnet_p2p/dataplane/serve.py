@@ -10,7 +10,6 @@ tests) to run a shard as its own process. It prints, when ready::
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import trio
@@ -20,6 +19,7 @@ from ..engine.llama_engine import LlamaCppShardEngine
 from ..identity import Identity
 from ..multiaddr import Multiaddr
 from ..lifecycle import until_signalled
+from ..records import wall_ms
 from .relay import attach_to_relay
 from .server import ShardServer
 from .servicer import Limits, ShardRuntimeServicer
@@ -72,7 +72,7 @@ async def serve(opts: ServeOptions, print_line=print) -> None:
             plane = await start_data_plane(nursery, engine, opts.identity, opts.listen_host, opts.listen_port,
                                            relay=opts.relay, limits=opts.limits)
             print_line(f"listening on {plane.addr}")
-            print_line(f"tls-binding {sign_binding(opts.identity, plane.creds, now_ms=int(time.time() * 1000)).hex()}")
+            print_line(f"tls-binding {sign_binding(opts.identity, plane.creds, now_ms=wall_ms()).hex()}")
             if opts.relay is not None:
                 print_line(f"reachable via {opts.relay}/p2p-circuit/p2p/{opts.identity.peer_id}")
             await until_signalled()

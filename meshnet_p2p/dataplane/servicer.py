@@ -19,7 +19,6 @@ too, at ~50-100 us per step; the out-of-band path keeps the hot path lean.)
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -36,6 +35,7 @@ from ..engine.contract import (
     StatusCode,
 )
 from ..engine.recipe import explain_mismatch
+from ..records import wall_ms
 from .session_state import SessionState, Verdict
 from .tensors import PayloadError, bundle_from_proto, bundle_to_proto
 
@@ -81,7 +81,7 @@ def _error(code: int, detail: str, *, work_id: str = "", step: int = 0, retryabl
 
 class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
     def __init__(self, engine: ShardEngine, *, peer_id: str = "", limits: Limits = Limits(),
-                 now_ms=lambda: int(time.time() * 1000), on_open=None) -> None:
+                 now_ms=wall_ms, on_open=None) -> None:
         self.engine = engine
         self.on_open = on_open  # called with each newly opened session id
         self.draining = False  # set on shutdown: open sessions finish, new ones are refused

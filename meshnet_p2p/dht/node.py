@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -22,7 +21,7 @@ import trio
 
 from ..errors import MeshnetError
 from ..identity import Identity, PeerId
-from ..records import PayloadType, Record, RecordRejected, RecordVerifier, peek
+from ..records import PayloadType, Record, RecordRejected, RecordVerifier, peek, wall_ms
 from . import wire
 from .gossip import GossipState
 from .lookup import iterative_lookup
@@ -35,10 +34,6 @@ log = logging.getLogger(__name__)
 
 class DHTError(MeshnetError):
     pass
-
-
-def wall_ms() -> int:
-    return int(time.time() * 1000)
 
 
 @dataclass

@@ -1,0 +1,55 @@
+"""A ``meshnet-peer`` command run as its own OS process, its output lines
+collected as they come: what the demo, the benches and the multi-process
+tests start their swarms with."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+
+from .errors import MeshnetError
+
+
+class PeerProcess:
+    def __init__(self, *args: str, env: dict | None = None, stderr=subprocess.DEVNULL) -> None:
+        self.args = args
+        self.p = subprocess.Popen([sys.executable, "-m", "meshnet_p2p", *args], stdout=subprocess.PIPE,
+                                  stderr=stderr, text=True, env=env)
+        self.lines: list[str] = []
+        self.changed = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.p.stdout:
+            with self.changed:
+                self.lines.append(line.strip())
+                self.changed.notify_all()
+
+    def wait_line(self, prefix: str, timeout: float = 120) -> str:
+        """The first line starting with ``prefix``, waiting for it while the process runs."""
+        with self.changed:
+            self.changed.wait_for(lambda: any(l.startswith(prefix) for l in self.lines) or self.p.poll() is not None, timeout)
+            found = [l for l in self.lines if l.startswith(prefix)]
+        if not found:
+            raise MeshnetError(self.missing(prefix))
+        return found[0]
+
+    def missing(self, prefix: str) -> str:
+        return f"`meshnet-peer {' '.join(self.args[:2])}` printed no {prefix!r} line (its output: {self.lines[-5:]})"
+
+    def address(self, timeout: float = 120) -> str:
+        """The multiaddr of its ``listening on`` line."""
+        return self.wait_line("listening on ", timeout).removeprefix("listening on ")
+
+    def stop(self) -> int:
+        """SIGTERM (after SIGCONT, in case it was frozen), then wait; kill if it hangs."""
+        if self.p.poll() is None:
+            try:
+                self.p.send_signal(signal.SIGCONT)
+                self.p.send_signal(signal.SIGTERM)
+                return self.p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+        return self.p.wait(timeout=30)
