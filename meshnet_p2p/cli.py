@@ -229,6 +229,18 @@ def _engine_options(args: argparse.Namespace):
                          n_threads=args.threads)
 
 
+def _run_listener(listen: str, async_fn, *args, doing: str = "listen") -> int:
+    """trio.run a command that listens on ``listen``; a socket error raised
+    outside its nurseries becomes one line here (grouped ones, in main)."""
+    import trio
+
+    try:
+        trio.run(async_fn, *args)
+    except OSError as e:
+        raise MeshnetError(f"cannot {doing} on {listen}: {e.strerror or e}") from None
+    return 0
+
+
 def _load_or_create_identity(path: str | None):
     from .identity import Identity
 
@@ -259,11 +271,7 @@ def _bootstrap(args: argparse.Namespace) -> int:
             await until_signalled()
             nursery.cancel_scope.cancel()
 
-    try:
-        trio.run(serve)
-    except OSError as e:
-        raise MeshnetError(f"cannot listen on {args.listen}: {e.strerror or e}") from None
-    return 0
+    return _run_listener(args.listen, serve)
 
 
 def _relay(args: argparse.Namespace) -> int:
@@ -272,6 +280,7 @@ def _relay(args: argparse.Namespace) -> int:
     from .lifecycle import until_signalled
 
     from .dataplane.relay import Relay, RelayLimits
+    from .multiaddr import Multiaddr
     from .network import bootstrap_addrs, parse_listen, start_node
 
     host, port = parse_listen(args.listen)
@@ -286,20 +295,14 @@ def _relay(args: argparse.Namespace) -> int:
             bound = await nursery.start(relay.serve, host, port)
             if seeds:
                 await start_node(nursery, identity, listen=f"{host}:0", bootstrap=seeds, require_bootstrap=False)
-            proto = "ip6" if ":" in host else "ip4"
-            print(f"listening on /{proto}/{host}/tcp/{bound}/p2p/{identity.peer_id}", flush=True)
+            print(f"listening on {Multiaddr.for_socket(host, 'tcp', bound, identity.peer_id)}", flush=True)
             await until_signalled()
             nursery.cancel_scope.cancel()
 
-    try:
-        trio.run(run)
-    except OSError as e:
-        raise MeshnetError(f"cannot listen on {args.listen}: {e.strerror or e}") from None
-    return 0
+    return _run_listener(args.listen, run)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    import trio
 
     from .dataplane.serve import Limits, ServeOptions, serve
     from .engine.cut import parse_layer_range, sha256_file
@@ -325,11 +328,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise MeshnetError("serve needs --shard PATH, or --layers A:B (with --model or the embedded model)")
     opts = ServeOptions(shard, host, port, _load_or_create_identity(args.identity), relay=relay,
                         engine=_engine_options(args), limits=Limits(max_message_bytes=args.max_message_bytes))
-    try:
-        trio.run(serve, opts, lambda line: print(line, flush=True))
-    except OSError as e:
-        raise MeshnetError(f"cannot serve on {args.listen}: {e.strerror or e}") from None
-    return 0
+    return _run_listener(args.listen, serve, opts, lambda line: print(line, flush=True), doing="serve")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -346,7 +345,6 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _api(args: argparse.Namespace) -> int:
-    import trio
 
     from .api import serve_api
     from .client import Client
@@ -357,15 +355,10 @@ def _api(args: argparse.Namespace) -> int:
     if not seeds:
         raise MeshnetError("api needs bootstrap peers: --bootstrap MULTIADDR or MESHNET_BOOTSTRAP")
     client = Client(seeds, model_path=_model_path(args.model) if args.model else None, step_timeout=args.step_timeout)
-    try:
-        trio.run(serve_api, client, client.model_name, host, port, lambda line: print(line, flush=True))
-    except OSError as e:
-        raise MeshnetError(f"cannot listen on {args.listen}: {e.strerror or e}") from None
-    return 0
+    return _run_listener(args.listen, serve_api, client, client.model_name, host, port, lambda line: print(line, flush=True))
 
 
 def _join(args: argparse.Namespace) -> int:
-    import trio
 
     from .engine.cut import parse_layer_range
     from .multiaddr import Multiaddr
@@ -384,11 +377,7 @@ def _join(args: argparse.Namespace) -> int:
         relay=Multiaddr.parse(args.relay) if args.relay else None, engine=_engine_options(args),
         public_name=args.public_name, progress=TerminalProgress("preparing the shard"),
     )
-    try:
-        trio.run(join, opts, lambda line: print(line, flush=True))
-    except OSError as e:
-        raise MeshnetError(f"cannot serve on {args.listen}: {e.strerror or e}") from None
-    return 0
+    return _run_listener(args.listen, join, opts, lambda line: print(line, flush=True), doing="serve")
 
 
 def _generate_network(args: argparse.Namespace, sampling) -> int:

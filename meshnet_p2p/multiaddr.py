@@ -30,6 +30,11 @@ class Multiaddr:
     components: tuple[tuple[str, str], ...]
 
     @classmethod
+    def for_socket(cls, host: str, transport: str, port: int, peer_id: PeerId) -> "Multiaddr":
+        """The address of a socket this peer bound, e.g. ``/ip4/127.0.0.1/tcp/PORT/p2p/ID``."""
+        return cls.parse(f"/{'ip6' if ':' in host else 'ip4'}/{host}/{transport}/{port}/p2p/{peer_id}")
+
+    @classmethod
     def parse(cls, text: str) -> "Multiaddr":
         if not isinstance(text, str) or not text.startswith("/"):
             raise MultiaddrError(f"{text!r} is not a multiaddr (it must start with '/')")

@@ -80,8 +80,7 @@ def contact_of(addr: Multiaddr) -> Contact:
 
 def node_multiaddr(node: DHTNode) -> Multiaddr:
     host, port = node.addr
-    proto = "ip6" if ":" in host else "ip4"
-    return Multiaddr.parse(f"/{proto}/{host}/udp/{port}/p2p/{node.peer_id}")
+    return Multiaddr.for_socket(host, "udp", port, node.peer_id)
 
 
 async def start_node(

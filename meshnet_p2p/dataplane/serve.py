@@ -61,8 +61,7 @@ async def start_data_plane(nursery: trio.Nursery, engine, identity: Identity, ho
     await nursery.start(server.serve)
     if relay is not None:
         await nursery.start(attach_to_relay, relay, identity, ("127.0.0.1", server.port))
-    proto = "ip6" if ":" in host else "ip4"
-    return DataPlane(servicer, server, creds, f"/{proto}/{host}/tcp/{server.port}/p2p/{identity.peer_id}")
+    return DataPlane(servicer, server, creds, str(Multiaddr.for_socket(host, "tcp", server.port, identity.peer_id)))
 
 
 async def serve(opts: ServeOptions, print_line=print) -> None:
