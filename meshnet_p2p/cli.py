@@ -303,7 +303,6 @@ def _relay(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-
     from .dataplane.serve import Limits, ServeOptions, serve
     from .engine.cut import parse_layer_range, sha256_file
     from .models import ensure_shard
@@ -345,7 +344,6 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _api(args: argparse.Namespace) -> int:
-
     from .api import serve_api
     from .client import Client
     from .network import bootstrap_addrs, parse_listen
@@ -359,7 +357,6 @@ def _api(args: argparse.Namespace) -> int:
 
 
 def _join(args: argparse.Namespace) -> int:
-
     from .engine.cut import parse_layer_range
     from .multiaddr import Multiaddr
     from .network import bootstrap_addrs, parse_listen

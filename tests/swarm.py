@@ -1,9 +1,18 @@
-"""Helpers for tests that run a swarm of OS processes on loopback."""
+"""Helpers for tests that run `meshnet-peer` as OS processes: one command to
+completion, a long-running peer, a swarm of them on loopback."""
 
 import os
+import subprocess
+import sys
 import tempfile
 
 from meshnet_p2p.peer_process import PeerProcess
+
+
+def meshnet_peer(*args: str, timeout: float = 300, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    """Run one ``meshnet-peer`` command to completion, as a user would."""
+    return subprocess.run([sys.executable, "-m", "meshnet_p2p", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=cwd)
 
 
 class Proc(PeerProcess):

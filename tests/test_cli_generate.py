@@ -1,27 +1,20 @@
 """`meshnet-peer generate --local`, as a user runs it."""
 
 import json
-import subprocess
-import sys
+import os
 
 import pytest
 
 from meshnet_p2p.engine.tokenizer import Tokenizer
 
 from .reference import reference_generate
-
-
-def run(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "meshnet_p2p", *args], capture_output=True, text=True, timeout=timeout)
+from .swarm import meshnet_peer
 
 
 def test_generate_local_json_matches_the_whole_model(model_path, tmp_path, monkeypatch):
     prompt = "The capital of France is"
-    r = subprocess.run(
-        [sys.executable, "-m", "meshnet_p2p", "generate", "--local", "--split", "10,20", "--prompt", prompt,
-         "--max-tokens", "12", "--temperature", "0", "--json"],
-        capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "MESHNET_CACHE_DIR": str(tmp_path)},
-    )
+    r = meshnet_peer("generate", "--local", "--split", "10,20", "--prompt", prompt, "--max-tokens", "12",
+                     "--temperature", "0", "--json", env={**os.environ, "MESHNET_CACHE_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     tok = Tokenizer(model_path)
@@ -35,11 +28,8 @@ def test_generate_local_json_matches_the_whole_model(model_path, tmp_path, monke
 
 
 def test_generate_streams_text_and_supports_chat(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-m", "meshnet_p2p", "generate", "--local", "--split", "15", "--chat", "--prompt", "Say hello.",
-         "--max-tokens", "8"],
-        capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "MESHNET_CACHE_DIR": str(tmp_path)},
-    )
+    r = meshnet_peer("generate", "--local", "--split", "15", "--chat", "--prompt", "Say hello.", "--max-tokens", "8",
+                     env={**os.environ, "MESHNET_CACHE_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip()
     assert "route 0:15 -> 15:30" in r.stderr
@@ -58,6 +48,6 @@ def test_generate_streams_text_and_supports_chat(tmp_path):
     ],
 )
 def test_generate_bad_flags_are_clear_errors(args, needle):
-    r = run("generate", "--local", "--prompt", "hi", *args)
+    r = meshnet_peer("generate", "--local", "--prompt", "hi", *args)
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr and "Traceback" not in r.stderr

@@ -6,7 +6,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
 
@@ -14,7 +13,7 @@ from meshnet_p2p import Client
 from meshnet_p2p.engine.tokenizer import Tokenizer
 
 from .reference import reference_generate
-from .swarm import Proc, start_swarm
+from .swarm import Proc, meshnet_peer, start_swarm
 
 PROMPT = "The capital of France is"
 N_UBATCH = 64  # join's default
@@ -29,9 +28,7 @@ def reference(model_path):
 def test_three_joined_peers_generate_exactly_the_whole_model(tmp_path, reference):
     boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"])
     try:
-        r = subprocess.run([sys.executable, "-m", "meshnet_p2p", "generate", "--bootstrap", addr, "--prompt", PROMPT,
-                            "--temperature", "0", "--max-tokens", "32", "--json"],
-                           capture_output=True, text=True, timeout=300)
+        r = meshnet_peer("generate", "--bootstrap", addr, "--prompt", PROMPT, "--temperature", "0", "--max-tokens", "32", "--json")
         assert r.returncode == 0, r.stderr
         doc = json.loads(r.stdout)
         assert doc["token_ids"] == reference
@@ -74,8 +71,7 @@ def test_generation_survives_a_middle_peer_failing(tmp_path, reference, model_pa
 def test_no_route_names_the_missing_layers(tmp_path, model_path):
     boot, addr, joins = start_swarm(tmp_path, ["0:10", "20:30"])
     try:
-        r = subprocess.run([sys.executable, "-m", "meshnet_p2p", "generate", "--bootstrap", addr, "--prompt", "hi", "--json"],
-                           capture_output=True, text=True, timeout=300)
+        r = meshnet_peer("generate", "--bootstrap", addr, "--prompt", "hi", "--json")
         assert r.returncode == 2
         assert "layers 10-19" in r.stderr and "Traceback" not in r.stderr
     finally:
@@ -85,8 +81,7 @@ def test_no_route_names_the_missing_layers(tmp_path, model_path):
 
 def test_demo_runs_a_swarm_and_cleans_up(tmp_path):
     env = {**os.environ, "MESHNET_CACHE_DIR": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-m", "meshnet_p2p", "demo", "--prompt", "Say hi.", "--max-tokens", "8", "--json"],
-                       capture_output=True, text=True, timeout=600, env=env)
+    r = meshnet_peer("demo", "--prompt", "Say hi.", "--max-tokens", "8", "--json", timeout=600, env=env)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert len(doc["token_ids"]) >= 1 and doc["text"]
@@ -102,8 +97,7 @@ def test_auto_layers_cover_what_is_missing(tmp_path, reference):
     auto = Proc("join", "--layers", "auto", "--num-layers", "10", "--bootstrap", addr, "--threads", "1")
     try:
         auto.wait_line("listening on ")
-        r = subprocess.run([sys.executable, "-m", "meshnet_p2p", "generate", "--bootstrap", addr, "--prompt", PROMPT,
-                            "--max-tokens", "32", "--json"], capture_output=True, text=True, timeout=300)
+        r = meshnet_peer("generate", "--bootstrap", addr, "--prompt", PROMPT, "--max-tokens", "32", "--json")
         assert r.returncode == 0, r.stderr
         doc = json.loads(r.stdout)
         assert doc["route"][1] == {"peer_id": auto.peer_id, "layers": [10, 20]}
@@ -136,8 +130,7 @@ def test_a_peer_behind_a_relay_serves_through_it(tmp_path, reference):
     nat = Proc("join", "--layers", "10:20", "--bootstrap", addr, "--threads", "1", "--relay", relay_addr)
     try:
         nat.wait_line("listening on ")
-        r = subprocess.run([sys.executable, "-m", "meshnet_p2p", "generate", "--bootstrap", addr, "--prompt", PROMPT,
-                            "--max-tokens", "32", "--json"], capture_output=True, text=True, timeout=300)
+        r = meshnet_peer("generate", "--bootstrap", addr, "--prompt", PROMPT, "--max-tokens", "32", "--json")
         assert r.returncode == 0, r.stderr
         doc = json.loads(r.stdout)
         assert doc["token_ids"] == reference
@@ -153,8 +146,7 @@ def test_unreachable_bootstrap_is_one_clear_error(command):
     from meshnet_p2p.identity import Identity
 
     nobody = f"/ip4/127.0.0.1/udp/9/p2p/{Identity.generate().peer_id}"
-    r = subprocess.run([sys.executable, "-m", "meshnet_p2p", *command, "--bootstrap", nobody],
-                       capture_output=True, text=True, timeout=120)
+    r = meshnet_peer(*command, "--bootstrap", nobody, timeout=120)
     assert r.returncode == 2
     assert "bootstrap peers answered" in r.stderr and "Traceback" not in r.stderr
 
@@ -164,5 +156,5 @@ def test_unreachable_bootstrap_is_one_clear_error(command):
                                       "12D3KooWBtg3aaRMjxwedh83aGiUkwSxDwUZkzuJcfaqUmo7R3pq"]])
 def test_socket_errors_are_one_clear_line(command):
     # binding an address that is not this machine's, and a relay that refuses: no traceback
-    r = subprocess.run([sys.executable, "-m", "meshnet_p2p", *command], capture_output=True, text=True, timeout=120)
+    r = meshnet_peer(*command, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("error:") and "Traceback" not in r.stderr

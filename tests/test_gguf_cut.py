@@ -3,8 +3,6 @@
 import json
 import os
 import struct
-import subprocess
-import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -21,6 +19,8 @@ from meshnet_p2p.engine.cut import (
 )
 from meshnet_p2p.engine.gguf import GGUFFormatError, OutTensor, ValueType, encode_kv, read_gguf, write_gguf
 from meshnet_p2p.engine.llama_engine import LlamaCppShardEngine
+
+from .swarm import meshnet_peer
 
 
 def tiny_gguf(path, arch="llama", n_layer=2, n_embd=32, extra_kv=()):
@@ -177,17 +177,13 @@ def test_a_shard_is_not_cut_again(shard_dir, tmp_path):
         cut_shard(shard_dir[(0, 10)], 0, 5, str(tmp_path / "x.gguf"))
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "meshnet_p2p", *args], capture_output=True, text=True, timeout=300)
-
-
 def test_cli_shard_cut_and_info(tmp_path, model_path):
     out = tmp_path / "tail.gguf"
-    r = run_cli("shard", "cut", "--model", model_path, "--layers", "20:30", "--out", str(out))
+    r = meshnet_peer("shard", "cut", "--model", model_path, "--layers", "20:30", "--out", str(out))
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["layers"] == [20, 30] and doc["role"] == "tail"
-    r = run_cli("shard", "info", str(out))
+    r = meshnet_peer("shard", "info", str(out))
     assert json.loads(r.stdout)["source_sha256"] == doc["source_sha256"]
 
 
@@ -201,6 +197,6 @@ def test_cli_shard_cut_and_info(tmp_path, model_path):
     ],
 )
 def test_cli_errors_are_one_clear_line(tmp_path, args, needle):
-    r = subprocess.run([sys.executable, "-m", "meshnet_p2p", *args], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    r = meshnet_peer(*args, cwd=tmp_path)
     assert r.returncode == 2
     assert needle in r.stderr and "Traceback" not in r.stderr

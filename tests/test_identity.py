@@ -3,8 +3,6 @@
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 from hypothesis import given
@@ -20,6 +18,8 @@ from meshnet_p2p.identity import (
     encode_public_key,
 )
 from meshnet_p2p.multiaddr import Multiaddr, MultiaddrError
+
+from .swarm import meshnet_peer
 
 VECTORS = json.loads((pathlib.Path(__file__).parent.parent / "identity" / "vectors.json").read_text())
 
@@ -139,24 +139,20 @@ def test_fuzz_multiaddr_parser_only_raises_multiaddr_errors(text):
         pass
 
 
-def run_cli(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "meshnet_p2p", *args], capture_output=True, text=True, timeout=60, env=env)
-
-
 def test_cli_identity_new_and_show(tmp_path):
     path = str(tmp_path / "id.key")
-    r = run_cli("identity", "new", "--identity", path)
+    r = meshnet_peer("identity", "new", "--identity", path)
     assert r.returncode == 0, r.stderr
     new = json.loads(r.stdout)
     assert new["peer_id"].startswith("12D3KooW")
     assert os.stat(path).st_mode & 0o777 == 0o600
-    r = run_cli("identity", "show", "--identity", path)
+    r = meshnet_peer("identity", "show", "--identity", path)
     assert json.loads(r.stdout)["peer_id"] == new["peer_id"]
-    r = run_cli("identity", "new", "--identity", path)
+    r = meshnet_peer("identity", "new", "--identity", path)
     assert r.returncode == 2 and "already exists" in r.stderr
     os.chmod(path, 0o640)
-    r = run_cli("identity", "show", "--identity", path)
+    r = meshnet_peer("identity", "show", "--identity", path)
     assert r.returncode == 2 and "chmod 600" in r.stderr and "Traceback" not in r.stderr
     env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
-    r = run_cli("identity", "new", env=env)
+    r = meshnet_peer("identity", "new", env=env)
     assert r.returncode == 0 and (tmp_path / "cfg" / "meshnet-p2p" / "identity.key").exists()
