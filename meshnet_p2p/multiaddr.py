@@ -71,12 +71,6 @@ class Multiaddr:
     def __str__(self) -> str:
         return "".join(f"/{p}" + (f"/{v}" if v else "") for p, v in self.components)
 
-    def value(self, proto: str) -> str | None:
-        for p, v in self.components:
-            if p == proto:
-                return v
-        return None
-
     @property
     def host(self) -> str | None:
         for p, v in self.components:
@@ -106,11 +100,6 @@ class Multiaddr:
             if p == "p2p":
                 found = v
         return PeerId.from_string(found) if found else None
-
-    def with_peer(self, peer_id: PeerId) -> "Multiaddr":
-        if self.value("p2p"):
-            raise MultiaddrError(f"{self} already names a peer")
-        return Multiaddr(self.components + (("p2p", str(peer_id)),))
 
 
 def _check(proto: str, value: str, text: str) -> str:

@@ -23,7 +23,7 @@ from .dht.transport import UdpTransport
 from .errors import MeshnetError
 from .identity import Identity
 from .multiaddr import Multiaddr, MultiaddrError
-from .records import PayloadType, Record
+from .records import PayloadType, Record, keep_newest
 
 ENV_BOOTSTRAP = "MESHNET_BOOTSTRAP"
 DEFAULT_LIST = pathlib.Path(__file__).resolve().parent.parent / "bootstrap" / "peers.txt"
@@ -91,7 +91,6 @@ async def start_node(
     bootstrap: Iterable[str | Multiaddr] = (),
     client_mode: bool = False,
     types: Mapping[str, PayloadType] = TYPES,
-    config: DHTConfig | None = None,
     require_bootstrap: bool = True,
 ) -> DHTNode:
     """Bind, start and (if bootstrap peers are given) join. Raises
@@ -99,9 +98,7 @@ async def start_node(
     its multiaddr names."""
     host, port = parse_listen(listen)
     transport = await UdpTransport.bind(host, port)
-    config = config or DHTConfig()
-    config.client_mode = client_mode
-    node = DHTNode(identity, transport, types, config)
+    node = DHTNode(identity, transport, types, DHTConfig(client_mode=client_mode))
     await nursery.start(node.run)
     seeds = [contact_of(a if isinstance(a, Multiaddr) else Multiaddr.parse(a)) for a in bootstrap]
     seeds = [c for c in seeds if c.peer_id != identity.peer_id]
@@ -116,9 +113,5 @@ async def start_node(
 async def peers_for_model(node: DHTNode, model_digest: str) -> list[Record]:
     """Live capability reports for a model: what gossip brought, plus a DHT lookup."""
     key = model_key(model_digest)
-    found = {r.signer.multihash: r for r in node.records(key)}
-    for rec in await node.get(key):
-        old = found.get(rec.signer.multihash)
-        if old is None or rec.seq > old.seq:
-            found[rec.signer.multihash] = rec
+    found = keep_newest({r.signer.multihash: r for r in node.records(key)}, await node.get(key))
     return sorted(found.values(), key=lambda r: r.content["layers"][0])

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import msgpack
 
@@ -35,6 +35,15 @@ MAX_LIFETIME_MS = 24 * 3600 * 1000
 def wall_ms() -> int:
     """Unix time in milliseconds: the clock of record timestamps and step deadlines."""
     return int(time.time() * 1000)
+
+
+def keep_newest(found: dict[bytes, "Record"], records: Iterable["Record"]) -> dict[bytes, "Record"]:
+    """Merge ``records`` into ``found`` (signer -> record), keeping each signer's highest seq."""
+    for rec in records:
+        old = found.get(rec.signer.multihash)
+        if old is None or rec.seq > old.seq:
+            found[rec.signer.multihash] = rec
+    return found
 
 
 class Reject(str, Enum):

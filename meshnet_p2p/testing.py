@@ -14,7 +14,6 @@ from typing import Mapping
 import trio
 
 from .dht.node import DHTConfig, DHTNode
-from .dht.routing import Contact
 from .dht.transport import Addr
 from .identity import Identity
 from .records import PayloadType
@@ -24,7 +23,6 @@ class FakeNetwork:
     def __init__(self) -> None:
         self.endpoints: dict[Addr, "FakeTransport"] = {}
         self.frozen: set[Addr] = set()
-        self.delivered = 0
         self._next = 1
 
     def endpoint(self) -> "FakeTransport":
@@ -52,7 +50,6 @@ class FakeTransport:
         dest = net.endpoints.get(addr)
         if dest is None or self.local_addr in net.frozen or addr in net.frozen:
             return  # like UDP: silently lost
-        net.delivered += 1
         dest._send.send_nowait((bytes(data), self.local_addr))
         await trio.lowlevel.checkpoint()
 
@@ -76,23 +73,17 @@ async def start_swarm(
     n: int,
     types: Mapping[str, PayloadType],
     *,
-    network: FakeNetwork | None = None,
     config: DHTConfig | None = None,
     seeds: int = 1,
-    id_offset: int = 0,
 ) -> tuple[FakeNetwork, list[DHTNode]]:
     """``n`` nodes on a fake network, each bootstrapped from the first ``seeds`` nodes."""
-    network = network or FakeNetwork()
+    network = FakeNetwork()
     nodes: list[DHTNode] = []
     for i in range(n):
-        node = DHTNode(swarm_identity(id_offset + i + 1), network.endpoint(), types, config or DHTConfig())
+        node = DHTNode(swarm_identity(i + 1), network.endpoint(), types, config or DHTConfig())
         await nursery.start(node.run)
         nodes.append(node)
-    boot = [contact_of(nodes[i]) for i in range(min(seeds, n))]
+    boot = [nodes[i].contact() for i in range(min(seeds, n))]
     for node in nodes:
         await node.bootstrap([c for c in boot if c.peer_id != node.peer_id])
     return network, nodes
-
-
-def contact_of(node: DHTNode) -> Contact:
-    return node.contact()

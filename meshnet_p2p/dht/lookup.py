@@ -25,7 +25,6 @@ R = TypeVar("R")
 class LookupResult(Generic[R]):
     closest: list[Contact]  # the k closest nodes that answered
     responses: dict[int, R] = field(default_factory=dict)  # node id -> its answer
-    failed: list[Contact] = field(default_factory=list)
     queried: int = 0
 
 
@@ -92,7 +91,6 @@ async def iterative_lookup(
                 started.pop(c.node_id, None)
                 if answer is None:
                     state[c.node_id] = "failed"
-                    result.failed.append(c)
                     on_fail(c)
                     continue
                 state[c.node_id] = "ok"

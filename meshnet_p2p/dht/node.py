@@ -21,7 +21,7 @@ import trio
 
 from ..errors import MeshnetError
 from ..identity import Identity, PeerId
-from ..records import PayloadType, Record, RecordRejected, RecordVerifier, peek, wall_ms
+from ..records import MAX_RECORD_BYTES, PayloadType, Record, RecordRejected, RecordVerifier, keep_newest, peek, wall_ms
 from . import wire
 from .gossip import GossipState
 from .lookup import iterative_lookup
@@ -34,6 +34,10 @@ log = logging.getLogger(__name__)
 
 class DHTError(MeshnetError):
     pass
+
+
+MAX_KEY_CHARS = 512
+REPLY_BUDGET_BYTES = 40_000  # records per reply, so a reply stays one datagram (wire.MAX_DATAGRAM)
 
 
 @dataclass
@@ -77,7 +81,6 @@ class DHTNode:
         self._pinging: set[int] = set()
         self._subscribers: dict[str, list[trio.MemorySendChannel]] = {}
         self._nursery: trio.Nursery | None = None
-        self.observed_addr: Addr | None = None
 
     @property
     def addr(self) -> Addr:
@@ -165,9 +168,14 @@ class DHTNode:
         if client:
             return
         stale = self.table.add(Contact.of(peer, addr[0], addr[1]))
-        if stale is not None and stale.node_id not in self._pinging and self._nursery is not None:
-            self._pinging.add(stale.node_id)
-            self._nursery.start_soon(self._check_stale, stale)
+        if stale is not None:
+            self._check_later(stale)
+
+    def _check_later(self, c: Contact) -> None:
+        """Ping ``c`` in the background (once at a time) and evict it if silent."""
+        if c.node_id not in self._pinging and self._nursery is not None:
+            self._pinging.add(c.node_id)
+            self._nursery.start_soon(self._check_stale, c)
 
     async def _check_stale(self, stale: Contact) -> None:
         try:
@@ -187,16 +195,16 @@ class DHTNode:
             nearest = self.table.nearest(int.from_bytes(target, "big"), k, exclude)
             return "nodes", {"nodes": wire.encode_contacts(nearest)}
         if msg.kind == "find_value":
-            key = wire.field(body, "key", str, max_len=512)
+            key = wire.field(body, "key", str, max_len=MAX_KEY_CHARS)
             after = body.get("after", b"")
             if not isinstance(after, bytes) or len(after) > 64:
                 raise wire.BadDatagram("bad cursor")
-            records, more = self.store.get(key, self.now_ms(), after=after, budget=40_000)
+            records, more = self.store.get(key, self.now_ms(), after=after, budget=REPLY_BUDGET_BYTES)
             nearest = self.table.nearest(key_id(key.encode()), k, exclude) if not after else []
             return "values", {"values": [r.wire for r in records], "more": more, "nodes": wire.encode_contacts(nearest)}
         if msg.kind == "store":
-            key = wire.field(body, "key", str, max_len=512)
-            ok, reason = self._accept(key, wire.field(body, "record", bytes, max_len=16_384))
+            key = wire.field(body, "key", str, max_len=MAX_KEY_CHARS)
+            ok, reason = self._accept(key, wire.field(body, "record", bytes, max_len=MAX_RECORD_BYTES))
             return "stored", {"ok": ok, "reason": reason}
         if msg.kind == "gossip_push":
             records = wire.field(body, "records", list, max_len=32)
@@ -204,7 +212,7 @@ class DHTNode:
             return "gossip_ack", {"accepted": accepted}
         if msg.kind == "gossip_pull":
             have = self.gossip.parse_digest(body.get("have"))
-            return "gossip_records", {"records": [r.wire for r in self.gossip.missing_from(have, budget=40_000)]}
+            return "gossip_records", {"records": [r.wire for r in self.gossip.missing_from(have, budget=REPLY_BUDGET_BYTES)]}
         raise wire.BadDatagram(f"no handler for {msg.kind}")
 
     def _verify(self, wire_record: bytes) -> Record | None:
@@ -235,9 +243,6 @@ class DHTNode:
                 reply = await self.ping(c)
                 if reply is not None:
                     answered += 1
-                    obs = reply.body.get("observed")
-                    if isinstance(obs, list) and len(obs) == 2:
-                        self.observed_addr = (str(obs[0]), int(obs[1])) if isinstance(obs[1], int) else None
 
             for c in seeds:
                 nursery.start_soon(one, c)
@@ -254,11 +259,7 @@ class DHTNode:
                 return None
             return None, self._contacts(reply.body.get("nodes"))
 
-        result = await iterative_lookup(
-            target, self.table.nearest(target), call, k=self.config.k, alpha=self.config.alpha,
-            timeout=self.config.request_timeout * 2, on_fail=self._lookup_failed, on_abandon=self._suspect,
-        )
-        return result.closest
+        return (await self._lookup(target, call)).closest
 
     async def put(self, key: str, record_wire: bytes) -> int:
         """Store a record under ``key`` on the k nodes closest to it (and here).
@@ -288,6 +289,12 @@ class DHTNode:
         target = key_id(key.encode())
         local, _ = self.store.get(key, self.now_ms(), budget=1 << 30)
         found: dict[bytes, Record] = {r.signer.multihash: r for r in local}
+        verified: dict[bytes, Record | None] = {}  # the k nodes mostly answer with the same records
+
+        def check(w: bytes) -> Record | None:
+            if w not in verified:
+                verified[w] = self._verify(w)
+            return verified[w]
 
         async def call(c: Contact):
             records, after = [], b""
@@ -300,7 +307,7 @@ class DHTNode:
                     return None
                 for w in values[:256]:
                     if isinstance(w, bytes):
-                        rec = self._verify(w)
+                        rec = check(w)
                         if rec is not None and rec.content.get("key") == key:
                             records.append(rec)
                 contacts = self._contacts(reply.body.get("nodes")) if after == b"" else []
@@ -312,17 +319,17 @@ class DHTNode:
         def enough(responses: dict[int, list[Record]]) -> bool:
             return sum(1 for recs in responses.values() if recs) >= self.config.get_quorum
 
-        result = await iterative_lookup(
-            target, self.table.nearest(target), call, k=self.config.k, alpha=self.config.alpha,
-            timeout=self.config.request_timeout * 2, on_fail=self._lookup_failed, on_abandon=self._suspect, done=enough,
-        )
+        result = await self._lookup(target, call, done=enough)
         for recs in result.responses.values():
-            for rec in recs:
-                old = found.get(rec.signer.multihash)
-                if old is None or rec.seq > old.seq:
-                    found[rec.signer.multihash] = rec
+            keep_newest(found, recs)
         now = self.now_ms()
         return sorted((r for r in found.values() if r.expires_at_ms > now), key=lambda r: r.signer.multihash)
+
+    async def _lookup(self, target: int, call, **kw):
+        return await iterative_lookup(
+            target, self.table.nearest(target), call, k=self.config.k, alpha=self.config.alpha,
+            timeout=self.config.request_timeout * 2, on_fail=self._lookup_failed, on_abandon=self._suspect, **kw,
+        )
 
     def _contacts(self, raw: Any) -> list[Contact]:
         try:
@@ -333,9 +340,8 @@ class DHTNode:
 
     def _suspect(self, c: Contact) -> None:
         """A lookup gave up waiting on ``c``: ping it in the background, evict it if silent."""
-        if self.table.get(c.node_id) is not None and c.node_id not in self._pinging and self._nursery is not None:
-            self._pinging.add(c.node_id)
-            self._nursery.start_soon(self._check_stale, c)
+        if self.table.get(c.node_id) is not None:
+            self._check_later(c)
 
     def _lookup_failed(self, c: Contact) -> None:
         if self.table.fail(c.node_id):

@@ -95,11 +95,7 @@ class RoutingTable:
         b.failures[node_id] = b.failures.get(node_id, 0) + 1
         if b.failures[node_id] < self.max_failures:
             return False
-        del b.members[node_id]
-        del b.failures[node_id]
-        if b.replacements:
-            _, newest = b.replacements.popitem(last=True)
-            b.members[newest.node_id] = newest
+        self.evict(node_id)
         return True
 
     def evict(self, node_id: int) -> None:
@@ -109,12 +105,6 @@ class RoutingTable:
             _, newest = b.replacements.popitem(last=True)
             b.members[newest.node_id] = newest
         b.failures.pop(node_id, None)
-
-    def remove(self, node_id: int) -> None:
-        b = self._bucket(node_id)
-        b.members.pop(node_id, None)
-        b.failures.pop(node_id, None)
-        b.replacements.pop(node_id, None)
 
     def get(self, node_id: int) -> Contact | None:
         return self._bucket(node_id).members.get(node_id)
