@@ -38,6 +38,25 @@ def _nonneg_float(text: str) -> float:
     return value
 
 
+def _add_identity(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--identity", help="key file (created if missing; default: a fresh identity per run)")
+
+
+def _add_bootstrap(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR", help=help)
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """What `serve` and `join` share: how the engine runs (defaults: EngineOptions')."""
+    from .engine.contract import EngineOptions
+
+    d = EngineOptions()
+    p.add_argument("--max-sessions", type=_positive, default=d.max_sessions)
+    p.add_argument("--n-ubatch", type=_positive, default=d.n_ubatch)
+    p.add_argument("--n-ctx", type=_positive, default=d.n_ctx_per_session, help="KV tokens per session")
+    p.add_argument("--threads", type=_positive, default=d.n_threads)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshnet-peer", description="meshnet-p2p: run LLMs across volunteer peers.")
     p.add_argument("--version", action="version", version=f"meshnet-p2p {__version__}")
@@ -62,15 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     boot = sub.add_parser("bootstrap", help="run a bootstrap peer (DHT and gossip only, no model)")
     boot.add_argument("--listen", default="127.0.0.1:4001", help="HOST:PORT for the UDP socket (port 0: any)")
-    boot.add_argument("--identity", help="key file (created if missing; default: a fresh identity per run)")
-    boot.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
-                      help="other bootstrap peers to join (repeatable; default $MESHNET_BOOTSTRAP)")
+    _add_identity(boot)
+    _add_bootstrap(boot, "other bootstrap peers to join (repeatable; default $MESHNET_BOOTSTRAP)")
 
     relay = sub.add_parser("relay", help="run a relay for peers behind NAT (splices TLS it cannot read)")
     relay.add_argument("--listen", default="127.0.0.1:4002", help="HOST:PORT for the TCP socket (port 0: any)")
-    relay.add_argument("--identity", help="key file (created if missing; default: a fresh identity per run)")
-    relay.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
-                       help="also join the DHT through these peers (repeatable; default $MESHNET_BOOTSTRAP)")
+    _add_identity(relay)
+    _add_bootstrap(relay, "also join the DHT through these peers (repeatable; default $MESHNET_BOOTSTRAP)")
     relay.add_argument("--max-reservations", type=_positive, default=128)
     relay.add_argument("--max-connections-per-peer", type=_positive, default=16)
     relay.add_argument("--max-mbps-per-peer", type=float, default=512.0, help="bandwidth per peer, megabits/s")
@@ -80,12 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", help="source GGUF to cut from (default: the embedded model)")
     serve.add_argument("--layers", help="layer range A:B to cut from --model")
     serve.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT for gRPC")
-    serve.add_argument("--identity", help="key file (created if missing; default: a fresh identity per run)")
+    _add_identity(serve)
     serve.add_argument("--relay", metavar="MULTIADDR", help="also be reachable through this relay")
-    serve.add_argument("--max-sessions", type=_positive, default=4)
-    serve.add_argument("--n-ubatch", type=_positive, default=64)
-    serve.add_argument("--n-ctx", type=_positive, default=2048, help="KV tokens per session")
-    serve.add_argument("--threads", type=_positive, default=None)
+    _add_engine_flags(serve)
     serve.add_argument("--max-message-bytes", type=_positive, default=16 << 20)
 
     join = sub.add_parser("join", help="volunteer: serve a range of layers to the swarm")
@@ -93,14 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--layers", default="auto", help="A:B, or auto: what the swarm most needs (default)")
     join.add_argument("--num-layers", type=_positive, help="with --layers auto: how many layers (default: a third)")
     join.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT for the data plane (gRPC over TLS)")
-    join.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
-                      help="bootstrap peers (repeatable; default $MESHNET_BOOTSTRAP, then bootstrap/peers.txt)")
-    join.add_argument("--identity", help="key file (created if missing; default: a fresh identity per run)")
+    _add_bootstrap(join, "bootstrap peers (repeatable; default $MESHNET_BOOTSTRAP, then bootstrap/peers.txt)")
+    _add_identity(join)
     join.add_argument("--relay", metavar="MULTIADDR", help="be reachable through this relay (behind NAT)")
-    join.add_argument("--max-sessions", type=_positive, default=4)
-    join.add_argument("--n-ctx", type=_positive, default=2048, help="KV tokens per session")
-    join.add_argument("--n-ubatch", type=_positive, default=64)
-    join.add_argument("--threads", type=_positive, default=None)
+    _add_engine_flags(join)
     join.add_argument("--public-name", default="", help="a name shown to clients")
 
     demo = sub.add_parser("demo", help="start a local swarm (bootstrap + 3 volunteers), generate, shut down")
@@ -111,16 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="print the result as JSON")
 
     api = sub.add_parser("api", help="serve an OpenAI-compatible HTTP API in front of the swarm")
-    api.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
-                     help="bootstrap peers (repeatable; default $MESHNET_BOOTSTRAP)")
+    _add_bootstrap(api, "bootstrap peers (repeatable; default $MESHNET_BOOTSTRAP)")
     api.add_argument("--listen", default="127.0.0.1:8000", help="HOST:PORT for HTTP (port 0: any)")
     api.add_argument("--model", help="GGUF model whose tokenizer to use (default: the embedded model)")
     api.add_argument("--step-timeout", type=float, default=10.0)
 
     gen = sub.add_parser("generate", help="generate text through a route of shards")
     gen.add_argument("--local", action="store_true", help="run the whole route in this process (no network)")
-    gen.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
-                     help="bootstrap peers to find the swarm (repeatable; default $MESHNET_BOOTSTRAP)")
+    _add_bootstrap(gen, "bootstrap peers to find the swarm (repeatable; default $MESHNET_BOOTSTRAP)")
     gen.add_argument("--step-timeout", type=float, default=10.0, help="seconds before a silent peer is failed over")
     gen.add_argument("--model", help="GGUF model (default: the embedded SmolLM2-135M-Instruct); "
                                      "over the network also a model digest, with the embedded model's tokenizer")
@@ -196,8 +204,6 @@ def _shard(args: argparse.Namespace) -> int:
 
 
 def _info_doc(info) -> dict:
-    from .engine.recipe import model_digest
-
     return {
         "path": info.path,
         "architecture": info.architecture,
@@ -205,7 +211,7 @@ def _info_doc(info) -> dict:
         "source_layers": info.source_layers,
         "role": info.role,
         "source_sha256": info.source_sha256,
-        "model_digest": model_digest(info.source_sha256, info.architecture, info.source_layers),
+        "model_digest": info.model_digest,
     }
 
 
@@ -227,6 +233,19 @@ def _engine_options(args: argparse.Namespace):
 
     return EngineOptions(max_sessions=args.max_sessions, n_ctx_per_session=args.n_ctx, n_ubatch=args.n_ubatch,
                          n_threads=args.threads)
+
+
+def _required_seeds(args: argparse.Namespace, alternative: str = "") -> list:
+    from .network import bootstrap_addrs
+
+    seeds = bootstrap_addrs(args.bootstrap)
+    if not seeds:
+        raise MeshnetError(f"{args.command} needs bootstrap peers (--bootstrap MULTIADDR or MESHNET_BOOTSTRAP){alternative}")
+    return seeds
+
+
+def _print_line(line: str) -> None:
+    print(line, flush=True)  # a line at a time: supervisors and tests read these as they come
 
 
 def _run_listener(listen: str, async_fn, *args, doing: str = "listen") -> int:
@@ -262,12 +281,12 @@ def _bootstrap(args: argparse.Namespace) -> int:
 
     parse_listen(args.listen)  # a bad flag fails before anything starts
     identity = _load_or_create_identity(args.identity)
-    seeds = bootstrap_addrs(args.bootstrap, env={} if args.bootstrap else None)
+    seeds = bootstrap_addrs(args.bootstrap)
 
     async def serve() -> None:
         async with trio.open_nursery() as nursery:
             node = await start_node(nursery, identity, listen=args.listen, bootstrap=seeds, require_bootstrap=False)
-            print(f"listening on {node_multiaddr(node)}", flush=True)
+            _print_line(f"listening on {node_multiaddr(node)}")
             await until_signalled()
             nursery.cancel_scope.cancel()
 
@@ -285,17 +304,17 @@ def _relay(args: argparse.Namespace) -> int:
 
     host, port = parse_listen(args.listen)
     identity = _load_or_create_identity(args.identity)
-    seeds = bootstrap_addrs(args.bootstrap, env={} if args.bootstrap else None)
+    seeds = bootstrap_addrs(args.bootstrap)
     limits = RelayLimits(max_reservations=args.max_reservations, max_connections_per_peer=args.max_connections_per_peer,
                          bytes_per_second_per_peer=args.max_mbps_per_peer * 1e6 / 8)
 
     async def run() -> None:
-        relay = Relay(identity, limits, on_splice=lambda peer: print(f"splice to {peer}", flush=True))
+        relay = Relay(identity, limits, on_splice=lambda peer: _print_line(f"splice to {peer}"))
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(relay.serve, host, port)
             if seeds:
                 await start_node(nursery, identity, listen=f"{host}:0", bootstrap=seeds, require_bootstrap=False)
-            print(f"listening on {Multiaddr.for_socket(host, 'tcp', bound, identity.peer_id)}", flush=True)
+            _print_line(f"listening on {Multiaddr.for_socket(host, 'tcp', bound, identity.peer_id)}")
             await until_signalled()
             nursery.cancel_scope.cancel()
 
@@ -327,7 +346,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise MeshnetError("serve needs --shard PATH, or --layers A:B (with --model or the embedded model)")
     opts = ServeOptions(shard, host, port, _load_or_create_identity(args.identity), relay=relay,
                         engine=_engine_options(args), limits=Limits(max_message_bytes=args.max_message_bytes))
-    return _run_listener(args.listen, serve, opts, lambda line: print(line, flush=True), doing="serve")
+    return _run_listener(args.listen, serve, opts, _print_line, doing="serve")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -346,46 +365,39 @@ def _demo(args: argparse.Namespace) -> int:
 def _api(args: argparse.Namespace) -> int:
     from .api import serve_api
     from .client import Client
-    from .network import bootstrap_addrs, parse_listen
+    from .network import parse_listen
 
     host, port = parse_listen(args.listen)
-    seeds = bootstrap_addrs(args.bootstrap, env={} if args.bootstrap else None)
-    if not seeds:
-        raise MeshnetError("api needs bootstrap peers: --bootstrap MULTIADDR or MESHNET_BOOTSTRAP")
+    seeds = _required_seeds(args)
     client = Client(seeds, model_path=_model_path(args.model) if args.model else None, step_timeout=args.step_timeout)
-    return _run_listener(args.listen, serve_api, client, client.model_name, host, port, lambda line: print(line, flush=True))
+    return _run_listener(args.listen, serve_api, client, client.model_name, host, port, _print_line)
 
 
 def _join(args: argparse.Namespace) -> int:
     from .engine.cut import parse_layer_range
     from .multiaddr import Multiaddr
-    from .network import bootstrap_addrs, parse_listen
+    from .network import parse_listen
     from .peer import JoinOptions, join
     from .progress import TerminalProgress
 
     host, port = parse_listen(args.listen)
     layers = None if args.layers == "auto" else parse_layer_range(args.layers)
-    seeds = bootstrap_addrs(args.bootstrap, env={} if args.bootstrap else None)
-    if not seeds:
-        raise MeshnetError("join needs bootstrap peers: --bootstrap MULTIADDR or MESHNET_BOOTSTRAP")
+    seeds = _required_seeds(args)
     opts = JoinOptions(
         model_path=_model_path(args.model), layers=layers, num_layers=args.num_layers, listen_host=host,
         listen_port=port, bootstrap=seeds, identity=_load_or_create_identity(args.identity),
         relay=Multiaddr.parse(args.relay) if args.relay else None, engine=_engine_options(args),
         public_name=args.public_name, progress=TerminalProgress("preparing the shard"),
     )
-    return _run_listener(args.listen, join, opts, lambda line: print(line, flush=True), doing="serve")
+    return _run_listener(args.listen, join, opts, _print_line, doing="serve")
 
 
 def _generate_network(args: argparse.Namespace, sampling) -> int:
     import re
 
     from .client import Client
-    from .network import bootstrap_addrs
 
-    seeds = bootstrap_addrs(args.bootstrap, env={} if args.bootstrap else None)
-    if not seeds:
-        raise MeshnetError("generate needs bootstrap peers (--bootstrap MULTIADDR or MESHNET_BOOTSTRAP), or --local")
+    seeds = _required_seeds(args, ", or --local")
     digest = None
     model = None
     if args.model and re.fullmatch(r"[0-9a-f]{64}", args.model):
@@ -421,16 +433,15 @@ def _generate(args: argparse.Namespace) -> int:
 
     from .engine.contract import SamplingParams
 
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     if not args.local:
-        return _generate_network(args, SamplingParams(args.temperature, args.top_k, args.top_p, args.seed))
+        return _generate_network(args, sampling)
 
-    from .engine.contract import SamplingParams
     from .engine.cut import inspect_gguf, sha256_file
     from .engine.tokenizer import Tokenizer
     from .local import LocalRoute, parse_split
     from .progress import TerminalProgress
 
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     t0 = time.perf_counter()
     model = _model_path(args.model)
     progress = TerminalProgress("preparing shards")

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import trio
 
 from ._proto import shard_runtime_pb2 as pb
-from .capability import TYPES, model_key
+from .capability import model_key
 from .dataplane.client import (
     SessionStream,
     ShardClient,
@@ -68,11 +68,11 @@ class GenerationResult:
         return n / (self.decode_ms / 1000) if n > 0 and self.decode_ms > 0 else 0.0
 
 
-async def discover(bootstrap: Sequence[str | Multiaddr], model_digest: str, *, identity: Identity | None = None) -> list[Span]:
+async def discover(bootstrap: Sequence[str | Multiaddr], model_digest: str) -> list[Span]:
     """Capability reports for a model, as spans, from a short-lived client-mode DHT node."""
     with unwrap_errors():
         async with trio.open_nursery() as nursery:
-            node = await start_node(nursery, identity or Identity.generate(), bootstrap=bootstrap, client_mode=True, types=TYPES)
+            node = await start_node(nursery, Identity.generate(), bootstrap=bootstrap, client_mode=True)
             records = await node.get(model_key(model_digest))
             nursery.cancel_scope.cancel()
     spans = [Span.from_report(r) for r in records]
@@ -291,17 +291,15 @@ class Client:
     def __init__(self, bootstrap: Sequence[str | Multiaddr], *, model_path: str | None = None,
                  model_digest: str | None = None, step_timeout: float = 10.0, max_failovers: int = 4,
                  on_event: Callable[[str], None] | None = None) -> None:
-        from .engine.cut import inspect_gguf, sha256_file
-        from .engine.recipe import model_digest as digest_of
+        from .engine.cut import inspect_gguf
         from .engine.tokenizer import Tokenizer
         from .models import default_model_path
 
         self.bootstrap = list(bootstrap)
         path = model_path or default_model_path()
-        sha = sha256_file(path)
-        info = inspect_gguf(path, source_sha256=sha)
+        info = inspect_gguf(path)  # hashes an uncut model; a shard carries its source's digest
         self.n_layer = info.source_layers
-        self.model_digest = model_digest or digest_of(info.source_sha256, info.architecture, info.source_layers)
+        self.model_digest = model_digest or info.model_digest
         self.tokenizer = Tokenizer(path)
         # the file name up to its first dot: "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct"
         self.model_name = os.path.basename(path).split(".")[0] or self.model_digest

@@ -21,7 +21,6 @@ from .dataplane.serve import start_data_plane
 from .engine.contract import HIDDEN, DecodeRequest, EngineOptions, OpenRequest, PrefillRequest, Tensor, TensorBundle
 from .engine.cut import inspect_gguf, sha256_file
 from .engine.llama_engine import LlamaCppShardEngine
-from .engine.recipe import model_digest
 from .errors import MeshnetError, unwrap_errors
 from .identity import Identity
 from .lifecycle import until_signalled
@@ -77,7 +76,7 @@ async def join(opts: JoinOptions, print_line: Callable[[str], None] = print) -> 
     info = await trio.to_thread.run_sync(lambda: inspect_gguf(opts.model_path, source_sha256=source_sha))
     if info.is_cut:
         raise MeshnetError(f"{opts.model_path} is a shard; join needs the whole model to cut from")
-    digest = model_digest(source_sha, info.architecture, info.source_layers)
+    digest = info.model_digest
     key = model_key(digest)
     engine = LlamaCppShardEngine()
     try:

@@ -17,6 +17,7 @@ object), which the request types reject when constructed.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -163,14 +164,13 @@ class LoadRequest:
 class EngineOptions:
     """How a serving process runs its engine (the knobs `serve` and `join` share)."""
 
-    max_sessions: int = 4
-    n_ctx_per_session: int = 2048
-    n_ubatch: int = 64
-    n_threads: int | None = None
+    max_sessions: int = LoadRequest.max_sessions
+    n_ctx_per_session: int = LoadRequest.n_ctx_per_session
+    n_ubatch: int = LoadRequest.n_ubatch
+    n_threads: int | None = LoadRequest.n_threads
 
     def load_request(self, path: str, *, source_sha256: str | None = None) -> "LoadRequest":
-        return LoadRequest(path, max_sessions=self.max_sessions, n_ctx_per_session=self.n_ctx_per_session,
-                           n_ubatch=self.n_ubatch, n_threads=self.n_threads, source_sha256=source_sha256)
+        return LoadRequest(path, source_sha256=source_sha256, **dataclasses.asdict(self))
 
 
 @dataclass(frozen=True)

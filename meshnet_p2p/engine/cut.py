@@ -26,6 +26,7 @@ from typing import Callable
 
 from ..errors import MeshnetError
 from .adapters import ArchitectureAdapter, adapter_for
+from .recipe import model_digest
 from .gguf import (
     GGML_TYPE_F32,
     GGUFFile,
@@ -88,6 +89,11 @@ class ShardInfo:
     @property
     def n_layers(self) -> int:
         return self.end - self.start
+
+    @property
+    def model_digest(self) -> str:
+        """The model's identity on the network (the same for every shard of it)."""
+        return model_digest(self.source_sha256, self.architecture, self.source_layers)
 
 
 def role_of(start: int, end: int, n_layer: int) -> str:

@@ -300,7 +300,7 @@ def _parse(data: memoryview, size: int, path: str, what: str) -> GGUFFile:
         alignment = kv["general.alignment"].value
         if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
             raise GGUFFormatError(f"{what}: general.alignment {alignment!r} is not a power of two")
-    data_offset = _align(cur.pos, alignment)
+    data_offset = align_up(cur.pos, alignment)
     for t in tensors:
         if t.offset % alignment:
             raise GGUFFormatError(f"{what}: tensor {t.name!r} data is not aligned")
@@ -311,7 +311,7 @@ def _parse(data: memoryview, size: int, path: str, what: str) -> GGUFFile:
     return GGUFFile(path, version, kv, tuple(order), tuple(tensors), alignment, data_offset, size)
 
 
-def _align(n: int, alignment: int) -> int:
+def align_up(n: int, alignment: int) -> int:
     return (n + alignment - 1) // alignment * alignment
 
 
@@ -384,9 +384,9 @@ def write_gguf(
         offsets.append(offset)
         header += encode_string(t.name) + struct.pack("<I", len(t.dims))
         header += struct.pack(f"<{len(t.dims)}Q", *t.dims) + struct.pack("<IQ", t.ggml_type, offset)
-        offset = _align(offset + t.nbytes, alignment)
+        offset = align_up(offset + t.nbytes, alignment)
     total = offset
-    header += b"\0" * (_align(len(header), alignment) - len(header))
+    header += b"\0" * (align_up(len(header), alignment) - len(header))
     # A name of our own: two processes cutting the same shard at once must not
     # write into one file; whichever renames last wins, both files being whole.
     tmp = f"{out_path}.{os.getpid()}.{os.urandom(4).hex()}.partial"
@@ -412,7 +412,7 @@ def write_gguf(
                         done += len(chunk)
                         if progress:
                             progress(done, total)
-                pad = _align(off + t.nbytes, alignment) - (off + t.nbytes)
+                pad = align_up(off + t.nbytes, alignment) - (off + t.nbytes)
                 out.write(b"\0" * pad)
             out.flush()
             os.fsync(out.fileno())

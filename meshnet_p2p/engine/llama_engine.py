@@ -55,18 +55,15 @@ from .contract import (
     TokenOutput,
 )
 from .cut import ShardInfo, inspect_gguf
+from .gguf import align_up
 from .llama_native import ensure_backend, hooks
-from .recipe import Recipe, model_digest
+from .recipe import Recipe
 from .sampling import sample
 from .seam import decode_seam, encode_seam, seam_itemsize
 from .sessions import Session, SessionTable
 
 _FLASH_ATTN_DISABLED = 0
 _GGML_TYPE_F16 = 1
-
-
-def _round_up(n: int, m: int) -> int:
-    return (n + m - 1) // m * m
 
 
 class LlamaCppShardEngine(ShardEngine):
@@ -79,6 +76,7 @@ class LlamaCppShardEngine(ShardEngine):
         self._info: ShardInfo | None = None
         self._table: SessionTable | None = None
         self._running: str | None = None  # session whose step is in llama_decode now
+        self._batch: _BatchViews | None = None
         self._compute: ThreadPoolExecutor | None = None  # the one thread that calls llama_decode (n_threads > 1)
         self._state = "not-loaded"
         self._detail = ""
@@ -112,7 +110,7 @@ class LlamaCppShardEngine(ShardEngine):
         vocab = llama_cpp.llama_model_get_vocab(model)
         n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
         is_tail = info.is_tail
-        n_ctx_seq = _round_up(request.n_ctx_per_session, 256)  # llama.cpp pads per-sequence contexts to 256
+        n_ctx_seq = align_up(request.n_ctx_per_session, 256)  # llama.cpp pads per-sequence contexts to 256
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_ctx_seq * request.max_sessions
         cparams.n_batch = request.n_ubatch
@@ -150,8 +148,9 @@ class LlamaCppShardEngine(ShardEngine):
         self._n_embd, self._n_vocab = n_embd, (n_vocab if (info.is_head or is_tail) else 0)
         self._seam = request.seam_dtype
         self._n_ubatch = request.n_ubatch
-        self._batch = _BatchViews(request.n_ubatch, n_embd, embd_input=not info.is_head)
-        self._eog: dict[int, bool] = {}
+        self._batch = _BatchViews(request.n_ubatch, n_embd, embd_input=not info.is_head, all_outputs=not is_tail)
+        if not is_tail:
+            self._capture.buf = self._batch.capture.__array_interface__["data"][0]  # a fixed buffer for every step
         self._logits_addr = 0
         self._logits_view: np.ndarray | None = None
         self._native = native  # keep the callbacks alive as long as the context
@@ -177,7 +176,7 @@ class LlamaCppShardEngine(ShardEngine):
             max_sessions=request.max_sessions,
             kv_token_budget=budget,
             n_ctx_per_session=request.n_ctx_per_session,
-            model_digest=model_digest(info.source_sha256, info.architecture, info.source_layers),
+            model_digest=info.model_digest,
             recipe_digest=recipe.digest(),
             recipe=recipe.axes(),
         )
@@ -197,9 +196,7 @@ class LlamaCppShardEngine(ShardEngine):
             if self._ctx is not None:
                 llama_cpp.llama_free(self._ctx)
                 self._ctx = None
-            if getattr(self, "_batch", None) is not None:
-                self._batch.free()
-                self._batch = None
+            self._batch = None  # numpy arrays: nothing native to free
             if self._model is not None:
                 llama_cpp.llama_model_free(self._model)
                 self._model = None
@@ -390,8 +387,6 @@ class LlamaCppShardEngine(ShardEngine):
                 if start + m == n:
                     b.logits[m - 1] = 1
             else:
-                b.logits[:m] = 1
-                cap.buf = b.capture_addr  # a fixed buffer: its address is computed once
                 cap.cap = m * row_bytes
                 cap.len = 0
                 cap.captures = 0
@@ -421,10 +416,7 @@ class LlamaCppShardEngine(ShardEngine):
             self.last_logits[s.session_id] = logits.copy()
         token = sample(logits, s.sampling, s.position)
         self._m["tokens_sampled"] += 1
-        eog = self._eog.get(token)
-        if eog is None:
-            eog = self._eog[token] = bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
-        return TokenOutput(token, eog)
+        return TokenOutput(token, bool(llama_cpp.llama_vocab_is_eog(self._vocab, token)))
 
     # --- observability -----------------------------------------------------------
 
@@ -456,16 +448,15 @@ class _BatchViews:
     struct is built by hand (not llama_batch_init) so llama.cpp never frees it.
     """
 
-    def __init__(self, n: int, n_embd: int, *, embd_input: bool) -> None:
+    def __init__(self, n: int, n_embd: int, *, embd_input: bool, all_outputs: bool) -> None:
         self.token = None if embd_input else np.zeros(n, dtype=np.int32)
         self.embd = np.zeros((n, n_embd), dtype=np.float32) if embd_input else None
         self.pos = np.zeros(n, dtype=np.int32)
         self.n_seq_id = np.ones(n, dtype=np.int32)
         self.seq = np.zeros(n, dtype=np.int32)
-        self.logits = np.zeros(n, dtype=np.int8)
+        self.logits = np.full(n, 1 if all_outputs else 0, dtype=np.int8)  # a non-tail outputs every row, for capture
         self.steps = np.arange(n, dtype=np.int32)
         self.capture = np.zeros((n, n_embd), dtype=np.float32)
-        self.capture_addr = self.capture.__array_interface__["data"][0]
         seq_base = self.seq.__array_interface__["data"][0]
         self._seq_ptrs = np.array([seq_base + 4 * i for i in range(n)], dtype=np.uintp)
         b = llama_cpp.llama_batch()
@@ -479,9 +470,6 @@ class _BatchViews:
         b.seq_id = _ptr(self._seq_ptrs, ctypes.POINTER(llama_cpp.llama_seq_id))
         b.logits = _ptr(self.logits, ctypes.c_int8)
         self.batch = b
-
-    def free(self) -> None:
-        self.batch = None  # the arrays are numpy's; nothing native to free
 
 
 def _ptr(array: np.ndarray, ctype) -> ctypes._Pointer:
