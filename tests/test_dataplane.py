@@ -227,6 +227,14 @@ def test_cancels_in_band_and_out_of_band(middle):
     with pytest.raises(ShardError, match="CANCELLED"):
         s.step(0, hidden=hidden(1))
     s.close()
+    # the unary Release frees a session; its stream then fails closed
+    s = c.session(fp, max_tokens=64, session_id="released")
+    assert s.step(0, hidden=hidden(1)).position == 1
+    assert c.release("released")
+    assert not c.release("released")
+    with pytest.raises(ShardError, match="UNKNOWN_SESSION"):
+        s.step(1, hidden=hidden(1))
+    s.close()
     c.close()
 
 

@@ -21,6 +21,8 @@ from .._proto import shard_runtime_pb2_grpc as pb_grpc
 from ..engine.contract import TensorBundle
 from ..errors import MeshnetError
 from ..identity import PeerId
+from .relay import relay_target
+from .server import CHANNEL_OPTIONS
 from .tensors import bundle_from_proto, bundle_to_proto
 from .tls import TLS_NAME
 
@@ -44,22 +46,11 @@ class ShardConnectionError(MeshnetError):
     """The connection failed: peer gone, TLS failure (wrong identity, tampering), timeout."""
 
 
-def relay_target(peer_id: PeerId) -> str:
-    # grpcio sends this name, unresolved, in its CONNECT line to the relay
-    return f"{str(peer_id).lower()}.peer:443"
-
-
 def open_channel(cert_pem: bytes, *, address: tuple[str, int] | None = None, relay: tuple[str, int] | None = None,
                  peer_id: PeerId | None = None) -> grpc.Channel:
     """A channel that trusts only ``cert_pem``: direct to ``address``, or through
     ``relay`` to ``peer_id``."""
-    options = [
-        ("grpc.ssl_target_name_override", TLS_NAME),
-        ("grpc.max_receive_message_length", 64 << 20),
-        ("grpc.max_send_message_length", 64 << 20),
-        ("grpc.enable_retries", 0),
-        ("grpc.optimization_target", "latency"),
-    ]
+    options = CHANNEL_OPTIONS + [("grpc.ssl_target_name_override", TLS_NAME), ("grpc.enable_retries", 0)]
     if relay is not None:
         if peer_id is None:
             raise ValueError("a relayed channel needs the peer id")

@@ -37,12 +37,18 @@ from ..identity import Identity, IdentityError, PeerId
 from ..multiaddr import Multiaddr
 
 PEER_DOMAIN = b"meshnet-relay-reserve-v1\0"
+PEER_HOST_SUFFIX = ".peer"  # a CONNECT target is <lowercase peer id>.peer:443
 RELAY_DOMAIN = b"meshnet-relay-accept-v1\0"
 MAX_LINE = 8192
 
 
 class RelayError(MeshnetError):
     pass
+
+
+def relay_target(peer_id: PeerId) -> str:
+    """What a client CONNECTs to on a relay to reach ``peer_id`` (grpcio sends it unresolved)."""
+    return f"{str(peer_id).lower()}{PEER_HOST_SUFFIX}:443"
 
 
 @dataclass(frozen=True)
@@ -106,8 +112,11 @@ class _Reservation:
     bucket: _TokenBucket
     send_lock: trio.Lock = field(default_factory=trio.Lock)
     pending: dict[str, trio.MemorySendChannel] = field(default_factory=dict)
-    scopes: set[trio.CancelScope] = field(default_factory=set)
-    connections: int = 0
+    scopes: set[trio.CancelScope] = field(default_factory=set)  # one per spliced connection
+
+    @property
+    def connections(self) -> int:
+        return len(self.scopes)
 
 
 async def _splice(a: trio.abc.Stream, b: trio.abc.Stream, bucket: _TokenBucket | None,
@@ -217,10 +226,10 @@ class Relay:
         parts = first.decode(errors="replace").split()
         target = parts[1] if len(parts) >= 2 else ""
         host = target.rsplit(":", 1)[0].lower()
-        if not host.endswith(".peer"):
+        if not host.endswith(PEER_HOST_SUFFIX):
             await stream.send_all(b"HTTP/1.1 400 Bad Request\r\n\r\n")
             return
-        res = self.reservations.get(host[: -len(".peer")])
+        res = self.reservations.get(host[: -len(PEER_HOST_SUFFIX)])
         if res is None:
             await stream.send_all(b"HTTP/1.1 404 Not Found\r\n\r\n")
             return
@@ -228,7 +237,6 @@ class Relay:
             await stream.send_all(b"HTTP/1.1 429 Too Many Requests\r\n\r\n")
             self.stats["refused"] += 1
             return
-        res.connections += 1
         token = secrets.token_hex(16)
         send, recv = trio.open_memory_channel(1)
         res.pending[token] = send
@@ -253,7 +261,6 @@ class Relay:
             res.scopes.discard(scope)
             res.pending.pop(token, None)
             self._tokens.pop(token, None)
-            res.connections -= 1
 
     async def _attach(self, stream, reader: _LineReader, first: bytes) -> None:
         parts = first.decode(errors="replace").split()

@@ -16,12 +16,14 @@ from .._proto import shard_runtime_pb2_grpc as pb_grpc
 from .servicer import ShardRuntimeServicer
 from .tls import TlsCredentials
 
-GRPC_OPTIONS = [
+# Both ends: the servicer bounds messages itself (typed OVERSIZED errors), so
+# grpcio's own limit only guards against the absurd.
+CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
-    ("grpc.so_reuseport", 0),  # port 0 must mean a port of our own
     ("grpc.optimization_target", "latency"),
 ]
+GRPC_OPTIONS = CHANNEL_OPTIONS + [("grpc.so_reuseport", 0)]  # port 0 must mean a port of our own
 
 
 class ShardServer:

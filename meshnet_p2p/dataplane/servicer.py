@@ -33,6 +33,7 @@ from ..engine.contract import (
     SamplingParams,
     ShardEngine,
     StatusCode,
+    check_session_id,
 )
 from ..engine.recipe import explain_mismatch
 from ..records import wall_ms
@@ -96,9 +97,9 @@ class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
             model_digest=caps.model_digest, recipe_digest=caps.recipe_digest,
             recipe_axes={k: str(v) for k, v in caps.recipe.items()},
         )
+        self._layers = pb.LayerRange(start=caps.start, end=caps.end, total=caps.source_layers)
         self._lock = threading.Lock()
         self._states: dict[str, SessionState] = {}
-        self._running: dict[str, str] = {}  # session id -> work id of the step in the engine now
 
     # --- unary ---------------------------------------------------------------------
 
@@ -107,7 +108,7 @@ class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
         m = self.engine.metrics()
         return pb.Capability(
             peer_id=self.peer_id, fingerprint=self.fingerprint,
-            layers=pb.LayerRange(start=c.start, end=c.end, total=c.source_layers),
+            layers=self._layers,
             max_sessions=c.max_sessions, free_sessions=c.max_sessions - m.active_sessions,
             kv_token_budget=c.kv_token_budget, flow_control=self._limits_proto(),
             n_embd=c.n_embd, seam_dtype=str(c.recipe["seam_dtype"]),
@@ -147,7 +148,7 @@ class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
                 state = self._states[session_id] = SessionState(session_id)
             newly = state.cancel(work_id)
             opened = state.opened
-            running = self._running.get(session_id)
+            running = state.running
         if opened and not work_id:
             self.engine.cancel(session_id)  # ends the session, aborting any running step
         elif opened and running == work_id:
@@ -217,8 +218,10 @@ class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
 
     def _open(self, msg: pb.SessionOpen) -> tuple[pb.SessionResponse, str | None]:
         sid = msg.session_id
-        if not sid or len(sid) > 128:
-            return _error(E.INVALID_ARGUMENT, "a session id must be 1..128 characters", terminal=True), None
+        try:
+            check_session_id(sid)
+        except ValueError as e:
+            return _error(E.INVALID_ARGUMENT, str(e), terminal=True), None
         if self.draining:
             return _error(E.CAPACITY, "this peer is leaving the network", terminal=True), None
         theirs = msg.fingerprint
@@ -256,11 +259,10 @@ class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
         state.open(msg.route_epoch, credits)
         if self.on_open is not None:
             self.on_open(sid)
-        granted = pb.FlowControl(credits=credits, max_message_bytes=self.limits.max_message_bytes,
-                                 max_prefill_tokens=self.limits.max_prefill_tokens)
-        layers = pb.LayerRange(start=self.caps.start, end=self.caps.end, total=self.caps.source_layers)
+        granted = self._limits_proto()
+        granted.credits = credits
         return pb.SessionResponse(accepted=pb.SessionAccepted(session_id=sid, route_epoch=msg.route_epoch,
-                                                              granted=granted, layers=layers)), sid
+                                                              granted=granted, layers=self._layers)), sid
 
     def _forget(self, sid: str) -> None:
         with self._lock:
@@ -284,8 +286,7 @@ class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
         if len(step.token_ids) > self.limits.max_prefill_tokens:
             return _error(E.OVERSIZED, f"{len(step.token_ids)} tokens exceed {self.limits.max_prefill_tokens}", work_id=wid, step=n)
         state.applied(n, step.route_epoch)
-        with self._lock:
-            self._running[sid] = wid
+        state.running = wid
         try:
             if step.decode:
                 if tokens is not None and len(tokens) != 1:
@@ -296,8 +297,7 @@ class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
         except ValueError as e:  # request types refuse malformed steps (no input, negative position)
             return _error(E.INVALID_ARGUMENT, str(e), work_id=wid, step=n)
         finally:
-            with self._lock:
-                self._running.pop(sid, None)
+            state.running = None
         if not result.status.ok:
             s = result.status
             return _error(_ENGINE_CODES[s.code], s.message, work_id=wid, step=n, retryable=s.retryable)

@@ -34,6 +34,7 @@ class SessionState:
     cancelled: bool = False  # the whole session
     cancelled_work: set[str] = field(default_factory=set)
     last_step: int = -1  # highest idempotency step applied
+    running: str | None = None  # work id of the step in the engine now
 
     def open(self, epoch: int, credits: int) -> None:
         self.opened = True

@@ -15,7 +15,6 @@ peer, relay operators notwithstanding.
 from __future__ import annotations
 
 import datetime
-import hashlib
 from dataclasses import dataclass
 
 from cryptography import x509
@@ -58,15 +57,6 @@ TLS_RECORD_TYPE = PayloadType(TLS_TYPE, max_payload_bytes=MAX_CERT_PEM + 512, re
 class TlsCredentials:
     key_pem: bytes
     cert_pem: bytes
-
-    @property
-    def cert_sha256(self) -> str:
-        return cert_fingerprint(self.cert_pem)
-
-
-def cert_fingerprint(cert_pem: bytes) -> str:
-    der = x509.load_pem_x509_certificate(cert_pem).public_bytes(serialization.Encoding.DER)
-    return hashlib.sha256(der).hexdigest()
 
 
 LIBP2P_TLS_OID = x509.ObjectIdentifier("1.3.6.1.4.1.53594.1.1")
@@ -135,10 +125,10 @@ def make_tls_credentials(identity: Identity | None = None, days: int = 30) -> Tl
     return TlsCredentials(key_pem, cert.public_bytes(serialization.Encoding.PEM))
 
 
-def sign_binding(identity: Identity, creds: TlsCredentials, *, now_ms: int, ttl_ms: int = 24 * 3600 * 1000, seq: int | None = None) -> bytes:
+def sign_binding(identity: Identity, creds: TlsCredentials, *, now_ms: int, ttl_ms: int = 24 * 3600 * 1000) -> bytes:
     """The identity's signed statement: "my data plane's certificate is this one"."""
     content = {"key": f"tls/{identity.peer_id}", "peer_id": str(identity.peer_id), "cert": creds.cert_pem.decode()}
-    return sign_record(identity, TLS_TYPE, content, seq=now_ms if seq is None else seq, now_ms=now_ms, ttl_ms=ttl_ms)
+    return sign_record(identity, TLS_TYPE, content, seq=now_ms, now_ms=now_ms, ttl_ms=ttl_ms)
 
 
 def verify_binding(record_wire: bytes, expected_peer: PeerId, now_ms: int) -> bytes:

@@ -211,7 +211,7 @@ class OpenRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
     def __post_init__(self) -> None:
-        _check_session_id(self.session_id)
+        check_session_id(self.session_id)
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be positive")
 
@@ -226,7 +226,7 @@ class PrefillRequest:
     hidden: TensorBundle | None = None
 
     def __post_init__(self) -> None:
-        _check_session_id(self.session_id)
+        check_session_id(self.session_id)
         _check_one_input(self.token_ids, self.hidden, self.position)
         if self.token_ids is not None and not self.token_ids:
             raise ValueError("a prefill needs at least one token")
@@ -242,11 +242,11 @@ class DecodeRequest:
     hidden: TensorBundle | None = None
 
     def __post_init__(self) -> None:
-        _check_session_id(self.session_id)
+        check_session_id(self.session_id)
         _check_one_input(None if self.token_id is None else (self.token_id,), self.hidden, self.position)
 
 
-def _check_session_id(session_id: str) -> None:
+def check_session_id(session_id: str) -> None:
     if not session_id or len(session_id) > 128:
         raise ValueError("a session id must be 1..128 characters")
 
