@@ -79,6 +79,11 @@ def create_app(client: Client, model_name: str) -> FastAPI:
         status = 503 if isinstance(exc, (NoRoute, GenerationError, BootstrapError)) else 400
         return _error(status, str(exc), "swarm_unavailable" if status == 503 else "invalid_request_error")
 
+    def unknown_model(name: str):
+        if name not in names:
+            return _error(404, f"model {name!r} is not served here (try {model_name!r})", "model_not_found")
+        return None
+
     @app.get("/v1/models")
     async def models():
         data = []
@@ -91,42 +96,40 @@ def create_app(client: Client, model_name: str) -> FastAPI:
             pass
         return {"object": "list", "data": data}
 
-    async def run(prompt: str, max_tokens: int, params: SamplingParams, chat: bool, stream: bool, make_chunk, make_final):
+    async def run(prompt: str, max_tokens: int, params: SamplingParams, stream: bool, make_chunk, make_final):
+        """The prompt goes to the swarm as is (a chat request's template is already applied)."""
         if not stream:
-            result = await client.agenerate(prompt, max_tokens, params, chat=chat)
-            return make_final(result)
-        send, recv = trio.open_memory_channel[str | None](1024)
+            return make_final(await client.agenerate(prompt, max_tokens, params))
+        # every event is a dict until it is written out: text chunks, the final chunk, an error
+        send, recv = trio.open_memory_channel[dict[str, Any]](1024)
         token = trio.lowlevel.current_trio_token()
 
         def on_token(text: str) -> None:
             if text:  # blocks the generation thread while the HTTP client is slow to read
-                trio.from_thread.run(send.send, text, trio_token=token)
+                trio.from_thread.run(send.send, make_chunk(text, None), trio_token=token)
 
         async def produce(task_status=trio.TASK_STATUS_IGNORED):
             async with send:
                 task_status.started()
                 try:
-                    result = await client.agenerate(prompt, max_tokens, params, chat=chat, on_token=on_token)
-                    await send.send(json.dumps(make_chunk("", result.stopped)))
+                    result = await client.agenerate(prompt, max_tokens, params, on_token=on_token)
+                    await send.send(make_chunk("", result.stopped))
                 except MeshnetError as e:
-                    await send.send(json.dumps({"error": {"message": str(e), "type": "swarm_unavailable"}}))
+                    await send.send({"error": {"message": str(e), "type": "swarm_unavailable"}})
 
         async def events():
             async with trio.open_nursery() as nursery:
                 await nursery.start(produce)
                 async for item in recv:
-                    if item.startswith("{"):
-                        yield f"data: {item}\n\n"
-                    else:
-                        yield f"data: {json.dumps(make_chunk(item, None))}\n\n"
+                    yield f"data: {json.dumps(item)}\n\n"
                 yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
-        if req.model not in names:
-            return _error(404, f"model {req.model!r} is not served here (try {model_name!r})", "model_not_found")
+        if (missing := unknown_model(req.model)) is not None:
+            return missing
         prompt = req.prompt if isinstance(req.prompt, str) else "".join(req.prompt)
         cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
 
@@ -139,12 +142,12 @@ def create_app(client: Client, model_name: str) -> FastAPI:
             doc["usage"] = _usage(result)
             return doc
 
-        return await run(prompt, req.max_tokens or 16, sampling(req), False, req.stream, chunk, final)
+        return await run(prompt, req.max_tokens or 16, sampling(req), req.stream, chunk, final)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest):
-        if req.model not in names:
-            return _error(404, f"model {req.model!r} is not served here (try {model_name!r})", "model_not_found")
+        if (missing := unknown_model(req.model)) is not None:
+            return missing
         messages = [{"role": m.role, "content": m.content} for m in req.messages]
         prompt = client.tokenizer.apply_chat_template(messages)
         cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -161,8 +164,7 @@ def create_app(client: Client, model_name: str) -> FastAPI:
                     "usage": _usage(result)}
 
         max_tokens = req.max_completion_tokens or req.max_tokens or 256
-        # the template is applied here, so the prompt goes to the swarm as is
-        return await run(prompt, max_tokens, sampling(req), False, req.stream, chunk, final)
+        return await run(prompt, max_tokens, sampling(req), req.stream, chunk, final)
 
     return app
 

@@ -38,6 +38,15 @@ def test_completion_streaming_gives_the_same_text(api):
     assert "".join(parts) == whole and len(parts) > 2
 
 
+def test_streamed_text_that_looks_like_json_stays_text(api):
+    # the completion starts with '{"': it must still arrive as a text chunk
+    prompt = '[{"id": 1},\n{"id": 2},\n'
+    whole = api.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0).choices[0].text
+    parts = [c.choices[0].text for c in api.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
+                                                               temperature=0, stream=True)]
+    assert whole.startswith("{") and "".join(parts) == whole
+
+
 def test_chat_completion_and_streaming(api):
     msgs = [{"role": "user", "content": "What is 2 + 2?"}]
     r = api.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0)
