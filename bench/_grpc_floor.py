@@ -23,7 +23,11 @@ from meshnet_p2p.engine.contract import HIDDEN, DecodeRequest, LoadRequest, Open
 from meshnet_p2p.engine.llama_engine import LlamaCppShardEngine
 from meshnet_p2p.identity import Identity
 
-METHOD = "/floor.Hop/Step"
+SERVICE, METHOD = "floor.Hop", "Step"
+
+
+def same(b: bytes) -> bytes:
+    return b  # raw bytes both ways: no serializer
 
 
 def main() -> int:
@@ -38,10 +42,9 @@ def main() -> int:
             bundle = TensorBundle((Tensor(HIDDEN, "f32", (1, n_embd), raw),))
             yield engine.decode(DecodeRequest("floor", pos, hidden=bundle)).hidden.tensors[0].data
 
-    same = lambda b: b  # noqa: E731
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "floor.Hop", {"Step": grpc.stream_stream_rpc_method_handler(step, same, same)}),))
+        SERVICE, {METHOD: grpc.stream_stream_rpc_method_handler(step, same, same)}),))
     creds = make_tls_credentials(Identity.generate())
     port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(creds.key_pem, creds.cert_pem)]))
     server.start()

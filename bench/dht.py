@@ -13,8 +13,6 @@ ms; gossip_full_ms (a new report reaching every live node) < 2000 ms.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import signal
 import statistics
@@ -28,6 +26,8 @@ from meshnet_p2p.capability import CapabilityReport, model_key
 from meshnet_p2p.identity import Identity
 from meshnet_p2p.network import node_multiaddr, start_node
 from meshnet_p2p.records import wall_ms
+
+from _report import print_report  # bench/ is on sys.path when a bench runs
 
 GOSSIP_MODEL = "99" * 32
 
@@ -45,8 +45,8 @@ async def worker(count: int, bootstrap: str) -> None:
         nodes = []
         for _ in range(count):
             nodes.append(await start_node(nursery, Identity.generate(), bootstrap=[bootstrap]))
-        for i, node in enumerate(nodes):
-            nursery.start_soon(_watch_gossip, node, i)
+        for node in nodes:
+            nursery.start_soon(_watch_gossip, node)
         print("ready", flush=True)
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for _ in signals:
@@ -54,7 +54,7 @@ async def worker(count: int, bootstrap: str) -> None:
         nursery.cancel_scope.cancel()
 
 
-async def _watch_gossip(node, i: int) -> None:
+async def _watch_gossip(node) -> None:
     updates = node.subscribe(model_key(GOSSIP_MODEL))
     async for rec in updates:
         print(f"gossip {node.peer_id} {rec.seq} {time.time():.6f}", flush=True)
@@ -69,7 +69,6 @@ async def driver(args) -> dict:
     n_remote_live = args.nodes - n_frozen - n_local
     gossip_times: dict[str, float] = {}
     procs: list[tuple[trio.Process, bool]] = []
-    result: dict = {}
     async with trio.open_nursery() as nursery:
         local = [await start_node(nursery, Identity.generate())]
         boot = str(node_multiaddr(local[0]))
@@ -199,15 +198,9 @@ def main() -> int:
         return 0
     if not 0 <= args.frozen < 1 or args.nodes < 2:
         ap.error("need --nodes >= 2 and 0 <= --frozen < 1")
-    result = trio.run(driver, args)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for k, v in result.items():
-            print(f"{k:32s} {v}")
+    print_report(trio.run(driver, args), args.json)
     return 0
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(main())

@@ -14,8 +14,6 @@ whole model's). Target (issue 5): decode_ratio >= 0.85.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 
@@ -25,7 +23,9 @@ from meshnet_p2p.engine.cut import sha256_file
 from meshnet_p2p.engine.tokenizer import Tokenizer
 from meshnet_p2p.local import LocalRoute
 from meshnet_p2p.models import default_model_path
-from meshnet_p2p.peer_process import PeerProcess
+from meshnet_p2p.peer_process import Swarm
+
+from _report import print_report  # bench/ is on sys.path when a bench runs
 
 PROMPT = ("The history of clockmaking is a story of patience. Early water clocks measured hours by the flow "
           "of water through a small opening, while mechanical clocks in medieval towers used weights and gears.")
@@ -40,16 +40,8 @@ def main() -> int:
     args = ap.parse_args()
 
     model = default_model_path()
-    procs = []
-    try:
-        boot = PeerProcess("bootstrap", "--listen", "127.0.0.1:0")
-        procs.append(boot)
-        addr = boot.address(60)
-        for span in ("0:10", "10:20", "20:30"):
-            procs.append(PeerProcess("join", "--layers", span, "--bootstrap", addr, "--threads", str(args.threads)))
-        for p in procs[1:]:
-            p.address(300)
-        client = Client([addr])
+    with Swarm(("0:10", "10:20", "20:30"), "--threads", str(args.threads)) as swarm:
+        client = Client([swarm.addr])
         whole = LocalRoute.from_model(model, [(0, 30)], source_sha256=sha256_file(model), n_ubatch=64,
                                       n_threads=args.threads, max_sessions=1)
         prompt_ids = Tokenizer(model).encode(PROMPT)
@@ -61,9 +53,6 @@ def main() -> int:
             swarm_runs.append(client.generate(PROMPT, args.tokens, greedy, stop_at_eog=False))
             whole_runs.append(whole.generate(prompt_ids, args.tokens, greedy, stop_at_eog=False))
         whole.close()
-    finally:
-        for p in reversed(procs):
-            p.stop()
     same = all(s.token_ids == w.token_ids for s, w in zip(swarm_runs, whole_runs, strict=True))
     doc = {
         "tokens": args.tokens,
@@ -77,14 +66,9 @@ def main() -> int:
     }
     doc["decode_ratio"] = round(doc["swarm_decode_tok_s"] / doc["whole_decode_tok_s"], 4)
     doc["ttft_ratio"] = round(doc["swarm_ttft_ms"] / doc["whole_ttft_ms"], 4)
-    if args.json:
-        print(json.dumps(doc))
-    else:
-        for k, v in doc.items():
-            print(f"{k:22s} {v}")
+    print_report(doc, args.json)
     return 0 if same else 1
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     sys.exit(main())

@@ -19,7 +19,6 @@ here (``floor_overhead_ms``) and what our stack adds (``stack_overhead_ms``).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import queue
 import statistics
@@ -38,6 +37,9 @@ from meshnet_p2p.models import default_model_path, ensure_shard
 from meshnet_p2p.multiaddr import Multiaddr
 from meshnet_p2p.peer_process import PeerProcess
 from meshnet_p2p.records import wall_ms
+
+from _grpc_floor import METHOD, SERVICE, same  # bench/ is on sys.path when a bench runs
+from _report import print_report
 
 
 def main() -> int:
@@ -70,8 +72,7 @@ def main() -> int:
         floor_port, floor_cert = int(floor.stdout.readline()), bytes.fromhex(floor.stdout.readline().strip())
         floor_q: queue.SimpleQueue = queue.SimpleQueue()
         floor_channel = open_channel(floor_cert, address=("127.0.0.1", floor_port))
-        same = lambda b: b  # noqa: E731
-        floor_replies = floor_channel.stream_stream("/floor.Hop/Step", same, same)(iter(floor_q.get, None))
+        floor_replies = floor_channel.stream_stream(f"/{SERVICE}/{METHOD}", same, same)(iter(floor_q.get, None))
 
         engine = LlamaCppShardEngine()
         engine.load(LoadRequest(shard, max_sessions=1, n_ctx_per_session=args.tokens + 8, n_threads=args.threads)).status.raise_for_status()
@@ -131,11 +132,7 @@ def main() -> int:
         "stack_overhead_ms": round(med["direct"] - med["floor"], 3),
         "identical_outputs": outputs["inprocess"] == outputs["floor"] == outputs["direct"] == outputs["relay"],
     }
-    if args.json:
-        print(json.dumps(doc))
-    else:
-        for k, v in doc.items():
-            print(f"{k:22s} {v}")
+    print_report(doc, args.json)
     return 0 if doc["identical_outputs"] else 1
 
 

@@ -49,7 +49,8 @@ def main() -> int:
     common = dict(source_sha256=digest, n_ubatch=args.n_ubatch, n_threads=args.threads, max_sessions=1,
                   n_ctx_per_session=args.prompt_tokens + args.decode_tokens)
     whole = LocalRoute.from_model(model, [(0, n_layer)], **common)
-    chain = LocalRoute.from_model(model, parse_split(args.split, n_layer), **common)
+    split = parse_split(args.split, n_layer)
+    chain = LocalRoute.from_model(model, split, **common)
     greedy = SamplingParams()
     # Side by side in small blocks: both routes decode the same sequence, taking
     # turns every --block tokens, so a noisy neighbour on this shared machine
@@ -96,7 +97,7 @@ def main() -> int:
     same = tokens["whole"] == tokens["chain"]
 
     doc = {
-        "split": [list(r) for r in parse_split(args.split, n_layer)],
+        "split": [list(r) for r in split],
         "prompt_tokens": len(prompt),
         "decode_tokens": args.decode_tokens,
         "reps": args.reps,

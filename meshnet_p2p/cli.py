@@ -451,7 +451,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise MeshnetError(f"{model} is a shard (layers {info.start}:{info.end}); --local needs the whole model")
     ranges = parse_split(args.split, info.source_layers)
     tokenizer = Tokenizer(model)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    text = tokenizer.chat_prompt(args.prompt) if args.chat else args.prompt
     prompt = tokenizer.encode(text)
     route = LocalRoute.from_model(
         model,

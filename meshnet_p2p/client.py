@@ -41,10 +41,9 @@ from .engine.contract import SamplingParams, TensorBundle
 from .errors import MeshnetError, unwrap_errors
 from .identity import Identity, PeerId
 from .multiaddr import Multiaddr
+from .local import Generation, prefill_chunks
 from .network import start_node
 from .placement import NoRoute, Span, plan_route
-
-PREFILL_CHUNK = 256  # tokens per prefill step: a multiple of every sane n_ubatch
 
 
 class GenerationError(MeshnetError):
@@ -52,20 +51,12 @@ class GenerationError(MeshnetError):
 
 
 @dataclass
-class GenerationResult:
-    token_ids: list[int]
-    text: str
-    prompt_tokens: int
-    route: list[dict]
-    ttft_ms: float
-    decode_ms: float
-    failovers: int = 0
-    stopped: str = "length"
+class GenerationResult(Generation):
+    """A generation through the swarm: the local one's figures, plus its text and route."""
 
-    @property
-    def decode_tokens_per_s(self) -> float:
-        n = len(self.token_ids) - 1
-        return n / (self.decode_ms / 1000) if n > 0 and self.decode_ms > 0 else 0.0
+    text: str = ""
+    route: list[dict] = field(default_factory=list)
+    failovers: int = 0
 
 
 async def discover(bootstrap: Sequence[str | Multiaddr], model_digest: str) -> list[Span]:
@@ -106,7 +97,6 @@ class _Watchdog:
     def __init__(self) -> None:
         self._armed: tuple[float, SessionStream] | None = None
         self._stop = threading.Event()
-        self.fired = False
         threading.Thread(target=self._run, name="step-watchdog", daemon=True).start()
 
     def arm(self, stream: SessionStream, seconds: float) -> None:
@@ -122,7 +112,6 @@ class _Watchdog:
         while not self._stop.wait(self.TICK):
             armed = self._armed
             if armed is not None and time.monotonic() > armed[0]:
-                self.fired = True
                 self._armed = None
                 armed[1]._call.cancel()
 
@@ -132,6 +121,7 @@ class _Hop:
     span: Span
     client: ShardClient
     stream: SessionStream
+    n_ubatch: int  # the route's recipe: prefill steps must be whole micro-batches of it
     history: list[tuple[int, object, bool]] = field(default_factory=list)  # (position, input, decode)
 
     def close(self) -> None:
@@ -180,7 +170,7 @@ class RouteSession:
                 for span in route:
                     hops.append(self._open_hop(span))
                 return hops
-            except (ShardConnectionError, ShardError, MeshnetError) as e:
+            except MeshnetError as e:  # typed peer errors and broken connections included
                 last_error = e
                 bad = route[len(hops)].peer_id
                 self.banned[bad] = time.monotonic() + self.ban_seconds
@@ -222,7 +212,7 @@ class RouteSession:
         except BaseException:
             client.close()
             raise
-        return _Hop(span, client, stream)
+        return _Hop(span, client, stream, int(cap.fingerprint.recipe_axes["n_ubatch"]))
 
     # --- stepping -------------------------------------------------------------------------------
 
@@ -235,19 +225,27 @@ class RouteSession:
         finally:
             self.watchdog.disarm()
 
+    def _through(self, hop: _Hop, position: int, payload, decode: bool):
+        """One hop of a step, remembered for replay; returns what the next hop takes
+        (the tail's reply at the end)."""
+        reply = self._call(hop, position, payload, decode)
+        hop.history.append((position, payload, decode))
+        return reply.hidden if reply.hidden is not None else reply
+
+    @property
+    def n_ubatch(self) -> int:
+        return self.hops[0].n_ubatch  # every hop serves the same recipe
+
     def step(self, position: int, token_ids: Sequence[int], decode: bool):
         """One step through every hop; returns the tail's reply."""
         payload: object = tuple(token_ids)
         i = 0
         while i < len(self.hops):
-            hop = self.hops[i]
             try:
-                reply = self._call(hop, position, payload, decode)
+                payload = self._through(self.hops[i], position, payload, decode)
             except (ShardConnectionError, ShardError) as e:
                 self._replace(i, e)
                 continue  # retry this step on the replacement
-            hop.history.append((position, payload, decode))
-            payload = reply.hidden if reply.hidden is not None else reply
             i += 1
         return payload
 
@@ -264,11 +262,8 @@ class RouteSession:
         new_hops = self._open_chain(failed.span.start, failed.span.end)
         # Rebuild the replacement's caches: replay everything the failed hop was given.
         for position, payload, decode in failed.history:
-            x = payload
             for hop in new_hops:
-                reply = self._call(hop, position, x, decode)
-                hop.history.append((position, x, decode))
-                x = reply.hidden if reply.hidden is not None else reply
+                payload = self._through(hop, position, payload, decode)
         self.hops[index : index + 1] = new_hops
 
     def route(self) -> list[dict]:
@@ -327,7 +322,7 @@ class Client:
                                              sampling or SamplingParams(), chat, on_token, stop_at_eog)
 
     def _generate(self, provider, prompt, max_tokens, sampling, chat, on_token, stop_at_eog) -> GenerationResult:
-        text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+        text = self.tokenizer.chat_prompt(prompt) if chat else prompt
         ids = self.tokenizer.encode(text)
         if not ids:
             raise GenerationError("the prompt is empty")
@@ -340,8 +335,8 @@ class Client:
         try:
             t0 = time.perf_counter()
             reply = None
-            for start in range(0, len(ids), PREFILL_CHUNK):
-                reply = session.step(start, ids[start : start + PREFILL_CHUNK], decode=False)
+            for start, end in prefill_chunks(len(ids), session.n_ubatch):
+                reply = session.step(start, ids[start:end], decode=False)
             t1 = time.perf_counter()
             position = len(ids)
             while True:
@@ -358,7 +353,8 @@ class Client:
             t2 = time.perf_counter()
             if on_token:
                 on_token(decoder.flush())
-            return GenerationResult(out, self.tokenizer.decode(out), len(ids), session.route(),
-                                    (t1 - t0) * 1000, (t2 - t1) * 1000, session.failovers, stopped)
+            return GenerationResult(prompt_tokens=len(ids), token_ids=out, ttft_ms=(t1 - t0) * 1000,
+                                    decode_ms=(t2 - t1) * 1000, stopped=stopped, text=self.tokenizer.decode(out),
+                                    route=session.route(), failovers=session.failovers)
         finally:
             session.close()

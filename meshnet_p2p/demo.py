@@ -13,25 +13,20 @@ import time
 from typing import Callable, TextIO
 
 from .client import Client
-from .peer_process import PeerProcess
+from .peer_process import Swarm
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
 
 def run_demo(prompt: str = DEFAULT_PROMPT, max_tokens: int = 64, *, chat: bool = True, model: str | None = None,
              out: TextIO = sys.stdout, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> dict:
-    procs: list[PeerProcess] = []
+    spans = ("0:10", "10:20", "20:30")
+    log("starting a bootstrap peer and three volunteers ...")
+    swarm = Swarm(spans, "--threads", "1", *(["--model", model] if model else []))
     try:
-        log("starting a bootstrap peer ...")
-        boot = PeerProcess("bootstrap", "--listen", "127.0.0.1:0")
-        procs.append(boot)
-        addr = boot.address(60)
-        model_args = ["--model", model] if model else []
-        for span in ("0:10", "10:20", "20:30"):
-            procs.append(PeerProcess("join", "--layers", span, "--bootstrap", addr, "--threads", "1", *model_args))
-        for p, span in zip(procs[1:], ("0:10", "10:20", "20:30"), strict=True):
-            log(f"volunteer serving layers {span} at {p.address(300)}")
-        client = Client([addr], model_path=model)
+        for span, p in zip(spans, swarm.joins, strict=True):
+            log(f"volunteer serving layers {span} at {p.address()}")
+        client = Client([swarm.addr], model_path=model)
         t0 = time.perf_counter()
         result = client.generate(prompt, max_tokens, chat=chat, on_token=lambda t: (out.write(t), out.flush()))
         out.write("\n")
@@ -42,5 +37,4 @@ def run_demo(prompt: str = DEFAULT_PROMPT, max_tokens: int = 64, *, chat: bool =
         return {"text": result.text, "token_ids": result.token_ids, "route": result.route}
     finally:
         log("shutting the swarm down ...")
-        for p in reversed(procs):
-            p.stop()
+        swarm.stop()

@@ -47,6 +47,13 @@ def parse_split(text: str, n_layer: int) -> list[tuple[int, int]]:
     return list(zip(bounds, bounds[1:], strict=False))
 
 
+def prefill_chunks(n_tokens: int, n_ubatch: int) -> list[tuple[int, int]]:
+    """A prompt's prefill steps: whole micro-batches (the last may be short), so
+    every shard splits the prompt at the boundaries the whole model would."""
+    step = n_ubatch * PREFILL_STEP_UBATCHES
+    return [(start, min(start + step, n_tokens)) for start in range(0, n_tokens, step)]
+
+
 @dataclass
 class Generation:
     prompt_tokens: int
@@ -130,7 +137,6 @@ class LocalRoute:
         *,
         stop_at_eog: bool = True,
         on_token: Callable[[int], None] | None = None,
-        session_id: str | None = None,
     ) -> Generation:
         """Generate up to ``max_tokens`` tokens after ``prompt`` (stopping early at an
         end-of-generation token, which is not included)."""
@@ -138,7 +144,7 @@ class LocalRoute:
             raise RouteError("the prompt is empty")
         if max_tokens < 1:
             raise RouteError("max_tokens must be at least 1")
-        sid = self.open(len(prompt) + max_tokens, sampling, session_id=session_id)
+        sid = self.open(len(prompt) + max_tokens, sampling)
         try:
             gen = Generation(prompt_tokens=len(prompt))
             t0 = time.perf_counter()
@@ -182,12 +188,10 @@ class LocalRoute:
             e.release(session_id)
 
     def prefill(self, session_id: str, prompt: Sequence[int]) -> StepResult:
-        """The whole prompt, in steps of whole micro-batches (so every shard splits
-        it at the same boundaries). Returns the last step's result."""
-        step = self.n_ubatch * PREFILL_STEP_UBATCHES
+        """The whole prompt (see :func:`prefill_chunks`). Returns the last step's result."""
         result = None
-        for start in range(0, len(prompt), step):
-            result = self.step(session_id, start, prompt[start : start + step])
+        for start, end in prefill_chunks(len(prompt), self.n_ubatch):
+            result = self.step(session_id, start, prompt[start:end])
         return result
 
     def step(self, session_id: str, position: int, token_ids: Sequence[int], *, decode: bool = False) -> StepResult:

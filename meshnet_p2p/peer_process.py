@@ -53,3 +53,30 @@ class PeerProcess:
             except subprocess.TimeoutExpired:
                 self.p.kill()
         return self.p.wait(timeout=30)
+
+
+class Swarm:
+    """A bootstrap peer and one ``join`` per span, as OS processes on loopback.
+    ``with Swarm(...) as swarm`` stops them all (joins first) however it ends."""
+
+    def __init__(self, spans, *join_args: str, env: dict | None = None, process=PeerProcess, timeout: float = 300) -> None:
+        self.boot = process("bootstrap", "--listen", "127.0.0.1:0", env=env)
+        self.joins: list[PeerProcess] = []
+        try:
+            self.addr = self.boot.address(timeout)
+            self.joins = [process("join", "--layers", s, "--bootstrap", self.addr, *join_args, env=env) for s in spans]
+            for j in self.joins:
+                j.address(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> list[int]:
+        """Exit codes, joins first, then the bootstrap peer."""
+        return [p.stop() for p in [*self.joins, self.boot]]
+
+    def __enter__(self) -> "Swarm":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -6,7 +6,7 @@ import subprocess
 import sys
 import tempfile
 
-from meshnet_p2p.peer_process import PeerProcess
+from meshnet_p2p.peer_process import PeerProcess, Swarm
 
 
 def meshnet_peer(*args: str, timeout: float = 300, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
@@ -33,14 +33,5 @@ class Proc(PeerProcess):
 
 def start_swarm(tmp_path, spans, *extra):
     env = {**os.environ, "MESHNET_CACHE_DIR": str(tmp_path)}  # shards cut for this test only
-    boot = Proc("bootstrap", "--listen", "127.0.0.1:0", env=env)
-    addr = boot.address()
-    joins = [Proc("join", "--layers", s, "--bootstrap", addr, "--threads", "1", *extra, env=env) for s in spans]
-    try:
-        for j in joins:
-            j.address()
-    except BaseException:
-        for p in joins + [boot]:
-            p.stop()
-        raise
-    return boot, addr, joins
+    swarm = Swarm(spans, "--threads", "1", *extra, env=env, process=Proc, timeout=120)
+    return swarm.boot, swarm.addr, swarm.joins

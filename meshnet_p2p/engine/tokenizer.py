@@ -47,6 +47,10 @@ class Tokenizer:
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self._vocab, token))
 
+    def chat_prompt(self, text: str) -> str:
+        """One user message in the chat template, ready for the assistant's turn."""
+        return self.apply_chat_template([{"role": "user", "content": text}])
+
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         """Render messages with the model's chat template, ready for the assistant's turn."""
         tmpl = llama_cpp.llama_model_chat_template(self._model, None)
