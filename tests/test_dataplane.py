@@ -135,6 +135,11 @@ def test_stale_epoch_expired_deadline_and_bad_payloads(middle):
                                 fragments=[pb.Fragment(byte_offset=0, payload=good)])
         with pytest.raises(ShardError, match="PAYLOAD_CORRUPT.*CRC32C"):
             raw_step(s, work_id="d", idempotency_step=12, route_epoch=5, position=0, hidden=pb.TensorBundle(tensors=[bad_crc]))
+        # malformed steps: refused before they count, so their idempotency step stays free
+        with pytest.raises(ShardError, match="INVALID_ARGUMENT.*exactly one token"):
+            raw_step(s, work_id="e", idempotency_step=13, route_epoch=5, position=0, decode=True, token_ids=[1, 2])
+        with pytest.raises(ShardError, match="INVALID_ARGUMENT"):
+            raw_step(s, work_id="f", idempotency_step=13, route_epoch=5, position=0)  # no input at all
         # none of that touched the session: it still starts at position 0
         assert s.step(0, hidden=hidden(2), idempotency_step=13).position == 2
     c.close()

@@ -285,17 +285,19 @@ class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
         tokens = tuple(step.token_ids) if not hidden else None
         if len(step.token_ids) > self.limits.max_prefill_tokens:
             return _error(E.OVERSIZED, f"{len(step.token_ids)} tokens exceed {self.limits.max_prefill_tokens}", work_id=wid, step=n)
-        state.applied(n, step.route_epoch)
-        state.running = wid
-        try:
+        try:  # a malformed step is refused before it counts: no credit spent, its idempotency step still free
             if step.decode:
                 if tokens is not None and len(tokens) != 1:
                     return _error(E.INVALID_ARGUMENT, "a decode step carries exactly one token", work_id=wid, step=n)
-                result = self.engine.decode(DecodeRequest(sid, step.position, token_id=tokens[0] if tokens else None, hidden=hidden))
+                request = DecodeRequest(sid, step.position, token_id=tokens[0] if tokens else None, hidden=hidden)
             else:
-                result = self.engine.prefill(PrefillRequest(sid, step.position, token_ids=tokens, hidden=hidden))
+                request = PrefillRequest(sid, step.position, token_ids=tokens, hidden=hidden)
         except ValueError as e:  # request types refuse malformed steps (no input, negative position)
             return _error(E.INVALID_ARGUMENT, str(e), work_id=wid, step=n)
+        state.applied(n, step.route_epoch)
+        state.running = wid
+        try:
+            result = self.engine.decode(request) if step.decode else self.engine.prefill(request)
         finally:
             state.running = None
         if not result.status.ok:
