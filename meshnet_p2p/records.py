@@ -102,16 +102,23 @@ def _sorted(obj: Any) -> Any:
     return obj
 
 
-def _unpack(data: bytes) -> Any:
-    # unpackb bounds every string/array/map length by the input's size, and the
-    # input is size-checked first; extension types are refused outright.
-    return msgpack.unpackb(
-        data,
-        raw=False,
-        strict_map_key=True,
-        use_list=True,
-        max_ext_len=0,
-    )
+def unpack_strict(data: bytes) -> Any:
+    """msgpack from the network. unpackb bounds every string/array/map length by
+    the input's size (callers size-check the input first); extension types are
+    refused outright."""
+    return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, max_ext_len=0)
+
+
+# Records and DHT datagrams share one signed form: a msgpack array whose last
+# element is the Ed25519 signature, over a domain tag and the array before it.
+
+
+def seal(identity: Identity, domain: bytes, head: list[Any]) -> bytes:
+    return msgpack.packb(head + [identity.sign(domain + msgpack.packb(head, use_bin_type=True))], use_bin_type=True)
+
+
+def head_verifies(signer: PeerId, signature: bytes, domain: bytes, head: list[Any]) -> bool:
+    return signer.verify(signature, domain + msgpack.packb(head, use_bin_type=True))
 
 
 def sign_record(
@@ -123,10 +130,8 @@ def sign_record(
     now_ms: int,
     ttl_ms: int,
 ) -> bytes:
-    payload = canonical(content)
-    head = [payload_type, payload, seq, now_ms, now_ms + ttl_ms, identity.peer_id.multihash]
-    signature = identity.sign(DOMAIN + msgpack.packb(head, use_bin_type=True))
-    return msgpack.packb(head + [signature], use_bin_type=True)
+    head = [payload_type, canonical(content), seq, now_ms, now_ms + ttl_ms, identity.peer_id.multihash]
+    return seal(identity, DOMAIN, head)
 
 
 def peek(wire: bytes) -> tuple[bytes, int, Any] | None:
@@ -137,10 +142,10 @@ def peek(wire: bytes) -> tuple[bytes, int, Any] | None:
     if len(wire) > MAX_RECORD_BYTES:
         return None
     try:
-        fields = _unpack(wire)
+        fields = unpack_strict(wire)
         if not (isinstance(fields, list) and len(fields) == 7 and isinstance(fields[1], bytes)):
             return None
-        content = _unpack(fields[1])
+        content = unpack_strict(fields[1])
         return fields[5], fields[2], content.get("key") if isinstance(content, dict) else None
     except Exception:
         return None
@@ -160,7 +165,7 @@ class RecordVerifier:
         if len(wire) > MAX_RECORD_BYTES:
             raise RecordRejected(Reject.OVERSIZED, f"{len(wire)} bytes > {MAX_RECORD_BYTES}")
         try:
-            fields = _unpack(wire)
+            fields = unpack_strict(wire)
         except Exception as e:  # msgpack raises many types for bad input
             raise RecordRejected(Reject.MALFORMED, f"not msgpack: {type(e).__name__}") from None
         if not (isinstance(fields, list) and len(fields) == 7):
@@ -184,11 +189,10 @@ class RecordVerifier:
             signer = PeerId.from_bytes(signer_bytes)
         except IdentityError as e:
             raise RecordRejected(Reject.MALFORMED, f"signer: {e}") from None
-        head = msgpack.packb(fields[:6], use_bin_type=True)
-        if not signer.verify(signature, DOMAIN + head):
+        if not head_verifies(signer, signature, DOMAIN, fields[:6]):
             raise RecordRejected(Reject.BAD_SIGNATURE, f"signature does not verify for {signer}")
         try:
-            content = _unpack(payload)
+            content = unpack_strict(payload)
         except Exception as e:
             raise RecordRejected(Reject.MALFORMED, f"payload is not msgpack: {type(e).__name__}") from None
         if not isinstance(content, dict):

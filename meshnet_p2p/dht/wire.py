@@ -18,10 +18,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 
 from ..errors import MeshnetError
 from ..identity import Identity, IdentityError, PeerId
+from ..records import head_verifies, seal, unpack_strict
 
 VERSION = "mdht1"
 DOMAIN = b"meshnet-dht-v1\0"
@@ -51,9 +51,7 @@ def new_rpc_id() -> bytes:
 
 
 def encode(identity: Identity, kind: str, rpc_id: bytes, body: dict[str, Any], now_ms: int) -> bytes:
-    head = [VERSION, kind, rpc_id, identity.peer_id.multihash, now_ms, body]
-    packed_head = msgpack.packb(head, use_bin_type=True)
-    data = msgpack.packb(head + [identity.sign(DOMAIN + packed_head)], use_bin_type=True)
+    data = seal(identity, DOMAIN, [VERSION, kind, rpc_id, identity.peer_id.multihash, now_ms, body])
     if len(data) > MAX_DATAGRAM:
         raise ValueError(f"{kind} datagram of {len(data)} bytes exceeds {MAX_DATAGRAM}")
     return data
@@ -63,7 +61,7 @@ def decode(data: bytes, now_ms: int) -> Message:
     if len(data) > MAX_DATAGRAM:
         raise BadDatagram("oversized datagram")
     try:
-        fields = msgpack.unpackb(data, raw=False, strict_map_key=True, max_ext_len=0)
+        fields = unpack_strict(data)
     except Exception as e:
         raise BadDatagram(f"not msgpack: {type(e).__name__}") from None
     if not (isinstance(fields, list) and len(fields) == 7):
@@ -83,7 +81,7 @@ def decode(data: bytes, now_ms: int) -> Message:
         peer = PeerId.from_bytes(sender)
     except IdentityError as e:
         raise BadDatagram(f"bad sender: {e}") from None
-    if not peer.verify(signature, DOMAIN + msgpack.packb(fields[:6], use_bin_type=True)):
+    if not head_verifies(peer, signature, DOMAIN, fields[:6]):
         raise BadDatagram(f"signature does not verify for {peer}")
     return Message(kind, rpc_id, peer, sent_ms, body)
 
