@@ -12,15 +12,15 @@ direct_overhead_ms < 1.
 
 A fourth way, the floor, serves the same shard behind a bare grpcio stream
 over the same TLS (bench/_grpc_floor.py: raw bytes, no protobuf, no session
-protocol), so the run also splits the overhead into what grpcio itself costs
-here (``floor_overhead_ms``) and what our stack adds (``stack_overhead_ms``).
+protocol), reached through the same client transport, so the run also splits
+the overhead into what the transport and grpcio's server cost here
+(``floor_overhead_ms``) and what our protocol and servicer add (``stack_overhead_ms``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import queue
 import statistics
 import subprocess
 import sys
@@ -38,7 +38,7 @@ from meshnet_p2p.multiaddr import Multiaddr
 from meshnet_p2p.peer_process import PeerProcess
 from meshnet_p2p.records import wall_ms
 
-from _grpc_floor import METHOD, SERVICE, same  # bench/ is on sys.path when a bench runs
+from _grpc_floor import METHOD, SERVICE  # bench/ is on sys.path when a bench runs
 from _report import print_report
 
 
@@ -70,9 +70,8 @@ def main() -> int:
         floor = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "_grpc_floor.py"), shard,
                                   str(args.threads), str(args.tokens + 8)], stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
         floor_port, floor_cert = int(floor.stdout.readline()), bytes.fromhex(floor.stdout.readline().strip())
-        floor_q: queue.SimpleQueue = queue.SimpleQueue()
         floor_channel = open_channel(floor_cert, address=("127.0.0.1", floor_port))
-        floor_replies = floor_channel.stream_stream(f"/{SERVICE}/{METHOD}", same, same)(iter(floor_q.get, None))
+        floor_call = floor_channel.stream(f"/{SERVICE}/{METHOD}")
 
         engine = LlamaCppShardEngine()
         engine.load(LoadRequest(shard, max_sessions=1, n_ctx_per_session=args.tokens + 8, n_threads=args.threads)).status.raise_for_status()
@@ -96,8 +95,8 @@ def main() -> int:
                     if way == "inprocess":
                         out = engine.decode(DecodeRequest("local", i, hidden=hidden[i])).hidden.tensors[0].data
                     elif way == "floor":
-                        floor_q.put(hidden[i].tensors[0].data)
-                        out = next(floor_replies)
+                        floor_call.send(hidden[i].tensors[0].data)
+                        out = floor_call.recv()
                     else:
                         out = streams[way].step(i, hidden=hidden[i], decode=True).hidden.tensors[0].data
                     times[way].append(time.perf_counter() - t0)
@@ -105,7 +104,7 @@ def main() -> int:
             pos += n
         for s in streams.values():
             s.release()
-        floor_q.put(None)
+        floor_call.cancel()
         floor_channel.close()
         floor.stdin.close()
         direct.close()

@@ -19,7 +19,6 @@ greedy sampling (or a seed) the output is the same as without the failure.
 from __future__ import annotations
 
 import os
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -84,38 +83,6 @@ def pick_recipe(spans: list[Span], n_layer: int) -> list[Span]:
     return max(groups.values(), key=len) if groups else []
 
 
-class _Watchdog:
-    """Cancels a stream's call when a step runs past its deadline (a frozen peer
-    never answers, and grpcio's blocking read has no timeout of its own).
-
-    Arming is a plain assignment, not a wake-up: the watchdog checks a few times
-    a second, which is precise enough for deadlines of seconds and keeps the
-    per-hop hot path free of thread switches."""
-
-    TICK = 0.1
-
-    def __init__(self) -> None:
-        self._armed: tuple[float, SessionStream] | None = None
-        self._stop = threading.Event()
-        threading.Thread(target=self._run, name="step-watchdog", daemon=True).start()
-
-    def arm(self, stream: SessionStream, seconds: float) -> None:
-        self._armed = (time.monotonic() + seconds, stream)
-
-    def disarm(self) -> None:
-        self._armed = None
-
-    def close(self) -> None:
-        self._stop.set()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.TICK):
-            armed = self._armed
-            if armed is not None and time.monotonic() > armed[0]:
-                self._armed = None
-                armed[1]._call.cancel()
-
-
 @dataclass
 class _Hop:
     span: Span
@@ -151,7 +118,6 @@ class RouteSession:
         self.banned: dict[str, float] = {}
         self.latency_ms: dict[str, float] = latency_ms if latency_ms is not None else {}
         self.failovers = 0
-        self.watchdog = _Watchdog()
         self.spans = spans_provider()
         self.hops = self._open_chain(0, n_layer)
 
@@ -217,13 +183,10 @@ class RouteSession:
     # --- stepping -------------------------------------------------------------------------------
 
     def _call(self, hop: _Hop, position: int, payload, decode: bool):
-        self.watchdog.arm(hop.stream, self.step_timeout)
-        try:
-            if isinstance(payload, TensorBundle):
-                return hop.stream.step(position, hidden=payload, decode=decode)
-            return hop.stream.step(position, token_ids=payload, decode=decode)
-        finally:
-            self.watchdog.disarm()
+        # A peer that froze (or a route that died) misses step_timeout: ShardConnectionError.
+        if isinstance(payload, TensorBundle):
+            return hop.stream.step(position, hidden=payload, decode=decode, timeout=self.step_timeout)
+        return hop.stream.step(position, token_ids=payload, decode=decode, timeout=self.step_timeout)
 
     def _through(self, hop: _Hop, position: int, payload, decode: bool):
         """One hop of a step, remembered for replay; returns what the next hop takes
@@ -271,15 +234,11 @@ class RouteSession:
 
     def close(self) -> None:
         for hop in self.hops:
-            self.watchdog.arm(hop.stream, self.step_timeout)  # a peer that froze must not hang us here
             try:
-                hop.stream.release()
+                hop.stream.release(timeout=self.step_timeout)  # a peer that froze must not hang us here
             except MeshnetError:
                 pass
-            finally:
-                self.watchdog.disarm()
             hop.client.close()
-        self.watchdog.close()
 
 
 class Client:

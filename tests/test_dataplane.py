@@ -316,20 +316,23 @@ async def test_relay_is_byte_identical_to_direct_and_detects_tampering(relay, mo
         assert relay.stats["spliced"] >= 1  # it really went through the relay
         via.close()
 
-        # a dishonest relay flips one byte of what the peer sends: the client notices
-        seen = {"n": 0}
+        # a dishonest relay flips one byte of what the peer sends, once the TLS
+        # handshake and HTTP/2 settings have passed (its first three chunks): the client notices
+        seen = {"chunks": 0, "flipped": 0}
 
         def flip(data: bytes, direction: str) -> bytes:
             if direction == "b->a":
-                seen["n"] += len(data)
-                if seen["n"] > 3000:
+                seen["chunks"] += 1
+                if seen["chunks"] > 3:
+                    seen["flipped"] += 1
                     return data[:-1] + bytes([data[-1] ^ 1])
             return data
 
         relay.transform = flip
         tampered = ShardClient(open_channel(served.cert, relay=("127.0.0.1", relay.multiaddr.port), peer_id=served.peer_id), timeout=20)
-        with pytest.raises(ShardConnectionError):
+        with pytest.raises(ShardConnectionError, match="TLS"):
             await trio.to_thread.run_sync(run_session, tampered, fp, prompt, "tampered")
+        assert seen["flipped"] >= 1
         tampered.close()
         relay.transform = None
         direct.close()

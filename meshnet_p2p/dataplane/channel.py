@@ -1,0 +1,402 @@
+"""A gRPC client channel to one peer, driven from the caller's thread.
+
+One TCP connection (direct, or through a relay's HTTP CONNECT splice), TLS
+that trusts exactly the peer's pinned certificate, and HTTP/2 from ``h2.py``
+on top. Calls block the thread that makes them and do their own I/O: the
+thread waiting for a reply reads the socket itself, so a step's round trip
+involves no other thread. Several threads may share a channel (a step on one,
+an out-of-band Cancel on another): whoever waits becomes the reader while no
+one else is reading, and hands each stream what arrived for it.
+
+TLS runs through ``ssl.MemoryBIO`` so that the SSL object and the HTTP/2
+state are only ever touched under one lock, and socket writes happen in the
+order TLS produced them. Every wait has a deadline; a peer that stops
+answering (SIGSTOP, a dead route) surfaces as ``DEADLINE_EXCEEDED`` instead
+of a hang. A broken channel stays broken: callers open a new one.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import ssl
+import struct
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+from ..errors import MeshnetError
+from . import h2
+
+MAX_RELAY_RESPONSE = 8192
+_POLL_IN = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
+
+
+class ChannelError(MeshnetError):
+    """A call failed: ``code`` names its gRPC status (UNAVAILABLE for a broken
+    connection, DEADLINE_EXCEEDED for a timeout, or what the peer returned)."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        self.code = code
+        self.detail = detail
+        super().__init__(f"{code}: {detail}")
+
+
+class _Inbox:
+    __slots__ = ("messages", "ended")
+
+    def __init__(self) -> None:
+        self.messages: deque[bytes] = deque()
+        self.ended: h2.StreamEnded | None = None
+
+
+class Channel:
+    def __init__(self, cert_pem: bytes, server_name: str, *, address: tuple[str, int] | None = None,
+                 relay: tuple[str, int] | None = None, relay_target: str | None = None,
+                 connect_timeout: float = 10.0, send_timeout: float = 30.0, max_message_bytes: int = 64 << 20) -> None:
+        if relay is not None:
+            if not relay_target:
+                raise ValueError("a relayed channel needs the CONNECT target")
+        elif address is None:
+            raise ValueError("a direct channel needs an address")
+        self._cert = cert_pem
+        self._name = server_name
+        self._address = address
+        self._relay = relay
+        self._relay_target = relay_target
+        self.connect_timeout = connect_timeout
+        self._send_timeout = send_timeout
+        self._max_message = max_message_bytes
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._connect_lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._tls: ssl.SSLObject | None = None
+        self._tls_in = ssl.MemoryBIO()
+        self._tls_out = ssl.MemoryBIO()
+        self._h2: h2.H2ClientConnection | None = None
+        self._poll: select.poll | None = None
+        self._reading = False
+        self._broken: str | None = None
+        self._inboxes: dict[int, _Inbox] = {}
+
+    # --- calls ----------------------------------------------------------------------------------
+
+    def unary(self, path: str, request: bytes, *, timeout: float) -> bytes:
+        deadline = time.monotonic() + timeout
+        stream = self.stream(path, timeout=timeout)
+        try:
+            stream.send(request, end=True)
+            reply = stream.recv(deadline=deadline)
+            if reply is None:
+                raise ChannelError("INTERNAL", "the peer answered a unary call with no message")
+            if stream.recv(deadline=deadline) is not None:
+                raise ChannelError("INTERNAL", "the peer answered a unary call with more than one message")
+            return reply
+        finally:
+            stream.cancel()
+
+    def stream(self, path: str, *, timeout: float | None = None) -> "CallStream":
+        """Open a call. ``timeout`` bounds the whole call (sent as grpc-timeout too)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._connect(deadline)
+        with self._lock:
+            self._check()
+            try:
+                sid = self._h2.open_stream(path, timeout=timeout)
+            except h2.H2StreamClosed as e:
+                raise ChannelError("UNAVAILABLE", str(e)) from None
+            self._inboxes[sid] = _Inbox()
+            self._write_locked()
+        return CallStream(self, sid, deadline)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._broken is None:
+                self._broken = "the channel was closed"
+                if self._h2 is not None:
+                    try:
+                        self._h2.close()
+                        self._write_locked()
+                    except (OSError, ssl.SSLError, ChannelError):
+                        pass
+            sock = self._sock
+            self._cond.notify_all()
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes a reader blocked in poll
+            except OSError:
+                pass
+            sock.close()
+
+    # --- connection -----------------------------------------------------------------------------
+
+    def _connect(self, deadline: float | None) -> None:
+        if self._h2 is not None:
+            return
+        with self._connect_lock:
+            if self._h2 is not None:
+                return
+            if self._broken is not None:
+                raise ChannelError("UNAVAILABLE", self._broken)
+            limit = time.monotonic() + self.connect_timeout
+            deadline = limit if deadline is None else min(deadline, limit)
+            try:
+                self._handshake(deadline)
+            except ChannelError as e:
+                self._fail(e.detail)
+                raise
+            except (OSError, ssl.SSLError) as e:
+                self._fail(f"cannot connect: {e}")
+                raise ChannelError("UNAVAILABLE", f"cannot connect: {e}") from None
+
+    def _handshake(self, deadline: float) -> None:
+        target = self._relay if self._relay is not None else self._address
+        sock = socket.create_connection(target, timeout=max(0.001, deadline - time.monotonic()))
+        self._sock = sock
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # Reads wait in poll() with each call's deadline; a write to a peer that
+        # stopped reading gives up after send_timeout instead of blocking forever.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(self._send_timeout), 0))
+        self._poll = select.poll()
+        self._poll.register(sock, _POLL_IN)
+        early = b""
+        if self._relay is not None:
+            early = self._connect_through_relay(deadline)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the chain and the name
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_verify_locations(cadata=self._cert.decode("ascii"))  # the pinned certificate is the only root
+        ctx.set_alpn_protocols(["h2"])
+        tls = ctx.wrap_bio(self._tls_in, self._tls_out, server_hostname=self._name)
+        if early:
+            self._tls_in.write(early)
+        while True:
+            try:
+                tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                self._send_raw(self._tls_out.read())
+                data = self._recv_raw(deadline)
+                if not data:
+                    raise ChannelError("UNAVAILABLE", "the peer closed the connection during the TLS handshake")
+                self._tls_in.write(data)
+            except ssl.SSLError as e:
+                raise ChannelError("UNAVAILABLE", f"TLS handshake failed: {e.reason or e}") from None
+        self._send_raw(self._tls_out.read())
+        if tls.selected_alpn_protocol() != "h2":
+            raise ChannelError("UNAVAILABLE", "the peer did not agree to HTTP/2")
+        conn = h2.H2ClientConnection(authority=self._name, max_message_bytes=self._max_message)
+        conn.initiate()
+        with self._lock:
+            self._tls = tls
+            self._h2 = conn
+            self._write_locked()
+
+    def _connect_through_relay(self, deadline: float) -> bytes:
+        self._send_raw(f"CONNECT {self._relay_target} HTTP/1.1\r\nHost: {self._relay_target}\r\n\r\n".encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            if len(head) > MAX_RELAY_RESPONSE:
+                raise ChannelError("UNAVAILABLE", "the relay's answer to CONNECT is too long")
+            data = self._recv_raw(deadline)
+            if not data:
+                raise ChannelError("UNAVAILABLE", "the relay closed the connection")
+            head += data
+        head, _, rest = head.partition(b"\r\n\r\n")
+        status = head.split(b"\r\n", 1)[0].decode("latin-1")
+        parts = status.split()
+        if len(parts) < 2 or parts[1] != "200":
+            raise ChannelError("UNAVAILABLE", f"the relay refused: {status[:80]}")
+        return rest
+
+    def _send_raw(self, data: bytes) -> None:
+        if data:
+            try:
+                self._sock.sendall(data)
+            except (BlockingIOError, TimeoutError):
+                raise ChannelError("UNAVAILABLE", f"the peer took no data for {self._send_timeout:g} s") from None
+
+    def _recv_raw(self, deadline: float | None) -> bytes:
+        while True:
+            wait = -1 if deadline is None else int(max(0.0, deadline - time.monotonic()) * 1000 + 0.999)
+            if self._poll.poll(wait):
+                return self._sock.recv(1 << 18)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise ChannelError("DEADLINE_EXCEEDED", "no answer before the deadline")
+
+    # --- the shared reader ------------------------------------------------------------------------
+
+    def _check(self) -> None:
+        if self._broken is not None:
+            raise ChannelError("UNAVAILABLE", self._broken)
+
+    def _fail(self, why: str) -> None:
+        """Break the channel (under or outside the lock): every waiter gets the reason."""
+        self._broken = self._broken or why
+        for inbox in self._inboxes.values():
+            if inbox.ended is None:
+                inbox.ended = h2.StreamEnded(0, h2.UNAVAILABLE, self._broken)
+        try:
+            self._cond.notify_all()
+        except RuntimeError:  # not holding the lock (connection setup): nobody waits yet
+            pass
+
+    def _write_locked(self) -> None:
+        data = self._h2.data_to_send()
+        if data:
+            self._tls.write(data)
+            self._send_raw(self._tls_out.read())
+
+    def _wait(self, ready: Callable[[], bool], deadline: float | None) -> None:
+        """Return once ``ready()`` (checked under the lock); read the socket
+        meanwhile unless another thread already is."""
+        while True:
+            with self._cond:
+                while True:
+                    if ready():
+                        return
+                    if self._broken is not None:
+                        return  # the inbox now carries the failure
+                    if not self._reading:
+                        self._reading = True
+                        break
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise ChannelError("DEADLINE_EXCEEDED", "no answer before the deadline")
+                    self._cond.wait(remaining)
+            try:
+                data = self._recv_raw(deadline)
+            except BaseException as e:
+                with self._cond:
+                    self._reading = False
+                    if isinstance(e, OSError):
+                        self._fail(f"connection lost: {e}")
+                    self._cond.notify_all()
+                if isinstance(e, OSError):
+                    continue
+                raise
+            with self._cond:
+                self._reading = False
+                try:
+                    self._feed(data)
+                finally:
+                    self._cond.notify_all()
+
+    def _feed(self, data: bytes) -> None:
+        if not data:
+            return self._fail("the peer closed the connection")
+        try:
+            self._tls_in.write(data)
+            plain = []
+            while True:
+                try:
+                    chunk = self._tls.read(1 << 18)
+                except ssl.SSLWantReadError:
+                    break
+                if not chunk:
+                    return self._fail("the peer closed the TLS session")
+                plain.append(chunk)
+            events = self._h2.receive_data(b"".join(plain)) if plain else []
+            for ev in events:
+                if isinstance(ev, h2.Message):
+                    inbox = self._inboxes.get(ev.stream_id)
+                    if inbox is not None:
+                        inbox.messages.append(ev.data)
+                elif isinstance(ev, h2.StreamEnded):
+                    inbox = self._inboxes.get(ev.stream_id)
+                    if inbox is not None and inbox.ended is None:
+                        inbox.ended = ev
+            self._write_locked()  # acks, window updates, and data the peer's window now lets out
+        except ssl.SSLError as e:  # a record that fails its MAC: someone changed bytes in flight
+            self._fail(f"TLS failure (data altered or corrupt): {e.reason or e}")
+        except h2.H2ProtocolError as e:
+            self._fail(f"HTTP/2 protocol error from the peer: {e}")
+        except ChannelError as e:
+            self._fail(e.detail)
+        except OSError as e:
+            self._fail(f"connection lost: {e}")
+
+
+class CallStream:
+    """One call on a channel. Not for concurrent use by several threads; the
+    channel it lives on is."""
+
+    def __init__(self, channel: Channel, stream_id: int, deadline: float | None) -> None:
+        self._ch = channel
+        self.id = stream_id
+        self._deadline = deadline
+        self._inbox = channel._inboxes[stream_id]
+
+    def _limit(self, deadline: float | None) -> float | None:
+        if self._deadline is None:
+            return deadline
+        return self._deadline if deadline is None else min(deadline, self._deadline)
+
+    def send(self, message: bytes, *, end: bool = False, deadline: float | None = None) -> None:
+        ch = self._ch
+        with ch._lock:
+            self._raise_if_ended()
+            try:
+                ch._h2.send_message(self.id, message, end_stream=end)
+                ch._write_locked()
+            except h2.H2StreamClosed:
+                self._raise_if_ended()
+                raise ChannelError("INTERNAL", "the call is closed for sending") from None
+            except ChannelError as e:
+                ch._fail(e.detail)
+                raise
+            except (OSError, ssl.SSLError) as e:
+                ch._fail(f"connection lost: {e}")
+                raise ChannelError("UNAVAILABLE", f"connection lost: {e}") from None
+            waiting = ch._h2.pending(self.id)
+        if waiting:  # more than the peer's flow-control window: read until it grants more
+            ch._wait(lambda: not ch._h2.pending(self.id) or self._inbox.ended is not None, self._limit(deadline))
+            with ch._lock:
+                self._raise_if_ended()
+
+    def recv(self, *, deadline: float | None = None) -> bytes | None:
+        """The next message; None once the call ended with status OK. Raises
+        :class:`ChannelError` for any other end, a broken channel or the deadline
+        (after which the call is cancelled)."""
+        inbox = self._inbox
+        if not inbox.messages and inbox.ended is None:
+            try:
+                self._ch._wait(lambda: bool(inbox.messages) or inbox.ended is not None, self._limit(deadline))
+            except ChannelError:
+                self.cancel()
+                raise
+        with self._ch._lock:
+            if inbox.messages:
+                return inbox.messages.popleft()
+            self._raise_if_ended()
+            return None
+
+    def _raise_if_ended(self) -> None:
+        ended = self._inbox.ended
+        if ended is not None and ended.status != 0:
+            raise ChannelError(h2.GRPC_STATUS.get(ended.status, f"STATUS_{ended.status}"), ended.message)
+
+    def end(self) -> None:
+        """Half-close: no more requests on this call."""
+        ch = self._ch
+        with ch._lock:
+            if ch._broken is None and ch._h2 is not None:
+                ch._h2.end_stream(self.id)
+                try:
+                    ch._write_locked()
+                except (OSError, ssl.SSLError, ChannelError) as e:
+                    ch._fail(f"connection lost: {e}")
+
+    def cancel(self) -> None:
+        """Reset the call if it is still open; forget it either way."""
+        ch = self._ch
+        with ch._lock:
+            ch._inboxes.pop(self.id, None)
+            if ch._broken is None and ch._h2 is not None:
+                ch._h2.reset_stream(self.id)
+                try:
+                    ch._write_locked()
+                except (OSError, ssl.SSLError, ChannelError) as e:
+                    ch._fail(f"connection lost: {e}")

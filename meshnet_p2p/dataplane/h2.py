@@ -1,0 +1,444 @@
+"""A sans-io HTTP/2 client connection with just what gRPC needs.
+
+Bytes in, events out; calls in, bytes to send out. No sockets, no threads:
+``channel.py`` drives it. Why our own client instead of grpcio's: grpcio's
+synchronous client passes every message between three threads (the caller,
+its request-iterator consumer and the channel's poller), and on this
+project's 2-core machines those hand-offs cost 0.15-0.2 ms per round trip
+(docs/dataplane.md); a connection driven from the caller's own thread pays
+none of them. Peers still serve with grpcio, and the wire is plain gRPC.
+
+Scope: streams this client opens; gRPC length-prefixed messages; flow control
+both ways; SETTINGS, PING, WINDOW_UPDATE, RST_STREAM, GOAWAY; HEADERS with
+CONTINUATION and padding, decoded with HPACK (the ``hpack`` package, which
+h2 and hypercorn use). Server push is disabled, priorities are ignored,
+compressed messages are refused. Everything a peer sends is bounded: frame
+sizes, header blocks, buffered bytes per stream, and a malformed frame ends
+the connection with :class:`H2ProtocolError` instead of anything else.
+"""
+
+from __future__ import annotations
+
+import struct
+import urllib.parse
+from collections import deque
+from dataclasses import dataclass, field
+
+import hpack
+
+from ..errors import MeshnetError
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
+END_STREAM = ACK = 0x1
+END_HEADERS = 0x4
+PADDED = 0x8
+PRIORITY_FLAG = 0x20
+
+SETTINGS_HEADER_TABLE_SIZE = 1
+SETTINGS_ENABLE_PUSH = 2
+SETTINGS_INITIAL_WINDOW_SIZE = 4
+SETTINGS_MAX_FRAME_SIZE = 5
+SETTINGS_MAX_HEADER_LIST_SIZE = 6
+
+NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0, 1, 2, 3
+FRAME_SIZE_ERROR, CANCEL, COMPRESSION_ERROR = 6, 8, 9
+
+# gRPC status codes (the subset this client produces or names)
+GRPC_STATUS = {0: "OK", 1: "CANCELLED", 2: "UNKNOWN", 3: "INVALID_ARGUMENT", 4: "DEADLINE_EXCEEDED", 5: "NOT_FOUND",
+               6: "ALREADY_EXISTS", 7: "PERMISSION_DENIED", 8: "RESOURCE_EXHAUSTED", 9: "FAILED_PRECONDITION",
+               10: "ABORTED", 11: "OUT_OF_RANGE", 12: "UNIMPLEMENTED", 13: "INTERNAL", 14: "UNAVAILABLE",
+               15: "DATA_LOSS", 16: "UNAUTHENTICATED"}
+RESOURCE_EXHAUSTED, INTERNAL, UNAVAILABLE = 8, 13, 14
+
+MAX_WINDOW = 2**31 - 1
+DEFAULT_WINDOW = 65535
+DEFAULT_FRAME = 16384  # what we accept (we never raise SETTINGS_MAX_FRAME_SIZE)
+RECEIVE_WINDOW = 16 << 20  # per stream and per connection, credited back as bytes arrive
+MAX_HEADER_BLOCK = 64 << 10  # a HEADERS frame and its CONTINUATIONs, encoded
+MAX_HEADER_LIST = 16 << 10  # decoded, as advertised in our SETTINGS
+_HEAD = struct.Struct(">BHBBI")  # length (24 bits as 8 + 16), type, flags, stream id
+
+
+class H2ProtocolError(MeshnetError):
+    """The peer broke HTTP/2 or gRPC framing; the connection cannot go on."""
+
+    def __init__(self, code: int, detail: str) -> None:
+        self.code = code
+        super().__init__(detail)
+
+
+class H2StreamClosed(MeshnetError):
+    """A send on a stream this side already ended or reset."""
+
+
+# --- events -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Message:
+    stream_id: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class StreamEnded:
+    """The call is over: ``status`` 0 is success; otherwise a gRPC status code."""
+
+    stream_id: int
+    status: int
+    message: str
+
+
+@dataclass(frozen=True)
+class ConnectionEnded:
+    """GOAWAY: streams above ``last_stream_id`` were never processed."""
+
+    error_code: int
+    last_stream_id: int
+    detail: str
+
+
+Event = Message | StreamEnded | ConnectionEnded
+
+
+def frame(ftype: int, flags: int, stream_id: int, payload: bytes | memoryview = b"") -> bytes:
+    n = len(payload)
+    return _HEAD.pack(n >> 16, n & 0xFFFF, ftype, flags, stream_id) + bytes(payload)
+
+
+@dataclass
+class _Stream:
+    id: int
+    send_window: int
+    outbox: deque = field(default_factory=deque)  # memoryviews of framed gRPC messages not yet sent
+    end_after_outbox: bool = False
+    local_done: bool = False  # END_STREAM sent (or the stream reset)
+    got_headers: bool = False
+    recv_window: int = 0  # what the peer may still send on this stream
+    recv_credit: int = 0  # bytes received since this stream's last WINDOW_UPDATE
+    buf: bytearray = field(default_factory=bytearray)  # gRPC bytes received, not yet a whole message
+
+
+class H2ClientConnection:
+    def __init__(self, *, authority: str, max_message_bytes: int = 64 << 20, user_agent: str = "meshnet-p2p") -> None:
+        self.authority = authority
+        self.max_message_bytes = max_message_bytes
+        self.user_agent = user_agent
+        self._out = bytearray()
+        self._in = bytearray()
+        self._enc = hpack.Encoder()
+        self._dec = hpack.Decoder(max_header_list_size=MAX_HEADER_LIST)
+        self._streams: dict[int, _Stream] = {}
+        self._next_id = 1
+        self._peer_window = DEFAULT_WINDOW  # connection-level send window
+        self._peer_initial = DEFAULT_WINDOW  # initial send window of new streams
+        self._peer_frame = DEFAULT_FRAME
+        self._recv_window = DEFAULT_WINDOW  # connection-level, what the peer may still send
+        self._recv_credit = 0  # bytes received since the last connection WINDOW_UPDATE
+        self._headers: tuple[int, int, bytearray] | None = None  # (stream, flags, block) awaiting CONTINUATION
+        self.goaway: ConnectionEnded | None = None
+
+    # --- calls -> bytes -------------------------------------------------------------------------
+
+    def initiate(self) -> None:
+        settings = struct.pack(">HIHIHI", SETTINGS_ENABLE_PUSH, 0, SETTINGS_INITIAL_WINDOW_SIZE, RECEIVE_WINDOW,
+                               SETTINGS_MAX_HEADER_LIST_SIZE, MAX_HEADER_LIST)
+        self._out += PREFACE + frame(SETTINGS, 0, 0, settings)
+        self._out += frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", RECEIVE_WINDOW - DEFAULT_WINDOW))
+        self._recv_window = RECEIVE_WINDOW
+
+    def data_to_send(self) -> bytes:
+        out = bytes(self._out)
+        self._out.clear()
+        return out
+
+    def open_stream(self, path: str, *, timeout: float | None = None) -> int:
+        """Send a call's request headers; returns its stream id."""
+        if self.goaway is not None:
+            raise H2StreamClosed(f"the peer is going away ({self.goaway.detail})")
+        sid = self._next_id
+        self._next_id += 2
+        headers = [(":method", "POST"), (":scheme", "https"), (":path", path), (":authority", self.authority),
+                   ("content-type", "application/grpc"), ("te", "trailers"), ("user-agent", self.user_agent)]
+        if timeout is not None:
+            headers.append(("grpc-timeout", f"{max(1, int(timeout * 1000))}m"))
+        self._out += frame(HEADERS, END_HEADERS, sid, self._enc.encode(headers))
+        self._streams[sid] = _Stream(sid, self._peer_initial, recv_window=RECEIVE_WINDOW)
+        return sid
+
+    def send_message(self, stream_id: int, message: bytes, *, end_stream: bool = False) -> None:
+        """Queue one gRPC message; it goes out as far as flow control allows now,
+        the rest as the peer grants window (see :meth:`pending`)."""
+        st = self._streams.get(stream_id)
+        if st is None or st.local_done or st.end_after_outbox:
+            raise H2StreamClosed(f"stream {stream_id} is closed for sending")
+        st.outbox.append(memoryview(struct.pack(">BI", 0, len(message)) + message))
+        st.end_after_outbox = end_stream
+        self._flush(st)
+
+    def end_stream(self, stream_id: int) -> None:
+        st = self._streams.get(stream_id)
+        if st is not None and not st.local_done and not st.end_after_outbox:
+            st.end_after_outbox = True
+            self._flush(st)
+
+    def reset_stream(self, stream_id: int, code: int = CANCEL) -> None:
+        if self._streams.pop(stream_id, None) is not None:
+            self._out += frame(RST_STREAM, 0, stream_id, struct.pack(">I", code))
+
+    def pending(self, stream_id: int) -> bool:
+        """Whether the stream still has bytes waiting for flow-control window."""
+        st = self._streams.get(stream_id)
+        return st is not None and bool(st.outbox)
+
+    def close(self, code: int = NO_ERROR, detail: str = "") -> None:
+        self._out += frame(GOAWAY, 0, 0, struct.pack(">II", 0, code) + detail.encode()[:256])
+
+    def _flush(self, st: _Stream) -> None:
+        out = self._out
+        while st.outbox:
+            chunk = st.outbox[0]
+            n = min(len(chunk), st.send_window, self._peer_window, self._peer_frame)
+            if n <= 0:
+                return
+            if n == len(chunk):
+                st.outbox.popleft()
+            else:
+                st.outbox[0] = chunk[n:]
+            end = END_STREAM if (st.end_after_outbox and not st.outbox) else 0
+            out += _HEAD.pack(n >> 16, n & 0xFFFF, DATA, end, st.id)
+            out += chunk[:n]
+            st.send_window -= n
+            self._peer_window -= n
+            if end:
+                st.local_done = True
+        if st.end_after_outbox and not st.local_done:
+            out += frame(DATA, END_STREAM, st.id)
+            st.local_done = True
+
+    # --- bytes -> events ------------------------------------------------------------------------
+
+    def receive_data(self, data: bytes) -> list[Event]:
+        self._in += data
+        events: list[Event] = []
+        buf = self._in
+        while len(buf) >= 9:
+            hi, lo, ftype, flags, sid = _HEAD.unpack_from(buf)
+            n = (hi << 16) | lo
+            sid &= 0x7FFFFFFF
+            if n > DEFAULT_FRAME:
+                raise H2ProtocolError(FRAME_SIZE_ERROR, f"a {n}-byte frame exceeds our {DEFAULT_FRAME}")
+            if len(buf) < 9 + n:
+                break
+            payload = bytes(buf[9 : 9 + n])
+            del buf[: 9 + n]
+            self._frame(ftype, flags, sid, payload, events)
+        return events
+
+    def _frame(self, ftype: int, flags: int, sid: int, payload: bytes, events: list[Event]) -> None:
+        if self._headers is not None and ftype != CONTINUATION:
+            raise H2ProtocolError(PROTOCOL_ERROR, "a header block was interrupted by another frame")
+        if ftype == DATA:
+            self._data(flags, sid, payload, events)
+        elif ftype == HEADERS:
+            self._check_stream_id(sid)
+            payload = self._unpad(flags, payload)
+            if flags & PRIORITY_FLAG:
+                if len(payload) < 5:
+                    raise H2ProtocolError(FRAME_SIZE_ERROR, "HEADERS too short for its priority fields")
+                payload = payload[5:]
+            self._headers = (sid, flags, bytearray(payload))
+            if flags & END_HEADERS:
+                self._header_block(events)
+        elif ftype == CONTINUATION:
+            if self._headers is None or self._headers[0] != sid:
+                raise H2ProtocolError(PROTOCOL_ERROR, "CONTINUATION without the HEADERS it continues")
+            block = self._headers[2]
+            block += payload
+            if len(block) > MAX_HEADER_BLOCK:
+                raise H2ProtocolError(PROTOCOL_ERROR, f"a header block over {MAX_HEADER_BLOCK} bytes")
+            if flags & END_HEADERS:
+                self._header_block(events)
+        elif ftype == SETTINGS:
+            self._settings(flags, sid, payload)
+        elif ftype == WINDOW_UPDATE:
+            self._window_update(sid, payload)
+        elif ftype == PING:
+            if sid != 0 or len(payload) != 8:
+                raise H2ProtocolError(FRAME_SIZE_ERROR if len(payload) != 8 else PROTOCOL_ERROR, "malformed PING")
+            if not flags & ACK:
+                self._out += frame(PING, ACK, 0, payload)
+        elif ftype == RST_STREAM:
+            if sid == 0 or len(payload) != 4:
+                raise H2ProtocolError(PROTOCOL_ERROR if sid == 0 else FRAME_SIZE_ERROR, "malformed RST_STREAM")
+            self._check_stream_id(sid)
+            st = self._streams.get(sid)
+            if st is not None:
+                (code,) = struct.unpack(">I", payload)
+                self._end(st, 1 if code == CANCEL else INTERNAL, f"the peer reset the stream (HTTP/2 error {code})", events, reset=False)
+        elif ftype == GOAWAY:
+            if sid != 0 or len(payload) < 8:
+                raise H2ProtocolError(PROTOCOL_ERROR, "malformed GOAWAY")
+            last, code = struct.unpack_from(">II", payload)
+            last &= 0x7FFFFFFF
+            detail = payload[8:264].decode("utf-8", "replace")
+            self.goaway = ConnectionEnded(code, last, detail or f"HTTP/2 error {code}")
+            events.append(self.goaway)
+            for st in [st for st in self._streams.values() if st.id > last]:  # never processed: safe to retry elsewhere
+                self._end(st, UNAVAILABLE, "the peer went away before taking this call", events, reset=False)
+        elif ftype == PRIORITY:
+            if sid == 0 or len(payload) != 5:
+                raise H2ProtocolError(PROTOCOL_ERROR if sid == 0 else FRAME_SIZE_ERROR, "malformed PRIORITY")
+        elif ftype == PUSH_PROMISE:
+            raise H2ProtocolError(PROTOCOL_ERROR, "server push was disabled")
+        # unknown frame types are ignored, as RFC 9113 requires
+
+    def _check_stream_id(self, sid: int) -> None:
+        if sid == 0 or sid % 2 == 0 or sid >= self._next_id:
+            raise H2ProtocolError(PROTOCOL_ERROR, f"a frame for stream {sid}, which this client never opened")
+
+    @staticmethod
+    def _unpad(flags: int, payload: bytes) -> bytes:
+        if not flags & PADDED:
+            return payload
+        if not payload or payload[0] >= len(payload):
+            raise H2ProtocolError(PROTOCOL_ERROR, "padding longer than its frame")
+        return payload[1 : len(payload) - payload[0]]
+
+    def _data(self, flags: int, sid: int, payload: bytes, events: list[Event]) -> None:
+        self._check_stream_id(sid)
+        n = len(payload)
+        if n > self._recv_window:
+            raise H2ProtocolError(FLOW_CONTROL_ERROR, "the peer sent past the connection's window")
+        self._recv_window -= n
+        self._recv_credit += n
+        if self._recv_credit >= RECEIVE_WINDOW // 2:  # credited back in large steps: rare on the hot path
+            self._out += frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self._recv_credit))
+            self._recv_window += self._recv_credit
+            self._recv_credit = 0
+        st = self._streams.get(sid)
+        if st is None:
+            return  # a stream we reset or finished: late bytes count against the connection only
+        if n > st.recv_window:
+            raise H2ProtocolError(FLOW_CONTROL_ERROR, f"the peer sent past stream {sid}'s window")
+        st.recv_window -= n
+        st.recv_credit += n
+        if st.recv_credit >= RECEIVE_WINDOW // 2:
+            self._out += frame(WINDOW_UPDATE, 0, sid, struct.pack(">I", st.recv_credit))
+            st.recv_window += st.recv_credit
+            st.recv_credit = 0
+        if not st.got_headers:
+            raise H2ProtocolError(PROTOCOL_ERROR, f"DATA before response headers on stream {sid}")
+        buf = st.buf
+        buf += self._unpad(flags, payload)
+        # Whole messages leave the buffer at once, so it holds at most one partial
+        # message, and a message's size is checked before its bytes are awaited.
+        while len(buf) >= 5:
+            if buf[0] != 0:
+                return self._end(st, INTERNAL, "a compressed message, which this client never asked for", events, reset=True)
+            size = int.from_bytes(buf[1:5], "big")
+            if size > self.max_message_bytes:
+                return self._end(st, RESOURCE_EXHAUSTED, f"a {size}-byte message exceeds {self.max_message_bytes}", events, reset=True)
+            if len(buf) < 5 + size:
+                break
+            events.append(Message(sid, bytes(buf[5 : 5 + size])))
+            del buf[: 5 + size]
+        if flags & END_STREAM:
+            self._end(st, INTERNAL, "the stream ended without a status", events, reset=False)
+
+    def _end(self, st: _Stream, status: int, detail: str, events: list[Event], *, reset: bool) -> None:
+        self._streams.pop(st.id, None)
+        if reset:
+            self._out += frame(RST_STREAM, 0, st.id, struct.pack(">I", CANCEL))
+        events.append(StreamEnded(st.id, status, detail))
+
+    def _header_block(self, events: list[Event]) -> None:
+        assert self._headers is not None
+        sid, flags, block = self._headers
+        self._headers = None
+        try:  # decoded even for streams we dropped: HPACK's table must stay in step with the peer's
+            headers = self._dec.decode(bytes(block))
+        except (hpack.HPACKError, UnicodeDecodeError, ValueError) as e:
+            raise H2ProtocolError(COMPRESSION_ERROR, f"undecodable header block: {type(e).__name__}") from None
+        st = self._streams.get(sid)
+        if st is None:
+            return
+        fields: dict[str, str] = {}
+        for name, value in headers:
+            fields.setdefault(name, value)
+        end = bool(flags & END_STREAM)
+        if not st.got_headers:
+            st.got_headers = True
+            status = fields.get(":status")
+            if status != "200":
+                return self._end(st, UNAVAILABLE, f"HTTP status {status} instead of a gRPC response", events, reset=not end)
+            if not end:
+                if not fields.get("content-type", "").startswith("application/grpc"):
+                    return self._end(st, INTERNAL, f"content-type {fields.get('content-type')!r} is not gRPC", events, reset=True)
+                return
+            # a trailers-only response: the status follows in these same headers
+        elif not end:
+            raise H2ProtocolError(PROTOCOL_ERROR, f"a second header block on stream {sid} that does not end it")
+        if st.buf:
+            return self._end(st, INTERNAL, "the stream ended inside a message", events, reset=False)
+        raw = fields.get("grpc-status", "")
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 3):
+            return self._end(st, INTERNAL, f"trailers without a valid grpc-status ({raw[:16]!r})", events, reset=False)
+        self._end(st, int(raw), urllib.parse.unquote(fields.get("grpc-message", ""))[:1024], events, reset=False)
+
+    def _settings(self, flags: int, sid: int, payload: bytes) -> None:
+        if sid != 0:
+            raise H2ProtocolError(PROTOCOL_ERROR, "SETTINGS on a stream")
+        if flags & ACK:
+            if payload:
+                raise H2ProtocolError(FRAME_SIZE_ERROR, "a SETTINGS ack with a payload")
+            return
+        if len(payload) % 6:
+            raise H2ProtocolError(FRAME_SIZE_ERROR, "SETTINGS payload is not a whole number of entries")
+        for off in range(0, len(payload), 6):
+            key, value = struct.unpack_from(">HI", payload, off)
+            if key == SETTINGS_INITIAL_WINDOW_SIZE:
+                if value > MAX_WINDOW:
+                    raise H2ProtocolError(FLOW_CONTROL_ERROR, "initial window over 2^31-1")
+                delta = value - self._peer_initial
+                self._peer_initial = value
+                for st in self._streams.values():
+                    st.send_window += delta
+                    if st.send_window > MAX_WINDOW:
+                        raise H2ProtocolError(FLOW_CONTROL_ERROR, "a stream window over 2^31-1")
+            elif key == SETTINGS_MAX_FRAME_SIZE:
+                if not DEFAULT_FRAME <= value <= 2**24 - 1:
+                    raise H2ProtocolError(PROTOCOL_ERROR, f"max frame size {value} out of range")
+                self._peer_frame = value
+            elif key == SETTINGS_HEADER_TABLE_SIZE:
+                self._enc.header_table_size = min(value, 1 << 16)
+            elif key == SETTINGS_ENABLE_PUSH and value > 1:
+                raise H2ProtocolError(PROTOCOL_ERROR, "ENABLE_PUSH must be 0 or 1")
+        self._out += frame(SETTINGS, ACK, 0)
+        for st in list(self._streams.values()):
+            self._flush(st)
+
+    def _window_update(self, sid: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            raise H2ProtocolError(FRAME_SIZE_ERROR, "malformed WINDOW_UPDATE")
+        inc = struct.unpack(">I", payload)[0] & 0x7FFFFFFF
+        if inc == 0:
+            raise H2ProtocolError(PROTOCOL_ERROR, "a WINDOW_UPDATE of zero")
+        if sid == 0:
+            self._peer_window += inc
+            if self._peer_window > MAX_WINDOW:
+                raise H2ProtocolError(FLOW_CONTROL_ERROR, "the connection window over 2^31-1")
+            for st in list(self._streams.values()):
+                if st.outbox:
+                    self._flush(st)
+            return
+        self._check_stream_id(sid)
+        st = self._streams.get(sid)
+        if st is None:
+            return
+        st.send_window += inc
+        if st.send_window > MAX_WINDOW:
+            raise H2ProtocolError(FLOW_CONTROL_ERROR, f"stream {sid}'s window over 2^31-1")
+        self._flush(st)

@@ -1,0 +1,207 @@
+"""The client channel (dataplane/channel.py) on real sockets: against a real
+grpcio server (big messages both ways, deadlines, status codes, several
+threads on one connection), and against listeners that misbehave."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import pytest
+
+from meshnet_p2p.dataplane.channel import Channel, ChannelError
+from meshnet_p2p.dataplane.server import GRPC_OPTIONS
+from meshnet_p2p.dataplane.tls import TLS_NAME, make_tls_credentials
+
+
+def _same(b: bytes) -> bytes:
+    return b
+
+
+@pytest.fixture(scope="module")
+def grpc_server():
+    release = threading.Event()
+
+    def echo(requests, context):
+        for r in requests:
+            yield r
+
+    def big(request, context):
+        return bytes(range(256)) * (int(request) // 256)
+
+    def slow(request, context):
+        release.wait(10)
+        return b"late"
+
+    def fail(request, context):
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, "not for you: 100%")
+
+    handlers = {
+        "Echo": grpc.stream_stream_rpc_method_handler(echo, _same, _same),
+        "Big": grpc.unary_unary_rpc_method_handler(big, _same, _same),
+        "Slow": grpc.unary_unary_rpc_method_handler(slow, _same, _same),
+        "Fail": grpc.unary_unary_rpc_method_handler(fail, _same, _same),
+    }
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=GRPC_OPTIONS)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.Svc", handlers),))
+    creds = make_tls_credentials()
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(creds.key_pem, creds.cert_pem)]))
+    server.start()
+    yield port, creds.cert_pem, release
+    release.set()
+    server.stop(None).wait()
+
+
+def channel(grpc_server, **kw) -> Channel:
+    port, cert, _ = grpc_server
+    return Channel(cert, TLS_NAME, address=("127.0.0.1", port), **kw)
+
+
+def test_messages_far_larger_than_the_flow_control_windows_go_both_ways(grpc_server):
+    ch = channel(grpc_server)
+    payload = bytes(range(256)) * 12_000  # 3 MB: dozens of the peer's windows
+    call = ch.stream("/t.Svc/Echo", timeout=30)
+    for _ in range(7):  # 21 MB back: past our own 16 MiB window, so it must be credited back
+        call.send(payload)
+        assert call.recv() == payload
+    call.end()
+    assert call.recv() is None  # the call ended with status OK
+    assert ch.unary("/t.Svc/Big", b"5000000", timeout=30) == bytes(range(256)) * (5_000_000 // 256)
+    ch.close()
+
+
+def test_status_codes_and_deadlines_end_one_call_not_the_channel(grpc_server):
+    ch = channel(grpc_server)
+    with pytest.raises(ChannelError) as e:
+        ch.unary("/t.Svc/Fail", b"", timeout=10)
+    assert e.value.code == "PERMISSION_DENIED" and e.value.detail == "not for you: 100%"
+    with pytest.raises(ChannelError) as e:
+        ch.unary("/t.Svc/Nope", b"", timeout=10)
+    assert e.value.code == "UNIMPLEMENTED"
+    t0 = time.monotonic()
+    with pytest.raises(ChannelError) as e:
+        ch.unary("/t.Svc/Slow", b"", timeout=0.3)
+    assert e.value.code == "DEADLINE_EXCEEDED" and time.monotonic() - t0 < 5
+    call = ch.stream("/t.Svc/Echo")
+    call.send(b"still here")
+    assert call.recv(deadline=time.monotonic() + 10) == b"still here"
+    call.cancel()
+    ch.close()
+    with pytest.raises(ChannelError, match="closed"):
+        ch.unary("/t.Svc/Big", b"256", timeout=5)
+
+
+def test_threads_share_a_channel_while_one_waits(grpc_server):
+    """One thread blocks on a slow call; others' calls on the same connection
+    still complete (whoever waits reads for everyone)."""
+    port, cert, release = grpc_server
+    release.clear()
+    ch = channel(grpc_server)
+    slow = {}
+    t = threading.Thread(target=lambda: slow.setdefault("r", ch.unary("/t.Svc/Slow", b"", timeout=20)))
+    t.start()
+    results = []
+
+    def echo_many(tag: bytes):
+        call = ch.stream("/t.Svc/Echo", timeout=20)
+        for i in range(50):
+            msg = tag + str(i).encode()
+            call.send(msg)
+            results.append(call.recv() == msg)
+        call.cancel()
+
+    workers = [threading.Thread(target=echo_many, args=(bytes([65 + k]),)) for k in range(3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(30)
+    assert results == [True] * 150 and t.is_alive()
+    release.set()
+    t.join(30)
+    assert slow["r"] == b"late"
+    ch.close()
+
+
+def test_the_pinned_certificate_is_the_only_one_trusted(grpc_server):
+    port, _, _ = grpc_server
+    ch = Channel(make_tls_credentials().cert_pem, TLS_NAME, address=("127.0.0.1", port))
+    with pytest.raises(ChannelError, match="TLS handshake failed"):
+        ch.unary("/t.Svc/Big", b"256", timeout=10)
+    ch.close()
+
+
+class Listener:
+    """A plain TCP listener that does one scripted thing per connection."""
+
+    def __init__(self, behaviour) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self.behaviour = behaviour
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            conn, _ = self.sock.accept()
+        except OSError:
+            return
+        self.conns.append(conn)
+        self.behaviour(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+        self.thread.join(10)
+
+
+def test_a_peer_that_never_answers_misses_the_connect_deadline():
+    lst = Listener(lambda conn: None)  # accepts, then says nothing
+    ch = Channel(make_tls_credentials().cert_pem, TLS_NAME, address=("127.0.0.1", lst.port), connect_timeout=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(ChannelError) as e:
+        ch.unary("/t.Svc/Big", b"", timeout=10)
+    assert e.value.code == "DEADLINE_EXCEEDED" and time.monotonic() - t0 < 5
+    ch.close()
+    lst.close()
+
+
+def test_a_peer_that_hangs_up_or_talks_nonsense_is_unavailable():
+    lst = Listener(lambda conn: conn.close())
+    ch = Channel(make_tls_credentials().cert_pem, TLS_NAME, address=("127.0.0.1", lst.port), connect_timeout=5)
+    with pytest.raises(ChannelError) as e:
+        ch.unary("/t.Svc/Big", b"", timeout=5)
+    assert e.value.code == "UNAVAILABLE"
+    lst.close()
+    lst = Listener(lambda conn: conn.sendall(b"HTTP/1.1 200 OK\r\n\r\nnot TLS at all" * 10))
+    ch = Channel(make_tls_credentials().cert_pem, TLS_NAME, address=("127.0.0.1", lst.port), connect_timeout=5)
+    with pytest.raises(ChannelError, match="TLS handshake failed"):
+        ch.unary("/t.Svc/Big", b"", timeout=5)
+    lst.close()
+
+
+@pytest.mark.parametrize("answer, expected", [
+    (b"HTTP/1.1 404 Not Found\r\n\r\n", "refused: HTTP/1.1 404"),
+    (b"HTTP/1.1 429 Too Many Requests\r\n\r\n", "refused: HTTP/1.1 429"),
+    (b"garbage" * 2000, "too long"),
+    (b"HTTP/1.1 20", "closed"),
+])
+def test_a_relay_that_refuses_is_reported(answer, expected):
+    def relay(conn):
+        conn.recv(4096)  # the CONNECT request
+        conn.sendall(answer)
+        conn.close()
+
+    lst = Listener(relay)
+    ch = Channel(make_tls_credentials().cert_pem, TLS_NAME, relay=("127.0.0.1", lst.port), relay_target="x.peer:443",
+                 connect_timeout=5)
+    with pytest.raises(ChannelError, match=expected) as e:
+        ch.unary("/t.Svc/Big", b"", timeout=5)
+    assert e.value.code == "UNAVAILABLE"
+    lst.close()

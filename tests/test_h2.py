@@ -1,0 +1,280 @@
+"""The sans-io HTTP/2 client (dataplane/h2.py): framing, flow control, the gRPC
+message layer, every malformed input ending in a typed error, and property
+tests over arbitrary bytes and arbitrary chunking."""
+
+from __future__ import annotations
+
+import struct
+
+import hpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from meshnet_p2p.dataplane import h2
+from meshnet_p2p.dataplane.h2 import (
+    CONTINUATION,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    GOAWAY,
+    HEADERS,
+    PING,
+    PUSH_PROMISE,
+    RST_STREAM,
+    SETTINGS,
+    WINDOW_UPDATE,
+    H2ClientConnection,
+    H2ProtocolError,
+    H2StreamClosed,
+    Message,
+    StreamEnded,
+    frame,
+)
+
+
+class FakeServer:
+    """Builds the frames a gRPC server would send, and reads what the client sent."""
+
+    def __init__(self) -> None:
+        self.enc = hpack.Encoder()
+        self.dec = hpack.Decoder()
+
+    def headers(self, sid: int, fields, end: bool = False) -> bytes:
+        return frame(HEADERS, END_HEADERS | (END_STREAM if end else 0), sid, self.enc.encode(fields))
+
+    def response_headers(self, sid: int) -> bytes:
+        return self.headers(sid, [(":status", "200"), ("content-type", "application/grpc")])
+
+    def trailers(self, sid: int, status: int = 0, message: str = "") -> bytes:
+        fields = [("grpc-status", str(status))] + ([("grpc-message", message)] if message else [])
+        return self.headers(sid, fields, end=True)
+
+    @staticmethod
+    def grpc(*messages: bytes) -> bytes:
+        return b"".join(struct.pack(">BI", 0, len(m)) + m for m in messages)
+
+    @staticmethod
+    def frames(data: bytes) -> list[tuple[int, int, int, bytes]]:
+        out, pos = [], 0
+        if data.startswith(h2.PREFACE):
+            pos = len(h2.PREFACE)
+        while pos < len(data):
+            n = int.from_bytes(data[pos : pos + 3], "big")
+            ftype, flags = data[pos + 3], data[pos + 4]
+            sid = int.from_bytes(data[pos + 5 : pos + 9], "big") & 0x7FFFFFFF
+            out.append((ftype, flags, sid, data[pos + 9 : pos + 9 + n]))
+            pos += 9 + n
+        return out
+
+
+def connected(**kw) -> tuple[H2ClientConnection, FakeServer, int]:
+    c = H2ClientConnection(authority="meshnet-peer", **kw)
+    c.initiate()
+    c.data_to_send()
+    srv = FakeServer()
+    assert c.receive_data(frame(SETTINGS, 0, 0)) == []
+    assert FakeServer.frames(c.data_to_send()) == [(SETTINGS, 1, 0, b"")]  # acked
+    sid = c.open_stream("/svc/Method", timeout=2.5)
+    c.data_to_send()
+    return c, srv, sid
+
+
+def test_the_client_opens_with_the_preface_settings_and_grpc_headers():
+    c = H2ClientConnection(authority="meshnet-peer")
+    c.initiate()
+    out = c.data_to_send()
+    assert out.startswith(h2.PREFACE)
+    kinds = [f[0] for f in FakeServer.frames(out)]
+    assert kinds == [SETTINGS, WINDOW_UPDATE]
+    sid = c.open_stream("/meshnet.shard.v1.ShardRuntime/Session", timeout=1.5)
+    (ftype, flags, got_sid, block), = FakeServer.frames(c.data_to_send())
+    fields = dict(hpack.Decoder().decode(block))
+    assert (ftype, flags, got_sid) == (HEADERS, END_HEADERS, sid)
+    assert fields[":path"] == "/meshnet.shard.v1.ShardRuntime/Session" and fields[":method"] == "POST"
+    assert fields["content-type"] == "application/grpc" and fields["te"] == "trailers"
+    assert fields["grpc-timeout"] == "1500m"
+
+
+def test_messages_across_frames_then_trailers():
+    c, srv, sid = connected()
+    c.send_message(sid, b"hello")
+    (ftype, flags, got, payload), = FakeServer.frames(c.data_to_send())
+    assert (ftype, got, payload) == (DATA, sid, b"\x00\x00\x00\x00\x05hello")
+    body = srv.grpc(b"first", b"x" * 30000, b"")
+    wire = srv.response_headers(sid) + frame(DATA, 0, sid, body[:7]) + frame(DATA, 0, sid, body[7:16000]) \
+        + frame(DATA, 0, sid, body[16000:]) + srv.trailers(sid)
+    events = []
+    for i in range(0, len(wire), 777):  # arbitrary read boundaries
+        events += c.receive_data(wire[i : i + 777])
+    assert events == [Message(sid, b"first"), Message(sid, b"x" * 30000), Message(sid, b""), StreamEnded(sid, 0, "")]
+
+
+def test_an_error_status_in_trailers_only_is_decoded():
+    c, srv, sid = connected()
+    wire = srv.headers(sid, [(":status", "200"), ("content-type", "application/grpc"), ("grpc-status", "12"),
+                             ("grpc-message", "Method%20not%20found")], end=True)
+    assert c.receive_data(wire) == [StreamEnded(sid, 12, "Method not found")]
+
+
+def test_a_non_grpc_answer_ends_the_call_not_the_connection():
+    c, srv, sid = connected()
+    events = c.receive_data(srv.headers(sid, [(":status", "503")], end=True))
+    assert len(events) == 1 and events[0].status == h2.UNAVAILABLE and "503" in events[0].message
+    sid2 = c.open_stream("/svc/Other")
+    events = c.receive_data(srv.headers(sid2, [(":status", "200"), ("content-type", "text/html")]))
+    assert events[0].status == h2.INTERNAL
+    assert FakeServer.frames(c.data_to_send())[-1][0] == RST_STREAM
+
+
+def test_sending_waits_for_the_peers_window():
+    c, srv, sid = connected()
+    c.send_message(sid, b"z" * 100_000)
+    sent = FakeServer.frames(c.data_to_send())
+    assert all(f[0] == DATA and len(f[3]) <= 16384 for f in sent)
+    assert sum(len(f[3]) for f in sent) == 65535 and c.pending(sid)
+    c.receive_data(frame(WINDOW_UPDATE, 0, sid, struct.pack(">I", 50_000)))
+    assert c.data_to_send() == b""  # the connection's window is still empty
+    c.receive_data(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 50_000)))
+    more = FakeServer.frames(c.data_to_send())
+    assert sum(len(f[3]) for f in more) == 100_005 - 65535 and not c.pending(sid)
+    # a larger frame size from the server is honoured
+    c.receive_data(frame(SETTINGS, 0, 0, struct.pack(">HI", h2.SETTINGS_MAX_FRAME_SIZE, 40000)))
+    c.receive_data(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 100_000)) + frame(WINDOW_UPDATE, 0, sid, struct.pack(">I", 100_000)))
+    c.data_to_send()
+    c.send_message(sid, b"y" * 39990, end_stream=True)
+    (f,) = [f for f in FakeServer.frames(c.data_to_send()) if f[0] == DATA]
+    assert len(f[3]) == 39995 and f[1] & END_STREAM
+    with pytest.raises(H2StreamClosed):
+        c.send_message(sid, b"late")
+
+
+def test_ping_is_answered_and_reset_and_goaway_end_calls():
+    c, srv, sid = connected()
+    assert c.receive_data(frame(PING, 0, 0, b"12345678")) == []
+    assert FakeServer.frames(c.data_to_send()) == [(PING, 1, 0, b"12345678")]
+    events = c.receive_data(frame(RST_STREAM, 0, sid, struct.pack(">I", h2.CANCEL)))
+    assert events[0].stream_id == sid and events[0].status == 1
+    a, b = c.open_stream("/svc/A"), c.open_stream("/svc/B")
+    events = c.receive_data(frame(GOAWAY, 0, 0, struct.pack(">II", a, 0) + b"bye"))
+    assert isinstance(events[0], h2.ConnectionEnded) and events[0].detail == "bye"
+    assert events[1:] == [StreamEnded(b, h2.UNAVAILABLE, "the peer went away before taking this call")]
+    with pytest.raises(H2StreamClosed):
+        c.open_stream("/svc/C")
+
+
+def test_oversized_and_compressed_messages_end_only_their_call():
+    c, srv, sid = connected(max_message_bytes=1000)
+    events = c.receive_data(srv.response_headers(sid) + frame(DATA, 0, sid, struct.pack(">BI", 0, 5000)))
+    assert events == [StreamEnded(sid, h2.RESOURCE_EXHAUSTED, "a 5000-byte message exceeds 1000")]
+    assert FakeServer.frames(c.data_to_send())[-1][0] == RST_STREAM
+    sid2 = c.open_stream("/svc/M")
+    events = c.receive_data(srv.response_headers(sid2) + frame(DATA, 0, sid2, struct.pack(">BI", 1, 3) + b"abc"))
+    assert events[0].status == h2.INTERNAL and "compressed" in events[0].message
+    # late frames for the reset stream are ignored, and the connection goes on
+    assert c.receive_data(frame(DATA, 0, sid, b"late bytes")) == []
+
+
+def test_the_receive_window_is_credited_back():
+    c, srv, sid = connected()
+    c.receive_data(srv.response_headers(sid))
+    chunk = b"\x00" * 16384
+    for _ in range((h2.RECEIVE_WINDOW // 2) // len(chunk) + 1):
+        c.receive_data(frame(DATA, 0, sid, chunk))
+    updates = [f for f in FakeServer.frames(c.data_to_send()) if f[0] == WINDOW_UPDATE]
+    assert {f[2] for f in updates} == {0, sid}
+
+
+def _sid_frame(ftype, flags=0, payload=b"", sid=1):
+    return frame(ftype, flags, sid, payload)
+
+
+@pytest.mark.parametrize("wire, code", [
+    (struct.pack(">BHBBI", 0, 20000, DATA, 0, 1) + b"\x00" * 20000, h2.FRAME_SIZE_ERROR),  # larger than we accept
+    (_sid_frame(DATA, 0, b"abc", sid=2), h2.PROTOCOL_ERROR),  # a stream the client never opened
+    (_sid_frame(DATA, 0, b"abc", sid=99), h2.PROTOCOL_ERROR),
+    (_sid_frame(PUSH_PROMISE, END_HEADERS, b"\x00\x00\x00\x02"), h2.PROTOCOL_ERROR),
+    (_sid_frame(HEADERS, END_HEADERS | h2.PADDED, b"\x09abc"), h2.PROTOCOL_ERROR),  # padding past the frame
+    (_sid_frame(CONTINUATION, END_HEADERS, b"\x88"), h2.PROTOCOL_ERROR),  # continues nothing
+    (_sid_frame(HEADERS, 0, b"\x88") + frame(PING, 0, 0, b"12345678"), h2.PROTOCOL_ERROR),  # interrupted block
+    (_sid_frame(HEADERS, END_HEADERS, b"\xff\xff\xff\xff\xff"), h2.COMPRESSION_ERROR),
+    (frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 0)), h2.PROTOCOL_ERROR),
+    (frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 2**31 - 1)), h2.FLOW_CONTROL_ERROR),
+    (frame(WINDOW_UPDATE, 0, 0, b"\x00\x01"), h2.FRAME_SIZE_ERROR),
+    (frame(SETTINGS, 0, 0, b"\x00\x04\x00"), h2.FRAME_SIZE_ERROR),
+    (frame(SETTINGS, 1, 0, b"\x00" * 6), h2.FRAME_SIZE_ERROR),
+    (frame(SETTINGS, 0, 1, b""), h2.PROTOCOL_ERROR),
+    (frame(SETTINGS, 0, 0, struct.pack(">HI", h2.SETTINGS_INITIAL_WINDOW_SIZE, 2**31)), h2.FLOW_CONTROL_ERROR),
+    (frame(SETTINGS, 0, 0, struct.pack(">HI", h2.SETTINGS_MAX_FRAME_SIZE, 100)), h2.PROTOCOL_ERROR),
+    (frame(PING, 0, 0, b"1234"), h2.FRAME_SIZE_ERROR),
+    (frame(GOAWAY, 0, 0, b"\x00"), h2.PROTOCOL_ERROR),
+    (frame(RST_STREAM, 0, 0, b"\x00\x00\x00\x08"), h2.PROTOCOL_ERROR),
+])
+def test_malformed_frames_end_the_connection_with_a_typed_error(wire, code):
+    c, srv, sid = connected()
+    with pytest.raises(H2ProtocolError) as e:
+        c.receive_data(wire)
+    assert e.value.code == code
+
+
+def test_data_past_the_stream_window_is_a_flow_control_error():
+    c, srv, sid = connected()
+    c.receive_data(srv.response_headers(sid))
+    with pytest.raises(H2ProtocolError) as e:
+        for _ in range(h2.RECEIVE_WINDOW // 16384 + 2):
+            c.receive_data(frame(DATA, 0, sid, b"\x00" * 16384))
+            c._streams[sid].recv_credit = 0  # a client that never credits: the peer must stop at the window
+    assert e.value.code == h2.FLOW_CONTROL_ERROR
+
+
+# --- properties ---------------------------------------------------------------------------------
+
+_KNOWN = (H2ProtocolError,)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=4096))
+def test_arbitrary_bytes_give_events_or_a_typed_error(data):
+    c, srv, sid = connected()
+    try:
+        events = c.receive_data(data)
+    except _KNOWN:
+        return
+    assert all(isinstance(e, (Message, StreamEnded, h2.ConnectionEnded)) for e in events)
+
+
+_frame_st = st.builds(
+    lambda t, f, s, p: frame(t, f, s, p),
+    st.integers(0, 11), st.integers(0, 255), st.sampled_from([0, 1, 2, 3, 5, 2**31 - 1]), st.binary(max_size=64),
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_frame_st, max_size=12))
+def test_well_framed_garbage_gives_events_or_a_typed_error(frames):
+    c, srv, sid = connected()
+    c.open_stream("/svc/Second")  # stream 3 exists too
+    try:
+        for f in frames:
+            c.receive_data(f)
+            c.data_to_send()
+    except _KNOWN:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=3000), min_size=1, max_size=6), st.lists(st.integers(1, 5000), min_size=1, max_size=20))
+def test_any_chunking_of_a_valid_response_gives_the_same_events(messages, cuts):
+    c, srv, sid = connected()
+    body = srv.grpc(*messages)
+    wire = srv.response_headers(sid)
+    for i in range(0, len(body), 16384):
+        wire += frame(DATA, 0, sid, body[i : i + 16384])
+    wire += srv.trailers(sid, 0)
+    events, pos, k = [], 0, 0
+    while pos < len(wire):
+        n = cuts[k % len(cuts)]
+        events += c.receive_data(wire[pos : pos + n])
+        pos += n
+        k += 1
+    assert events == [Message(sid, m) for m in messages] + [StreamEnded(sid, 0, "")]
