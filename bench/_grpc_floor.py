@@ -17,7 +17,7 @@ from concurrent import futures
 
 import grpc
 
-from meshnet_p2p.dataplane.server import GRPC_OPTIONS
+GRPC_OPTIONS = [("grpc.so_reuseport", 0)]  # port 0 must mean a port of our own
 from meshnet_p2p.dataplane.tls import make_tls_credentials
 from meshnet_p2p.engine.contract import HIDDEN, DecodeRequest, LoadRequest, OpenRequest, Tensor, TensorBundle
 from meshnet_p2p.engine.llama_engine import LlamaCppShardEngine

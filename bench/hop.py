@@ -10,11 +10,12 @@ the relay. Each step carries one token's float32 hidden state (2,304 bytes for
 SmolLM2) in and out, as a real hop does. Reports medians. Target (issue 4):
 direct_overhead_ms < 1.
 
-A fourth way, the floor, serves the same shard behind a bare grpcio stream
-over the same TLS (bench/_grpc_floor.py: raw bytes, no protobuf, no session
-protocol), reached through the same client transport, so the run also splits
-the overhead into what the transport and grpcio's server cost here
-(``floor_overhead_ms``) and what our protocol and servicer add (``stack_overhead_ms``).
+A fourth way, the floor, serves the same shard behind a bare grpcio server
+stream over the same TLS (bench/_grpc_floor.py: raw bytes, no protobuf, no
+session protocol), reached through the same client: ``floor_overhead_ms`` is
+what a hop would cost with grpcio's server and nothing of ours on it, and
+``stack_overhead_ms`` (direct minus floor) what our server, protocol and
+servicer cost beyond that.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from meshnet_p2p.dataplane.channel import Channel, ChannelError
-from meshnet_p2p.dataplane.server import GRPC_OPTIONS
+GRPC_OPTIONS = [("grpc.so_reuseport", 0)]  # port 0 must mean a port of our own
 from meshnet_p2p.dataplane.tls import TLS_NAME, make_tls_credentials
 
 

@@ -385,7 +385,7 @@ async def test_server_shutdown_from_trio_leaves_no_thread_or_session(shard_dir, 
         assert engine.metrics().active_sessions == 1
         nursery.cancel_scope.cancel()  # shut the server down with a session still open
     assert engine.metrics().active_sessions == 0
-    leftover = {t.name for t in threading.enumerate() if t.name.startswith("shard-rpc")} - before
+    leftover = {t.name for t in threading.enumerate() if t.name.startswith("shard-")} - before
     assert not leftover
     stream.close()
     client.close()

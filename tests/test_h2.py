@@ -278,3 +278,141 @@ def test_any_chunking_of_a_valid_response_gives_the_same_events(messages, cuts):
         pos += n
         k += 1
     assert events == [Message(sid, m) for m in messages] + [StreamEnded(sid, 0, "")]
+
+
+# --- the server role ------------------------------------------------------------------------------
+
+
+class FakeClient:
+    def __init__(self) -> None:
+        self.enc = hpack.Encoder()
+
+    def request(self, sid: int, path: str = "/meshnet.shard.v1.ShardRuntime/Session", end: bool = False, **extra) -> bytes:
+        fields = [(":method", "POST"), (":scheme", "https"), (":path", path), (":authority", "meshnet-peer"),
+                  ("content-type", "application/grpc"), ("te", "trailers")] + list(extra.items())
+        return frame(HEADERS, END_HEADERS | (END_STREAM if end else 0), sid, self.enc.encode(fields))
+
+
+def served() -> tuple[h2.H2ServerConnection, FakeClient]:
+    s = h2.H2ServerConnection(max_message_bytes=1000, max_streams=2)
+    s.initiate()
+    assert [f[0] for f in FakeServer.frames(s.data_to_send())] == [SETTINGS, WINDOW_UPDATE]
+    assert s.receive_data(h2.PREFACE + frame(SETTINGS, 0, 0)) == []
+    s.data_to_send()
+    return s, FakeClient()
+
+
+def test_a_server_needs_the_client_preface():
+    s = h2.H2ServerConnection()
+    assert s.receive_data(h2.PREFACE[:10]) == []  # partial: wait for the rest
+    with pytest.raises(H2ProtocolError):
+        h2.H2ServerConnection().receive_data(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+
+
+def test_a_call_from_request_to_trailers():
+    s, c = served()
+    wire = c.request(1, **{"grpc-timeout": "1500m"}) + frame(DATA, 0, 1, FakeServer.grpc(b"req")) + frame(DATA, END_STREAM, 1)
+    assert s.receive_data(wire) == [h2.RequestStarted(1, "/meshnet.shard.v1.ShardRuntime/Session", 1.5),
+                                     Message(1, b"req"), h2.RequestEnded(1)]
+    s.send_message(1, b"reply")
+    s.send_trailers(1, 5, "no such session: 100% gone")
+    frames = FakeServer.frames(s.data_to_send())
+    dec = hpack.Decoder()
+    assert [f[0] for f in frames] == [HEADERS, DATA, HEADERS]
+    assert dict(dec.decode(frames[0][3]))[":status"] == "200" and frames[1][3] == FakeServer.grpc(b"reply")
+    trailers = dict(dec.decode(frames[2][3]))
+    assert frames[2][1] & END_STREAM and trailers["grpc-status"] == "5"
+    assert trailers["grpc-message"] == "no such session: 100%25 gone"  # percent-encoded as gRPC requires
+    # and the client side decodes it back
+    cl = H2ClientConnection(authority="x")
+    cl._next_id = 3
+    cl._new_stream(1)
+    events = cl.receive_data(b"".join(frame(*f) for f in frames))
+    assert events[-1] == StreamEnded(1, 5, "no such session: 100% gone")
+
+
+def test_trailers_wait_behind_flow_controlled_data_and_end_an_open_request():
+    s, c = served()
+    s.receive_data(c.request(1))
+    s.send_message(1, b"x" * 70000)  # beyond the client's default window
+    s.send_trailers(1, 0)
+    first = FakeServer.frames(s.data_to_send())
+    assert first[-1][0] == DATA and not any(f[0] == RST_STREAM for f in first)
+    s.receive_data(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 10000)) + frame(WINDOW_UPDATE, 0, 1, struct.pack(">I", 10000)))
+    rest = FakeServer.frames(s.data_to_send())
+    kinds = [f[0] for f in rest]
+    # the client never half-closed: after the trailers, the server resets the stream with NO_ERROR
+    assert kinds[-2:] == [HEADERS, RST_STREAM] and rest[-1][3] == struct.pack(">I", h2.NO_ERROR)
+
+
+def test_requests_beyond_the_stream_limit_and_non_grpc_requests_are_refused():
+    s, c = served()
+    s.receive_data(c.request(1) + c.request(3))
+    s.data_to_send()
+    assert s.receive_data(c.request(5)) == []
+    assert FakeServer.frames(s.data_to_send()) == [(RST_STREAM, 0, 5, struct.pack(">I", h2.REFUSED_STREAM))]
+    s2, c2 = served()
+    block = c2.enc.encode([(":method", "GET"), (":path", "/"), (":scheme", "https")])
+    assert s2.receive_data(frame(HEADERS, END_HEADERS | END_STREAM, 1, block)) == []
+    fields = dict(hpack.Decoder().decode(FakeServer.frames(s2.data_to_send())[0][3]))
+    assert fields["grpc-status"] == "12"
+
+
+def test_a_client_cannot_reuse_or_skip_into_stream_ids():
+    s, c = served()
+    s.receive_data(c.request(3))
+    with pytest.raises(H2ProtocolError):
+        s.receive_data(frame(DATA, 0, 5, b"x"))  # not opened yet
+    s, c = served()
+    s.receive_data(c.request(1, end=True))
+    s.send_trailers(1, 0)
+    with pytest.raises(H2ProtocolError):
+        s.receive_data(c.request(1))  # a finished stream cannot be opened again
+    with pytest.raises(H2ProtocolError):
+        served()[0].receive_data(frame(HEADERS, END_HEADERS, 2, b""))  # even ids are the server's
+
+
+def test_an_oversized_request_ends_that_call_with_resource_exhausted():
+    s, c = served()
+    events = s.receive_data(c.request(1) + frame(DATA, 0, 1, struct.pack(">BI", 0, 5000)))
+    assert events[-1] == h2.StreamReset(1, h2.CANCEL)
+    frames = FakeServer.frames(s.data_to_send())
+    assert dict(hpack.Decoder().decode(frames[0][3]))["grpc-status"] == "8"
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=4096))
+def test_server_arbitrary_bytes_give_events_or_a_typed_error(data):
+    s, c = served()
+    try:
+        s.receive_data(data)
+    except _KNOWN:
+        pass
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_frame_st, max_size=12))
+def test_server_well_framed_garbage_gives_events_or_a_typed_error(frames):
+    s, c = served()
+    s.receive_data(c.request(1))
+    try:
+        for f in frames:
+            s.receive_data(f)
+            s.data_to_send()
+    except _KNOWN:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=300), min_size=1, max_size=6), st.lists(st.integers(1, 500), min_size=1, max_size=20))
+def test_server_any_chunking_of_a_valid_request_gives_the_same_events(messages, cuts):
+    s, c = served()
+    wire = c.request(1) + frame(DATA, 0, 1, FakeServer.grpc(*messages)) + frame(DATA, END_STREAM, 1)
+    events, pos, k = [], 0, 0
+    while pos < len(wire):
+        n = cuts[k % len(cuts)]
+        events += s.receive_data(wire[pos : pos + n])
+        pos += n
+        k += 1
+    assert events == [h2.RequestStarted(1, "/meshnet.shard.v1.ShardRuntime/Session", None)] + \
+        [Message(1, m) for m in messages] + [h2.RequestEnded(1)]

@@ -8,8 +8,8 @@ never applied twice), cancels in-band and out-of-band (also one that arrives
 before its session opens), oversized messages and sessions beyond capacity.
 Errors are per session: nothing one stream does reaches another's state.
 
-grpcio runs each stream on a thread of its pool, which reads the stream's
-requests in order. An in-band cancel therefore acts between steps (later
+The server (server.py) runs each stream on a thread of its pool, which reads
+the stream's requests in order. An in-band cancel therefore acts between steps (later
 steps of the cancelled work or session fail closed); the unary Cancel RPC,
 served on another thread, reaches a step while it runs and aborts it in the
 engine. (A second reader thread per stream would let in-band cancels do that
@@ -22,10 +22,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator
 
-import grpc
-
 from .._proto import shard_runtime_pb2 as pb
-from .._proto import shard_runtime_pb2_grpc as pb_grpc
 from ..engine.contract import (
     DecodeRequest,
     OpenRequest,
@@ -80,7 +77,10 @@ def _error(code: int, detail: str, *, work_id: str = "", step: int = 0, retryabl
                                              idempotency_step=step, terminal=terminal, mismatches=mismatches or []))
 
 
-class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
+class ShardRuntimeServicer:
+    """The service's methods; ``server.py`` calls them with decoded requests (the
+    ``context`` argument is unused, kept so grpcio's generated server could host it)."""
+
     def __init__(self, engine: ShardEngine, *, peer_id: str = "", limits: Limits = Limits(),
                  now_ms=wall_ms, on_open=None) -> None:
         self.engine = engine
@@ -207,8 +207,6 @@ class ShardRuntimeServicer(pb_grpc.ShardRuntimeServicer):
                 else:
                     yield _error(E.PROTOCOL, "unknown message", terminal=True)
                     return
-        except grpc.RpcError:
-            pass  # the client went away mid-stream
         finally:
             if opened_id is not None:
                 if not released:

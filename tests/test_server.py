@@ -1,0 +1,134 @@
+"""Our gRPC server (dataplane/server.py) on real sockets: grpcio's own client
+speaks to it (the wire is plain gRPC), and clients that misbehave lose their
+own connection while the server keeps serving everyone else."""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from meshnet_p2p._proto import shard_runtime_pb2 as pb
+from meshnet_p2p._proto import shard_runtime_pb2_grpc as pb_grpc
+from meshnet_p2p.dataplane.client import ShardClient, open_channel
+from meshnet_p2p.dataplane.server import ShardServer
+from meshnet_p2p.dataplane.servicer import ShardRuntimeServicer
+from meshnet_p2p.dataplane.tensors import bundle_to_proto
+from meshnet_p2p.dataplane.tls import TLS_NAME, make_tls_credentials
+from meshnet_p2p.engine.contract import HIDDEN, Tensor, TensorBundle
+
+
+@pytest.fixture
+def server(shard_dir, load_engine):
+    engine = load_engine(shard_dir[(10, 20)])
+    creds = make_tls_credentials()
+    srv = ShardServer(ShardRuntimeServicer(engine), creds, handshake_timeout=1.0).start()
+    yield srv, creds, engine
+    srv.stop(0)
+
+
+def _hidden(rows: int) -> pb.TensorBundle:
+    data = (np.random.default_rng(rows).standard_normal((rows, 576)) * 0.1).astype(np.float32).tobytes()
+    return bundle_to_proto(TensorBundle((Tensor(HIDDEN, "f32", (rows, 576), data),)))
+
+
+def _ours(creds, srv) -> ShardClient:
+    return ShardClient(open_channel(creds.cert_pem, address=("127.0.0.1", srv.port)), timeout=20)
+
+
+def test_grpcios_own_client_is_served(server):
+    srv, creds, engine = server
+    channel = grpc.secure_channel(f"127.0.0.1:{srv.port}", grpc.ssl_channel_credentials(root_certificates=creds.cert_pem),
+                                  options=[("grpc.ssl_target_name_override", TLS_NAME)])
+    stub = pb_grpc.ShardRuntimeStub(channel)
+    cap = stub.GetCapability(pb.CapabilityRequest(), timeout=20)
+    assert (cap.layers.start, cap.layers.end) == (10, 20)
+
+    def requests():
+        yield pb.SessionRequest(open=pb.SessionOpen(session_id="interop", fingerprint=cap.fingerprint, max_tokens=32,
+                                                    proposed=pb.FlowControl(credits=8)))
+        for pos, rows in ((0, 3), (3, 1)):
+            yield pb.SessionRequest(step=pb.Step(work_id=f"w{pos}", idempotency_step=pos + 1, position=pos, hidden=_hidden(rows)))
+        yield pb.SessionRequest(release=pb.ReleaseSignal())
+
+    kinds = [(r.WhichOneof("kind"), r.result.position) for r in stub.Session(requests(), timeout=60)]
+    assert kinds == [("accepted", 0), ("result", 3), ("result", 4), ("released", 0)]
+    with pytest.raises(grpc.RpcError) as e:  # unknown methods get UNIMPLEMENTED, as from any gRPC server
+        channel.unary_unary("/meshnet.shard.v1.ShardRuntime/Nope")(b"", timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    channel.close()
+    assert engine.metrics().active_sessions == 0
+
+
+def _tls_socket(creds, port: int) -> ssl.SSLSocket:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_verify_locations(cadata=creds.cert_pem.decode())
+    ctx.set_alpn_protocols(["h2"])
+    return ctx.wrap_socket(socket.create_connection(("127.0.0.1", port)), server_hostname=TLS_NAME)
+
+
+def _closed_by_server(sock, timeout: float = 10) -> bool:
+    sock.settimeout(timeout)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except (ConnectionError, ssl.SSLError):
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_misbehaving_clients_lose_only_their_own_connection(server):
+    srv, creds, engine = server
+    good = _ours(creds, srv)
+    fp = good.capability().fingerprint
+    s = good.session(fp, max_tokens=64)
+    assert s.step(0, hidden=TensorBundle((Tensor(HIDDEN, "f32", (1, 576), bytes(2304)),))).position == 1
+
+    # garbage after TLS: not HTTP/2
+    bad = _tls_socket(creds, srv.port)
+    bad.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert _closed_by_server(bad)
+    # a malformed frame after a good preface: GOAWAY, then the connection ends
+    bad = _tls_socket(creds, srv.port)
+    bad.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x03\x04\x00\x00\x00\x00\x00abc")
+    assert _closed_by_server(bad)
+    # plaintext where TLS belongs
+    raw = socket.create_connection(("127.0.0.1", srv.port))
+    raw.sendall(b"\x16\x03\x01\x00\x05hello" + os.urandom(100))
+    assert _closed_by_server(raw)
+    # a client that connects and never says anything is dropped after the handshake timeout
+    idle = socket.create_connection(("127.0.0.1", srv.port))
+    t0 = time.monotonic()
+    assert _closed_by_server(idle) and time.monotonic() - t0 < 8
+
+    # the good session never noticed
+    assert s.step(1, hidden=TensorBundle((Tensor(HIDDEN, "f32", (1, 576), bytes(2304)),))).position == 2
+    s.release()
+    good.close()
+    for sock in (bad, raw, idle):
+        sock.close()
+
+
+def test_connections_come_and_go_without_leaking_threads_or_descriptors(server):
+    srv, creds, engine = server
+    _ours(creds, srv).capability()  # warm up the pool
+    fds_before = len(os.listdir("/proc/self/fd"))
+    threads_before = threading.active_count()
+    for _ in range(20):
+        c = _ours(creds, srv)
+        fp = c.capability().fingerprint
+        s = c.session(fp, max_tokens=8)
+        c.close()  # vanish mid-session: the server must release it
+        del s
+    assert srv.wait_no_connections(30)  # the server noticed all twenty
+    assert engine.metrics().active_sessions == 0
+    assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
+    assert threading.active_count() <= threads_before + 2
