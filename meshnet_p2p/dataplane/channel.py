@@ -28,6 +28,7 @@ from typing import Callable
 
 from ..errors import MeshnetError
 from . import h2
+from .tls import decrypt
 
 MAX_RELAY_RESPONSE = 8192
 _POLL_IN = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
@@ -288,17 +289,10 @@ class Channel:
         if not data:
             return self._fail("the peer closed the connection")
         try:
-            self._tls_in.write(data)
-            plain = []
-            while True:
-                try:
-                    chunk = self._tls.read(1 << 18)
-                except ssl.SSLWantReadError:
-                    break
-                if not chunk:
-                    return self._fail("the peer closed the TLS session")
-                plain.append(chunk)
-            events = self._h2.receive_data(b"".join(plain)) if plain else []
+            plain = decrypt(self._tls, self._tls_in, data)
+            if plain is None:
+                return self._fail("the peer closed the TLS session")
+            events = self._h2.receive_data(plain) if plain else []
             for ev in events:
                 if isinstance(ev, h2.Message):
                     inbox = self._inboxes.get(ev.stream_id)

@@ -32,7 +32,7 @@ import trio
 from .._proto import shard_runtime_pb2 as pb
 from . import h2
 from .servicer import ShardRuntimeServicer
-from .tls import TlsCredentials
+from .tls import TlsCredentials, decrypt
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["ShardRuntime"].full_name
 _UNARY = {
@@ -181,17 +181,10 @@ class _Connection:
 
     def _feed_locked(self, data: bytes) -> None:
         """Decrypt, parse, and hand each call what arrived for it (under the lock)."""
-        self.tls_in.write(data)
-        plain = []
-        while True:
-            try:
-                chunk = self.tls.read(1 << 18)
-            except ssl.SSLWantReadError:
-                break
-            if not chunk:
-                raise _Closed()
-            plain.append(chunk)
-        for ev in (self.h2.receive_data(b"".join(plain)) if plain else ()):
+        plain = decrypt(self.tls, self.tls_in, data)
+        if plain is None:
+            raise _Closed()
+        for ev in (self.h2.receive_data(plain) if plain else ()):
             if isinstance(ev, h2.Message):
                 call = self.calls.get(ev.stream_id)
                 if call is not None and not call.ended:

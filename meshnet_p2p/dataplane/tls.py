@@ -15,6 +15,7 @@ peer, relay operators notwithstanding.
 from __future__ import annotations
 
 import datetime
+import ssl
 from dataclasses import dataclass
 
 from cryptography import x509
@@ -144,3 +145,19 @@ def verify_binding(record_wire: bytes, expected_peer: PeerId, now_ms: int) -> by
     if owner != expected_peer:
         raise TlsBindingError(f"the certificate belongs to {owner}, not to {expected_peer}")
     return cert
+
+
+def decrypt(tls: ssl.SSLObject, incoming: ssl.MemoryBIO, data: bytes) -> bytes | None:
+    """Feed ``data`` from the socket to a MemoryBIO-driven TLS session and return
+    the plaintext it completes (b"" if none yet); None once the peer closed the
+    session. A record that fails its check raises ``ssl.SSLError``."""
+    incoming.write(data)
+    plain = []
+    while True:
+        try:
+            chunk = tls.read(1 << 18)
+        except ssl.SSLWantReadError:
+            return b"".join(plain)
+        if not chunk:
+            return None
+        plain.append(chunk)
