@@ -205,3 +205,14 @@ def test_a_relay_that_refuses_is_reported(answer, expected):
         ch.unary("/t.Svc/Big", b"", timeout=5)
     assert e.value.code == "UNAVAILABLE"
     lst.close()
+
+
+def test_closing_a_channel_fails_its_open_calls(grpc_server):
+    ch = channel(grpc_server)
+    call = ch.stream("/t.Svc/Echo")
+    call.send(b"one")
+    assert call.recv() == b"one"
+    ch.close()
+    with pytest.raises(ChannelError) as e:  # never a clean end (None) for a call that did not end
+        call.recv()
+    assert e.value.code == "UNAVAILABLE"

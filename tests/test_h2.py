@@ -164,6 +164,8 @@ def test_ping_is_answered_and_reset_and_goaway_end_calls():
 
 
 def test_oversized_and_compressed_messages_end_only_their_call():
+    with pytest.raises(ValueError):  # a message must fit the receive window
+        H2ClientConnection(authority="x", max_message_bytes=h2.RECEIVE_WINDOW)
     c, srv, sid = connected(max_message_bytes=1000)
     events = c.receive_data(srv.response_headers(sid) + frame(DATA, 0, sid, struct.pack(">BI", 0, 5000)))
     assert events == [StreamEnded(sid, h2.RESOURCE_EXHAUSTED, "a 5000-byte message exceeds 1000")]
@@ -175,12 +177,17 @@ def test_oversized_and_compressed_messages_end_only_their_call():
     assert c.receive_data(frame(DATA, 0, sid, b"late bytes")) == []
 
 
-def test_the_receive_window_is_credited_back():
+def test_the_receive_window_is_credited_only_as_messages_are_consumed():
     c, srv, sid = connected()
     c.receive_data(srv.response_headers(sid))
-    chunk = b"\x00" * 16384
-    for _ in range((h2.RECEIVE_WINDOW // 2) // len(chunk) + 1):
-        c.receive_data(frame(DATA, 0, sid, chunk))
+    message = b"m" * 16379  # 16384 bytes framed
+    frames = [frame(DATA, 0, sid, srv.grpc(message)) for _ in range((h2.RECEIVE_WINDOW // 2) // 16384 + 1)]
+    for f in frames:
+        c.receive_data(f)
+    # nothing read yet: no window is given back, so a peer cannot make us buffer more
+    assert not [f for f in FakeServer.frames(c.data_to_send()) if f[0] == WINDOW_UPDATE]
+    for _ in frames:
+        c.consumed(sid, len(message) + 5)
     updates = [f for f in FakeServer.frames(c.data_to_send()) if f[0] == WINDOW_UPDATE]
     assert {f[2] for f in updates} == {0, sid}
 
@@ -220,10 +227,9 @@ def test_malformed_frames_end_the_connection_with_a_typed_error(wire, code):
 def test_data_past_the_stream_window_is_a_flow_control_error():
     c, srv, sid = connected()
     c.receive_data(srv.response_headers(sid))
-    with pytest.raises(H2ProtocolError) as e:
+    with pytest.raises(H2ProtocolError) as e:  # nothing consumed: the peer must stop at the window
         for _ in range(h2.RECEIVE_WINDOW // 16384 + 2):
             c.receive_data(frame(DATA, 0, sid, b"\x00" * 16384))
-            c._streams[sid].recv_credit = 0  # a client that never credits: the peer must stop at the window
     assert e.value.code == h2.FLOW_CONTROL_ERROR
 
 
@@ -366,8 +372,11 @@ def test_a_client_cannot_reuse_or_skip_into_stream_ids():
     s, c = served()
     s.receive_data(c.request(1, end=True))
     s.send_trailers(1, 0)
-    with pytest.raises(H2ProtocolError):
-        s.receive_data(c.request(1))  # a finished stream cannot be opened again
+    # HEADERS on a finished stream are dropped (RFC 9113 5.1), but still decoded,
+    # so the next call's headers (HPACK-indexed against them) still read right
+    assert s.receive_data(c.request(1, **{"x-extra": "kept in the table"})) == []
+    assert s.receive_data(c.request(3, **{"x-extra": "kept in the table"})) == \
+        [h2.RequestStarted(3, "/meshnet.shard.v1.ShardRuntime/Session", None)]
     with pytest.raises(H2ProtocolError):
         served()[0].receive_data(frame(HEADERS, END_HEADERS, 2, b""))  # even ids are the server's
 

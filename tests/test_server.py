@@ -132,3 +132,25 @@ def test_connections_come_and_go_without_leaking_threads_or_descriptors(server):
     assert engine.metrics().active_sessions == 0
     assert len(os.listdir("/proc/self/fd")) <= fds_before + 2
     assert threading.active_count() <= threads_before + 2
+
+
+def test_calls_per_connection_are_bounded_and_silent_calls_are_ended(server, monkeypatch):
+    from meshnet_p2p.dataplane import server as server_module
+    from meshnet_p2p.dataplane.channel import ChannelError
+
+    srv, creds, engine = server
+    monkeypatch.setattr(server_module, "FIRST_MESSAGE_TIMEOUT", 0.5)
+    ch = open_channel(creds.cert_pem, address=("127.0.0.1", srv.port))
+    silent = [ch.stream("/meshnet.shard.v1.ShardRuntime/Session") for _ in range(server_module.MAX_CALLS)]
+    extra = ch.stream("/meshnet.shard.v1.ShardRuntime/Session")
+    with pytest.raises(ChannelError) as e:
+        extra.recv(deadline=time.monotonic() + 10)
+    assert e.value.code == "UNAVAILABLE"  # REFUSED_STREAM: never processed, safe to retry
+    t0 = time.monotonic()
+    for call in silent:  # none sent a SessionOpen: each is ended, freeing its worker
+        with pytest.raises(ChannelError):
+            call.recv(deadline=time.monotonic() + 10)
+    assert time.monotonic() - t0 < 8
+    c = ShardClient(ch, timeout=10)
+    assert c.capability().layers.start == 10  # and the connection serves on
+    c.close()

@@ -55,7 +55,7 @@ class _Inbox:
 class Channel:
     def __init__(self, cert_pem: bytes, server_name: str, *, address: tuple[str, int] | None = None,
                  relay: tuple[str, int] | None = None, relay_target: str | None = None,
-                 connect_timeout: float = 10.0, send_timeout: float = 30.0, max_message_bytes: int = 64 << 20) -> None:
+                 connect_timeout: float = 10.0, send_timeout: float = 30.0, max_message_bytes: int = h2.MAX_MESSAGE) -> None:
         if relay is not None:
             if not relay_target:
                 raise ValueError("a relayed channel needs the CONNECT target")
@@ -79,6 +79,7 @@ class Channel:
         self._h2: h2.H2ClientConnection | None = None
         self._poll: select.poll | None = None
         self._reading = False
+        self._close_after_read = False  # close() came while a reader may be inside poll(): it closes the fd
         self._broken: str | None = None
         self._inboxes: dict[int, _Inbox] = {}
 
@@ -113,23 +114,25 @@ class Channel:
         return CallStream(self, sid, deadline)
 
     def close(self) -> None:
-        with self._lock:
+        with self._connect_lock, self._lock:  # not while a connection is being set up
             if self._broken is None:
-                self._broken = "the channel was closed"
                 if self._h2 is not None:
                     try:
                         self._h2.close()
                         self._write_locked()
                     except (OSError, ssl.SSLError, ChannelError):
                         pass
+                self._fail("the channel was closed")  # every open call ends UNAVAILABLE, never as a clean end
             sock = self._sock
-            self._cond.notify_all()
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)  # wakes a reader blocked in poll
-            except OSError:
-                pass
-            sock.close()
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes a reader blocked in poll
+                except OSError:
+                    pass
+                if self._reading:
+                    self._close_after_read = True  # its descriptor must not be reused under that reader
+                else:
+                    sock.close()
 
     # --- connection -----------------------------------------------------------------------------
 
@@ -244,6 +247,14 @@ class Channel:
         except RuntimeError:  # not holding the lock (connection setup): nobody waits yet
             pass
 
+    def _consumed(self, stream_id: int, nbytes: int) -> None:
+        if self._broken is None:
+            self._h2.consumed(stream_id, nbytes)
+            try:
+                self._write_locked()
+            except (OSError, ssl.SSLError, ChannelError) as e:
+                self._fail(f"connection lost: {e}")
+
     def _write_locked(self) -> None:
         data = self._h2.data_to_send()
         if data:
@@ -271,19 +282,24 @@ class Channel:
                 data = self._recv_raw(deadline)
             except BaseException as e:
                 with self._cond:
-                    self._reading = False
+                    self._done_reading()
                     if isinstance(e, OSError):
                         self._fail(f"connection lost: {e}")
-                    self._cond.notify_all()
                 if isinstance(e, OSError):
                     continue
                 raise
             with self._cond:
-                self._reading = False
                 try:
-                    self._feed(data)
+                    if self._broken is None:
+                        self._feed(data)
                 finally:
-                    self._cond.notify_all()
+                    self._done_reading()
+
+    def _done_reading(self) -> None:
+        self._reading = False
+        if self._close_after_read:
+            self._sock.close()
+        self._cond.notify_all()
 
     def _feed(self, data: bytes) -> None:
         if not data:
@@ -361,9 +377,12 @@ class CallStream:
             except ChannelError:
                 self.cancel()
                 raise
-        with self._ch._lock:
+        ch = self._ch
+        with ch._lock:
             if inbox.messages:
-                return inbox.messages.popleft()
+                message = inbox.messages.popleft()
+                ch._consumed(self.id, len(message) + 5)
+                return message
             self._raise_if_ended()
             return None
 
@@ -387,8 +406,10 @@ class CallStream:
         """Reset the call if it is still open; forget it either way."""
         ch = self._ch
         with ch._lock:
-            ch._inboxes.pop(self.id, None)
+            inbox = ch._inboxes.pop(self.id, None)
             if ch._broken is None and ch._h2 is not None:
+                for message in inbox.messages if inbox is not None else ():
+                    ch._h2.consumed(self.id, len(message) + 5)  # unread, but the window is ours again
                 ch._h2.reset_stream(self.id)
                 try:
                     ch._write_locked()

@@ -56,7 +56,11 @@ RESOURCE_EXHAUSTED, INTERNAL, UNAVAILABLE = 8, 13, 14
 MAX_WINDOW = 2**31 - 1
 DEFAULT_WINDOW = 65535
 DEFAULT_FRAME = 16384  # what we accept (we never raise SETTINGS_MAX_FRAME_SIZE)
-RECEIVE_WINDOW = 16 << 20  # per stream and per connection, credited back as bytes arrive
+# Per stream and per connection. Credited back only as the application takes
+# messages (``consumed``), so a peer can never make us hold more than this per
+# connection; a whole message must fit in it.
+RECEIVE_WINDOW = 24 << 20
+MAX_MESSAGE = 20 << 20
 MAX_HEADER_BLOCK = 64 << 10  # a HEADERS frame and its CONTINUATIONs, encoded
 MAX_HEADER_LIST = 16 << 10  # decoded, as advertised in our SETTINGS
 MAX_STREAMS = 100  # concurrent calls a server takes per connection
@@ -149,7 +153,7 @@ class _Stream:
     sent_headers: bool = False  # server: response headers out
     trailers: tuple[int, str] | None = None  # server: (grpc status, message) to end with
     recv_window: int = 0  # what the peer may still send on this stream
-    recv_credit: int = 0  # bytes received since this stream's last WINDOW_UPDATE
+    recv_credit: int = 0  # bytes consumed since this stream's last WINDOW_UPDATE
     buf: bytearray = field(default_factory=bytearray)  # gRPC bytes received, not yet a whole message
 
 
@@ -158,6 +162,8 @@ class _H2Connection:
     layer. Subclasses decide who opens streams and what header blocks mean."""
 
     def __init__(self, *, max_message_bytes: int) -> None:
+        if not 0 < max_message_bytes <= MAX_MESSAGE:
+            raise ValueError(f"max_message_bytes must be in 1..{MAX_MESSAGE}: a whole message must fit the receive window")
         self.max_message_bytes = max_message_bytes
         self._out = bytearray()
         self._in = bytearray()
@@ -168,7 +174,7 @@ class _H2Connection:
         self._peer_initial = DEFAULT_WINDOW  # initial send window of new streams
         self._peer_frame = DEFAULT_FRAME
         self._recv_window = DEFAULT_WINDOW  # connection-level, what the peer may still send
-        self._recv_credit = 0  # bytes received since the last connection WINDOW_UPDATE
+        self._recv_credit = 0  # bytes consumed since the last connection WINDOW_UPDATE
         self._headers: tuple[int, int, bytearray] | None = None  # (stream, flags, block) awaiting CONTINUATION
         self.goaway: ConnectionEnded | None = None
 
@@ -205,16 +211,45 @@ class _H2Connection:
         pass
 
     def reset_stream(self, stream_id: int, code: int = CANCEL) -> None:
-        if self._streams.pop(stream_id, None) is not None:
+        if self._drop(stream_id) is not None:
             self._out += frame(RST_STREAM, 0, stream_id, struct.pack(">I", code))
+
+    def consumed(self, stream_id: int, nbytes: int) -> None:
+        """The application took ``nbytes`` of a stream's messages (5 + length
+        each, or what it discarded unread): the peer may send that much more."""
+        self._recv_credit += nbytes
+        if self._recv_credit >= RECEIVE_WINDOW // 2:  # credited in large steps: rare on the hot path
+            self._out += frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self._recv_credit))
+            self._recv_window += self._recv_credit
+            self._recv_credit = 0
+        st = self._streams.get(stream_id)
+        if st is not None:
+            st.recv_credit += nbytes
+            if st.recv_credit >= RECEIVE_WINDOW // 2:
+                self._out += frame(WINDOW_UPDATE, 0, stream_id, struct.pack(">I", st.recv_credit))
+                st.recv_window += st.recv_credit
+                st.recv_credit = 0
+
+    def _drop(self, stream_id: int) -> _Stream | None:
+        """Forget a stream; bytes of a message it never completed go back to the connection."""
+        st = self._streams.pop(stream_id, None)
+        if st is not None and st.buf:
+            self.consumed(0, len(st.buf))
+            st.buf.clear()
+        return st
 
     def pending(self, stream_id: int) -> bool:
         """Whether the stream still has bytes waiting for flow-control window."""
         st = self._streams.get(stream_id)
         return st is not None and bool(st.outbox)
 
-    def close(self, code: int = NO_ERROR, detail: str = "", last_stream_id: int = 0) -> None:
-        self._out += frame(GOAWAY, 0, 0, struct.pack(">II", last_stream_id, code) + detail.encode()[:256])
+    def close(self, code: int = NO_ERROR, detail: str = "") -> None:
+        """GOAWAY: a server names the last call it took, so a client knows which
+        calls it may safely retry elsewhere."""
+        self._out += frame(GOAWAY, 0, 0, struct.pack(">II", self._last_taken(), code) + detail.encode()[:256])
+
+    def _last_taken(self) -> int:
+        return 0
 
     def _flush(self, st: _Stream) -> None:
         out = self._out
@@ -312,7 +347,7 @@ class _H2Connection:
             if sid == 0 or len(payload) != 4:
                 raise H2ProtocolError(PROTOCOL_ERROR if sid == 0 else FRAME_SIZE_ERROR, "malformed RST_STREAM")
             self._check_stream_id(sid)
-            st = self._streams.pop(sid, None)
+            st = self._drop(sid)
             if st is not None:
                 self._on_reset(st, struct.unpack(">I", payload)[0], events)
         elif ftype == GOAWAY:
@@ -365,26 +400,19 @@ class _H2Connection:
         if n > self._recv_window:
             raise H2ProtocolError(FLOW_CONTROL_ERROR, "the peer sent past the connection's window")
         self._recv_window -= n
-        self._recv_credit += n
-        if self._recv_credit >= RECEIVE_WINDOW // 2:  # credited back in large steps: rare on the hot path
-            self._out += frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self._recv_credit))
-            self._recv_window += self._recv_credit
-            self._recv_credit = 0
         st = self._streams.get(sid)
         if st is None or st.remote_done:
-            return  # a stream already over: late bytes count against the connection only
+            return self.consumed(0, n)  # a stream already over: its late bytes are dropped, and credited
         if n > st.recv_window:
             raise H2ProtocolError(FLOW_CONTROL_ERROR, f"the peer sent past stream {sid}'s window")
         st.recv_window -= n
-        st.recv_credit += n
-        if st.recv_credit >= RECEIVE_WINDOW // 2:
-            self._out += frame(WINDOW_UPDATE, 0, sid, struct.pack(">I", st.recv_credit))
-            st.recv_window += st.recv_credit
-            st.recv_credit = 0
         if not st.got_headers:
             raise H2ProtocolError(PROTOCOL_ERROR, f"DATA before headers on stream {sid}")
+        body = self._unpad(flags, payload)
+        if len(body) != n:
+            self.consumed(sid, n - len(body))  # padding is nobody's to consume
         buf = st.buf
-        buf += self._unpad(flags, payload)
+        buf += body
         # Whole messages leave the buffer at once, so it holds at most one partial
         # message, and a message's size is checked before its bytes are awaited.
         while len(buf) >= 5:
@@ -478,14 +506,14 @@ class _H2Connection:
         self._flush(st)
 
     def _end(self, st: _Stream, status: int, detail: str, events: list[Event], *, reset: bool) -> None:
-        self._streams.pop(st.id, None)
+        self._drop(st.id)
         if reset:
             self._out += frame(RST_STREAM, 0, st.id, struct.pack(">I", CANCEL))
         events.append(StreamEnded(st.id, status, detail))
 
 
 class H2ClientConnection(_H2Connection):
-    def __init__(self, *, authority: str, max_message_bytes: int = 64 << 20, user_agent: str = "meshnet-p2p") -> None:
+    def __init__(self, *, authority: str, max_message_bytes: int = MAX_MESSAGE, user_agent: str = "meshnet-p2p") -> None:
         super().__init__(max_message_bytes=max_message_bytes)
         self.authority = authority
         self.user_agent = user_agent
@@ -520,7 +548,9 @@ class H2ClientConnection(_H2Connection):
             raise H2ProtocolError(PROTOCOL_ERROR, f"a frame for stream {sid}, which this client never opened")
 
     def _on_reset(self, st: _Stream, code: int, events: list[Event]) -> None:
-        events.append(StreamEnded(st.id, 1 if code == CANCEL else INTERNAL, f"the peer reset the stream (HTTP/2 error {code})"))
+        # As gRPC maps them: a refused stream was never processed (safe to retry), a cancel is CANCELLED.
+        status = {CANCEL: 1, REFUSED_STREAM: UNAVAILABLE}.get(code, INTERNAL)
+        events.append(StreamEnded(st.id, status, f"the peer reset the stream (HTTP/2 error {code})"))
 
     def _on_goaway(self, goaway: ConnectionEnded, events: list[Event]) -> None:
         for st in [st for st in self._streams.values() if st.id > goaway.last_stream_id]:  # never processed: retry elsewhere
@@ -559,7 +589,7 @@ class H2ServerConnection(_H2Connection):
     """The server role: the client opens calls (odd stream ids, increasing); the
     server answers each with headers, messages and trailers carrying a gRPC status."""
 
-    def __init__(self, *, max_message_bytes: int = 64 << 20, max_streams: int = MAX_STREAMS) -> None:
+    def __init__(self, *, max_message_bytes: int = MAX_MESSAGE, max_streams: int = MAX_STREAMS) -> None:
         super().__init__(max_message_bytes=max_message_bytes)
         self.max_streams = max_streams
         self._preface = False
@@ -568,6 +598,9 @@ class H2ServerConnection(_H2Connection):
 
     def initiate(self) -> None:
         self._send_settings(struct.pack(">HI", SETTINGS_MAX_CONCURRENT_STREAMS, self.max_streams))
+
+    def _last_taken(self) -> int:
+        return self._last_id
 
     def _preface_seen(self, buf: bytearray) -> bool:
         if self._preface:
@@ -599,7 +632,7 @@ class H2ServerConnection(_H2Connection):
 
     def _local_done(self, st: _Stream) -> None:
         st.local_done = True
-        self._streams.pop(st.id, None)
+        self._drop(st.id)
         if not st.remote_done:  # the call is over: tell the client to stop sending (as grpc servers do)
             self._out += frame(RST_STREAM, 0, st.id, struct.pack(">I", NO_ERROR))
 
@@ -613,8 +646,7 @@ class H2ServerConnection(_H2Connection):
         if sid > self._last_id:
             self._last_id = sid  # a new call, opened in _opened_by_peer once its block is decoded
             self._opening = sid
-        elif sid not in self._streams:
-            raise H2ProtocolError(PROTOCOL_ERROR, f"HEADERS on stream {sid}, which is over")
+        # HEADERS on a stream already over: decoded (HPACK stays in step) and dropped, as RFC 9113 5.1 allows
 
     def _opened_by_peer(self, sid: int) -> _Stream | None:
         if self._opening != sid:
@@ -656,9 +688,12 @@ class H2ServerConnection(_H2Connection):
         events.append(RequestEnded(st.id))
 
     def _on_bad_message(self, st: _Stream, status: int, detail: str, events: list[Event]) -> None:
-        # The call ends with that status; the handler learns of it as a reset.
+        # The call ends with that status, then RST_STREAM stops the client's upload;
+        # the handler learns of it as a reset.
+        self.consumed(0, len(st.buf))
         st.buf.clear()
-        st.remote_done = True
+        st.outbox.clear()
+        st.end_after_outbox = st.local_done = False
         self.send_trailers(st.id, status, detail)
         events.append(StreamReset(st.id, CANCEL))
 

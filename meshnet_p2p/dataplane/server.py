@@ -17,6 +17,7 @@ bounded pool (a Session holds one for its lifetime, unary calls briefly).
 
 from __future__ import annotations
 
+import errno
 import os
 import select
 import socket
@@ -42,7 +43,9 @@ _UNARY = {
     "Release": pb.ReleaseRequest,
 }
 _POLL_IN = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
-MAX_MESSAGE_BYTES = 64 << 20  # the servicer refuses far less with typed OVERSIZED errors; this guards the absurd
+MAX_CALLS = 32  # concurrent calls per connection (a route opens one Session per peer, plus brief unary calls)
+FIRST_MESSAGE_TIMEOUT = 10.0  # a call that sends nothing (no SessionOpen, no unary request) this long is ended
+SEND_TIMEOUT = 30.0  # a reply the client's flow-control window never lets out ends the call
 
 
 def server_ssl_context(creds: TlsCredentials) -> ssl.SSLContext:
@@ -87,12 +90,13 @@ class _Connection:
         self.cond = threading.Condition(self.lock)
         self.tls_in, self.tls_out = ssl.MemoryBIO(), ssl.MemoryBIO()
         self.tls = server.ssl_context.wrap_bio(self.tls_in, self.tls_out, server_side=True)
-        self.h2 = h2.H2ServerConnection(max_message_bytes=MAX_MESSAGE_BYTES)
+        self.h2 = h2.H2ServerConnection(max_streams=MAX_CALLS)
         self.calls: dict[int, _Call] = {}
         self.reading = False
         self.standby_polling = False
         self.handlers_waiting = 0
         self.broken = False
+        self.fds_closed = False
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         self.poll_sock = select.poll()
@@ -135,12 +139,17 @@ class _Connection:
 
     def close(self) -> None:
         with self.cond:
-            if self.broken:
-                return
-            self.broken = True
-            for call in self.calls.values():
-                call.ended = True
-            self.cond.notify_all()
+            self.broken_locked()
+
+    def broken_locked(self) -> None:
+        """End the connection: every call ends, and whoever polls is woken. Under
+        the lock, so it can never touch descriptors release_fds already closed."""
+        if self.broken or self.fds_closed:
+            return
+        self.broken = True
+        for call in self.calls.values():
+            call.ended = True
+        self.cond.notify_all()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)  # wakes whoever polls it
         except OSError:
@@ -151,12 +160,14 @@ class _Connection:
             pass
 
     def release_fds(self) -> None:
-        self.sock.close()
-        for fd in (self.wake_r, self.wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        with self.cond:
+            self.fds_closed = True
+            self.sock.close()
+            for fd in (self.wake_r, self.wake_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     # --- I/O ------------------------------------------------------------------------------------
 
@@ -179,6 +190,12 @@ class _Connection:
             self.tls.write(data)
             self._send_raw(self.tls_out.read())
 
+    def _write_quietly(self) -> None:
+        try:
+            self._write_locked()
+        except (OSError, ssl.SSLError):
+            self.broken_locked()
+
     def _feed_locked(self, data: bytes) -> None:
         """Decrypt, parse, and hand each call what arrived for it (under the lock)."""
         plain = decrypt(self.tls, self.tls_in, data)
@@ -195,14 +212,19 @@ class _Connection:
                 call = self.calls.get(ev.stream_id)
                 if call is not None:
                     call.ended = True
-                    if isinstance(ev, h2.StreamReset):
-                        call.inbox.clear()  # a cancelled call's unread requests are void
+                    if isinstance(ev, h2.StreamReset):  # a cancelled call's unread requests are void
+                        for raw in call.inbox:
+                            self.h2.consumed(ev.stream_id, len(raw) + 5)
+                        call.inbox.clear()
         self._write_locked()
 
-    def _read_once(self, poller) -> bool:
-        """Read and dispatch one chunk as the reader; False if woken by the pipe."""
+    def _read_once(self, poller, timeout: float | None = None) -> bool:
+        """Read and dispatch one chunk as the reader; False if woken by the pipe
+        or the timeout passed."""
         try:
-            ready = poller.poll(-1)
+            ready = poller.poll(-1 if timeout is None else max(0, int(timeout * 1000) + 1))
+            if not ready:
+                return False
             if any(fd == self.wake_r for fd, _ in ready):
                 try:
                     os.read(self.wake_r, 4096)
@@ -248,16 +270,24 @@ class _Connection:
                 with self.cond:
                     self.standby_polling = False
 
-    def next_request(self, call: _Call) -> bytes | None:
+    def next_request(self, call: _Call, timeout: float | None = None) -> bytes | None:
         """A handler's wait for its call's next message: reads the socket itself
-        unless another thread is reading. None once the call has ended."""
+        unless another thread is reading. None once the call has ended (or
+        nothing came within ``timeout``)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self.cond:
             self.handlers_waiting += 1
             try:
                 while True:
                     if call.inbox:
-                        return call.inbox.pop(0)
+                        raw = call.inbox.pop(0)
+                        self.h2.consumed(call.sid, len(raw) + 5)  # the client may send this much more
+                        self._write_quietly()
+                        return raw
                     if call.ended or self.broken:
+                        return None
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
                         return None
                     if not self.reading:
                         self.reading = True
@@ -267,11 +297,11 @@ class _Connection:
                                 os.write(self.wake_w, b"x")  # step aside: this handler reads next
                             except OSError:
                                 pass
-                        self.cond.wait()
+                        self.cond.wait(remaining)
                         continue
                     self.lock.release()
                     try:
-                        self._read_once(self.poll_sock)
+                        self._read_once(self.poll_sock, remaining)
                     finally:
                         self.lock.acquire()
             finally:
@@ -290,9 +320,14 @@ class _Connection:
         if self.server.draining:
             self.h2.send_trailers(ev.stream_id, 14, "the server is shutting down")  # UNAVAILABLE
             return
+        if len(self.calls) >= MAX_CALLS:  # calls still running here, reset or not: the client must wait
+            self.h2.reset_stream(ev.stream_id, h2.REFUSED_STREAM)
+            return
         call = self.calls[ev.stream_id] = _Call(ev.stream_id, method)
+        # Unary calls have a pool of their own, so a Cancel never waits behind Sessions.
+        pool = self.server.executor if method == "Session" else self.server.unary_executor
         try:
-            self.server.executor.submit(self._handle, call)
+            pool.submit(self._handle, call)
         except RuntimeError:  # the pool is shut down
             del self.calls[ev.stream_id]
             self.h2.send_trailers(ev.stream_id, 14, "the server is shutting down")
@@ -313,7 +348,7 @@ class _Connection:
                 self.server._changed.notify_all()
 
     def _unary(self, call: _Call) -> None:
-        raw = self.next_request(call)
+        raw = self.next_request(call, FIRST_MESSAGE_TIMEOUT)
         if raw is None:
             return self.finish(call, 13, "no request message")  # INTERNAL
         try:
@@ -325,11 +360,18 @@ class _Connection:
         self.finish(call, 0, "")
 
     def _session(self, call: _Call) -> None:
+        silent = []
+
         def requests():
+            first = True
             while True:
-                raw = self.next_request(call)
+                # The first message (SessionOpen) must come soon; later ones may take as long as a generation.
+                raw = self.next_request(call, FIRST_MESSAGE_TIMEOUT if first else None)
                 if raw is None:
+                    if first and not call.ended:
+                        silent.append(True)
                     return
+                first = False
                 try:
                     yield pb.SessionRequest.FromString(raw)
                 except Exception:
@@ -338,19 +380,39 @@ class _Connection:
 
         for response in self.server.servicer.Session(requests(), None):
             self.send(call, response.SerializeToString())
+        if silent:
+            return self.finish(call, 4, f"no SessionOpen within {FIRST_MESSAGE_TIMEOUT:g} s")  # DEADLINE_EXCEEDED
         self.finish(call, 0, "")
 
     def send(self, call: _Call, message: bytes) -> None:
+        """Send one reply; if the client's flow-control window holds it back, wait
+        (reading meanwhile) for the window rather than queue without bound."""
         with self.cond:
             if self.broken or call.done or call.sid not in self.calls:
                 return
             try:
                 self.h2.send_message(call.sid, message)
-                self._write_locked()
             except h2.H2StreamClosed:
                 call.ended = True
-            except (OSError, ssl.SSLError):
-                self.broken_locked()
+                return
+            self._write_quietly()
+            deadline = time.monotonic() + SEND_TIMEOUT
+            while self.h2.pending(call.sid) and not self.broken and not call.ended:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    call.ended = True
+                    self.h2.reset_stream(call.sid, h2.CANCEL)
+                    self._write_quietly()
+                    return
+                if self.reading:
+                    self.cond.wait(remaining)
+                    continue
+                self.reading = True
+                self.lock.release()
+                try:
+                    self._read_once(self.poll_sock, remaining)
+                finally:
+                    self.lock.acquire()
 
     def finish(self, call: _Call, status: int, message: str) -> None:
         with self.cond:
@@ -358,20 +420,8 @@ class _Connection:
                 return
             call.done = True
             self.h2.send_trailers(call.sid, status, message)
-            try:
-                self._write_locked()
-            except (OSError, ssl.SSLError):
-                self.broken_locked()
+            self._write_quietly()
 
-    def broken_locked(self) -> None:
-        self.broken = True
-        for c in self.calls.values():
-            c.ended = True
-        self.cond.notify_all()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
 
 
 class _Closed(Exception):
@@ -380,11 +430,12 @@ class _Closed(Exception):
 
 class ShardServer:
     def __init__(self, servicer: ShardRuntimeServicer, creds: TlsCredentials, *, host: str = "127.0.0.1",
-                 port: int = 0, max_workers: int = 32, max_connections: int = 256,
+                 port: int = 0, max_workers: int = 32, max_connections: int = 64,
                  handshake_timeout: float = 10.0) -> None:
         self.servicer = servicer
         self.ssl_context = server_ssl_context(creds)
         self.executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shard-rpc")
+        self.unary_executor = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="shard-rpc-unary")
         self.max_connections = max_connections
         self.handshake_timeout = handshake_timeout
         self.draining = False
@@ -413,15 +464,21 @@ class ShardServer:
                 return
             try:
                 sock, _ = self._listener.accept()
-            except OSError:
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    select.select([self._stop_r], [], [], 0.1)  # out of descriptors or memory: back off, don't spin
                 continue
             with self._lock:
                 if self.draining or len(self._conns) >= self.max_connections:
                     sock.close()
                     continue
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 30, 0))
-                conn = _Connection(self, sock)
+                try:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 30, 0))
+                    conn = _Connection(self, sock)
+                except OSError:  # e.g. no descriptor left for its pipe: drop this one, keep accepting
+                    sock.close()
+                    continue
                 self._conns.add(conn)
             conn.thread.start()
 
@@ -450,6 +507,7 @@ class ShardServer:
         for c in conns:
             c.close()
         self.executor.shutdown(wait=True)
+        self.unary_executor.shutdown(wait=True)
         for c in conns:
             c.thread.join()
         for fd in (self._stop_r, self._stop_w):
