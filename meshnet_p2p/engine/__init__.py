@@ -10,6 +10,7 @@ import os as _os
 # by default) before sleeping. A peer's next step comes a network round trip
 # later, and meanwhile the next peer of the route, often on the same machine in
 # tests and demos, needs those cores: bench/e2e.py went from 51 to 62 tokens/s
-# with 10,000, while a whole model in one process kept its speed. The
-# operator's own setting wins.
-_os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+# with 10,000, and from 85 to 88 with 1,000 (A/B, four pairs), while a whole
+# model in one process kept its speed. Far less (100) starves llama.cpp's own
+# parallel regions. The operator's own setting wins.
+_os.environ.setdefault("GOMP_SPINCOUNT", "1000")
