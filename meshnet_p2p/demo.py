@@ -1,7 +1,7 @@
 """``meshnet-peer demo``: a whole swarm on this machine, in one command.
 
 Starts a bootstrap peer and three volunteers (``meshnet-peer join``, each its
-own OS process, on loopback) serving a third of the embedded model each,
+own OS process, on loopback) serving a third of the model's layers each,
 generates from a prompt through them, prints the text and the route, and
 shuts everything down (SIGTERM, then waits for each process).
 """
@@ -18,9 +18,20 @@ from .peer_process import Swarm
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
 
 
+def thirds(n_layer: int) -> tuple[str, str, str]:
+    """Three contiguous spans covering ``n_layer`` layers, as even as can be."""
+    if n_layer < 3:
+        raise ValueError(f"a model of {n_layer} layers cannot be split across three volunteers")
+    cuts = [round(n_layer * i / 3) for i in range(4)]
+    return tuple(f"{a}:{b}" for a, b in zip(cuts, cuts[1:]))  # type: ignore[return-value]
+
+
 def run_demo(prompt: str = DEFAULT_PROMPT, max_tokens: int = 64, *, chat: bool = True, model: str | None = None,
              out: TextIO = sys.stdout, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> dict:
-    spans = ("0:10", "10:20", "20:30")
+    from .engine.cut import inspect_gguf
+    from .models import default_model_path
+
+    spans = thirds(inspect_gguf(model or default_model_path()).source_layers)
     log("starting a bootstrap peer and three volunteers ...")
     swarm = Swarm(spans, "--threads", "1", *(["--model", model] if model else []))
     try:

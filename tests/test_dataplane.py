@@ -159,6 +159,7 @@ def test_exhausted_credit_fails_closed_until_topped_up(middle):
         with pytest.raises(ShardError) as e:
             step(3, 2)
         assert e.value.code_name == "FLOW_CONTROL" and e.value.retryable
+        assert (e.value.work_id, e.value.idempotency_step) == ("w3", 3)  # which step was refused
         s.send(pb.SessionRequest(credit=pb.CreditTopUp(credits=2)))
         assert step(3, 2).result.position == 3
     c.close()
@@ -460,3 +461,22 @@ def test_a_certificate_names_its_owner_and_cannot_be_claimed_by_another(middle):
     # an identity extension whose signature covers another key
     other = make_tls_credentials(mallory)
     assert cert_identity(other.cert_pem) == mallory.peer_id
+
+
+def test_rollback_rewinds_the_cache_and_fails_closed_on_a_stale_route(middle):
+    c = middle.client()
+    fp = c.capability().fingerprint
+    with pytest.raises(ShardError, match="INVALID_ARGUMENT.*max_tokens"):  # zero KV positions is refused, not rounded up
+        c.session(fp, max_tokens=0)
+    with c.session(fp, max_tokens=64, route_epoch=1) as s:
+        first = s.step(0, hidden=hidden(3)).hidden.tensors[0].data
+        assert s.request(pb.SessionRequest(rollback=pb.RollbackSignal(position=1, route_epoch=1))).WhichOneof("kind") == "ack"
+        # positions 1 and 2 replayed: the same rows come out as the first time
+        again = s.step(1, hidden=TensorBundle((Tensor(HIDDEN, "f32", (2, 576), hidden(3).tensors[0].data[2304:]),)))
+        assert again.position == 3 and again.hidden.tensors[0].data == first[2304:]
+        with pytest.raises(ShardError, match="POSITION_MISMATCH"):  # beyond what the cache holds
+            s.request(pb.SessionRequest(rollback=pb.RollbackSignal(position=9, route_epoch=1)))
+        with pytest.raises(ShardError, match="EPOCH_STALE.*rollback refused"):  # from a route already replaced
+            s.request(pb.SessionRequest(rollback=pb.RollbackSignal(position=0, route_epoch=0)))
+        assert s.step(3, hidden=hidden(1)).position == 4  # the refused rollback changed nothing
+    c.close()

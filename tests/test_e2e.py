@@ -79,6 +79,15 @@ def test_no_route_names_the_missing_layers(tmp_path, model_path):
             p.stop()
 
 
+def test_the_demo_splits_any_model_in_thirds():
+    from meshnet_p2p.demo import thirds
+
+    assert thirds(30) == ("0:10", "10:20", "20:30")
+    assert thirds(32) == ("0:11", "11:21", "21:32") and thirds(3) == ("0:1", "1:2", "2:3")
+    with pytest.raises(ValueError, match="2 layers"):
+        thirds(2)
+
+
 def test_demo_runs_a_swarm_and_cleans_up(tmp_path):
     env = {**os.environ, "MESHNET_CACHE_DIR": str(tmp_path)}
     r = meshnet_peer("demo", "--prompt", "Say hi.", "--max-tokens", "8", "--json", timeout=600, env=env)

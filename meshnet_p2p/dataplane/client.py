@@ -43,6 +43,8 @@ class ShardError(MeshnetError):
         self.retryable = error.retryable
         self.terminal = error.terminal
         self.mismatches = list(error.mismatches)
+        self.work_id = error.work_id  # the step it refuses, when it refuses one
+        self.idempotency_step = error.idempotency_step
         super().__init__(f"{self.code_name}: {error.detail}")
 
 
@@ -141,6 +143,11 @@ class SessionStream:
         if accepted.WhichOneof("kind") != "accepted":
             self.close()
             raise ShardConnectionError(f"unexpected reply to SessionOpen: {accepted.WhichOneof('kind')}")
+        a = accepted.accepted
+        if (a.session_id, a.route_epoch) != (session_id, route_epoch):  # the peer must accept what we opened
+            self.close()
+            raise ShardConnectionError(f"the peer accepted session {a.session_id!r} at epoch {a.route_epoch}, "
+                                       f"not {session_id!r} at {route_epoch}")
         self.granted = accepted.accepted.granted
         self.credits = self.granted.credits
         self.layers = accepted.accepted.layers

@@ -193,12 +193,7 @@ class ShardRuntimeServicer:
                     if whole:
                         return
                 elif kind == "rollback":
-                    status = self.engine.rollback(opened_id, req.rollback.position)
-                    state.epoch = max(state.epoch, req.rollback.route_epoch)
-                    if status.ok:
-                        yield pb.SessionResponse(ack=pb.Ack())
-                    else:
-                        yield _error(_ENGINE_CODES[status.code], status.message)
+                    yield self._rollback(opened_id, state, req.rollback)
                 elif kind == "release":
                     self.engine.release(opened_id)
                     released = True
@@ -240,13 +235,16 @@ class ShardRuntimeServicer:
             if state.cancelled:
                 self._states.pop(sid, None)
                 return _error(E.CANCELLED, "the session was cancelled before it opened", terminal=True), None
+        if msg.max_tokens <= 0:  # the KV positions to reserve: zero would be a session that can do nothing
+            self._forget(sid)
+            return _error(E.INVALID_ARGUMENT, f"max_tokens must be positive, not {msg.max_tokens}", terminal=True), None
         sampling_msg = msg.sampling
         try:
             sampling = SamplingParams(
                 temperature=sampling_msg.temperature, top_k=sampling_msg.top_k,
                 top_p=sampling_msg.top_p or 1.0, seed=sampling_msg.seed,
             )
-            status = self.engine.open_session(OpenRequest(sid, max(1, msg.max_tokens), sampling))
+            status = self.engine.open_session(OpenRequest(sid, msg.max_tokens, sampling))
         except ValueError as e:
             self._forget(sid)
             return _error(E.INVALID_ARGUMENT, str(e), terminal=True), None
@@ -265,6 +263,17 @@ class ShardRuntimeServicer:
     def _forget(self, sid: str) -> None:
         with self._lock:
             self._states.pop(sid, None)
+
+    def _rollback(self, sid: str, state: SessionState, msg: pb.RollbackSignal) -> pb.SessionResponse:
+        verdict = state.check_rollback(msg.route_epoch)
+        if verdict is not Verdict.APPLY:
+            code, detail, retryable = _VERDICT_ERRORS[verdict]
+            return _error(code, f"rollback refused: {detail}", retryable=retryable)
+        status = self.engine.rollback(sid, msg.position)
+        if not status.ok:
+            return _error(_ENGINE_CODES[status.code], status.message)
+        state.rolled_back(msg.route_epoch)
+        return pb.SessionResponse(ack=pb.Ack())
 
     def _step(self, sid: str, state: SessionState, step: pb.Step) -> pb.SessionResponse:
         wid, n = step.work_id, step.idempotency_step

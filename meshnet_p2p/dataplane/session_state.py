@@ -56,6 +56,19 @@ class SessionState:
             return Verdict.NO_CREDIT
         return Verdict.APPLY
 
+    def check_rollback(self, epoch: int) -> Verdict:
+        """A rollback rewinds the shard's cache: only for an open, live session, from the current route."""
+        if not self.opened:
+            return Verdict.NOT_OPEN
+        if self.cancelled:
+            return Verdict.CANCELLED
+        if epoch < self.epoch:
+            return Verdict.EPOCH_STALE
+        return Verdict.APPLY
+
+    def rolled_back(self, epoch: int) -> None:
+        self.epoch = max(self.epoch, epoch)
+
     def applied(self, step: int, epoch: int) -> None:
         """A step reached the engine (whatever its outcome): spend a credit, remember it."""
         self.last_step = max(self.last_step, step)
