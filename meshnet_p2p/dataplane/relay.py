@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import socket
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -307,11 +308,13 @@ async def reserve(relay: Multiaddr, identity: Identity) -> tuple[trio.abc.Stream
         raise
 
 
-async def attach_to_relay(relay: Multiaddr, identity: Identity, local: tuple[str, int], *,
-                          task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Reserve a slot on ``relay`` and serve each client it announces by splicing
-    a fresh connection to the relay with one to ``local`` (this peer's gRPC port).
-    The first reservation must succeed; later, a lost relay is retried with backoff."""
+async def attach_to_relay(relay: Multiaddr, identity: Identity, local: tuple[str, int] | Callable[[socket.socket], None],
+                          *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Reserve a slot on ``relay`` and serve each client it announces over a fresh
+    connection to the relay: handed to ``local`` if it is a callable that adopts
+    connected sockets (this peer's own server: no splice, no loopback hop), or
+    spliced to ``local`` if it is an address. The first reservation must
+    succeed; later, a lost relay is retried with backoff."""
     control, reader = await reserve(relay, identity)
     task_status.started()
     backoff = 0.5
@@ -336,10 +339,15 @@ async def attach_to_relay(relay: Multiaddr, identity: Identity, local: tuple[str
                 continue
 
 
-async def _serve_one(relay: Multiaddr, token: str, local: tuple[str, int]) -> None:
+async def _serve_one(relay: Multiaddr, token: str, local: tuple[str, int] | Callable[[socket.socket], None]) -> None:
     try:
         data = await trio.open_tcp_stream(relay.host, relay.port)
         await data.send_all(f"MESHNET-ATTACH {token}\n".encode())
+        if callable(local):  # the server takes the connection itself; nothing was read from it here
+            sock = socket.socket(fileno=data.socket.detach())
+            sock.setblocking(True)
+            local(sock)
+            return
         inner = await trio.open_tcp_stream(*local)
         try:
             await _splice(data, inner, None)

@@ -60,7 +60,7 @@ async def start_data_plane(nursery: trio.Nursery, engine, identity: Identity, ho
     server = ShardServer(servicer, creds, host=host, port=port)
     await nursery.start(server.serve)
     if relay is not None:
-        await nursery.start(attach_to_relay, relay, identity, ("127.0.0.1", server.port))
+        await nursery.start(attach_to_relay, relay, identity, server.adopt)  # relayed clients go straight to the server
     return DataPlane(servicer, server, creds, str(Multiaddr.for_socket(host, "tcp", server.port, identity.peer_id)))
 
 

@@ -468,19 +468,24 @@ class ShardServer:
                 if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     select.select([self._stop_r], [], [], 0.1)  # out of descriptors or memory: back off, don't spin
                 continue
-            with self._lock:
-                if self.draining or len(self._conns) >= self.max_connections:
-                    sock.close()
-                    continue
-                try:
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 30, 0))
-                    conn = _Connection(self, sock)
-                except OSError:  # e.g. no descriptor left for its pipe: drop this one, keep accepting
-                    sock.close()
-                    continue
-                self._conns.add(conn)
-            conn.thread.start()
+            self.adopt(sock)
+
+    def adopt(self, sock: socket.socket) -> None:
+        """Serve an already connected socket: an accepted client, or a data
+        connection a relay opened for one (its TLS runs end to end through it)."""
+        with self._lock:
+            if self.draining or len(self._conns) >= self.max_connections:
+                sock.close()
+                return
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 30, 0))
+                conn = _Connection(self, sock)
+            except OSError:  # e.g. no descriptor left for its pipe: drop this one, keep serving
+                sock.close()
+                return
+            self._conns.add(conn)
+        conn.thread.start()
 
     def _forget(self, conn: _Connection) -> None:
         with self._changed:
