@@ -181,7 +181,7 @@ def test_the_receive_window_is_credited_only_as_messages_are_consumed():
     c, srv, sid = connected()
     c.receive_data(srv.response_headers(sid))
     message = b"m" * 16379  # 16384 bytes framed
-    frames = [frame(DATA, 0, sid, srv.grpc(message)) for _ in range((h2.RECEIVE_WINDOW // 2) // 16384 + 1)]
+    frames = [frame(DATA, 0, sid, srv.grpc(message)) for _ in range(h2.CREDIT_STEP // 16384 + 1)]
     for f in frames:
         c.receive_data(f)
     # nothing read yet: no window is given back, so a peer cannot make us buffer more
@@ -425,3 +425,48 @@ def test_server_any_chunking_of_a_valid_request_gives_the_same_events(messages, 
         k += 1
     assert events == [h2.RequestStarted(1, "/meshnet.shard.v1.ShardRuntime/Session", None)] + \
         [Message(1, m) for m in messages] + [h2.RequestEnded(1)]
+
+
+
+def _pump(client: H2ClientConnection, server: h2.H2ServerConnection, on_server, on_client) -> None:
+    """Move bytes both ways until neither side has anything to say."""
+    for _ in range(100_000):
+        a, b = client.data_to_send(), server.data_to_send()
+        if not a and not b:
+            return
+        if a:
+            for ev in server.receive_data(a):
+                on_server(ev)
+        if b:
+            for ev in client.receive_data(b):
+                on_client(ev)
+    raise AssertionError("the two sides never went quiet")
+
+
+def test_a_largest_message_still_arrives_after_a_long_run_of_small_ones():
+    """Credit that sits unreturned must never leave too little window for a whole message."""
+    client, server = H2ClientConnection(authority="x"), h2.H2ServerConnection()
+    client.initiate()
+    server.initiate()
+    sid = client.open_stream("/svc/Session")
+    got: list[int] = []
+
+    def on_server(ev):
+        if isinstance(ev, Message):
+            got.append(len(ev.data))
+            server.consumed(ev.stream_id, len(ev.data) + 5)  # the handler takes each as it comes
+
+    _pump(client, server, on_server, lambda ev: None)
+    for _ in range(1100):  # a long generation's worth of small steps, ~9 MiB
+        client.send_message(sid, b"s" * 8192)
+        _pump(client, server, on_server, lambda ev: None)
+    client.send_message(sid, b"L" * h2.MAX_MESSAGE)  # then the largest message allowed
+    _pump(client, server, on_server, lambda ev: None)
+    assert not client.pending(sid) and got[-1] == h2.MAX_MESSAGE and len(got) == 1101
+
+
+def test_a_grpc_timeout_that_is_not_ascii_digits_is_ignored():
+    assert h2._parse_timeout("\u00b2S") is None and h2._parse_timeout("15m") == 0.015
+    s, c = served()
+    assert s.receive_data(c.request(1, **{"grpc-timeout": "\u00b2S"})) == \
+        [h2.RequestStarted(1, "/meshnet.shard.v1.ShardRuntime/Session", None)]

@@ -154,3 +154,57 @@ def test_calls_per_connection_are_bounded_and_silent_calls_are_ended(server, mon
     c = ShardClient(ch, timeout=10)
     assert c.capability().layers.start == 10  # and the connection serves on
     c.close()
+
+
+def test_refused_calls_return_their_window(server):
+    """Bytes sent on calls the server refuses are credited back, or the
+    connection would stall after one window's worth. Each call here (HEADERS and
+    its whole request) goes in one TLS record, so the server reads both at once."""
+    from meshnet_p2p.dataplane import h2
+
+    srv, creds, engine = server
+    sock = _tls_socket(creds, srv.port)
+    sock.settimeout(10)
+    c = h2.H2ClientConnection(authority=TLS_NAME)
+    c.initiate()
+    sock.sendall(c.data_to_send())
+
+    def drain(block: bool) -> None:
+        sock.setblocking(block)
+        try:
+            while True:
+                data = sock.recv(1 << 18)
+                if not data:
+                    raise AssertionError("the server hung up")
+                c.receive_data(data)
+                sock.sendall(c.data_to_send())
+                if block:
+                    return
+        except (BlockingIOError, ssl.SSLWantReadError):
+            pass
+        finally:
+            sock.settimeout(10)
+
+    drain(True)  # the server's SETTINGS and its connection window
+    body = bytes(16000)
+    for _ in range(h2.CONNECTION_WINDOW // len(body) + 200):  # more than the connection's window in all
+        sid = c.open_stream("/meshnet.shard.v1.ShardRuntime/NoSuchMethod")
+        c.send_message(sid, body, end_stream=True)
+        assert not c.pending(sid), "the server stopped crediting: refused calls leaked its window"
+        sock.sendall(c.data_to_send())
+        drain(False)
+    sock.close()
+
+
+def test_silent_unary_calls_hold_no_worker(server):
+    """Unary calls that never send their request do not keep a Health (or a
+    Cancel) waiting for a worker."""
+    srv, creds, engine = server
+    ch = open_channel(creds.cert_pem, address=("127.0.0.1", srv.port))
+    silent = [ch.stream("/meshnet.shard.v1.ShardRuntime/Health") for _ in range(10)]
+    c = ShardClient(ch, timeout=5)
+    t0 = time.monotonic()
+    assert c.health().serving and time.monotonic() - t0 < 3
+    for call in silent:
+        call.cancel()
+    c.close()

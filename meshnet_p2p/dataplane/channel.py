@@ -411,6 +411,8 @@ class CallStream:
                 for message in inbox.messages if inbox is not None else ():
                     ch._h2.consumed(self.id, len(message) + 5)  # unread, but the window is ours again
                 ch._h2.reset_stream(self.id)
+            if inbox is not None:
+                inbox.messages.clear()  # credited once: a later recv must not credit them again
                 try:
                     ch._write_locked()
                 except (OSError, ssl.SSLError, ChannelError) as e:

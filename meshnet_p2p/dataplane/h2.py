@@ -56,11 +56,16 @@ RESOURCE_EXHAUSTED, INTERNAL, UNAVAILABLE = 8, 13, 14
 MAX_WINDOW = 2**31 - 1
 DEFAULT_WINDOW = 65535
 DEFAULT_FRAME = 16384  # what we accept (we never raise SETTINGS_MAX_FRAME_SIZE)
-# Per stream and per connection. Credited back only as the application takes
-# messages (``consumed``), so a peer can never make us hold more than this per
-# connection; a whole message must fit in it.
-RECEIVE_WINDOW = 24 << 20
+# Receive windows, credited back only as the application takes messages
+# (``consumed``), so a peer can never make us hold more than CONNECTION_WINDOW
+# per connection. Credit goes back once CREDIT_STEP bytes are consumed, so at
+# most that much sits uncredited: a whole MAX_MESSAGE always fits what is left
+# of a stream's window, and of the connection's beside one other stream's
+# partial message.
+RECEIVE_WINDOW = 24 << 20  # per stream
+CONNECTION_WINDOW = 48 << 20
 MAX_MESSAGE = 20 << 20
+CREDIT_STEP = 1 << 20
 MAX_HEADER_BLOCK = 64 << 10  # a HEADERS frame and its CONTINUATIONs, encoded
 MAX_HEADER_LIST = 16 << 10  # decoded, as advertised in our SETTINGS
 MAX_STREAMS = 100  # concurrent calls a server takes per connection
@@ -184,8 +189,8 @@ class _H2Connection:
         settings = struct.pack(">HIHIHI", SETTINGS_ENABLE_PUSH, 0, SETTINGS_INITIAL_WINDOW_SIZE, RECEIVE_WINDOW,
                                SETTINGS_MAX_HEADER_LIST_SIZE, MAX_HEADER_LIST) + extra
         self._out += frame(SETTINGS, 0, 0, settings)
-        self._out += frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", RECEIVE_WINDOW - DEFAULT_WINDOW))
-        self._recv_window = RECEIVE_WINDOW
+        self._out += frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", CONNECTION_WINDOW - DEFAULT_WINDOW))
+        self._recv_window = CONNECTION_WINDOW
 
     def data_to_send(self) -> bytes:
         out = bytes(self._out)
@@ -218,14 +223,14 @@ class _H2Connection:
         """The application took ``nbytes`` of a stream's messages (5 + length
         each, or what it discarded unread): the peer may send that much more."""
         self._recv_credit += nbytes
-        if self._recv_credit >= RECEIVE_WINDOW // 2:  # credited in large steps: rare on the hot path
+        if self._recv_credit >= CREDIT_STEP:  # credited in steps: one WINDOW_UPDATE per ~400 decode messages
             self._out += frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self._recv_credit))
             self._recv_window += self._recv_credit
             self._recv_credit = 0
         st = self._streams.get(stream_id)
         if st is not None:
             st.recv_credit += nbytes
-            if st.recv_credit >= RECEIVE_WINDOW // 2:
+            if st.recv_credit >= CREDIT_STEP:
                 self._out += frame(WINDOW_UPDATE, 0, stream_id, struct.pack(">I", st.recv_credit))
                 st.recv_window += st.recv_credit
                 st.recv_credit = 0
@@ -294,17 +299,20 @@ class _H2Connection:
         buf = self._in
         if not self._preface_seen(buf):
             return events
-        while len(buf) >= 9:
-            hi, lo, ftype, flags, sid = _HEAD.unpack_from(buf)
-            n = (hi << 16) | lo
-            sid &= 0x7FFFFFFF
-            if n > DEFAULT_FRAME:
-                raise H2ProtocolError(FRAME_SIZE_ERROR, f"a {n}-byte frame exceeds our {DEFAULT_FRAME}")
-            if len(buf) < 9 + n:
-                break
-            payload = bytes(buf[9 : 9 + n])
-            del buf[: 9 + n]
-            self._frame(ftype, flags, sid, payload, events)
+        pos, end = 0, len(buf)
+        try:  # frames are read at an offset and the buffer trimmed once: linear in what arrived
+            while end - pos >= 9:
+                hi, lo, ftype, flags, sid = _HEAD.unpack_from(buf, pos)
+                n = (hi << 16) | lo
+                if n > DEFAULT_FRAME:
+                    raise H2ProtocolError(FRAME_SIZE_ERROR, f"a {n}-byte frame exceeds our {DEFAULT_FRAME}")
+                if end - pos < 9 + n:
+                    break
+                payload = bytes(buf[pos + 9 : pos + 9 + n])
+                pos += 9 + n
+                self._frame(ftype, flags, sid & 0x7FFFFFFF, payload, events)
+        finally:
+            del buf[:pos]
         return events
 
     def _preface_seen(self, buf: bytearray) -> bool:
@@ -699,6 +707,7 @@ class H2ServerConnection(_H2Connection):
 
 
 def _parse_timeout(value: str | None) -> float | None:
-    if not value or len(value) > 9 or value[-1] not in _TIMEOUT_UNITS or not value[:-1].isdigit():
+    digits = (value or "")[:-1]
+    if not value or len(value) > 9 or value[-1] not in _TIMEOUT_UNITS or not (digits.isascii() and digits.isdigit()):
         return None
     return int(value[:-1]) * _TIMEOUT_UNITS[value[-1]]

@@ -69,14 +69,16 @@ def server_ssl_context(creds: TlsCredentials) -> ssl.SSLContext:
 
 
 class _Call:
-    __slots__ = ("sid", "method", "inbox", "ended", "done")
+    __slots__ = ("sid", "method", "inbox", "ended", "reset", "done", "started")
 
     def __init__(self, sid: int, method: str) -> None:
         self.sid = sid
         self.method = method
         self.inbox: list[bytes] = []
-        self.ended = False  # the client half-closed, reset the call, or the connection is gone
+        self.ended = False  # no more requests: the client half-closed or reset, or the connection is gone
+        self.reset = False  # the client cancelled the call, or the connection is gone: replies go nowhere
         self.done = False  # our side finished (trailers sent)
+        self.started = False  # a handler runs it
 
 
 class _Connection:
@@ -148,7 +150,7 @@ class _Connection:
             return
         self.broken = True
         for call in self.calls.values():
-            call.ended = True
+            call.ended = call.reset = True
         self.cond.notify_all()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)  # wakes whoever polls it
@@ -204,8 +206,11 @@ class _Connection:
         for ev in (self.h2.receive_data(plain) if plain else ()):
             if isinstance(ev, h2.Message):
                 call = self.calls.get(ev.stream_id)
-                if call is not None and not call.ended:
-                    call.inbox.append(ev.data)
+                if call is None or call.ended:  # a refused or finished call: nobody will take it
+                    self.h2.consumed(ev.stream_id, len(ev.data) + 5)
+                    continue
+                call.inbox.append(ev.data)
+                self._launch(call)
             elif isinstance(ev, h2.RequestStarted):
                 self._start_call(ev)
             elif isinstance(ev, (h2.RequestEnded, h2.StreamReset)):
@@ -213,10 +218,15 @@ class _Connection:
                 if call is not None:
                     call.ended = True
                     if isinstance(ev, h2.StreamReset):  # a cancelled call's unread requests are void
-                        for raw in call.inbox:
-                            self.h2.consumed(ev.stream_id, len(raw) + 5)
-                        call.inbox.clear()
+                        call.reset = True
+                        self._discard_inbox(call)
+                    self._launch(call)
         self._write_locked()
+
+    def _discard_inbox(self, call: _Call) -> None:
+        for raw in call.inbox:
+            self.h2.consumed(call.sid, len(raw) + 5)
+        call.inbox.clear()
 
     def _read_once(self, poller, timeout: float | None = None) -> bool:
         """Read and dispatch one chunk as the reader; False if woken by the pipe
@@ -247,6 +257,9 @@ class _Connection:
             self.close()
             return True
         except (OSError, ssl.SSLError, _Closed):
+            self.close()
+            return True
+        except Exception:  # a bug in handling this peer's input ends its connection, never the thread
             self.close()
             return True
         finally:
@@ -324,13 +337,24 @@ class _Connection:
             self.h2.reset_stream(ev.stream_id, h2.REFUSED_STREAM)
             return
         call = self.calls[ev.stream_id] = _Call(ev.stream_id, method)
-        # Unary calls have a pool of their own, so a Cancel never waits behind Sessions.
-        pool = self.server.executor if method == "Session" else self.server.unary_executor
+        if method == "Session":
+            self._launch(call)
+        # A unary call waits for its request before it takes a worker: a silent one holds none.
+
+    def _launch(self, call: _Call) -> None:
+        """Give a call its handler: Sessions when they open, unary calls once their
+        request (or end) has come. Unary calls have a pool of their own, so a
+        Cancel never waits behind Sessions."""
+        if call.started:
+            return
+        call.started = True
+        pool = self.server.executor if call.method == "Session" else self.server.unary_executor
         try:
             pool.submit(self._handle, call)
         except RuntimeError:  # the pool is shut down
-            del self.calls[ev.stream_id]
-            self.h2.send_trailers(ev.stream_id, 14, "the server is shutting down")
+            self.calls.pop(call.sid, None)
+            self._discard_inbox(call)
+            self.h2.send_trailers(call.sid, 14, "the server is shutting down")
 
     def _handle(self, call: _Call) -> None:
         try:
@@ -343,12 +367,14 @@ class _Connection:
         finally:
             with self.cond:
                 self.calls.pop(call.sid, None)
+                self._discard_inbox(call)  # requests it never read: their window goes back to the client
+                self._write_quietly()
                 self.cond.notify_all()
             with self.server._changed:
                 self.server._changed.notify_all()
 
     def _unary(self, call: _Call) -> None:
-        raw = self.next_request(call, FIRST_MESSAGE_TIMEOUT)
+        raw = self.next_request(call, FIRST_MESSAGE_TIMEOUT)  # here already, unless it ended empty
         if raw is None:
             return self.finish(call, 13, "no request message")  # INTERNAL
         try:
@@ -393,14 +419,14 @@ class _Connection:
             try:
                 self.h2.send_message(call.sid, message)
             except h2.H2StreamClosed:
-                call.ended = True
+                call.ended = call.reset = True
                 return
             self._write_quietly()
             deadline = time.monotonic() + SEND_TIMEOUT
-            while self.h2.pending(call.sid) and not self.broken and not call.ended:
+            while self.h2.pending(call.sid) and not self.broken and not call.reset:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    call.ended = True
+                    call.ended = call.reset = True
                     self.h2.reset_stream(call.sid, h2.CANCEL)
                     self._write_quietly()
                     return
@@ -485,7 +511,7 @@ class ShardServer:
                 sock.close()
                 return
             self._conns.add(conn)
-        conn.thread.start()
+            conn.thread.start()  # under the lock: stop() never sees a connection whose thread has not started
 
     def _forget(self, conn: _Connection) -> None:
         with self._changed:
