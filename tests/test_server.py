@@ -196,15 +196,44 @@ def test_refused_calls_return_their_window(server):
     sock.close()
 
 
-def test_silent_unary_calls_hold_no_worker(server):
-    """Unary calls that never send their request do not keep a Health (or a
-    Cancel) waiting for a worker."""
+def test_silent_unary_calls_hold_no_worker_and_end_with_their_connection(server):
+    """Unary calls that never send their request take no worker (another
+    client's Health answers at once), are capped per connection (refused, not
+    queued), and do not outlive their connection (its thread and descriptors
+    go, and stop() does not wait on them)."""
+    from meshnet_p2p.dataplane.channel import ChannelError
+
     srv, creds, engine = server
     ch = open_channel(creds.cert_pem, address=("127.0.0.1", srv.port))
-    silent = [ch.stream("/meshnet.shard.v1.ShardRuntime/Health") for _ in range(10)]
-    c = ShardClient(ch, timeout=5)
+    silent = [ch.stream("/meshnet.shard.v1.ShardRuntime/Health") for _ in range(4)]
+    other = _ours(creds, srv)
     t0 = time.monotonic()
-    assert c.health().serving and time.monotonic() - t0 < 3
-    for call in silent:
-        call.cancel()
-    c.close()
+    assert other.health().serving and time.monotonic() - t0 < 3
+    with pytest.raises(ChannelError) as e:  # a fifth waiting one on that connection is refused at once
+        ch.unary("/meshnet.shard.v1.ShardRuntime/Health", pb.HealthRequest().SerializeToString(), timeout=5)
+    assert e.value.code == "UNAVAILABLE" and time.monotonic() - t0 < 5
+    assert len(silent) == 4
+    ch.close()  # the connection goes with its four silent calls
+    other.close()
+    assert srv.wait_no_connections(10)
+
+
+def test_sessions_beyond_the_workers_are_refused_not_queued(shard_dir, load_engine):
+    from meshnet_p2p.dataplane.channel import ChannelError
+
+    engine = load_engine(shard_dir[(10, 20)])
+    creds = make_tls_credentials()
+    srv = ShardServer(ShardRuntimeServicer(engine), creds, max_workers=2).start()
+    try:
+        ch = open_channel(creds.cert_pem, address=("127.0.0.1", srv.port))
+        held = [ch.stream("/meshnet.shard.v1.ShardRuntime/Session") for _ in range(2)]  # each holds a worker
+        third = ch.stream("/meshnet.shard.v1.ShardRuntime/Session")
+        t0 = time.monotonic()
+        with pytest.raises(ChannelError) as e:
+            third.recv(deadline=time.monotonic() + 5)
+        assert e.value.code == "UNAVAILABLE" and time.monotonic() - t0 < 3  # refused, so the client can go elsewhere
+        for call in held:
+            call.cancel()
+        ch.close()
+    finally:
+        srv.stop(0)

@@ -44,6 +44,7 @@ _UNARY = {
 }
 _POLL_IN = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
 MAX_CALLS = 32  # concurrent calls per connection (a route opens one Session per peer, plus brief unary calls)
+MAX_WAITING_UNARY = 4  # unary calls per connection whose request has not come yet (they hold no worker)
 FIRST_MESSAGE_TIMEOUT = 10.0  # a call that sends nothing (no SessionOpen, no unary request) this long is ended
 SEND_TIMEOUT = 30.0  # a reply the client's flow-control window never lets out ends the call
 
@@ -99,6 +100,7 @@ class _Connection:
         self.handlers_waiting = 0
         self.broken = False
         self.fds_closed = False
+        self.fd_lock = threading.Lock()  # descriptor lifetime only: never held across I/O
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
         self.poll_sock = select.poll()
@@ -119,7 +121,14 @@ class _Connection:
         finally:
             self.close()
             with self.cond:  # no thread may still use the socket when its descriptor goes
-                while self.calls or self.reading:
+                while True:
+                    # Calls no handler ever took (a unary call whose request never came) end here;
+                    # nothing can feed the connection any more once it is broken and nobody reads.
+                    for call in [c for c in self.calls.values() if not c.started]:
+                        del self.calls[call.sid]
+                        self._discard_inbox(call)
+                    if not self.calls and not self.reading:
+                        break
                     self.cond.wait()
             self.release_fds()
             self.server._forget(self)
@@ -152,17 +161,23 @@ class _Connection:
         for call in self.calls.values():
             call.ended = call.reset = True
         self.cond.notify_all()
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)  # wakes whoever polls it
-        except OSError:
-            pass
+        self.shutdown_socket()
         try:
             os.write(self.wake_w, b"x")
         except OSError:
             pass
 
+    def shutdown_socket(self) -> None:
+        """Wake whoever polls or sends on the socket (any thread, lock or not)."""
+        with self.fd_lock:
+            if not self.fds_closed:
+                try:
+                    self.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
     def release_fds(self) -> None:
-        with self.cond:
+        with self.cond, self.fd_lock:
             self.fds_closed = True
             self.sock.close()
             for fd in (self.wake_r, self.wake_w):
@@ -330,10 +345,15 @@ class _Connection:
         if method != "Session" and method not in _UNARY:
             self.h2.send_trailers(ev.stream_id, 12, f"unknown method {ev.path[:128]}")  # UNIMPLEMENTED
             return
+        if self.broken:
+            return
         if self.server.draining:
             self.h2.send_trailers(ev.stream_id, 14, "the server is shutting down")  # UNAVAILABLE
             return
-        if len(self.calls) >= MAX_CALLS:  # calls still running here, reset or not: the client must wait
+        waiting_unary = sum(1 for c in self.calls.values() if not c.started)
+        if len(self.calls) >= MAX_CALLS or (method != "Session" and waiting_unary >= MAX_WAITING_UNARY) \
+                or (method == "Session" and not self.server.take_session_slot()):
+            # Refused before any work: the client may retry (here later, or on another peer).
             self.h2.reset_stream(ev.stream_id, h2.REFUSED_STREAM)
             return
         call = self.calls[ev.stream_id] = _Call(ev.stream_id, method)
@@ -352,6 +372,8 @@ class _Connection:
         try:
             pool.submit(self._handle, call)
         except RuntimeError:  # the pool is shut down
+            if call.method == "Session":
+                self.server.release_session_slot()
             self.calls.pop(call.sid, None)
             self._discard_inbox(call)
             self.h2.send_trailers(call.sid, 14, "the server is shutting down")
@@ -365,6 +387,8 @@ class _Connection:
         except Exception as e:  # a bug must end this call, not the connection or the peer
             self.finish(call, 13, f"{type(e).__name__}: {e}")
         finally:
+            if call.method == "Session":
+                self.server.release_session_slot()
             with self.cond:
                 self.calls.pop(call.sid, None)
                 self._discard_inbox(call)  # requests it never read: their window goes back to the client
@@ -461,6 +485,7 @@ class ShardServer:
         self.servicer = servicer
         self.ssl_context = server_ssl_context(creds)
         self.executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shard-rpc")
+        self._session_slots = threading.BoundedSemaphore(max_workers)  # a Session never queues for a worker
         self.unary_executor = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="shard-rpc-unary")
         self.max_connections = max_connections
         self.handshake_timeout = handshake_timeout
@@ -513,6 +538,12 @@ class ShardServer:
             self._conns.add(conn)
             conn.thread.start()  # under the lock: stop() never sees a connection whose thread has not started
 
+    def take_session_slot(self) -> bool:
+        return self._session_slots.acquire(blocking=False)
+
+    def release_session_slot(self) -> None:
+        self._session_slots.release()
+
     def _forget(self, conn: _Connection) -> None:
         with self._changed:
             self._conns.discard(conn)
@@ -533,8 +564,10 @@ class ShardServer:
             self._acceptor.join()
         self._listener.close()
         with self._changed:  # running calls get ``grace`` to finish (each call's end notifies)
-            self._changed.wait_for(lambda: not any(c.calls for c in self._conns), grace or 0)
+            self._changed.wait_for(lambda: not any(x.started for c in self._conns for x in c.calls.values()), grace or 0)
             conns = list(self._conns)
+        for c in conns:
+            c.shutdown_socket()  # first, without its lock: a send blocked on a client that stopped reading returns now
         for c in conns:
             c.close()
         self.executor.shutdown(wait=True)
