@@ -237,3 +237,25 @@ def test_sessions_beyond_the_workers_are_refused_not_queued(shard_dir, load_engi
         ch.close()
     finally:
         srv.stop(0)
+
+
+def test_sessions_sharing_a_connection_each_get_their_own_requests(server):
+    """Whichever waiting handler reads a request hands it to the session it is
+    for: steps on several sessions of one connection, in any order, all answer."""
+    import random
+
+    srv, creds, engine = server
+    c = _ours(creds, srv)
+    fp = c.capability().fingerprint
+    sessions = [c.session(fp, max_tokens=64) for _ in range(3)]
+    positions = [0, 0, 0]
+    rng = random.Random(5)
+    one = TensorBundle((Tensor(HIDDEN, "f32", (1, 576), bytes(2304)),))
+    for _ in range(40):
+        k = rng.randrange(3)
+        reply = sessions[k].step(positions[k], hidden=one, timeout=10)
+        positions[k] += 1
+        assert reply.position == positions[k]
+    for s in sessions:
+        s.release()
+    c.close()

@@ -6,9 +6,10 @@ server spent about 0.15 ms of every hop passing each message from its poller
 to a handler thread and through its event engine (docs/dataplane.md). Here a
 handler that waits for its stream's next request reads the socket itself, so
 a step's request reaches the thread that runs it with no hand-off. Each
-connection also has a standby thread that reads while every handler is busy
-(a Cancel must reach a running step), and steps back the moment a handler
-wants to read again.
+connection also has a standby thread that reads while no handler waits (a
+Cancel must reach a running step). It polls alongside a waiting handler but
+never reads while one waits, so it never has to be asked to step aside.
+Among waiting handlers one reads at a time and hands the others what is theirs.
 
 Threads: one acceptor; one standby reader per connection; handlers on a
 bounded pool (a Session holds one for its lifetime, unary calls briefly).
@@ -95,19 +96,11 @@ class _Connection:
         self.tls = server.ssl_context.wrap_bio(self.tls_in, self.tls_out, server_side=True)
         self.h2 = h2.H2ServerConnection(max_streams=MAX_CALLS)
         self.calls: dict[int, _Call] = {}
-        self.reading = False
-        self.standby_polling = False
-        self.handlers_waiting = 0
+        self.waiters = 0  # handlers waiting for a request or for flow-control window
+        self.reading = False  # one of them polls the socket; the others wait to be handed theirs
         self.broken = False
         self.fds_closed = False
         self.fd_lock = threading.Lock()  # descriptor lifetime only: never held across I/O
-        self.wake_r, self.wake_w = os.pipe()
-        os.set_blocking(self.wake_w, False)
-        self.poll_sock = select.poll()
-        self.poll_sock.register(sock, _POLL_IN)
-        self.poll_both = select.poll()
-        self.poll_both.register(sock, _POLL_IN)
-        self.poll_both.register(self.wake_r, select.POLLIN)
         self.thread = threading.Thread(target=self._run, name="shard-conn", daemon=True)
 
     # --- life cycle -----------------------------------------------------------------------------
@@ -127,7 +120,7 @@ class _Connection:
                     for call in [c for c in self.calls.values() if not c.started]:
                         del self.calls[call.sid]
                         self._discard_inbox(call)
-                    if not self.calls and not self.reading:
+                    if not self.calls and not self.reading:  # every poller but this thread belongs to a call
                         break
                     self.cond.wait()
             self.release_fds()
@@ -140,7 +133,7 @@ class _Connection:
                 break
             except ssl.SSLWantReadError:
                 self._send_raw(self.tls_out.read())
-                self.tls_in.write(self._recv_raw(self.poll_sock, deadline))
+                self.tls_in.write(self._recv_raw(deadline))
         self._send_raw(self.tls_out.read())
         if self.tls.selected_alpn_protocol() != "h2":
             raise _Closed()
@@ -161,11 +154,7 @@ class _Connection:
         for call in self.calls.values():
             call.ended = call.reset = True
         self.cond.notify_all()
-        self.shutdown_socket()
-        try:
-            os.write(self.wake_w, b"x")
-        except OSError:
-            pass
+        self.shutdown_socket()  # every thread polling the socket wakes (POLLHUP)
 
     def shutdown_socket(self) -> None:
         """Wake whoever polls or sends on the socket (any thread, lock or not)."""
@@ -180,11 +169,6 @@ class _Connection:
         with self.cond, self.fd_lock:
             self.fds_closed = True
             self.sock.close()
-            for fd in (self.wake_r, self.wake_w):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
 
     # --- I/O ------------------------------------------------------------------------------------
 
@@ -192,9 +176,10 @@ class _Connection:
         if data:
             self.sock.sendall(data)
 
-    def _recv_raw(self, poller, deadline: float | None = None) -> bytes:
-        wait = -1 if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
-        if not poller.poll(wait):
+    def _recv_raw(self, deadline: float) -> bytes:
+        poller = select.poll()
+        poller.register(self.sock, _POLL_IN)
+        if not poller.poll(max(0, int((deadline - time.monotonic()) * 1000))):
             raise _Closed()
         data = self.sock.recv(1 << 18)
         if not data:
@@ -243,25 +228,30 @@ class _Connection:
             self.h2.consumed(call.sid, len(raw) + 5)
         call.inbox.clear()
 
-    def _read_once(self, poller, timeout: float | None = None) -> bool:
-        """Read and dispatch one chunk as the reader; False if woken by the pipe
-        or the timeout passed."""
+    def _poll_and_read(self, timeout: float | None, *, standby: bool = False) -> None:
+        """Called without the lock: wait until the socket has bytes (or
+        ``timeout``), then read what is there and dispatch it under the lock
+        (a non-blocking recv: if the other poller read them first, nothing).
+        The standby leaves bytes to a waiting handler, so a step's request is
+        read by the thread that runs it."""
+        poller = select.poll()  # one per wait: a poll object is not for concurrent use
+        poller.register(self.sock, _POLL_IN)
         try:
-            ready = poller.poll(-1 if timeout is None else max(0, int(timeout * 1000) + 1))
-            if not ready:
-                return False
-            if any(fd == self.wake_r for fd, _ in ready):
-                try:
-                    os.read(self.wake_r, 4096)
-                except OSError:
-                    pass
-                return False
-            data = self.sock.recv(1 << 18)
-            if not data:
-                raise _Closed()
+            if not poller.poll(-1 if timeout is None else max(0, int(timeout * 1000) + 1)):
+                return
             with self.cond:
-                self._feed_locked(data)
-            return True
+                if self.broken or (standby and self.waiters):
+                    return
+                try:
+                    data = self.sock.recv(1 << 18, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    return
+                if not data:
+                    raise _Closed()
+                try:
+                    self._feed_locked(data)
+                finally:
+                    self.cond.notify_all()
         except h2.H2ProtocolError as e:
             with self.cond:
                 try:  # tell the client why before hanging up
@@ -270,72 +260,61 @@ class _Connection:
                 except (OSError, ssl.SSLError):
                     pass
             self.close()
-            return True
         except (OSError, ssl.SSLError, _Closed):
             self.close()
-            return True
         except Exception:  # a bug in handling this peer's input ends its connection, never the thread
             self.close()
-            return True
-        finally:
-            with self.cond:
-                self.reading = False
-                self.cond.notify_all()
 
     def _standby(self) -> None:
-        """Read whenever no handler waits to (so Cancels reach running steps)."""
+        """Read while no handler waits to (so Cancels reach running steps)."""
         while True:
             with self.cond:
-                while not self.broken and (self.reading or self.handlers_waiting):
+                while not self.broken and self.waiters:
                     self.cond.wait()
                 if self.broken:
                     return
+            self._poll_and_read(None, standby=True)
+
+    def _wait_locked(self, ready, deadline: float | None) -> bool:
+        """Under the lock: until ``ready()`` (True) or the deadline (False) or the
+        connection breaks (True: the caller looks). Reads the socket itself when
+        no other waiting handler is; otherwise is handed what arrives."""
+        self.waiters += 1
+        try:
+            while True:
+                if ready() or self.broken:
+                    return True
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                if self.reading:
+                    self.cond.wait(remaining)
+                    continue
                 self.reading = True
-                self.standby_polling = True
-            try:
-                self._read_once(self.poll_both)
-            finally:
-                with self.cond:
-                    self.standby_polling = False
+                self.lock.release()
+                try:
+                    self._poll_and_read(remaining)
+                finally:
+                    self.lock.acquire()
+                    self.reading = False
+                    self.cond.notify_all()
+        finally:
+            self.waiters -= 1
+            if not self.waiters:
+                self.cond.notify_all()  # the standby reads again
 
     def next_request(self, call: _Call, timeout: float | None = None) -> bytes | None:
-        """A handler's wait for its call's next message: reads the socket itself
-        unless another thread is reading. None once the call has ended (or
-        nothing came within ``timeout``)."""
+        """A handler's wait for its call's next message. None once the call has
+        ended (or nothing came within ``timeout``)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.cond:
-            self.handlers_waiting += 1
-            try:
-                while True:
-                    if call.inbox:
-                        raw = call.inbox.pop(0)
-                        self.h2.consumed(call.sid, len(raw) + 5)  # the client may send this much more
-                        self._write_quietly()
-                        return raw
-                    if call.ended or self.broken:
-                        return None
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        return None
-                    if not self.reading:
-                        self.reading = True
-                    else:
-                        if self.standby_polling:
-                            try:
-                                os.write(self.wake_w, b"x")  # step aside: this handler reads next
-                            except OSError:
-                                pass
-                        self.cond.wait(remaining)
-                        continue
-                    self.lock.release()
-                    try:
-                        self._read_once(self.poll_sock, remaining)
-                    finally:
-                        self.lock.acquire()
-            finally:
-                self.handlers_waiting -= 1
-                if not self.handlers_waiting:
-                    self.cond.notify_all()
+            self._wait_locked(lambda: bool(call.inbox) or call.ended, deadline)
+            if not call.inbox:
+                return None
+            raw = call.inbox.pop(0)
+            self.h2.consumed(call.sid, len(raw) + 5)  # the client may send this much more
+            self._write_quietly()
+            return raw
 
     # --- calls ----------------------------------------------------------------------------------
 
@@ -446,23 +425,11 @@ class _Connection:
                 call.ended = call.reset = True
                 return
             self._write_quietly()
-            deadline = time.monotonic() + SEND_TIMEOUT
-            while self.h2.pending(call.sid) and not self.broken and not call.reset:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    call.ended = call.reset = True
-                    self.h2.reset_stream(call.sid, h2.CANCEL)
-                    self._write_quietly()
-                    return
-                if self.reading:
-                    self.cond.wait(remaining)
-                    continue
-                self.reading = True
-                self.lock.release()
-                try:
-                    self._read_once(self.poll_sock, remaining)
-                finally:
-                    self.lock.acquire()
+            if not self._wait_locked(lambda: not self.h2.pending(call.sid) or call.reset,
+                                     time.monotonic() + SEND_TIMEOUT):
+                call.ended = call.reset = True
+                self.h2.reset_stream(call.sid, h2.CANCEL)
+                self._write_quietly()
 
     def finish(self, call: _Call, status: int, message: str) -> None:
         with self.cond:
