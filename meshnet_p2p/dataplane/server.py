@@ -139,7 +139,9 @@ class _Connection:
             raise _Closed()
         with self.lock:
             self.h2.initiate()
-            self._write_locked()
+            # What came in the same read as the handshake's end (the client's preface,
+            # SETTINGS, even a first call) is already in the TLS buffer: handle it now.
+            self._feed_locked(b"")
 
     def close(self) -> None:
         with self.cond:
