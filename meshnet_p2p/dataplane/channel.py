@@ -172,6 +172,7 @@ class Channel:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the chain and the name
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         ctx.load_verify_locations(cadata=self._cert.decode("ascii"))  # the pinned certificate is the only root
+        ctx.verify_flags |= ssl.VERIFY_X509_STRICT  # as Python 3.13 does by default: the same checks everywhere
         ctx.set_alpn_protocols(["h2"])
         tls = ctx.wrap_bio(self._tls_in, self._tls_out, server_hostname=self._name)
         if early:
