@@ -28,7 +28,7 @@ from typing import Callable
 
 from ..errors import MeshnetError
 from . import h2
-from .tls import decrypt
+from .tls import decrypt, handshake
 
 MAX_RELAY_RESPONSE = 8192
 _POLL_IN = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
@@ -117,11 +117,8 @@ class Channel:
         with self._connect_lock, self._lock:  # not while a connection is being set up
             if self._broken is None:
                 if self._h2 is not None:
-                    try:
-                        self._h2.close()
-                        self._write_locked()
-                    except (OSError, ssl.SSLError, ChannelError):
-                        pass
+                    self._h2.close()
+                    self._write_quietly()
                 self._fail("the channel was closed")  # every open call ends UNAVAILABLE, never as a clean end
             sock = self._sock
             if sock is not None:
@@ -148,12 +145,11 @@ class Channel:
             deadline = limit if deadline is None else min(deadline, limit)
             try:
                 self._handshake(deadline)
-            except ChannelError as e:
-                self._fail(e.detail)
-                raise
-            except (OSError, ssl.SSLError) as e:
-                self._fail(f"cannot connect: {e}")
-                raise ChannelError("UNAVAILABLE", f"cannot connect: {e}") from None
+            except (ChannelError, OSError, ssl.SSLError) as e:
+                error = e if isinstance(e, ChannelError) else ChannelError("UNAVAILABLE", f"cannot connect: {e}")
+                with self._lock:
+                    self._fail(error.detail)
+                raise error from None
 
     def _handshake(self, deadline: float) -> None:
         target = self._relay if self._relay is not None else self._address
@@ -177,21 +173,12 @@ class Channel:
         tls = ctx.wrap_bio(self._tls_in, self._tls_out, server_hostname=self._name)
         if early:
             self._tls_in.write(early)
-        while True:
-            try:
-                tls.do_handshake()
-                break
-            except ssl.SSLWantReadError:
-                self._send_raw(self._tls_out.read())
-                data = self._recv_raw(deadline)
-                if not data:
-                    raise ChannelError("UNAVAILABLE", "the peer closed the connection during the TLS handshake")
-                self._tls_in.write(data)
-            except ssl.SSLError as e:
-                raise ChannelError("UNAVAILABLE", f"TLS handshake failed: {e.reason or e}") from None
-        self._send_raw(self._tls_out.read())
-        if tls.selected_alpn_protocol() != "h2":
-            raise ChannelError("UNAVAILABLE", "the peer did not agree to HTTP/2")
+        try:
+            handshake(tls, self._tls_in, self._tls_out, self._send_raw, lambda: self._recv_raw(deadline))
+        except ssl.SSLError as e:
+            raise ChannelError("UNAVAILABLE", f"TLS handshake failed: {e.reason or e}") from None
+        except ConnectionError as e:
+            raise ChannelError("UNAVAILABLE", str(e)) from None
         conn = h2.H2ClientConnection(authority=self._name, max_message_bytes=self._max_message)
         conn.initiate()
         with self._lock:
@@ -238,23 +225,23 @@ class Channel:
             raise ChannelError("UNAVAILABLE", self._broken)
 
     def _fail(self, why: str) -> None:
-        """Break the channel (under or outside the lock): every waiter gets the reason."""
+        """Break the channel (under the lock): every waiter gets the reason."""
         self._broken = self._broken or why
         for inbox in self._inboxes.values():
             if inbox.ended is None:
                 inbox.ended = h2.StreamEnded(0, h2.UNAVAILABLE, self._broken)
-        try:
-            self._cond.notify_all()
-        except RuntimeError:  # not holding the lock (connection setup): nobody waits yet
-            pass
+        self._cond.notify_all()
 
-    def _consumed(self, stream_id: int, nbytes: int) -> None:
-        if self._broken is None:
-            self._h2.consumed(stream_id, nbytes)
-            try:
-                self._write_locked()
-            except (OSError, ssl.SSLError, ChannelError) as e:
-                self._fail(f"connection lost: {e}")
+    def _write_quietly(self) -> None:
+        """Send what HTTP/2 has queued; a failure breaks the channel (and every call learns why)."""
+        if self._broken is not None:
+            return
+        try:
+            self._write_locked()
+        except ChannelError as e:
+            self._fail(e.detail)
+        except (OSError, ssl.SSLError) as e:
+            self._fail(f"connection lost: {e}")
 
     def _write_locked(self) -> None:
         data = self._h2.data_to_send()
@@ -319,15 +306,11 @@ class Channel:
                     inbox = self._inboxes.get(ev.stream_id)
                     if inbox is not None and inbox.ended is None:
                         inbox.ended = ev
-            self._write_locked()  # acks, window updates, and data the peer's window now lets out
         except ssl.SSLError as e:  # a record that fails its MAC: someone changed bytes in flight
-            self._fail(f"TLS failure (data altered or corrupt): {e.reason or e}")
+            return self._fail(f"TLS failure (data altered or corrupt): {e.reason or e}")
         except h2.H2ProtocolError as e:
-            self._fail(f"HTTP/2 protocol error from the peer: {e}")
-        except ChannelError as e:
-            self._fail(e.detail)
-        except OSError as e:
-            self._fail(f"connection lost: {e}")
+            return self._fail(f"HTTP/2 protocol error from the peer: {e}")
+        self._write_quietly()  # acks, window updates, and data the peer's window now lets out
 
 
 class CallStream:
@@ -351,16 +334,11 @@ class CallStream:
             self._raise_if_ended()
             try:
                 ch._h2.send_message(self.id, message, end_stream=end)
-                ch._write_locked()
             except h2.H2StreamClosed:
                 self._raise_if_ended()
                 raise ChannelError("INTERNAL", "the call is closed for sending") from None
-            except ChannelError as e:
-                ch._fail(e.detail)
-                raise
-            except (OSError, ssl.SSLError) as e:
-                ch._fail(f"connection lost: {e}")
-                raise ChannelError("UNAVAILABLE", f"connection lost: {e}") from None
+            ch._write_quietly()
+            self._raise_if_ended()  # the write broke the channel
             waiting = ch._h2.pending(self.id)
         if waiting:  # more than the peer's flow-control window: read until it grants more
             ch._wait(lambda: not ch._h2.pending(self.id) or self._inbox.ended is not None, self._limit(deadline))
@@ -382,7 +360,9 @@ class CallStream:
         with ch._lock:
             if inbox.messages:
                 message = inbox.messages.popleft()
-                ch._consumed(self.id, len(message) + 5)
+                if ch._broken is None:
+                    ch._h2.consumed(self.id, len(message) + 5)
+                    ch._write_quietly()
                 return message
             self._raise_if_ended()
             return None
@@ -396,25 +376,20 @@ class CallStream:
         """Half-close: no more requests on this call."""
         ch = self._ch
         with ch._lock:
-            if ch._broken is None and ch._h2 is not None:
+            if ch._broken is None:
                 ch._h2.end_stream(self.id)
-                try:
-                    ch._write_locked()
-                except (OSError, ssl.SSLError, ChannelError) as e:
-                    ch._fail(f"connection lost: {e}")
+                ch._write_quietly()
 
     def cancel(self) -> None:
         """Reset the call if it is still open; forget it either way."""
         ch = self._ch
         with ch._lock:
             inbox = ch._inboxes.pop(self.id, None)
-            if ch._broken is None and ch._h2 is not None:
-                for message in inbox.messages if inbox is not None else ():
+            if inbox is None:
+                return
+            if ch._broken is None:
+                for message in inbox.messages:
                     ch._h2.consumed(self.id, len(message) + 5)  # unread, but the window is ours again
                 ch._h2.reset_stream(self.id)
-            if inbox is not None:
-                inbox.messages.clear()  # credited once: a later recv must not credit them again
-                try:
-                    ch._write_locked()
-                except (OSError, ssl.SSLError, ChannelError) as e:
-                    ch._fail(f"connection lost: {e}")
+                ch._write_quietly()
+            inbox.messages.clear()  # credited once: a later recv must not credit them again

@@ -34,7 +34,7 @@ import trio
 from .._proto import shard_runtime_pb2 as pb
 from . import h2
 from .servicer import ShardRuntimeServicer
-from .tls import TlsCredentials, decrypt
+from .tls import TlsCredentials, decrypt, handshake
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["ShardRuntime"].full_name
 _UNARY = {
@@ -127,16 +127,7 @@ class _Connection:
             self.server._forget(self)
 
     def _handshake(self, deadline: float) -> None:
-        while True:
-            try:
-                self.tls.do_handshake()
-                break
-            except ssl.SSLWantReadError:
-                self._send_raw(self.tls_out.read())
-                self.tls_in.write(self._recv_raw(deadline))
-        self._send_raw(self.tls_out.read())
-        if self.tls.selected_alpn_protocol() != "h2":
-            raise _Closed()
+        handshake(self.tls, self.tls_in, self.tls_out, self._send_raw, lambda: self._recv_raw(deadline))
         with self.lock:
             self.h2.initiate()
             # What came in the same read as the handshake's end (the client's preface,
@@ -183,10 +174,7 @@ class _Connection:
         poller.register(self.sock, _POLL_IN)
         if not poller.poll(max(0, int((deadline - time.monotonic()) * 1000))):
             raise _Closed()
-        data = self.sock.recv(1 << 18)
-        if not data:
-            raise _Closed()
-        return data
+        return self.sock.recv(1 << 18)
 
     def _write_locked(self) -> None:
         data = self.h2.data_to_send()

@@ -161,3 +161,22 @@ def decrypt(tls: ssl.SSLObject, incoming: ssl.MemoryBIO, data: bytes) -> bytes |
         if not chunk:
             return None
         plain.append(chunk)
+
+
+def handshake(tls: ssl.SSLObject, incoming: ssl.MemoryBIO, outgoing: ssl.MemoryBIO, send, recv) -> None:
+    """Run a MemoryBIO-driven TLS handshake over ``send(bytes)`` and ``recv() ->
+    bytes``, then insist on HTTP/2 (ALPN h2). Raises ``ssl.SSLError`` if the
+    handshake fails, ``ConnectionError`` if the peer hangs up or will not speak h2."""
+    while True:
+        try:
+            tls.do_handshake()
+            break
+        except ssl.SSLWantReadError:
+            send(outgoing.read())
+            data = recv()
+            if not data:
+                raise ConnectionError("the peer closed the connection during the TLS handshake") from None
+            incoming.write(data)
+    send(outgoing.read())
+    if tls.selected_alpn_protocol() != "h2":
+        raise ConnectionError("the peer did not agree to HTTP/2")
