@@ -1,6 +1,6 @@
 """Per-token decode overhead of one data-plane hop, measured side by side in one run.
 
-    python bench/hop.py [--layers 10:20] [--tokens 200] [--json]
+    python bench/hop.py [--layers 10:20] [--tokens 300] [--json]
 
 Runs the same middle shard three ways, in turns of --block tokens: the engine
 called in this process, the same shard served by a `meshnet-peer serve`
@@ -54,6 +54,7 @@ def main() -> int:
     args = ap.parse_args()
 
     model = default_model_path()
+    n_ctx = args.tokens + 8  # KV positions every way's session reserves
     start_l, end_l = parse_layer_range(args.layers)
     shard = ensure_shard(model, start_l, end_l, sha256_file(model))
     procs: list[PeerProcess] = []
@@ -69,13 +70,13 @@ def main() -> int:
         cert = verify_binding(bytes.fromhex(server.wait_line("tls-binding ").split()[1]), peer, wall_ms())
 
         floor = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "_grpc_floor.py"), shard,
-                                  str(args.threads), str(args.tokens + 8)], stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
+                                  str(args.threads), str(n_ctx)], stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
         floor_port, floor_cert = int(floor.stdout.readline()), bytes.fromhex(floor.stdout.readline().strip())
         floor_channel = open_channel(floor_cert, address=("127.0.0.1", floor_port))
         floor_call = floor_channel.stream(f"/{SERVICE}/{METHOD}")
 
         engine = LlamaCppShardEngine()
-        engine.load(LoadRequest(shard, max_sessions=1, n_ctx_per_session=args.tokens + 8, n_threads=args.threads)).status.raise_for_status()
+        engine.load(LoadRequest(shard, max_sessions=1, n_ctx_per_session=n_ctx, n_threads=args.threads)).status.raise_for_status()
         direct = ShardClient(open_channel(cert, address=(addr.host, addr.port)))
         relayed = ShardClient(open_channel(cert, relay=(relay_addr.host, relay_addr.port), peer_id=peer))
         fp = direct.capability().fingerprint
@@ -83,8 +84,8 @@ def main() -> int:
         rng = np.random.default_rng(0)
         hidden = [TensorBundle((Tensor(HIDDEN, "f32", (1, n_embd), (rng.standard_normal((1, n_embd)) * 0.1).astype(np.float32).tobytes()),))
                   for _ in range(args.tokens)]
-        engine.open_session(OpenRequest("local", args.tokens + 8)).raise_for_status()
-        streams = {"direct": direct.session(fp, max_tokens=args.tokens + 8), "relay": relayed.session(fp, max_tokens=args.tokens + 8)}
+        engine.open_session(OpenRequest("local", n_ctx)).raise_for_status()
+        streams = {"direct": direct.session(fp, max_tokens=n_ctx), "relay": relayed.session(fp, max_tokens=n_ctx)}
         times: dict[str, list[float]] = {"inprocess": [], "floor": [], "direct": [], "relay": []}
         outputs: dict[str, list[bytes]] = {k: [] for k in times}
         pos = 0

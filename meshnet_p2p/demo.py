@@ -8,6 +8,7 @@ shuts everything down (SIGTERM, then waits for each process).
 
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from typing import Callable, TextIO
@@ -23,7 +24,7 @@ def thirds(n_layer: int) -> tuple[str, str, str]:
     if n_layer < 3:
         raise ValueError(f"a model of {n_layer} layers cannot be split across three volunteers")
     cuts = [round(n_layer * i / 3) for i in range(4)]
-    return tuple(f"{a}:{b}" for a, b in zip(cuts, cuts[1:]))  # type: ignore[return-value]
+    return tuple(f"{a}:{b}" for a, b in itertools.pairwise(cuts))  # type: ignore[return-value]
 
 
 def run_demo(prompt: str = DEFAULT_PROMPT, max_tokens: int = 64, *, chat: bool = True, model: str | None = None,

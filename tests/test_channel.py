@@ -13,8 +13,9 @@ import grpc
 import pytest
 
 from meshnet_p2p.dataplane.channel import Channel, ChannelError
-GRPC_OPTIONS = [("grpc.so_reuseport", 0)]  # port 0 must mean a port of our own
 from meshnet_p2p.dataplane.tls import TLS_NAME, make_tls_credentials
+
+GRPC_OPTIONS = [("grpc.so_reuseport", 0)]  # port 0 must mean a port of our own
 
 
 def _same(b: bytes) -> bytes:
@@ -58,6 +59,11 @@ def grpc_server():
 def channel(grpc_server, **kw) -> Channel:
     port, cert, _ = grpc_server
     return Channel(cert, TLS_NAME, address=("127.0.0.1", port), **kw)
+
+
+def _untrusted(**kw) -> Channel:
+    """A channel that pins a fresh certificate nobody serves."""
+    return Channel(make_tls_credentials().cert_pem, TLS_NAME, **kw)
 
 
 def test_messages_far_larger_than_the_flow_control_windows_go_both_ways(grpc_server):
@@ -127,7 +133,7 @@ def test_threads_share_a_channel_while_one_waits(grpc_server):
 
 def test_the_pinned_certificate_is_the_only_one_trusted(grpc_server):
     port, _, _ = grpc_server
-    ch = Channel(make_tls_credentials().cert_pem, TLS_NAME, address=("127.0.0.1", port))
+    ch = _untrusted(address=("127.0.0.1", port))
     with pytest.raises(ChannelError, match="TLS handshake failed"):
         ch.unary("/t.Svc/Big", b"256", timeout=10)
     ch.close()
@@ -163,7 +169,7 @@ class Listener:
 
 def test_a_peer_that_never_answers_misses_the_connect_deadline():
     lst = Listener(lambda conn: None)  # accepts, then says nothing
-    ch = Channel(make_tls_credentials().cert_pem, TLS_NAME, address=("127.0.0.1", lst.port), connect_timeout=0.3)
+    ch = _untrusted(address=("127.0.0.1", lst.port), connect_timeout=0.3)
     t0 = time.monotonic()
     with pytest.raises(ChannelError) as e:
         ch.unary("/t.Svc/Big", b"", timeout=10)
@@ -174,13 +180,13 @@ def test_a_peer_that_never_answers_misses_the_connect_deadline():
 
 def test_a_peer_that_hangs_up_or_talks_nonsense_is_unavailable():
     lst = Listener(lambda conn: conn.close())
-    ch = Channel(make_tls_credentials().cert_pem, TLS_NAME, address=("127.0.0.1", lst.port), connect_timeout=5)
+    ch = _untrusted(address=("127.0.0.1", lst.port), connect_timeout=5)
     with pytest.raises(ChannelError) as e:
         ch.unary("/t.Svc/Big", b"", timeout=5)
     assert e.value.code == "UNAVAILABLE"
     lst.close()
     lst = Listener(lambda conn: conn.sendall(b"HTTP/1.1 200 OK\r\n\r\nnot TLS at all" * 10))
-    ch = Channel(make_tls_credentials().cert_pem, TLS_NAME, address=("127.0.0.1", lst.port), connect_timeout=5)
+    ch = _untrusted(address=("127.0.0.1", lst.port), connect_timeout=5)
     with pytest.raises(ChannelError, match="TLS handshake failed"):
         ch.unary("/t.Svc/Big", b"", timeout=5)
     lst.close()
@@ -199,8 +205,7 @@ def test_a_relay_that_refuses_is_reported(answer, expected):
         conn.close()
 
     lst = Listener(relay)
-    ch = Channel(make_tls_credentials().cert_pem, TLS_NAME, relay=("127.0.0.1", lst.port), relay_target="x.peer:443",
-                 connect_timeout=5)
+    ch = _untrusted(relay=("127.0.0.1", lst.port), relay_target="x.peer:443", connect_timeout=5)
     with pytest.raises(ChannelError, match=expected) as e:
         ch.unary("/t.Svc/Big", b"", timeout=5)
     assert e.value.code == "UNAVAILABLE"

@@ -5,6 +5,7 @@ own connection while the server keeps serving everyone else."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import ssl
 import threading
@@ -16,6 +17,8 @@ import pytest
 
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
 from meshnet_p2p._proto import shard_runtime_pb2_grpc as pb_grpc
+from meshnet_p2p.dataplane import h2
+from meshnet_p2p.dataplane.channel import ChannelError
 from meshnet_p2p.dataplane.client import ShardClient, open_channel
 from meshnet_p2p.dataplane.server import ShardServer
 from meshnet_p2p.dataplane.servicer import ShardRuntimeServicer
@@ -36,6 +39,9 @@ def server(shard_dir, load_engine):
 def _hidden(rows: int) -> pb.TensorBundle:
     data = (np.random.default_rng(rows).standard_normal((rows, 576)) * 0.1).astype(np.float32).tobytes()
     return bundle_to_proto(TensorBundle((Tensor(HIDDEN, "f32", (rows, 576), data),)))
+
+
+_ONE_ROW = TensorBundle((Tensor(HIDDEN, "f32", (1, 576), bytes(2304)),))  # one zero hidden row
 
 
 def _ours(creds, srv) -> ShardClient:
@@ -66,11 +72,15 @@ def test_grpcios_own_client_is_served(server):
     assert engine.metrics().active_sessions == 0
 
 
-def _tls_socket(creds, port: int) -> ssl.SSLSocket:
+def _h2_tls_context(creds) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.load_verify_locations(cadata=creds.cert_pem.decode())
     ctx.set_alpn_protocols(["h2"])
-    return ctx.wrap_socket(socket.create_connection(("127.0.0.1", port)), server_hostname=TLS_NAME)
+    return ctx
+
+
+def _tls_socket(creds, port: int) -> ssl.SSLSocket:
+    return _h2_tls_context(creds).wrap_socket(socket.create_connection(("127.0.0.1", port)), server_hostname=TLS_NAME)
 
 
 def _closed_by_server(sock, timeout: float = 10) -> bool:
@@ -90,7 +100,7 @@ def test_misbehaving_clients_lose_only_their_own_connection(server):
     good = _ours(creds, srv)
     fp = good.capability().fingerprint
     s = good.session(fp, max_tokens=64)
-    assert s.step(0, hidden=TensorBundle((Tensor(HIDDEN, "f32", (1, 576), bytes(2304)),))).position == 1
+    assert s.step(0, hidden=_ONE_ROW).position == 1
 
     # garbage after TLS: not HTTP/2
     bad = _tls_socket(creds, srv.port)
@@ -110,7 +120,7 @@ def test_misbehaving_clients_lose_only_their_own_connection(server):
     assert _closed_by_server(idle) and time.monotonic() - t0 < 8
 
     # the good session never noticed
-    assert s.step(1, hidden=TensorBundle((Tensor(HIDDEN, "f32", (1, 576), bytes(2304)),))).position == 2
+    assert s.step(1, hidden=_ONE_ROW).position == 2
     s.release()
     good.close()
     for sock in (bad, raw, idle):
@@ -136,7 +146,6 @@ def test_connections_come_and_go_without_leaking_threads_or_descriptors(server):
 
 def test_calls_per_connection_are_bounded_and_silent_calls_are_ended(server, monkeypatch):
     from meshnet_p2p.dataplane import server as server_module
-    from meshnet_p2p.dataplane.channel import ChannelError
 
     srv, creds, engine = server
     monkeypatch.setattr(server_module, "FIRST_MESSAGE_TIMEOUT", 0.5)
@@ -160,8 +169,6 @@ def test_refused_calls_return_their_window(server):
     """Bytes sent on calls the server refuses are credited back, or the
     connection would stall after one window's worth. Each call here (HEADERS and
     its whole request) goes in one TLS record, so the server reads both at once."""
-    from meshnet_p2p.dataplane import h2
-
     srv, creds, engine = server
     sock = _tls_socket(creds, srv.port)
     sock.settimeout(10)
@@ -201,8 +208,6 @@ def test_silent_unary_calls_hold_no_worker_and_end_with_their_connection(server)
     client's Health answers at once), are capped per connection (refused, not
     queued), and do not outlive their connection (its thread and descriptors
     go, and stop() does not wait on them)."""
-    from meshnet_p2p.dataplane.channel import ChannelError
-
     srv, creds, engine = server
     ch = open_channel(creds.cert_pem, address=("127.0.0.1", srv.port))
     silent = [ch.stream("/meshnet.shard.v1.ShardRuntime/Health") for _ in range(4)]
@@ -219,8 +224,6 @@ def test_silent_unary_calls_hold_no_worker_and_end_with_their_connection(server)
 
 
 def test_sessions_beyond_the_workers_are_refused_not_queued(shard_dir, load_engine):
-    from meshnet_p2p.dataplane.channel import ChannelError
-
     engine = load_engine(shard_dir[(10, 20)])
     creds = make_tls_credentials()
     srv = ShardServer(ShardRuntimeServicer(engine), creds, max_workers=2).start()
@@ -242,18 +245,15 @@ def test_sessions_beyond_the_workers_are_refused_not_queued(shard_dir, load_engi
 def test_sessions_sharing_a_connection_each_get_their_own_requests(server):
     """Whichever waiting handler reads a request hands it to the session it is
     for: steps on several sessions of one connection, in any order, all answer."""
-    import random
-
     srv, creds, engine = server
     c = _ours(creds, srv)
     fp = c.capability().fingerprint
     sessions = [c.session(fp, max_tokens=64) for _ in range(3)]
     positions = [0, 0, 0]
     rng = random.Random(5)
-    one = TensorBundle((Tensor(HIDDEN, "f32", (1, 576), bytes(2304)),))
     for _ in range(40):
         k = rng.randrange(3)
-        reply = sessions[k].step(positions[k], hidden=one, timeout=10)
+        reply = sessions[k].step(positions[k], hidden=_ONE_ROW, timeout=10)
         positions[k] += 1
         assert reply.position == positions[k]
     for s in sessions:
@@ -265,14 +265,9 @@ def test_a_call_sent_with_the_handshakes_last_message_is_answered(server):
     """Bytes that arrive in the same read as the end of the TLS handshake (here
     the preface, SETTINGS and a whole Health call) are handled at once, not left
     waiting for the client to write again."""
-    from meshnet_p2p.dataplane import h2
-
     srv, creds, engine = server
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.load_verify_locations(cadata=creds.cert_pem.decode())
-    ctx.set_alpn_protocols(["h2"])
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-    tls = ctx.wrap_bio(incoming, outgoing, server_hostname=TLS_NAME)
+    tls = _h2_tls_context(creds).wrap_bio(incoming, outgoing, server_hostname=TLS_NAME)
     raw = socket.create_connection(("127.0.0.1", srv.port))
     raw.settimeout(5)  # a hang fails the test as a timeout
     while True:
