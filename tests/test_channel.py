@@ -221,3 +221,15 @@ def test_closing_a_channel_fails_its_open_calls(grpc_server):
     with pytest.raises(ChannelError) as e:  # never a clean end (None) for a call that did not end
         call.recv()
     assert e.value.code == "UNAVAILABLE"
+
+
+def test_opening_a_call_on_a_connection_the_peer_dropped_is_a_channel_error(grpc_server):
+    """A write that fails while opening a call breaks the channel with a typed
+    ChannelError (which failover catches), never a raw OSError."""
+    ch = channel(grpc_server)
+    assert ch.unary("/t.Svc/Big", b"256", timeout=10)
+    ch._sock.shutdown(socket.SHUT_WR)  # as if the connection died under us
+    with pytest.raises(ChannelError) as e:
+        ch.stream("/t.Svc/Echo")
+    assert e.value.code == "UNAVAILABLE"
+    ch.close()

@@ -110,7 +110,8 @@ class Channel:
             except h2.H2StreamClosed as e:
                 raise ChannelError("UNAVAILABLE", str(e)) from None
             self._inboxes[sid] = _Inbox()
-            self._write_locked()
+            self._write_quietly()
+            self._check()  # the write broke the channel: say so as every other call does
         return CallStream(self, sid, deadline)
 
     def close(self) -> None:
