@@ -106,7 +106,6 @@ class RouteSession:
                  ban_seconds: float = 60.0, on_event: Callable[[str], None] | None = None,
                  latency_ms: dict[str, float] | None = None) -> None:
         self.spans_provider = spans_provider
-        self.n_layer = n_layer
         self.max_tokens = max_tokens
         self.sampling = sampling
         self.step_timeout = step_timeout
@@ -182,16 +181,12 @@ class RouteSession:
 
     # --- stepping -------------------------------------------------------------------------------
 
-    def _call(self, hop: _Hop, position: int, payload, decode: bool):
-        # A peer that froze (or a route that died) misses step_timeout: ShardConnectionError.
-        if isinstance(payload, TensorBundle):
-            return hop.stream.step(position, hidden=payload, decode=decode, timeout=self.step_timeout)
-        return hop.stream.step(position, token_ids=payload, decode=decode, timeout=self.step_timeout)
-
     def _through(self, hop: _Hop, position: int, payload, decode: bool):
         """One hop of a step, remembered for replay; returns what the next hop takes
-        (the tail's reply at the end)."""
-        reply = self._call(hop, position, payload, decode)
+        (the tail's reply at the end). A peer that froze (or a route that died)
+        misses step_timeout: ShardConnectionError."""
+        given = {"hidden": payload} if isinstance(payload, TensorBundle) else {"token_ids": payload}
+        reply = hop.stream.step(position, decode=decode, timeout=self.step_timeout, **given)
         hop.history.append((position, payload, decode))
         return reply.hidden if reply.hidden is not None else reply
 

@@ -60,9 +60,7 @@ def open_channel(cert_pem: bytes, *, address: tuple[str, int] | None = None, rel
         if peer_id is None:
             raise ValueError("a relayed channel needs the peer id")
         return Channel(cert_pem, TLS_NAME, relay=relay, relay_target=relay_target(peer_id))
-    if address is None:
-        raise ValueError("a direct channel needs an address")
-    return Channel(cert_pem, TLS_NAME, address=address)
+    return Channel(cert_pem, TLS_NAME, address=address)  # it refuses a missing address
 
 
 def _parse(message_type, raw: bytes):
@@ -148,9 +146,9 @@ class SessionStream:
             self.close()
             raise ShardConnectionError(f"the peer accepted session {a.session_id!r} at epoch {a.route_epoch}, "
                                        f"not {session_id!r} at {route_epoch}")
-        self.granted = accepted.accepted.granted
+        self.granted = a.granted
         self.credits = self.granted.credits
-        self.layers = accepted.accepted.layers
+        self.layers = a.layers
 
     def send(self, request: pb.SessionRequest) -> None:
         try:

@@ -51,7 +51,7 @@ GRPC_STATUS = {0: "OK", 1: "CANCELLED", 2: "UNKNOWN", 3: "INVALID_ARGUMENT", 4: 
                6: "ALREADY_EXISTS", 7: "PERMISSION_DENIED", 8: "RESOURCE_EXHAUSTED", 9: "FAILED_PRECONDITION",
                10: "ABORTED", 11: "OUT_OF_RANGE", 12: "UNIMPLEMENTED", 13: "INTERNAL", 14: "UNAVAILABLE",
                15: "DATA_LOSS", 16: "UNAUTHENTICATED"}
-RESOURCE_EXHAUSTED, INTERNAL, UNAVAILABLE = 8, 13, 14
+OK, CANCELLED, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE = 0, 1, 4, 8, 12, 13, 14
 
 MAX_WINDOW = 2**31 - 1
 DEFAULT_WINDOW = 65535
@@ -514,9 +514,10 @@ class _H2Connection:
         self._flush(st)
 
     def _end(self, st: _Stream, status: int, detail: str, events: list[Event], *, reset: bool) -> None:
-        self._drop(st.id)
         if reset:
-            self._out += frame(RST_STREAM, 0, st.id, struct.pack(">I", CANCEL))
+            self.reset_stream(st.id)
+        else:
+            self._drop(st.id)
         events.append(StreamEnded(st.id, status, detail))
 
 
@@ -557,7 +558,7 @@ class H2ClientConnection(_H2Connection):
 
     def _on_reset(self, st: _Stream, code: int, events: list[Event]) -> None:
         # As gRPC maps them: a refused stream was never processed (safe to retry), a cancel is CANCELLED.
-        status = {CANCEL: 1, REFUSED_STREAM: UNAVAILABLE}.get(code, INTERNAL)
+        status = {CANCEL: CANCELLED, REFUSED_STREAM: UNAVAILABLE}.get(code, INTERNAL)
         events.append(StreamEnded(st.id, status, f"the peer reset the stream (HTTP/2 error {code})"))
 
     def _on_goaway(self, goaway: ConnectionEnded, events: list[Event]) -> None:
@@ -678,7 +679,7 @@ class H2ServerConnection(_H2Connection):
         if fields.get(":method") != "POST" or not path.startswith("/") or \
                 not fields.get("content-type", "").startswith("application/grpc"):
             st.remote_done = end
-            self.send_trailers(st.id, 12, "not a gRPC request")  # UNIMPLEMENTED
+            self.send_trailers(st.id, UNIMPLEMENTED, "not a gRPC request")
             return
         events.append(RequestStarted(st.id, path, _parse_timeout(fields.get("grpc-timeout"))))
         if end:
@@ -697,9 +698,7 @@ class H2ServerConnection(_H2Connection):
 
     def _on_bad_message(self, st: _Stream, status: int, detail: str, events: list[Event]) -> None:
         # The call ends with that status, then RST_STREAM stops the client's upload;
-        # the handler learns of it as a reset.
-        self.consumed(0, len(st.buf))
-        st.buf.clear()
+        # the handler learns of it as a reset. (Dropping the stream credits its partial message.)
         st.outbox.clear()
         st.end_after_outbox = st.local_done = False
         self.send_trailers(st.id, status, detail)

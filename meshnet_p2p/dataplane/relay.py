@@ -3,8 +3,8 @@
 A peer that cannot accept connections keeps one outbound *control*
 connection to a relay, on which it proves its identity (it signs the relay's
 nonce; the relay signs the peer's, so each knows who the other is). A client
-dials the relay with ``CONNECT <peer id>.peer:443`` (grpcio does this itself,
-given the channel option ``grpc.http_proxy``); the relay asks the peer, over
+dials the relay with ``CONNECT <peer id>.peer:443`` (our channel does; grpcio
+does too, given the channel option ``grpc.http_proxy``); the relay asks the peer, over
 its control connection, to open a *data* connection for that client, and
 splices the two byte streams. TLS runs end to end, client to peer: the relay
 sees ciphertext only, and any byte it changed would fail the TLS record MAC.
@@ -48,7 +48,7 @@ class RelayError(MeshnetError):
 
 
 def relay_target(peer_id: PeerId) -> str:
-    """What a client CONNECTs to on a relay to reach ``peer_id`` (grpcio sends it unresolved)."""
+    """What a client CONNECTs to on a relay to reach ``peer_id`` (sent unresolved)."""
     return f"{str(peer_id).lower()}{PEER_HOST_SUFFIX}:443"
 
 

@@ -71,14 +71,13 @@ def server_ssl_context(creds: TlsCredentials) -> ssl.SSLContext:
 
 
 class _Call:
-    __slots__ = ("sid", "method", "inbox", "ended", "reset", "done", "started")
+    __slots__ = ("sid", "method", "inbox", "ended", "done", "started")
 
     def __init__(self, sid: int, method: str) -> None:
         self.sid = sid
         self.method = method
         self.inbox: list[bytes] = []
         self.ended = False  # no more requests: the client half-closed or reset, or the connection is gone
-        self.reset = False  # the client cancelled the call, or the connection is gone: replies go nowhere
         self.done = False  # our side finished (trailers sent)
         self.started = False  # a handler runs it
 
@@ -145,7 +144,7 @@ class _Connection:
             return
         self.broken = True
         for call in self.calls.values():
-            call.ended = call.reset = True
+            call.ended = True
         self.cond.notify_all()
         self.shutdown_socket()  # every thread polling the socket wakes (POLLHUP)
 
@@ -208,7 +207,6 @@ class _Connection:
                 if call is not None:
                     call.ended = True
                     if isinstance(ev, h2.StreamReset):  # a cancelled call's unread requests are void
-                        call.reset = True
                         self._discard_inbox(call)
                     self._launch(call)
         self._write_locked()
@@ -250,9 +248,7 @@ class _Connection:
                 except (OSError, ssl.SSLError):
                     pass
             self.close()
-        except (OSError, ssl.SSLError, _Closed):
-            self.close()
-        except Exception:  # a bug in handling this peer's input ends its connection, never the thread
+        except Exception:  # a lost connection, or a bug in handling this peer's input: it ends, never the thread
             self.close()
 
     def _standby(self) -> None:
@@ -312,12 +308,12 @@ class _Connection:
         prefix = f"/{_SERVICE}/"
         method = ev.path[len(prefix):] if ev.path.startswith(prefix) else ""
         if method != "Session" and method not in _UNARY:
-            self.h2.send_trailers(ev.stream_id, 12, f"unknown method {ev.path[:128]}")  # UNIMPLEMENTED
+            self.h2.send_trailers(ev.stream_id, h2.UNIMPLEMENTED, f"unknown method {ev.path[:128]}")
             return
         if self.broken:
             return
         if self.server.draining:
-            self.h2.send_trailers(ev.stream_id, 14, "the server is shutting down")  # UNAVAILABLE
+            self.h2.send_trailers(ev.stream_id, h2.UNAVAILABLE, "the server is shutting down")
             return
         waiting_unary = sum(1 for c in self.calls.values() if not c.started)
         if len(self.calls) >= MAX_CALLS or (method != "Session" and waiting_unary >= MAX_WAITING_UNARY) \
@@ -345,7 +341,7 @@ class _Connection:
                 self.server.release_session_slot()
             self.calls.pop(call.sid, None)
             self._discard_inbox(call)
-            self.h2.send_trailers(call.sid, 14, "the server is shutting down")
+            self.h2.send_trailers(call.sid, h2.UNAVAILABLE, "the server is shutting down")
 
     def _handle(self, call: _Call) -> None:
         try:
@@ -354,7 +350,7 @@ class _Connection:
             else:
                 self._unary(call)
         except Exception as e:  # a bug must end this call, not the connection or the peer
-            self.finish(call, 13, f"{type(e).__name__}: {e}")
+            self.finish(call, h2.INTERNAL, f"{type(e).__name__}: {e}")
         finally:
             if call.method == "Session":
                 self.server.release_session_slot()
@@ -369,14 +365,14 @@ class _Connection:
     def _unary(self, call: _Call) -> None:
         raw = self.next_request(call, FIRST_MESSAGE_TIMEOUT)  # here already, unless it ended empty
         if raw is None:
-            return self.finish(call, 13, "no request message")  # INTERNAL
+            return self.finish(call, h2.INTERNAL, "no request message")
         try:
             request = _UNARY[call.method].FromString(raw)
         except Exception:
-            return self.finish(call, 13, "a malformed request")
+            return self.finish(call, h2.INTERNAL, "a malformed request")
         reply = getattr(self.server.servicer, call.method)(request, None)
         self.send(call, reply.SerializeToString())
-        self.finish(call, 0, "")
+        self.finish(call, h2.OK, "")
 
     def _session(self, call: _Call) -> None:
         silent = []
@@ -394,30 +390,30 @@ class _Connection:
                 try:
                     yield pb.SessionRequest.FromString(raw)
                 except Exception:
-                    self.finish(call, 13, "a malformed SessionRequest")
+                    self.finish(call, h2.INTERNAL, "a malformed SessionRequest")
                     return
 
         for response in self.server.servicer.Session(requests(), None):
             self.send(call, response.SerializeToString())
         if silent:
-            return self.finish(call, 4, f"no SessionOpen within {FIRST_MESSAGE_TIMEOUT:g} s")  # DEADLINE_EXCEEDED
-        self.finish(call, 0, "")
+            return self.finish(call, h2.DEADLINE_EXCEEDED, f"no SessionOpen within {FIRST_MESSAGE_TIMEOUT:g} s")
+        self.finish(call, h2.OK, "")
 
     def send(self, call: _Call, message: bytes) -> None:
         """Send one reply; if the client's flow-control window holds it back, wait
         (reading meanwhile) for the window rather than queue without bound."""
         with self.cond:
-            if self.broken or call.done or call.sid not in self.calls:
+            if self.broken or call.done:
                 return
             try:
                 self.h2.send_message(call.sid, message)
             except h2.H2StreamClosed:
-                call.ended = call.reset = True
+                call.ended = True
                 return
             self._write_quietly()
-            if not self._wait_locked(lambda: not self.h2.pending(call.sid) or call.reset,
+            if not self._wait_locked(lambda: not self.h2.pending(call.sid),  # a reset call has nothing pending
                                      time.monotonic() + SEND_TIMEOUT):
-                call.ended = call.reset = True
+                call.ended = True
                 self.h2.reset_stream(call.sid, h2.CANCEL)
                 self._write_quietly()
 
@@ -487,7 +483,7 @@ class ShardServer:
                 return
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 30, 0))
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_TIMEOUT), 0))
                 conn = _Connection(self, sock)
             except OSError:  # e.g. no descriptor left for its pipe: drop this one, keep serving
                 sock.close()

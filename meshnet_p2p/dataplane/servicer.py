@@ -206,8 +206,7 @@ class ShardRuntimeServicer:
             if opened_id is not None:
                 if not released:
                     self.engine.release(opened_id)  # the client went away: free its capacity
-                with self._lock:
-                    self._states.pop(opened_id, None)
+                self._forget(opened_id)
 
     def _open(self, msg: pb.SessionOpen) -> tuple[pb.SessionResponse, str | None]:
         sid = msg.session_id
@@ -289,7 +288,7 @@ class ShardRuntimeServicer:
                 hidden = bundle_from_proto(step.hidden)
             except PayloadError as e:
                 return _error(E.PAYLOAD_CORRUPT, str(e), work_id=wid, step=n)
-        tokens = tuple(step.token_ids) if not hidden else None
+        tokens = tuple(step.token_ids) if hidden is None else None
         if len(step.token_ids) > self.limits.max_prefill_tokens:
             return _error(E.OVERSIZED, f"{len(step.token_ids)} tokens exceed {self.limits.max_prefill_tokens}", work_id=wid, step=n)
         try:  # a malformed step is refused before it counts: no credit spent, its idempotency step still free

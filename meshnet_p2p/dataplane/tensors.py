@@ -3,6 +3,8 @@ checked for exact tiling and its CRC32C before anything uses its bytes."""
 
 from __future__ import annotations
 
+import math
+
 import google_crc32c
 
 from .._proto import shard_runtime_pb2 as pb
@@ -51,22 +53,19 @@ def bundle_from_proto(msg: pb.TensorBundle) -> TensorBundle:
             expected += len(frag.payload)
         if expected != td.total_bytes:
             raise PayloadError(f"tensor {td.name!r}: fragments cover {expected} bytes, declared {td.total_bytes}")
-        data = b"".join(parts) if len(parts) != 1 else parts[0]
+        data = b"".join(parts)  # one part: that same object, no copy
         if crc32c(data) != td.crc32c:
             raise PayloadError(f"tensor {td.name!r}: CRC32C mismatch")
-        shape = tuple(int(d) for d in td.shape)
+        shape = tuple(td.shape)
         try:
-            n = 1
-            for d in shape:
-                n *= d
-            if n * seam_itemsize(td.dtype) != len(data):
-                raise PayloadError(f"tensor {td.name!r}: {len(data)} bytes do not match shape {shape} of {td.dtype}")
-            tensors.append(Tensor(td.name, td.dtype, shape, data))
+            itemsize = seam_itemsize(td.dtype)
         except KeyError:
             raise PayloadError(f"tensor {td.name!r}: unknown dtype {td.dtype[:16]!r}") from None
+        if math.prod(shape) * itemsize != len(data):
+            raise PayloadError(f"tensor {td.name!r}: {len(data)} bytes do not match shape {shape} of {td.dtype}")
+        try:
+            tensors.append(Tensor(td.name, td.dtype, shape, data))
         except ValueError as e:
-            if isinstance(e, PayloadError):
-                raise
             raise PayloadError(str(e)) from None
     try:
         return TensorBundle(tuple(tensors))
