@@ -22,7 +22,8 @@ import time
 
 import trio
 
-from meshnet_p2p.capability import CapabilityReport, model_key
+from meshnet_p2p.capability import model_key
+from meshnet_p2p.testing import sample_report
 from meshnet_p2p.identity import Identity
 from meshnet_p2p.network import node_multiaddr, start_node
 from meshnet_p2p.records import wall_ms
@@ -33,7 +34,7 @@ GOSSIP_MODEL = "99" * 32
 
 
 def report_for(identity: Identity, digest: str, seq: int = 1) -> bytes:
-    rep = CapabilityReport(digest, "00" * 32, (0, 10), ("/ip4/127.0.0.1/tcp/1",), 1.0, 1)
+    rep = sample_report(identity, digest, "00" * 32, port=1, throughput=1.0, free_sessions=1)
     return rep.sign(identity, seq=seq, now_ms=wall_ms(), ttl_ms=600_000)
 
 

@@ -57,6 +57,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=_positive, default=d.n_threads)
 
 
+def _add_trust(p: argparse.ArgumentParser) -> None:
+    """Whose certificates count, beyond the bootstrap peers' keys (and --identity's)."""
+    p.add_argument("--trust", action="append", default=[], metavar="PEER_ID",
+                   help="also accept certificates signed by this peer (repeatable)")
+    p.add_argument("--trust-file", metavar="PATH", help="a file of certifier peer IDs to accept, one a line")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshnet-peer", description="meshnet-p2p: run LLMs across volunteer peers.")
     p.add_argument("--version", action="version", version=f"meshnet-p2p {__version__}")
@@ -125,11 +132,38 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--listen", default="127.0.0.1:8000", help="HOST:PORT for HTTP (port 0: any)")
     api.add_argument("--model", help="GGUF model whose tokenizer to use (default: the embedded model)")
     api.add_argument("--step-timeout", type=float, default=10.0)
+    _add_trust(api)
+    _add_identity(api)
+
+    cert = sub.add_parser("certify", help="certify a dark recipe by a real distributed forward (signed evidence)")
+    _add_bootstrap(cert, "bootstrap peers (repeatable; default $MESHNET_BOOTSTRAP)")
+    cert.add_argument("--identity", help="key file that signs the evidence (e.g. a bootstrap peer's; default: a fresh one)")
+    cert.add_argument("--model", help="GGUF model (default: the embedded SmolLM2-135M-Instruct)")
+    cert.add_argument("--recipe", metavar="DIGEST", help="the recipe to certify (a digest or its prefix; default: "
+                                                         "the dark recipe most peers serve)")
+    cert.add_argument("--method", choices=("auto", "whole-model", "two-routes"), default="auto",
+                      help="compare with a whole-model run here, or two routes with no peer in common (auto: "
+                           "whole-model when this machine runs the same recipe)")
+    cert.add_argument("--prompt", default=None, help="the certification prompt (default: a short one)")
+    cert.add_argument("--max-tokens", type=_positive, default=16)
+    cert.add_argument("--step-timeout", type=float, default=10.0)
+    cert.add_argument("--json", action="store_true")
+
+    status = sub.add_parser("status", help="models, recipes (dark or certified), coverage and peers of a swarm")
+    _add_bootstrap(status, "bootstrap peers (repeatable; default $MESHNET_BOOTSTRAP)")
+    status.add_argument("--model", action="append", default=[], help="a GGUF model or model digest to show "
+                        "(repeatable; default: every model the swarm announces)")
+    _add_trust(status)
+    _add_identity(status)
+    status.add_argument("--no-probe", action="store_true", help="do not measure each peer's round trip")
+    status.add_argument("--json", action="store_true")
 
     gen = sub.add_parser("generate", help="generate text through a route of shards")
     gen.add_argument("--local", action="store_true", help="run the whole route in this process (no network)")
     _add_bootstrap(gen, "bootstrap peers to find the swarm (repeatable; default $MESHNET_BOOTSTRAP)")
     gen.add_argument("--step-timeout", type=float, default=10.0, help="seconds before a silent peer is failed over")
+    _add_trust(gen)
+    gen.add_argument("--identity", help="this client's key file (its own certificates are trusted too)")
     gen.add_argument("--model", help="GGUF model (default: the embedded SmolLM2-135M-Instruct); "
                                      "over the network also a model digest, with the embedded model's tokenizer")
     gen.add_argument("--split", default="", help="layer cut points, e.g. 10,20 for shards [0,10) [10,20) [20,N)")
@@ -170,6 +204,7 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     handlers = {
         "shard": _shard, "identity": _identity, "generate": _generate, "demo": _demo, "join": _join,
         "bootstrap": _bootstrap, "relay": _relay, "serve": _serve, "api": _api,
+        "certify": _certify, "status": _status,
     }
     handler = handlers.get(args.command)
     if handler is None:
@@ -362,6 +397,54 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trust(args: argparse.Namespace, seeds: list):
+    """The trust policy of a client command: bootstrap peers, --identity, --trust, --trust-file."""
+    from .certification import TrustPolicy
+
+    own = _load_or_create_identity(args.identity) if getattr(args, "identity", None) else None
+    return TrustPolicy.default(seeds, own=own, extra=args.trust, trust_file=args.trust_file)
+
+
+def _certify(args: argparse.Namespace) -> int:
+    import trio
+
+    from .certify import DEFAULT_PROMPT, CertifyOptions, certify
+
+    seeds = _required_seeds(args)
+    opts = CertifyOptions(bootstrap=seeds, identity=_load_or_create_identity(args.identity),
+                          model_path=_model_path(args.model), recipe=args.recipe, method=args.method,
+                          prompt=args.prompt or DEFAULT_PROMPT, max_tokens=args.max_tokens,
+                          step_timeout=args.step_timeout)
+    log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else _print_line
+    summary = trio.run(certify, opts, log)
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    import re
+
+    import trio
+
+    from .status import format_status, swarm_status
+
+    seeds = _required_seeds(args)
+    models = []
+    for m in args.model:
+        if re.fullmatch(r"[0-9a-f]{64}", m):
+            models.append((m, "", 0))
+        else:
+            from .engine.cut import inspect_gguf
+
+            path = _model_path(m)
+            info = inspect_gguf(path)
+            models.append((info.model_digest, os.path.basename(path).split(".")[0], info.source_layers))
+    doc = trio.run(lambda: swarm_status(seeds, _trust(args, seeds), models, probe_peers=not args.no_probe))
+    print(json.dumps(doc) if args.json else format_status(doc))
+    return 0
+
+
 def _api(args: argparse.Namespace) -> int:
     from .api import serve_api
     from .client import Client
@@ -369,7 +452,8 @@ def _api(args: argparse.Namespace) -> int:
 
     host, port = parse_listen(args.listen)
     seeds = _required_seeds(args)
-    client = Client(seeds, model_path=_model_path(args.model) if args.model else None, step_timeout=args.step_timeout)
+    client = Client(seeds, model_path=_model_path(args.model) if args.model else None, step_timeout=args.step_timeout,
+                    trust=_trust(args, seeds))
     return _run_listener(args.listen, serve_api, client, client.model_name, host, port, _print_line)
 
 
@@ -405,7 +489,8 @@ def _generate_network(args: argparse.Namespace, sampling) -> int:
     else:
         model = _model_path(args.model)
     events = (lambda msg: print(f"[{msg}]", file=sys.stderr, flush=True))
-    client = Client(seeds, model_path=model, model_digest=digest, step_timeout=args.step_timeout, on_event=events)
+    client = Client(seeds, model_path=model, model_digest=digest, step_timeout=args.step_timeout, on_event=events,
+                    trust=_trust(args, seeds))
     on_token = None if args.json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     result = client.generate(args.prompt, args.max_tokens, sampling, chat=args.chat, on_token=on_token)
     if args.json:

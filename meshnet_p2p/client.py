@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import trio
 
 from ._proto import shard_runtime_pb2 as pb
-from .capability import model_key
+from .certification import SEAM_DOMAIN, Attestation, CertificationError, RowDigest, TrustPolicy
 from .dataplane.client import (
     SessionStream,
     ShardClient,
@@ -41,8 +41,8 @@ from .errors import MeshnetError, unwrap_errors
 from .identity import Identity, PeerId
 from .multiaddr import Multiaddr
 from .local import Generation, prefill_chunks
-from .network import start_node
-from .placement import NoRoute, Span, plan_route
+from .placement import Span, plan_route
+from .swarm_view import routable_spans, survey
 
 
 class GenerationError(MeshnetError):
@@ -58,31 +58,6 @@ class GenerationResult(Generation):
     failovers: int = 0
 
 
-async def discover(bootstrap: Sequence[str | Multiaddr], model_digest: str) -> list[Span]:
-    """Capability reports for a model, as spans, from a short-lived client-mode DHT node."""
-    with unwrap_errors():
-        async with trio.open_nursery() as nursery:
-            node = await start_node(nursery, Identity.generate(), bootstrap=bootstrap, client_mode=True)
-            records = await node.get(model_key(model_digest))
-            nursery.cancel_scope.cancel()
-    spans = [Span.from_report(r) for r in records]
-    return [s for s in spans if not s.departing]
-
-
-def pick_recipe(spans: list[Span], n_layer: int) -> list[Span]:
-    """The spans of the one recipe that can serve the whole model (the one with most peers)."""
-    groups: dict[str, list[Span]] = {}
-    for s in spans:
-        groups.setdefault(s.record.content["recipe_digest"], []).append(s)
-    for group in sorted(groups.values(), key=len, reverse=True):
-        try:
-            plan_route(group, 0, n_layer)
-            return group
-        except NoRoute:
-            continue
-    return max(groups.values(), key=len) if groups else []
-
-
 @dataclass
 class _Hop:
     span: Span
@@ -90,6 +65,10 @@ class _Hop:
     stream: SessionStream
     n_ubatch: int  # the route's recipe: prefill steps must be whole micro-batches of it
     history: list[tuple[int, object, bool]] = field(default_factory=list)  # (position, input, decode)
+    # what this hop was given and gave back, as the peer's attestation must state it
+    inputs: RowDigest = field(default_factory=lambda: RowDigest(SEAM_DOMAIN))
+    outputs: RowDigest = field(default_factory=lambda: RowDigest(SEAM_DOMAIN))
+    steps: int = 0
 
     def close(self) -> None:
         try:
@@ -104,8 +83,10 @@ class RouteSession:
     def __init__(self, spans_provider: Callable[[], list[Span]], n_layer: int, *, max_tokens: int,
                  sampling: SamplingParams, step_timeout: float = 10.0, max_failovers: int = 4,
                  ban_seconds: float = 60.0, on_event: Callable[[str], None] | None = None,
-                 latency_ms: dict[str, float] | None = None) -> None:
+                 latency_ms: dict[str, float] | None = None, measured_ms: dict[str, float] | None = None,
+                 planner: Callable[..., list[Span]] = plan_route) -> None:
         self.spans_provider = spans_provider
+        self.planner = planner  # plan_route, or a certifier's (at least two peers, some banned)
         self.max_tokens = max_tokens
         self.sampling = sampling
         self.step_timeout = step_timeout
@@ -116,6 +97,7 @@ class RouteSession:
         self.epoch = 0
         self.banned: dict[str, float] = {}
         self.latency_ms: dict[str, float] = latency_ms if latency_ms is not None else {}
+        self.measured_ms: dict[str, float] = measured_ms if measured_ms is not None else {}  # per-token, decode
         self.failovers = 0
         self.spans = spans_provider()
         self.hops = self._open_chain(0, n_layer)
@@ -129,7 +111,8 @@ class RouteSession:
     def _open_chain(self, start: int, end: int) -> list[_Hop]:
         last_error: Exception | None = None
         for attempt in range(self.max_failovers + 1):
-            route = plan_route(self.spans, start, end, banned=self._banned_now(), latency_ms=self.latency_ms)
+            route = self.planner(self.spans, start, end, banned=self._banned_now(), latency_ms=self.latency_ms,
+                                 measured_ms=self.measured_ms)
             hops: list[_Hop] = []
             try:
                 for span in route:
@@ -148,19 +131,8 @@ class RouteSession:
 
     def _open_hop(self, span: Span) -> _Hop:
         c = span.record.content
-        cert = c.get("tls_cert", "").encode()
         peer = PeerId.from_string(c["peer_id"])
-        if cert_identity(cert) != peer:  # a report cannot pass off another peer's certificate
-            raise MeshnetError(f"the TLS certificate in {peer}'s report belongs to another peer")
-        if c.get("relay"):
-            relay = Multiaddr.parse(c["relay"])
-            channel = open_channel(cert, relay=(relay.host, relay.port), peer_id=peer)
-        else:
-            addr = Multiaddr.parse(c["addrs"][0])
-            if addr.peer_id != peer:
-                raise MeshnetError(f"report of {peer} advertises an address of another peer")
-            channel = open_channel(cert, address=(addr.host, addr.port))
-        client = ShardClient(channel, timeout=self.step_timeout)
+        client = connect(span, self.step_timeout)
         try:
             cap = client.capability()  # also sets up the connection (TLS handshake)
             t0 = time.perf_counter()
@@ -171,7 +143,8 @@ class RouteSession:
             if (cap.layers.start, cap.layers.end) != (span.start, span.end):
                 raise MeshnetError(f"{peer} serves other layers than it announced")
             s = self.sampling
-            stream = client.session(cap.fingerprint, max_tokens=self.max_tokens, session_id=self.session_id,
+            # open with the route's fingerprint, not the peer's: a peer of another recipe refuses, naming the axes
+            stream = client.session(_route_fingerprint(c), max_tokens=self.max_tokens, session_id=self.session_id,
                                     route_epoch=self.epoch, timeout=None,
                                     sampling=pb.Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed))
         except BaseException:
@@ -185,9 +158,24 @@ class RouteSession:
         """One hop of a step, remembered for replay; returns what the next hop takes
         (the tail's reply at the end). A peer that froze (or a route that died)
         misses step_timeout: ShardConnectionError."""
-        given = {"hidden": payload} if isinstance(payload, TensorBundle) else {"token_ids": payload}
+        hidden = isinstance(payload, TensorBundle)
+        given = {"hidden": payload} if hidden else {"token_ids": payload}
+        t0 = time.perf_counter()
         reply = hop.stream.step(position, decode=decode, timeout=self.step_timeout, **given)
+        if decode:  # what this peer costs per token, measured: it replaces its advertised throughput
+            ms = (time.perf_counter() - t0) * 1000
+            old = self.measured_ms.get(hop.span.peer_id)
+            self.measured_ms[hop.span.peer_id] = ms if old is None else 0.8 * old + 0.2 * ms
         hop.history.append((position, payload, decode))
+        if hidden:
+            hop.inputs.hidden(position, payload)
+        else:
+            hop.inputs.tokens(position, payload)
+        if reply.hidden is not None:
+            hop.outputs.hidden(position, reply.hidden)
+        elif reply.token_id is not None:
+            hop.outputs.token(reply.position - 1, reply.token_id)
+        hop.steps += 1
         return reply.hidden if reply.hidden is not None else reply
 
     @property
@@ -224,6 +212,23 @@ class RouteSession:
                 payload = self._through(hop, position, payload, decode)
         self.hops[index : index + 1] = new_hops
 
+    def attestations(self) -> list[Attestation]:
+        """Each hop's signed statement of what it computed, checked against what
+        this client gave it and got back (raises CertificationError otherwise)."""
+        out = []
+        for hop in self.hops:
+            m = hop.stream.attest(timeout=self.step_timeout)
+            a = Attestation(m.peer_id, m.session_id, m.model_digest, m.recipe_digest, m.start, m.end, m.steps,
+                            m.input_digest, m.output_digest, m.signature)
+            seen = (hop.span.peer_id, hop.stream.session_id, hop.span.start, hop.span.end, hop.steps,
+                    hop.inputs.hexdigest(), hop.outputs.hexdigest())
+            if (a.peer_id, a.session_id, a.start, a.end, a.steps, a.input_digest, a.output_digest) != seen:
+                raise CertificationError(f"{hop.span.peer_id} attests other work than this route gave it")
+            if not a.verifies():
+                raise CertificationError(f"{hop.span.peer_id}'s attestation signature does not verify")
+            out.append(a)
+        return out
+
     def route(self) -> list[dict]:
         return [{"peer_id": h.span.peer_id, "layers": [h.span.start, h.span.end]} for h in self.hops]
 
@@ -236,10 +241,80 @@ class RouteSession:
             hop.client.close()
 
 
+def connect(span: Span, timeout: float) -> ShardClient:
+    """A data-plane client for the peer of ``span``: direct, or through the relay
+    its report names, with TLS pinned to the certificate its signed report carries."""
+    c = span.record.content
+    cert = c.get("tls_cert", "").encode()
+    peer = PeerId.from_string(c["peer_id"])
+    if cert_identity(cert) != peer:  # a report cannot pass off another peer's certificate
+        raise MeshnetError(f"the TLS certificate in {peer}'s report belongs to another peer")
+    if c.get("relay"):
+        relay = Multiaddr.parse(c["relay"])
+        channel = open_channel(cert, relay=(relay.host, relay.port), peer_id=peer)
+    else:
+        addr = Multiaddr.parse(c["addrs"][0])
+        if addr.peer_id != peer:
+            raise MeshnetError(f"report of {peer} advertises an address of another peer")
+        channel = open_channel(cert, address=(addr.host, addr.port))
+    return ShardClient(channel, timeout=timeout)
+
+
+def _route_fingerprint(report: dict) -> pb.Fingerprint:
+    """The fingerprint a route opens every hop with: its model and recipe, each axis spelled out."""
+    return pb.Fingerprint(model_digest=report["model_digest"], recipe_digest=report["recipe_digest"],
+                          recipe_axes={k: str(v) for k, v in (report.get("recipe") or {}).items()})
+
+
+@dataclass
+class Drive:
+    """What one generation did: its tokens, and its steps as (position, rows, tail token)."""
+
+    token_ids: list[int]
+    steps: list[tuple[int, int, int]]
+    stopped: str
+    ttft_ms: float
+    decode_ms: float
+
+
+def drive(session: RouteSession, ids: Sequence[int], max_tokens: int, *, on_token: Callable[[int], None] | None = None,
+          stop_at_eog: bool = True) -> Drive:
+    """Prefill ``ids`` through the route in whole micro-batches, then decode up to ``max_tokens``."""
+    out: list[int] = []
+    steps: list[tuple[int, int, int]] = []
+    stopped = "length"
+    t0 = time.perf_counter()
+    reply = None
+    for start, end in prefill_chunks(len(ids), session.n_ubatch):
+        reply = session.step(start, ids[start:end], decode=False)
+        steps.append((start, end - start, reply.token_id))
+    t1 = time.perf_counter()
+    position = len(ids)
+    while True:
+        if reply.is_eog and stop_at_eog:
+            stopped = "eog"
+            break
+        out.append(reply.token_id)
+        if on_token:
+            on_token(reply.token_id)
+        if len(out) >= max_tokens:
+            break
+        reply = session.step(position, [reply.token_id], decode=True)
+        steps.append((position, 1, reply.token_id))
+        position += 1
+    return Drive(out, steps, stopped, (t1 - t0) * 1000, (time.perf_counter() - t1) * 1000)
+
+
 class Client:
+    """Generates through the swarm, on recipes this client holds certified only.
+
+    ``trust``: whose certificates count (default: the bootstrap peers' keys, and
+    ``identity``'s if given, see :class:`TrustPolicy`)."""
+
     def __init__(self, bootstrap: Sequence[str | Multiaddr], *, model_path: str | None = None,
                  model_digest: str | None = None, step_timeout: float = 10.0, max_failovers: int = 4,
-                 on_event: Callable[[str], None] | None = None) -> None:
+                 on_event: Callable[[str], None] | None = None, trust: TrustPolicy | None = None,
+                 identity: Identity | None = None) -> None:
         from .engine.cut import inspect_gguf
         from .engine.tokenizer import Tokenizer
         from .models import default_model_path
@@ -255,10 +330,13 @@ class Client:
         self.step_timeout = step_timeout
         self.max_failovers = max_failovers
         self.on_event = on_event
+        self.trust = trust if trust is not None else TrustPolicy.default(self.bootstrap, own=identity)
         self.latency_ms: dict[str, float] = {}  # peer -> measured round trip, kept across generations
+        self.measured_ms: dict[str, float] = {}  # peer -> measured ms per decode step, kept likewise
 
     async def spans(self) -> list[Span]:
-        return pick_recipe(await discover(self.bootstrap, self.model_digest), self.n_layer)
+        """The spans of the certified recipe a route is planned over (RecipeNotCertified if none)."""
+        return routable_spans(await survey(self.bootstrap, self.model_digest, self.n_layer, self.trust), self.trust)
 
     def generate(self, prompt: str, max_tokens: int = 64, sampling: SamplingParams | None = None, *,
                  chat: bool = False, on_token: Callable[[str], None] | None = None, stop_at_eog: bool = True) -> GenerationResult:
@@ -282,33 +360,15 @@ class Client:
             raise GenerationError("the prompt is empty")
         session = RouteSession(provider, self.n_layer, max_tokens=len(ids) + max_tokens, sampling=sampling,
                                step_timeout=self.step_timeout, max_failovers=self.max_failovers, on_event=self.on_event,
-                               latency_ms=self.latency_ms)
+                               latency_ms=self.latency_ms, measured_ms=self.measured_ms)
         decoder = self.tokenizer.stream_decoder()
-        out: list[int] = []
-        stopped = "length"
         try:
-            t0 = time.perf_counter()
-            reply = None
-            for start, end in prefill_chunks(len(ids), session.n_ubatch):
-                reply = session.step(start, ids[start:end], decode=False)
-            t1 = time.perf_counter()
-            position = len(ids)
-            while True:
-                if reply.is_eog and stop_at_eog:
-                    stopped = "eog"
-                    break
-                out.append(reply.token_id)
-                if on_token:
-                    on_token(decoder.feed(reply.token_id))
-                if len(out) >= max_tokens:
-                    break
-                reply = session.step(position, [reply.token_id], decode=True)
-                position += 1
-            t2 = time.perf_counter()
+            run = drive(session, ids, max_tokens, stop_at_eog=stop_at_eog,
+                        on_token=(lambda tok: on_token(decoder.feed(tok))) if on_token else None)
             if on_token:
                 on_token(decoder.flush())
-            return GenerationResult(prompt_tokens=len(ids), token_ids=out, ttft_ms=(t1 - t0) * 1000,
-                                    decode_ms=(t2 - t1) * 1000, stopped=stopped, text=self.tokenizer.decode(out),
+            return GenerationResult(prompt_tokens=len(ids), token_ids=run.token_ids, ttft_ms=run.ttft_ms,
+                                    decode_ms=run.decode_ms, stopped=run.stopped, text=self.tokenizer.decode(run.token_ids),
                                     route=session.route(), failovers=session.failovers)
         finally:
             session.close()

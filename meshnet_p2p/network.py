@@ -16,7 +16,9 @@ from typing import Iterable, Mapping
 
 import trio
 
-from .capability import TYPES, model_key
+from . import capability
+from .capability import model_key
+from .certification import CERTIFICATE, CERTIFICATE_TYPE
 from .dht.node import DHTConfig, DHTNode
 from .dht.routing import Contact
 from .dht.transport import UdpTransport
@@ -27,6 +29,10 @@ from .records import PayloadType, Record, keep_newest
 
 ENV_BOOTSTRAP = "MESHNET_BOOTSTRAP"
 DEFAULT_LIST = pathlib.Path(__file__).resolve().parent.parent / "bootstrap" / "peers.txt"
+
+
+# every record type a node accepts: capability reports, the model index, certificates
+TYPES: dict[str, PayloadType] = {**capability.TYPES, CERTIFICATE: CERTIFICATE_TYPE}
 
 
 class BootstrapError(MeshnetError):

@@ -9,6 +9,7 @@ announce departure, refuse new sessions, let open ones finish (bounded), exit 0.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -16,7 +17,7 @@ from typing import Callable
 import numpy as np
 import trio
 
-from .capability import CAPABILITY_TTL_MS, CapabilityReport, model_key
+from .capability import CAPABILITY_TTL_MS, MODELS_KEY, CapabilityReport, model_key, sign_model_index
 from .dataplane.serve import start_data_plane
 from .engine.contract import HIDDEN, DecodeRequest, EngineOptions, OpenRequest, PrefillRequest, Tensor, TensorBundle
 from .engine.cut import inspect_gguf, sha256_file
@@ -115,17 +116,25 @@ async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> Non
                 kv_tokens_free=caps.kv_token_budget - m.kv_tokens_reserved,
                 relay=str(opts.relay) if opts.relay else None, tls_cert=creds.cert_pem.decode(),
                 public_name=opts.public_name, departing=departing,
+                recipe=caps.recipe, recipe_labels=getattr(caps, "recipe_labels", None) or {},
             )
             now = wall_ms()
             return rep.sign(opts.identity, seq=now, now_ms=now, ttl_ms=10_000 if departing else CAPABILITY_TTL_MS)
 
-        await node.publish(key, report())
+        name = os.path.basename(opts.model_path).split(".")[0]
+
+        async def publish_all() -> None:
+            await node.publish(key, report())
+            await node.publish(MODELS_KEY, sign_model_index(opts.identity, digest, name, info.source_layers, now_ms=wall_ms()))
+
+        await publish_all()
         print_line(f"listening on {addr}")
+        print_line(f"recipe {caps.recipe_digest}")
 
         async def announce() -> None:
             while True:
                 await trio.sleep(ANNOUNCE_INTERVAL_S)
-                await node.publish(key, report())
+                await publish_all()
 
         nursery.start_soon(announce)
         await until_signalled()

@@ -59,8 +59,12 @@ class Swarm:
     """A bootstrap peer and one ``join`` per span, as OS processes on loopback.
     ``with Swarm(...) as swarm`` stops them all (joins first) however it ends."""
 
-    def __init__(self, spans, *join_args: str, env: dict | None = None, process=PeerProcess, timeout: float = 300) -> None:
-        self.boot = process("bootstrap", "--listen", "127.0.0.1:0", env=env)
+    def __init__(self, spans, *join_args: str, env: dict | None = None, process=PeerProcess, timeout: float = 300,
+                 boot_identity: str | None = None) -> None:
+        # with a key file, the bootstrap peer's key can also sign certificates (clients trust it by default)
+        self.boot_identity = boot_identity
+        self.boot = process("bootstrap", "--listen", "127.0.0.1:0", *(["--identity", boot_identity] if boot_identity else []),
+                            env=env)
         self.joins: list[PeerProcess] = []
         try:
             self.addr = self.boot.address(timeout)

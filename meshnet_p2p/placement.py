@@ -6,13 +6,19 @@ should use: pure functions of the capability reports (no network here).
   missing layers are covered first and the swarm's bottleneck rises.
 - :func:`plan_route` is the client's side: a shortest path over layer
   boundaries, where a peer serving [a, b) is an edge a -> b costing its
-  measured latency plus its compute time; full or departing peers and banned
-  ones are left out. When there is no path it says which layers nobody serves.
+  per-token time; full or departing peers and banned ones are left out. When
+  there is no path it says which layers nobody serves.
+
+A report's throughput is the peer's own claim: it only seeds the cost of a
+peer not yet used (and cannot make one look faster than
+MIN_UNMEASURED_MS_PER_TOKEN of compute); once the client has timed a peer's
+decode steps, that measure replaces the claim.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -20,6 +26,7 @@ from .errors import MeshnetError
 
 DEFAULT_HOP_MS = 2.0
 DEFAULT_TOKENS_PER_S = 50.0
+MIN_UNMEASURED_MS_PER_TOKEN = 1.0  # no unmeasured claim buys a cheaper compute estimate than this
 
 
 class NoRoute(MeshnetError):
@@ -41,9 +48,12 @@ class Span:
 
     @classmethod
     def from_report(cls, record) -> "Span":
+        """The span of a verified capability report (its content passed
+        :func:`meshnet_p2p.capability._valid`): only validated fields are read."""
         c = record.content
-        return cls(c["peer_id"], c["layers"][0], c["layers"][1], float(c.get("throughput") or 0.0),
-                   int(c.get("free_sessions", 0)), bool(c.get("departing")), record)
+        start, end = c["layers"]
+        return cls(str(c["peer_id"]), int(start), int(end), float(c["throughput"]),
+                   int(c["free_sessions"]), c["departing"] is True, record)
 
 
 def coverage(spans: Iterable[Span], n_layer: int) -> list[float]:
@@ -85,13 +95,29 @@ def missing_layers(spans: Iterable[Span], start: int, end: int) -> list[tuple[in
     return out
 
 
-def span_cost_ms(span: Span, latency_ms: dict[str, float] | None = None) -> float:
-    hop = (latency_ms or {}).get(span.peer_id, DEFAULT_HOP_MS)
-    tps = span.throughput if span.throughput > 0 else DEFAULT_TOKENS_PER_S
-    # per token: the round trip plus this peer's compute; a peer with one free
-    # session left is nudged below one with room (it may be gone by the time we ask)
+def _finite_nonneg(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
+def span_cost_ms(span: Span, latency_ms: dict[str, float] | None = None,
+                 measured_ms: dict[str, float] | None = None) -> float:
+    """Estimated ms per token through ``span``.
+
+    ``measured_ms[peer]``, the per-token time the client measured for this
+    peer (round trip plus compute of a decode step), replaces any estimate.
+    Otherwise: the round trip (``latency_ms[peer]`` or DEFAULT_HOP_MS) plus the
+    compute the report claims, never below MIN_UNMEASURED_MS_PER_TOKEN. A peer
+    with one free session left is nudged below one with room (it may be gone
+    by the time we ask)."""
     crowding = 1.0 / max(1, span.free_sessions)
-    return hop + 1000.0 / tps + crowding
+    measured = (measured_ms or {}).get(span.peer_id)
+    if _finite_nonneg(measured):
+        return float(measured) + crowding
+    hop = (latency_ms or {}).get(span.peer_id, DEFAULT_HOP_MS)
+    if not _finite_nonneg(hop):
+        hop = DEFAULT_HOP_MS
+    tps = span.throughput if _finite_nonneg(span.throughput) and span.throughput > 0 else DEFAULT_TOKENS_PER_S
+    return hop + max(1000.0 / tps, MIN_UNMEASURED_MS_PER_TOKEN) + crowding
 
 
 def plan_route(
@@ -101,8 +127,10 @@ def plan_route(
     *,
     banned: set[str] = frozenset(),
     latency_ms: dict[str, float] | None = None,
+    measured_ms: dict[str, float] | None = None,
 ) -> list[Span]:
-    """The cheapest chain of peers covering layers [start, end), boundary to boundary."""
+    """The cheapest chain of peers covering layers [start, end), boundary to boundary
+    (costs per :func:`span_cost_ms`; ``measured_ms`` beats advertised throughput)."""
     usable = [s for s in spans if s.peer_id not in banned and not s.departing and s.free_sessions > 0 and s.start < s.end]
     edges: dict[int, list[Span]] = {}
     for s in usable:
@@ -119,7 +147,7 @@ def plan_route(
         for s in edges.get(at, []):
             if s.end > end:
                 continue
-            c = cost + span_cost_ms(s, latency_ms)
+            c = cost + span_cost_ms(s, latency_ms, measured_ms)
             if c < best.get(s.end, float("inf")):
                 best[s.end] = c
                 prev[s.end] = s

@@ -87,3 +87,18 @@ async def start_swarm(
     for node in nodes:
         await node.bootstrap([c for c in boot if c.peer_id != node.peer_id])
     return network, nodes
+
+
+FAKE_CERT_PEM = "-----BEGIN CERTIFICATE-----\nMIIBfake\n-----END CERTIFICATE-----\n"
+
+
+def sample_report(identity: Identity, model_digest: str, recipe_digest: str = "cd" * 32, layers=(0, 10), *,
+                  port: int = 7000, throughput: float = 12.5, free_sessions: int = 2):
+    """A capability report that passes validation (its certificate is a stand-in:
+    fine for the control plane, never dialled)."""
+    from .capability import CapabilityReport
+    from .multiaddr import Multiaddr
+
+    return CapabilityReport(model_digest, recipe_digest, tuple(layers),
+                            (str(Multiaddr.for_socket("127.0.0.1", "tcp", port, identity.peer_id)),),
+                            throughput=throughput, free_sessions=free_sessions, tls_cert=FAKE_CERT_PEM)

@@ -1,6 +1,7 @@
 """Helpers for tests that run `meshnet-peer` as OS processes: one command to
 completion, a long-running peer, a swarm of them on loopback."""
 
+import json
 import os
 import subprocess
 import sys
@@ -31,7 +32,24 @@ class Proc(PeerProcess):
         return self.address().rsplit("/", 1)[1]
 
 
-def start_swarm(tmp_path, spans, *extra):
+def certify_swarm(addr: str, identity_path: str, *extra: str) -> dict:
+    """`meshnet-peer certify`, as a bootstrap operator runs it; the summary it prints."""
+    r = meshnet_peer("certify", "--bootstrap", addr, "--identity", identity_path, "--json", *extra)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def start_swarm(tmp_path, spans, *extra, certify: bool = True):
+    """A bootstrap peer (its key at ``boot.identity_path``) and one join per span;
+    with ``certify``, the bootstrap's key certifies their recipe, as an operator would."""
     env = {**os.environ, "MESHNET_CACHE_DIR": str(tmp_path)}  # shards cut for this test only
-    swarm = Swarm(spans, "--threads", "1", *extra, env=env, process=Proc, timeout=120)
+    key = str(tmp_path / "bootstrap.key")
+    swarm = Swarm(spans, "--threads", "1", *extra, env=env, process=Proc, timeout=120, boot_identity=key)
+    swarm.boot.identity_path = key
+    if certify:
+        try:
+            certify_swarm(swarm.addr, key)
+        except BaseException:
+            swarm.stop()
+            raise
     return swarm.boot, swarm.addr, swarm.joins

@@ -8,7 +8,7 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshnet_p2p.capability import TYPES, CapabilityReport, model_key
+from meshnet_p2p.capability import TYPES, model_key
 from meshnet_p2p.dht import wire
 from meshnet_p2p.dht.gossip import GossipState
 from meshnet_p2p.dht.lookup import iterative_lookup
@@ -16,14 +16,14 @@ from meshnet_p2p.dht.node import DHTConfig, DHTNode
 from meshnet_p2p.dht.routing import Contact, RoutingTable, node_id_of
 from meshnet_p2p.identity import Identity
 from meshnet_p2p.records import RecordRejected, RecordVerifier, Reject, sign_record, wall_ms
-from meshnet_p2p.testing import FakeNetwork, start_swarm, swarm_identity
+from meshnet_p2p.testing import FakeNetwork, sample_report, start_swarm, swarm_identity
 
 MODEL = "ab" * 32
 KEY = model_key(MODEL)
 
 
 def report(ident: Identity, seq: int = 1, layers=(0, 10), ttl_ms: int = 600_000) -> bytes:
-    rep = CapabilityReport(MODEL, "cd" * 32, layers, ("/ip4/127.0.0.1/tcp/7000",), 12.5, 2)
+    rep = sample_report(ident, MODEL, layers=layers)
     return rep.sign(ident, seq=seq, now_ms=wall_ms(), ttl_ms=ttl_ms)
 
 
@@ -125,7 +125,7 @@ async def test_forged_and_replayed_records_never_reach_a_lookup(autojump_clock):
         await alice.put(KEY, report(alice.identity, seq=5, layers=(0, 10)))
         # Mallory signs a report that claims to be Alice's: refused locally...
         forged = sign_record(mallory.identity, "meshnet/capability/v1",
-                             CapabilityReport(MODEL, "cd" * 32, (0, 30), (), 1.0, 9).content(alice.identity),
+                             sample_report(alice.identity, MODEL, layers=(0, 30)).content(alice.identity),
                              seq=99, now_ms=wall_ms(), ttl_ms=60_000)
         with pytest.raises(RecordRejected) as e:
             await mallory.put(KEY, forged)
@@ -162,7 +162,7 @@ async def test_expired_records_are_not_returned(autojump_clock):
             nodes.append(node)
         for node in nodes[1:]:
             await node.bootstrap([nodes[0].contact()])
-        rep = CapabilityReport(MODEL, "cd" * 32, (0, 10), (), 1.0, 1)
+        rep = sample_report(nodes[2].identity, MODEL)
         await nodes[2].put(KEY, rep.sign(nodes[2].identity, seq=1, now_ms=clock["now"], ttl_ms=10_000))
         assert len(await nodes[5].get(KEY)) == 1
         clock["now"] += 11_000
@@ -302,7 +302,7 @@ async def test_a_spoofed_response_from_another_key_is_ignored(autojump_clock):
 
 def test_malformed_capability_content_is_refused():
     ident = swarm_identity(3)
-    content = CapabilityReport(MODEL, "cd" * 32, (0, 10), (), 1.0, 1).content(ident)
+    content = sample_report(ident, MODEL).content(ident)
     for bad in ({"layers": [10, 5]}, {"layers": "0:10"}, {"model_digest": "short"}, {"key": "model/other"}):
         wire_record = sign_record(ident, "meshnet/capability/v1", {**content, **bad}, seq=1, now_ms=wall_ms(), ttl_ms=1000)
         with pytest.raises(RecordRejected) as e:

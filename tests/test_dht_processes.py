@@ -8,7 +8,8 @@ import sys
 import pytest
 import trio
 
-from meshnet_p2p.capability import CapabilityReport, model_key
+from meshnet_p2p.capability import model_key
+from meshnet_p2p.testing import sample_report
 from meshnet_p2p.identity import Identity
 from meshnet_p2p.network import BootstrapError, peers_for_model, start_node
 from meshnet_p2p.records import wall_ms
@@ -70,7 +71,7 @@ async def test_publish_and_find_across_six_processes(six_bootstraps):
             publisher = await start_node(nursery, publisher_id, bootstrap=[addrs[3]])
             reader = await start_node(nursery, reader_id, bootstrap=[addrs[5]])
             updates = reader.subscribe(model_key(MODEL))
-            report = CapabilityReport(MODEL, "01" * 32, (0, 10), ("/ip4/127.0.0.1/tcp/7001",), 20.0, 3)
+            report = sample_report(publisher_id, MODEL, "01" * 32, port=7001, throughput=20.0, free_sessions=3)
             stored = await publisher.publish(model_key(MODEL), report.sign(publisher_id, seq=1, now_ms=wall_ms()))
             assert stored >= 3
             # found by a lookup...
@@ -78,7 +79,7 @@ async def test_publish_and_find_across_six_processes(six_bootstraps):
             assert [r.signer for r in found] == [publisher_id.peer_id]
             assert found[0].content["layers"] == [0, 10]
             # ...and a newer report reaches the reader by gossip, through the processes
-            newer = CapabilityReport(MODEL, "01" * 32, (0, 10), ("/ip4/127.0.0.1/tcp/7001",), 20.0, 1)
+            newer = sample_report(publisher_id, MODEL, "01" * 32, port=7001, throughput=20.0, free_sessions=1)
             await publisher.publish(model_key(MODEL), newer.sign(publisher_id, seq=2, now_ms=wall_ms()))
             while True:
                 rec = await updates.receive()

@@ -13,7 +13,7 @@ from meshnet_p2p import Client
 from meshnet_p2p.engine.tokenizer import Tokenizer
 
 from .reference import reference_generate
-from .swarm import Proc, meshnet_peer, start_swarm
+from .swarm import Proc, certify_swarm, meshnet_peer, start_swarm
 
 PROMPT = "The capital of France is"
 N_UBATCH = 64  # join's default
@@ -69,7 +69,7 @@ def test_generation_survives_a_middle_peer_failing(tmp_path, reference, model_pa
 
 
 def test_no_route_names_the_missing_layers(tmp_path, model_path):
-    boot, addr, joins = start_swarm(tmp_path, ["0:10", "20:30"])
+    boot, addr, joins = start_swarm(tmp_path, ["0:10", "20:30"], certify=False)
     try:
         r = meshnet_peer("generate", "--bootstrap", addr, "--prompt", "hi", "--json")
         assert r.returncode == 2
@@ -102,10 +102,11 @@ def test_demo_runs_a_swarm_and_cleans_up(tmp_path):
 
 
 def test_auto_layers_cover_what_is_missing(tmp_path, reference):
-    boot, addr, joins = start_swarm(tmp_path, ["0:10", "20:30"])
+    boot, addr, joins = start_swarm(tmp_path, ["0:10", "20:30"], certify=False)
     auto = Proc("join", "--layers", "auto", "--num-layers", "10", "--bootstrap", addr, "--threads", "1")
     try:
         auto.wait_line("listening on ")
+        certify_swarm(addr, boot.identity_path)
         r = meshnet_peer("generate", "--bootstrap", addr, "--prompt", PROMPT, "--max-tokens", "32", "--json")
         assert r.returncode == 0, r.stderr
         doc = json.loads(r.stdout)
@@ -135,10 +136,11 @@ async def test_the_client_works_from_trio(tmp_path, reference, model_path):
 def test_a_peer_behind_a_relay_serves_through_it(tmp_path, reference):
     relay = Proc("relay", "--listen", "127.0.0.1:0")
     relay_addr = relay.wait_line("listening on ").removeprefix("listening on ")
-    boot, addr, joins = start_swarm(tmp_path, ["0:10", "20:30"])
+    boot, addr, joins = start_swarm(tmp_path, ["0:10", "20:30"], certify=False)
     nat = Proc("join", "--layers", "10:20", "--bootstrap", addr, "--threads", "1", "--relay", relay_addr)
     try:
         nat.wait_line("listening on ")
+        certify_swarm(addr, boot.identity_path)
         r = meshnet_peer("generate", "--bootstrap", addr, "--prompt", PROMPT, "--max-tokens", "32", "--json")
         assert r.returncode == 0, r.stderr
         doc = json.loads(r.stdout)

@@ -204,6 +204,13 @@ class SessionStream:
         hidden_out = bundle_from_proto(r.hidden) if r.HasField("hidden") and r.hidden.tensors else None
         return StepReply(r.position, hidden_out, r.token_id if r.has_token else None, r.is_eog, resp)
 
+    def attest(self, timeout: float | None = None) -> pb.Attestation:
+        """The peer's signed statement of what this session computed so far."""
+        resp = self.request(pb.SessionRequest(attest=pb.AttestSignal()), timeout)
+        if resp.WhichOneof("kind") != "attestation":
+            raise ShardConnectionError(f"unexpected reply to an attest request: {resp.WhichOneof('kind')}")
+        return resp.attestation
+
     def cancel(self, work_id: str = "", reason: str = "") -> None:
         """In-band cancel. The peer answers with a CANCELLED error (raised by the next receive)."""
         self.send(pb.SessionRequest(cancel=pb.CancelSignal(work_id=work_id, reason=reason)))

@@ -56,7 +56,7 @@ async def start_data_plane(nursery: trio.Nursery, engine, identity: Identity, ho
     """Serve ``engine`` over gRPC with a fresh identity-bound TLS certificate (and
     through ``relay`` too, if given), in ``nursery``. Shared by serve and join."""
     creds = make_tls_credentials(identity)
-    servicer = ShardRuntimeServicer(engine, peer_id=str(identity.peer_id), limits=limits, on_open=on_open)
+    servicer = ShardRuntimeServicer(engine, identity=identity, limits=limits, on_open=on_open)
     server = ShardServer(servicer, creds, host=host, port=port)
     await nursery.start(server.serve)
     if relay is not None:

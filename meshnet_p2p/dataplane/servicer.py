@@ -32,7 +32,9 @@ from ..engine.contract import (
     StatusCode,
     check_session_id,
 )
+from ..certification import Attestation
 from ..engine.recipe import explain_mismatch
+from ..identity import Identity
 from ..records import wall_ms
 from .session_state import SessionState, Verdict
 from .tensors import PayloadError, bundle_from_proto, bundle_to_proto
@@ -82,8 +84,10 @@ class ShardRuntimeServicer:
     ``context`` argument is unused, kept so grpcio's generated server could host it)."""
 
     def __init__(self, engine: ShardEngine, *, peer_id: str = "", limits: Limits = Limits(),
-                 now_ms=wall_ms, on_open=None) -> None:
+                 now_ms=wall_ms, on_open=None, identity: Identity | None = None) -> None:
         self.engine = engine
+        self.identity = identity  # signs attestations of what a session computed
+        peer_id = str(identity.peer_id) if identity is not None else peer_id
         self.on_open = on_open  # called with each newly opened session id
         self.draining = False  # set on shutdown: open sessions finish, new ones are refused
         self.peer_id = peer_id
@@ -194,6 +198,8 @@ class ShardRuntimeServicer:
                         return
                 elif kind == "rollback":
                     yield self._rollback(opened_id, state, req.rollback)
+                elif kind == "attest":
+                    yield self._attest(opened_id, state)
                 elif kind == "release":
                     self.engine.release(opened_id)
                     released = True
@@ -274,6 +280,17 @@ class ShardRuntimeServicer:
         state.rolled_back(msg.route_epoch)
         return pb.SessionResponse(ack=pb.Ack())
 
+    def _attest(self, sid: str, state: SessionState) -> pb.SessionResponse:
+        if self.identity is None:
+            return _error(E.PROTOCOL, "this peer serves without an identity and cannot attest")
+        c = self.caps
+        a = Attestation(self.peer_id, sid, c.model_digest, c.recipe_digest, c.start, c.end, state.steps_done,
+                        state.inputs.hexdigest(), state.outputs.hexdigest()).signed_by(self.identity)
+        return pb.SessionResponse(attestation=pb.Attestation(
+            peer_id=a.peer_id, session_id=a.session_id, model_digest=a.model_digest, recipe_digest=a.recipe_digest,
+            start=a.start, end=a.end, steps=a.steps, input_digest=a.input_digest, output_digest=a.output_digest,
+            signature=a.signature))
+
     def _step(self, sid: str, state: SessionState, step: pb.Step) -> pb.SessionResponse:
         wid, n = step.work_id, step.idempotency_step
         verdict = state.check_step(wid, n, step.route_epoch, step.deadline_unix_ms, self.now_ms())
@@ -309,6 +326,16 @@ class ShardRuntimeServicer:
         if not result.status.ok:
             s = result.status
             return _error(_ENGINE_CODES[s.code], s.message, work_id=wid, step=n, retryable=s.retryable)
+        # what this step computed, for an attestation (a few microseconds per step)
+        if hidden is not None:
+            state.inputs.hidden(step.position, hidden)
+        else:
+            state.inputs.tokens(step.position, tokens)
+        if result.token is not None:
+            state.outputs.token(result.position - 1, result.token.token_id)
+        else:
+            state.outputs.hidden(step.position, result.hidden)
+        state.steps_done += 1
         response = pb.SessionResponse()
         out = response.result  # built in place: wrapping a finished StepResult would copy its payload
         out.work_id = wid

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from ..certification import SEAM_DOMAIN, RowDigest
+
 
 class Verdict(str, Enum):
     APPLY = "apply"
@@ -35,6 +37,11 @@ class SessionState:
     cancelled_work: set[str] = field(default_factory=set)
     last_step: int = -1  # highest idempotency step applied
     running: str | None = None  # work id of the step in the engine now
+    # What this session computed, for a signed attestation (certification.py):
+    # running digests of every applied step's input and output.
+    inputs: RowDigest = field(default_factory=lambda: RowDigest(SEAM_DOMAIN))
+    outputs: RowDigest = field(default_factory=lambda: RowDigest(SEAM_DOMAIN))
+    steps_done: int = 0
 
     def open(self, epoch: int, credits: int) -> None:
         self.opened = True

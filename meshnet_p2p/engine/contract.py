@@ -194,6 +194,7 @@ class EngineCapabilities:
     model_digest: str
     recipe_digest: str
     recipe: Mapping[str, object]
+    recipe_labels: Mapping[str, object] = field(default_factory=dict)
 
     @property
     def is_head(self) -> bool:

@@ -13,7 +13,14 @@ every model file, so every shard carries them in some form):
 Blocks are copied with their raw (quantized) bytes, renumbered from 0. Every
 shard records where it came from in ``meshnet.*`` keys: the sha256 of the whole
 source file, the source's layer count and the range, so a shard stays bound to
-the exact artifact it was cut from.
+the exact artifact it was cut from, and the source's tokenizer digest (a middle
+shard has no tokenizer of its own, yet its recipe names the source's).
+
+A shard also carries its binding, ``meshnet.shard.data_sha256``: a
+domain-separated sha256 over every byte of the file except that one metadata
+entry (header, all other metadata, tensor infos, tensor data, padding). It is
+checked on every inspect, so a shard whose bytes changed after cutting (a
+flipped bit, a truncation, an edited key) is refused before it is served.
 """
 
 from __future__ import annotations
@@ -22,11 +29,10 @@ import hashlib
 import os
 import struct
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 from ..errors import MeshnetError
 from .adapters import ArchitectureAdapter, adapter_for
-from .recipe import model_digest
 from .gguf import (
     GGML_TYPE_F32,
     GGUFFile,
@@ -34,11 +40,13 @@ from .gguf import (
     OutTensor,
     ValueType,
     encode_kv,
+    encode_string,
     read_gguf,
     write_gguf,
 )
+from .recipe import TOKENIZER_DOMAIN, ftype_name, model_digest
 
-SHARD_FORMAT_VERSION = 1
+SHARD_FORMAT_VERSION = 2
 K_FORMAT = "meshnet.format_version"
 K_SOURCE_SHA256 = "meshnet.source.sha256"
 K_SOURCE_LAYERS = "meshnet.source.block_count"
@@ -48,6 +56,11 @@ K_START = "meshnet.shard.start"
 K_END = "meshnet.shard.end"
 K_ROLE = "meshnet.shard.role"
 K_ADAPTER = "meshnet.adapter"
+K_SOURCE_TOKENIZER = "meshnet.source.tokenizer_sha256"
+K_DATA_SHA256 = "meshnet.shard.data_sha256"
+K_FILE_TYPE = "general.file_type"
+BINDING_DOMAIN = "meshnet.shard-binding.v1"
+_UNBOUND = "0" * 64  # the binding's placeholder while the shard is being written
 
 Progress = Callable[[str, int, int], None]  # (phase, done, total)
 
@@ -58,6 +71,13 @@ class ShardCutError(MeshnetError):
 
 class LayerRangeError(ShardCutError):
     """The layer range is empty or lies outside the model."""
+
+
+class ShardBindingError(ShardCutError):
+    """A shard's bytes do not match the binding it claims (or it claims none)."""
+
+    def __init__(self, path: str, detail: str) -> None:
+        super().__init__(f"{path}: shard bytes do not match the binding it claims: {detail}")
 
 
 @dataclass(frozen=True)
@@ -73,6 +93,9 @@ class ShardInfo:
     end: int
     n_embd: int
     is_cut: bool
+    tokenizer_digest: str = ""  # the SOURCE model's tokenizer (a recipe axis), the same for every shard
+    weight_quantization: str = ""  # general.file_type by name ("Q4_1"), a recipe axis
+    data_sha256: str | None = None  # a cut shard's verified binding; None for an uncut model
 
     @property
     def is_head(self) -> bool:
@@ -138,11 +161,69 @@ def _model_shape(src: GGUFFile) -> tuple[str, ArchitectureAdapter, int, int]:
     return arch, adapter, n_layer, n_embd
 
 
-def inspect_gguf(path: str, *, source_sha256: str | None = None) -> ShardInfo:
+def _is_hex64(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def tokenizer_digest(src: GGUFFile) -> str:
+    """sha256 (domain-separated) over every ``tokenizer.*`` metadata entry of a
+    file, each as its GGUF encoding (key, value type, value), sorted by key."""
+    keys = sorted(k for k in src.kv if k.startswith("tokenizer."))
+    h = hashlib.sha256(encode_string(TOKENIZER_DOMAIN) + struct.pack("<Q", len(keys)))
+    with open(src.path, "rb") as f:
+        for key in keys:
+            start, end = src.kv[key].span
+            f.seek(start)
+            h.update(f.read(end - start))
+    return h.hexdigest()
+
+
+def _binding_digest(path: str, skip: tuple[int, int], progress: Progress | None = None) -> str:
+    """sha256 (domain-separated) over the file's bytes, the span ``skip`` left out."""
+    h = hashlib.sha256(encode_string(BINDING_DOMAIN))
+    total = os.path.getsize(path)
+    done = 0
+    with open(path, "rb") as f:
+        for lo, hi in ((0, skip[0]), (skip[1], total)):
+            f.seek(lo)
+            left = hi - lo
+            while left:
+                chunk = f.read(min(4 << 20, left))
+                if not chunk:
+                    raise GGUFFormatError(f"{path}: file ended while hashing it")
+                h.update(chunk)
+                left -= len(chunk)
+                done += len(chunk)
+                if progress:
+                    progress("binding", done, total)
+    return h.hexdigest()
+
+
+def verify_shard(path: str, src: GGUFFile | None = None) -> str:
+    """Check a cut shard's bytes against the binding it claims; return the binding.
+    Raises :class:`ShardBindingError` if it claims none or its bytes differ."""
+    src = src or read_gguf(path)
+    entry = src.kv.get(K_DATA_SHA256)
+    if entry is None:
+        raise ShardBindingError(path, f"no {K_DATA_SHA256} key")
+    if entry.type is not ValueType.STRING or not _is_hex64(entry.value) or entry.value == _UNBOUND:
+        raise ShardBindingError(path, f"{K_DATA_SHA256} is not a sha256 hex digest")
+    actual = _binding_digest(path, entry.span)
+    if actual != entry.value:
+        raise ShardBindingError(path, f"{K_DATA_SHA256} says {entry.value}, the bytes hash to {actual}")
+    return actual
+
+
+def inspect_gguf(path: str, *, source_sha256: str | None = None, verify: bool = True) -> ShardInfo:
     """Read a model or shard file's shard identity. For an uncut model the source
-    digest is the file's own sha256 (computed unless given)."""
+    digest is the file's own sha256 (computed unless given). A cut shard's
+    binding is checked (:func:`verify_shard`) unless ``verify`` is false."""
     src = read_gguf(path)
     arch, adapter, n_layer, n_embd = _model_shape(src)
+    try:
+        quantization = ftype_name(src.get(K_FILE_TYPE))
+    except ValueError as e:
+        raise ShardCutError(f"{path}: {e}") from None
     if K_SOURCE_SHA256 in src.kv:
         try:
             version = src.get(K_FORMAT)
@@ -150,13 +231,24 @@ def inspect_gguf(path: str, *, source_sha256: str | None = None) -> ShardInfo:
                 raise ShardCutError(f"{path}: shard format version {version!r}, this build reads {SHARD_FORMAT_VERSION}")
             start, end, total = int(src.get(K_START)), int(src.get(K_END)), int(src.get(K_SOURCE_LAYERS))
             digest = str(src.get(K_SOURCE_SHA256))
+            tokenizer = src.get(K_SOURCE_TOKENIZER)
         except (TypeError, ValueError):
             raise ShardCutError(f"{path}: malformed meshnet.* shard metadata") from None
         if end - start != n_layer or not 0 <= start < end <= total or len(digest) != 64:
             raise ShardCutError(f"{path}: shard metadata says layers {start}:{end} of {total}, but the file holds {n_layer} layers")
-        return ShardInfo(path, arch, adapter.adapter_id, digest, total, start, end, n_embd, True)
+        if not _is_hex64(tokenizer):
+            raise ShardCutError(f"{path}: malformed {K_SOURCE_TOKENIZER}")
+        binding = verify_shard(path, src) if verify else src.get(K_DATA_SHA256)
+        if verify and (start == 0 or end == total) and tokenizer_digest(src) != tokenizer:
+            # a head or tail tokenizes with its own copy: it must be the source's
+            raise ShardBindingError(path, f"its tokenizer is not the source's ({K_SOURCE_TOKENIZER})")
+        return ShardInfo(
+            path, arch, adapter.adapter_id, digest, total, start, end, n_embd, True, tokenizer, quantization, binding
+        )
     digest = source_sha256 or sha256_file(path)
-    return ShardInfo(path, arch, adapter.adapter_id, digest, n_layer, 0, n_layer, n_embd, False)
+    return ShardInfo(
+        path, arch, adapter.adapter_id, digest, n_layer, 0, n_layer, n_embd, False, tokenizer_digest(src), quantization
+    )
 
 
 def cut_shard(
@@ -176,6 +268,11 @@ def cut_shard(
     if not 0 <= start < end <= n_layer:
         raise LayerRangeError(f"layers {start}:{end} are outside the model, which has layers 0:{n_layer}")
     digest = source_sha256 or sha256_file(model_path, progress)
+    try:
+        quantization = ftype_name(src.get(K_FILE_TYPE))  # copied verbatim into the shard below
+    except ValueError as e:
+        raise ShardCutError(f"{model_path}: {e}") from None
+    source_tokenizer = tokenizer_digest(src)
     role = role_of(start, end, n_layer)
     head, tail = start == 0, end == n_layer
 
@@ -211,6 +308,8 @@ def cut_shard(
         encode_kv(K_END, ValueType.UINT32, end),
         encode_kv(K_ROLE, ValueType.STRING, role),
         encode_kv(K_ADAPTER, ValueType.STRING, adapter.adapter_id),
+        encode_kv(K_SOURCE_TOKENIZER, ValueType.STRING, source_tokenizer),
+        encode_kv(K_DATA_SHA256, ValueType.STRING, _UNBOUND),  # filled in once the bytes are on disk
     ]
 
     tensors: list[OutTensor] = []
@@ -235,12 +334,43 @@ def cut_shard(
             raise ShardCutError(f"{model_path}: the model has no {needed!r} tensor")
 
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    write_gguf(
-        out_path,
-        kv,
-        tensors,
-        source_path=model_path,
-        alignment=src.alignment,
-        progress=(lambda d, t: progress("writing", d, t)) if progress else None,
+    binding = _write_bound(out_path, kv, tensors, model_path, src.alignment, progress)
+    return ShardInfo(
+        out_path, arch, adapter.adapter_id, digest, n_layer, start, end, n_embd, True, source_tokenizer, quantization, binding
     )
-    return ShardInfo(out_path, arch, adapter.adapter_id, digest, n_layer, start, end, n_embd, True)
+
+
+def _write_bound(
+    out_path: str, kv: Iterable[bytes], tensors: list[OutTensor], model_path: str, alignment: int, progress: Progress | None
+) -> str:
+    """Write the shard under a name of our own, hash what is on disk, write the
+    binding over its placeholder (same length: no offset moves), then rename
+    into place, so ``out_path`` only ever holds a whole, bound shard."""
+    tmp = f"{out_path}.{os.getpid()}.{os.urandom(4).hex()}.unbound"
+    try:
+        write_gguf(
+            tmp,
+            kv,
+            tensors,
+            source_path=model_path,
+            alignment=alignment,
+            progress=(lambda d, t: progress("writing", d, t)) if progress else None,
+        )
+        span = read_gguf(tmp).kv[K_DATA_SHA256].span
+        binding = _binding_digest(tmp, span, progress)
+        with open(tmp, "r+b") as f:
+            f.seek(span[1] - len(_UNBOUND))
+            if f.read(len(_UNBOUND)) != _UNBOUND.encode():
+                raise ShardCutError(f"{out_path}: the binding placeholder is not where the metadata says")
+            f.seek(span[1] - len(_UNBOUND))
+            f.write(binding.encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out_path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return binding

@@ -57,13 +57,10 @@ from .contract import (
 from .cut import ShardInfo, inspect_gguf
 from .gguf import align_up
 from .llama_native import ensure_backend, hooks
-from .recipe import Recipe
+from .recipe import FLASH_ATTN_TYPE, KV_CACHE_GGML_TYPE, KV_UNIFIED, RecipeError, runtime_recipe
 from .sampling import sample
 from .seam import decode_seam, encode_seam, seam_itemsize
 from .sessions import Session, SessionTable
-
-_FLASH_ATTN_DISABLED = 0
-_GGML_TYPE_F16 = 1
 
 
 class LlamaCppShardEngine(ShardEngine):
@@ -90,6 +87,8 @@ class LlamaCppShardEngine(ShardEngine):
         if self._model is not None:
             return LoadResult(Status(StatusCode.INVALID_ARGUMENT, "engine is already loaded"), self._caps)
         try:
+            # A cut shard's bytes are checked against its binding here (verify_shard):
+            # a shard that changed after cutting is refused before it is served.
             info = inspect_gguf(request.path, source_sha256=request.source_sha256)
         except MeshnetError as e:  # bad file, unsupported architecture, bad shard metadata
             self._state, self._detail = "failed", str(e)
@@ -116,7 +115,7 @@ class LlamaCppShardEngine(ShardEngine):
         cparams.n_batch = request.n_ubatch
         cparams.n_ubatch = request.n_ubatch
         cparams.n_seq_max = request.max_sessions
-        cparams.kv_unified = False
+        cparams.kv_unified = KV_UNIFIED
         # A tail emits one row of logits per step; llama.cpp wants room for one per sequence.
         outputs = request.max_sessions if is_tail else max(request.n_ubatch, request.max_sessions)
         cparams.n_outputs_max = outputs
@@ -124,9 +123,9 @@ class LlamaCppShardEngine(ShardEngine):
         threads = request.n_threads or os.cpu_count() or 1
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
-        cparams.flash_attn_type = _FLASH_ATTN_DISABLED
-        cparams.type_k = _GGML_TYPE_F16
-        cparams.type_v = _GGML_TYPE_F16
+        cparams.flash_attn_type = FLASH_ATTN_TYPE
+        cparams.type_k = KV_CACHE_GGML_TYPE
+        cparams.type_v = KV_CACHE_GGML_TYPE
         cparams.no_perf = True
         self._capture = native.new_state()
         self._capture.stop_after = 1
@@ -141,6 +140,28 @@ class LlamaCppShardEngine(ShardEngine):
             llama_cpp.llama_model_free(model)
             self._state = "failed"
             return LoadResult(Status(StatusCode.LOAD_FAILED, "llama.cpp could not create a context"))
+        # The recipe names what this context runs: the loaded file's metadata, the
+        # parameters as set (read back), the micro-batch llama.cpp will split by.
+        try:
+            if cparams.type_k != cparams.type_v:
+                raise RecipeError(f"K and V caches of different types ({cparams.type_k}, {cparams.type_v})")
+            if llama_cpp.llama_n_ubatch(ctx) != request.n_ubatch:
+                raise RecipeError(f"llama.cpp runs micro-batches of {llama_cpp.llama_n_ubatch(ctx)}, not {request.n_ubatch}")
+            recipe = runtime_recipe(
+                seam_dtype=request.seam_dtype,
+                n_ubatch=int(llama_cpp.llama_n_ubatch(ctx)),
+                weight_quantization=info.weight_quantization,
+                tokenizer_digest=info.tokenizer_digest,
+                adapter_id=info.adapter_id,
+                kv_ggml_type=cparams.type_k,
+                flash_attn_type=cparams.flash_attn_type,
+                kv_unified=cparams.kv_unified,
+            )
+        except RecipeError as e:
+            llama_cpp.llama_free(ctx)
+            llama_cpp.llama_model_free(model)
+            self._state, self._detail = "failed", str(e)
+            return LoadResult(Status(StatusCode.LOAD_FAILED, f"no well-defined recipe: {e}"))
         if not is_tail:
             self._capture.target = f"l_out-{info.n_layers - 1}".encode()
         self._model, self._ctx, self._vocab, self._info = model, ctx, vocab, info
@@ -154,15 +175,6 @@ class LlamaCppShardEngine(ShardEngine):
         self._logits_addr = 0
         self._logits_view: np.ndarray | None = None
         self._native = native  # keep the callbacks alive as long as the context
-        recipe = Recipe(
-            seam_dtype=request.seam_dtype,
-            n_ubatch=request.n_ubatch,
-            kv_dtype="f16",
-            flash_attn=False,
-            adapter_id=info.adapter_id,
-            backend="llama.cpp-cpu",
-            runtime_version=f"llama-cpp-python {llama_cpp.__version__}",
-        )
         budget = request.kv_token_budget or request.max_sessions * request.n_ctx_per_session
         self._table = SessionTable(request.max_sessions, budget, request.n_ctx_per_session)
         self._caps = EngineCapabilities(
@@ -179,6 +191,7 @@ class LlamaCppShardEngine(ShardEngine):
             model_digest=info.model_digest,
             recipe_digest=recipe.digest(),
             recipe=recipe.axes(),
+            recipe_labels=recipe.labels(),
         )
         if threads > 1:
             self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama-compute")

@@ -8,6 +8,7 @@ plumbing. Everything llama.cpp-version-specific that is not a public
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import os
 import threading
@@ -49,10 +50,7 @@ class Hooks:
         if lib.meshnet_capture_state_size() != ctypes.sizeof(CaptureState):
             raise ImportError("native hooks and CaptureState disagree on layout; rebuild the extension")
         self.lib = lib
-        base_dir = os.path.join(os.path.dirname(llama_cpp.__file__), "lib")
-        # .so.0 is the copy libllama links against; loading another copy would
-        # give a second, unrelated ggml.
-        ggml = ctypes.CDLL(os.path.join(base_dir, "libggml-base.so.0"))
+        ggml = ggml_base()
         self.get_name = ctypes.cast(ggml.ggml_get_name, ctypes.c_void_p).value
         self.nbytes = ctypes.cast(ggml.ggml_nbytes, ctypes.c_void_p).value
         self.tensor_get = ctypes.cast(ggml.ggml_backend_tensor_get, ctypes.c_void_p).value
@@ -67,6 +65,35 @@ class Hooks:
         state.nbytes = self.nbytes
         state.tensor_get = self.tensor_get
         return state
+
+
+def ggml_base() -> ctypes.CDLL:
+    """libggml-base as libllama maps it. The wheel ships ``.so``, ``.so.0`` and
+    ``.so.0.25.3`` as separate copies; ``.so.0`` is the one libllama links
+    against, and loading another copy would give a second, unrelated ggml."""
+    return ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so.0"))
+
+
+@functools.lru_cache(maxsize=1)
+def native_build() -> str:
+    """What the running llama.cpp and ggml report of themselves (not the Python
+    binding's version), e.g. ``"ggml 0.25.3 (0c1e570-dirty), llama 0.5.0-dev"``."""
+    ggml = ggml_base()
+    ggml.ggml_version.restype = ctypes.c_char_p
+    ggml.ggml_version.argtypes = []
+    ggml.ggml_commit.restype = ctypes.c_char_p
+    ggml.ggml_commit.argtypes = []
+    # llama_version through the binding's own handle: the binding maps
+    # libllama.so, and opening libllama.so.0 would map a second copy.
+    llama = llama_cpp.llama_version()
+    return f"ggml {ggml.ggml_version().decode()} ({ggml.ggml_commit().decode()}), llama {llama.decode()}"
+
+
+def system_info() -> str:
+    """``llama_print_system_info()`` after backend init: per backend, the
+    features ggml compiled in and selected (``CPU : SSE3 = 1 | AVX2 = 1 | ...``)."""
+    ensure_backend()
+    return llama_cpp.llama_print_system_info().decode()
 
 
 _hooks: Hooks | None = None

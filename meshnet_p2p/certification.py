@@ -1,0 +1,478 @@
+"""Certification: signed evidence that a recipe ran distributed and gave the
+whole model's tokens, and the trust policy that decides whose evidence counts.
+
+A fingerprint (model digest + recipe digest) first seen in the swarm is
+*dark*: visible, routable for certification only. It becomes *certified* for
+a node when that node holds evidence that passes every check below, signed by
+a certifier it trusts. There is no tracker: the evidence is a signed record
+under ``cert/<model>/<recipe>`` in the DHT, spread by gossip, and every node
+checks it itself.
+
+What the evidence proves, and how it is checked (all pure functions here):
+
+- each hop's peer signed an **attestation** of what it computed in the
+  certification session: its range, the fingerprint it ran, how many steps,
+  and running digests of its inputs and outputs (:class:`RowDigest`);
+- the hops chain: hop i's output digest is hop i+1's input digest, the head's
+  input is the prompt and the fed-back tokens, the tail's output is the
+  tokens the evidence reports, so no hop's signature can be moved to another
+  run;
+- at least two distinct peers, none named twice, whose ranges tile every
+  layer; at least one generated token;
+- the route's tokens equal the certifier's own whole-model run under the same
+  recipe (``whole-model``), or a second route with no peer in common
+  (``two-routes``), and the certifier signed the whole record.
+
+Whose evidence counts is each node's own policy (:class:`TrustPolicy`):
+by default its bootstrap peers' keys and its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+from dataclasses import dataclass, field, replace
+from enum import Enum
+from typing import Any, Iterable, Mapping, Sequence
+
+from .engine.contract import HIDDEN, TensorBundle
+from .errors import MeshnetError
+from .identity import Identity, IdentityError, PeerId
+from .records import PayloadType, Record, canonical, sign_record
+
+CERTIFICATE = "meshnet/certificate/v1"
+CERTIFICATE_TTL_MS = 24 * 3600 * 1000  # the longest a record may live; certify again to renew
+ATTEST_DOMAIN = b"meshnet-hop-attestation-v1\0"
+# what crosses a boundary: one hop's output digest is the next hop's input digest, so one domain
+SEAM_DOMAIN = b"meshnet-seam-v1\0"
+PROMPT_DOMAIN = b"meshnet-prompt-v1\0"
+TOKENS_DOMAIN = b"meshnet-generated-v1\0"
+
+WHOLE_MODEL = "whole-model"
+TWO_ROUTES = "two-routes"
+METHODS = (WHOLE_MODEL, TWO_ROUTES)
+
+MAX_IDS = 256  # prompt or generated tokens carried in evidence
+MAX_STEPS = 512
+MAX_HOPS = 32
+MAX_LAYERS = 100_000
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+class CertificationError(MeshnetError):
+    pass
+
+
+class Refusal(str, Enum):
+    """Why evidence does not certify. Each is tested."""
+
+    MALFORMED = "malformed"
+    ONE_NODE = "one-node"
+    NODE_TWICE = "node-twice"
+    COVERAGE_HOLE = "coverage-hole"
+    NO_TOKENS = "no-tokens"
+    DISAGREES = "disagrees"
+    BAD_SIGNATURE = "bad-signature"
+    OTHER_FINGERPRINT = "other-fingerprint"
+    BROKEN_CHAIN = "broken-chain"
+    UNTRUSTED = "untrusted-certifier"
+
+
+class EvidenceRefused(CertificationError):
+    def __init__(self, reason: Refusal, detail: str) -> None:
+        self.reason = reason
+        self.detail = detail
+        super().__init__(f"evidence refused ({reason.value}): {detail}")
+
+
+def cert_key(model_digest: str, recipe_digest: str) -> str:
+    return f"cert/{model_digest}/{recipe_digest}"
+
+
+# --- what a hop computed -------------------------------------------------------------------
+
+
+class RowDigest:
+    """A running sha256 over the steps a hop took in (or gave out), one frame per
+    step: its position, and its token ids or hidden-state bytes. The peer and
+    the client each keep one per hop; they must agree."""
+
+    def __init__(self, domain: bytes) -> None:
+        self._h = hashlib.sha256(domain)
+
+    def tokens(self, position: int, ids: Sequence[int]) -> None:
+        self._h.update(struct.pack("<cQI", b"T", position, len(ids)))
+        self._h.update(struct.pack(f"<{len(ids)}I", *ids))
+
+    def token(self, position: int, token_id: int) -> None:
+        self._h.update(struct.pack("<cQI", b"O", position, token_id))
+
+    def hidden(self, position: int, bundle: TensorBundle) -> None:
+        t = bundle.get(HIDDEN) or bundle.tensors[0]
+        self._h.update(struct.pack("<cQ", b"H", position) + t.dtype.encode() + b"\0")
+        self._h.update(struct.pack(f"<{len(t.shape)}Q", *t.shape))
+        self._h.update(t.data)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def ids_digest(domain: bytes, ids: Sequence[int]) -> str:
+    return hashlib.sha256(domain + struct.pack(f"<{len(ids)}I", *ids)).hexdigest()
+
+
+@dataclass(frozen=True)
+class Attestation:
+    """A hop's signed statement of what it computed in one session."""
+
+    peer_id: str
+    session_id: str
+    model_digest: str
+    recipe_digest: str
+    start: int
+    end: int
+    steps: int
+    input_digest: str
+    output_digest: str
+    signature: bytes = b""
+
+    def signed_bytes(self) -> bytes:
+        return ATTEST_DOMAIN + canonical([self.peer_id, self.session_id, self.model_digest, self.recipe_digest,
+                                          self.start, self.end, self.steps, self.input_digest, self.output_digest])
+
+    def signed_by(self, identity: Identity) -> "Attestation":
+        if str(identity.peer_id) != self.peer_id:
+            raise CertificationError("an attestation is signed by the peer it names")
+        return replace(self, signature=identity.sign(self.signed_bytes()))
+
+    def verifies(self) -> bool:
+        try:
+            return len(self.signature) == 64 and PeerId.from_string(self.peer_id).verify(self.signature, self.signed_bytes())
+        except (IdentityError, ValueError):
+            return False
+
+    def to_content(self) -> dict[str, Any]:
+        return {"peer_id": self.peer_id, "session": self.session_id, "model_digest": self.model_digest,
+                "recipe_digest": self.recipe_digest, "layers": [self.start, self.end], "steps": self.steps,
+                "input_digest": self.input_digest, "output_digest": self.output_digest, "signature": self.signature}
+
+    @classmethod
+    def from_content(cls, c: Mapping[str, Any]) -> "Attestation":
+        layers = c["layers"]
+        return cls(c["peer_id"], c["session"], c["model_digest"], c["recipe_digest"], layers[0], layers[1],
+                   c["steps"], c["input_digest"], c["output_digest"], c["signature"])
+
+
+# --- one certification run -------------------------------------------------------------------
+
+
+@dataclass
+class RouteRun:
+    """What the certifier saw of one route: the steps it drove (position, rows,
+    the tail's token), the tokens it kept, and each hop's attestation."""
+
+    steps: list[tuple[int, int, int]]
+    generated: list[int]
+    hops: list[Attestation]
+
+    def to_content(self) -> dict[str, Any]:
+        return {"steps": [list(s) for s in self.steps], "generated": list(self.generated),
+                "hops": [h.to_content() for h in self.hops]}
+
+
+def expected_digests(prompt: Sequence[int], run: RouteRun) -> tuple[str, str]:
+    """The head's input digest and the tail's output digest that ``run`` implies:
+    the prompt, then each generated token fed back at the next position."""
+    ids = list(prompt) + list(run.generated)
+    head_in, tail_out = RowDigest(SEAM_DOMAIN), RowDigest(SEAM_DOMAIN)
+    for position, rows, token in run.steps:
+        head_in.tokens(position, ids[position : position + rows])
+        tail_out.token(position + rows - 1, token)
+    return head_in.hexdigest(), tail_out.hexdigest()
+
+
+def generated_of(prompt_len: int, steps: Sequence[tuple[int, int, int]]) -> list[int]:
+    """The tokens a run generated: the tail's token of the step that ends the
+    prompt, and of every step after it."""
+    return [tok for pos, rows, tok in steps if pos + rows >= prompt_len]
+
+
+@dataclass(frozen=True)
+class Evidence:
+    model_digest: str
+    recipe_digest: str
+    n_layer: int
+    method: str
+    prompt: tuple[int, ...]
+    routes: tuple[RouteRun, ...]
+    reference_digest: str  # whole-model: the certifier's own run's tokens; two-routes: the first route's
+    recipe: Mapping[str, Any] = field(default_factory=dict)
+    recipe_labels: Mapping[str, Any] = field(default_factory=dict)
+
+    def content(self, certifier: PeerId) -> dict[str, Any]:
+        return {
+            "key": cert_key(self.model_digest, self.recipe_digest),
+            "certifier": str(certifier),
+            "model_digest": self.model_digest,
+            "recipe_digest": self.recipe_digest,
+            "n_layer": self.n_layer,
+            "method": self.method,
+            "prompt": list(self.prompt),
+            "prompt_digest": ids_digest(PROMPT_DOMAIN, self.prompt),
+            "routes": [r.to_content() for r in self.routes],
+            "reference_digest": self.reference_digest,
+            "recipe": dict(self.recipe),
+            "recipe_labels": dict(self.recipe_labels),
+        }
+
+    def sign(self, identity: Identity, *, now_ms: int, ttl_ms: int = CERTIFICATE_TTL_MS) -> bytes:
+        content = self.content(identity.peer_id)
+        refusal = check_evidence(content)
+        if refusal is not None:
+            raise EvidenceRefused(*refusal)
+        return sign_record(identity, CERTIFICATE, content, seq=now_ms, now_ms=now_ms, ttl_ms=ttl_ms)
+
+
+# --- checking evidence -------------------------------------------------------------------
+
+
+def _shape(c: Mapping[str, Any]) -> tuple[list[RouteRun], list[int]] | str:
+    """The parsed routes and prompt, or why the content is malformed."""
+
+    def hex64(x: Any) -> bool:
+        return isinstance(x, str) and _HEX64.fullmatch(x) is not None
+
+    def uint(x: Any, bound: int) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and 0 <= x <= bound
+
+    def id_list(x: Any) -> bool:
+        return isinstance(x, list) and len(x) <= MAX_IDS and all(uint(t, 2**32 - 1) for t in x)
+
+    if not (hex64(c.get("model_digest")) and hex64(c.get("recipe_digest")) and hex64(c.get("reference_digest"))):
+        return "model_digest, recipe_digest and reference_digest must be sha256 hex"
+    if c.get("key") != cert_key(c["model_digest"], c["recipe_digest"]):
+        return "the record's key does not name its model and recipe"
+    if not uint(c.get("n_layer"), MAX_LAYERS) or c["n_layer"] < 1:
+        return "n_layer out of range"
+    if c.get("method") not in METHODS:
+        return f"method must be one of {', '.join(METHODS)}"
+    if not id_list(c.get("prompt")) or not c["prompt"]:
+        return "prompt must be 1..256 token ids"
+    if c.get("prompt_digest") != ids_digest(PROMPT_DOMAIN, c["prompt"]):
+        return "prompt_digest does not match the prompt"
+    for name in ("recipe", "recipe_labels"):
+        m = c.get(name, {})
+        if not (isinstance(m, dict) and len(m) <= 32 and all(isinstance(v, (str, int, bool)) for v in m.values())):
+            return f"{name} must be a small map of scalars"
+    raw_routes = c.get("routes")
+    if not isinstance(raw_routes, list) or not 1 <= len(raw_routes) <= 2:
+        return "routes must hold one or two routes"
+    routes = []
+    try:
+        for r in raw_routes:
+            steps = r["steps"]
+            if not (isinstance(steps, list) and 0 < len(steps) <= MAX_STEPS and all(
+                    isinstance(s, list) and len(s) == 3 and uint(s[0], 2**32) and uint(s[1], 2**16) and s[1] >= 1
+                    and uint(s[2], 2**32 - 1) for s in steps)):
+                return "steps must be 1..512 [position, rows, token] triples"
+            if not id_list(r["generated"]):
+                return "generated must be at most 256 token ids"
+            hops = r["hops"]
+            if not isinstance(hops, list) or not 0 < len(hops) <= MAX_HOPS:
+                return f"a route has 1..{MAX_HOPS} hops"
+            atts = []
+            for h in hops:
+                if not (isinstance(h, dict) and isinstance(h.get("peer_id"), str) and isinstance(h.get("session"), str)
+                        and len(h["session"]) <= 128 and hex64(h.get("model_digest")) and hex64(h.get("recipe_digest"))
+                        and isinstance(h.get("layers"), list) and len(h["layers"]) == 2
+                        and all(uint(x, MAX_LAYERS) for x in h["layers"]) and h["layers"][0] < h["layers"][1]
+                        and uint(h.get("steps"), 2**32) and hex64(h.get("input_digest"))
+                        and hex64(h.get("output_digest")) and isinstance(h.get("signature"), bytes)):
+                    return "a hop's attestation is malformed"
+                atts.append(Attestation.from_content(h))
+            routes.append(RouteRun([tuple(s) for s in steps], list(r["generated"]), atts))
+    except (KeyError, TypeError):
+        return "a route is missing fields"
+    return routes, list(c["prompt"])
+
+
+def _coverage_hole(hops: Sequence[Attestation], n_layer: int) -> str | None:
+    at = 0
+    for h in sorted(hops, key=lambda h: h.start):
+        if h.start > at:
+            return f"layers {at}-{h.start - 1} are computed by no hop"
+        if h.start < at:
+            return f"hops overlap at layer {h.start}"
+        at = h.end
+    if at < n_layer:
+        return f"layers {at}-{n_layer - 1} are computed by no hop"
+    if at > n_layer:
+        return f"the hops claim {at} layers of a {n_layer}-layer model"
+    return None
+
+
+def check_evidence(c: Mapping[str, Any]) -> tuple[Refusal, str] | None:
+    """Why this evidence content certifies nothing, or None if it holds. Checks
+    everything but who the certifier is (that is the reader's trust policy)."""
+    parsed = _shape(c)
+    if isinstance(parsed, str):
+        return Refusal.MALFORMED, parsed
+    routes, prompt = parsed
+    model, recipe, n_layer = c["model_digest"], c["recipe_digest"], c["n_layer"]
+    if c["method"] == TWO_ROUTES and len(routes) != 2:
+        return Refusal.MALFORMED, "two-routes evidence carries two routes"
+    if c["method"] == WHOLE_MODEL and len(routes) != 1:
+        return Refusal.MALFORMED, "whole-model evidence carries one route"
+    seen_across: set[str] = set()
+    for n, run in enumerate(routes):
+        peers = [h.peer_id for h in run.hops]
+        twice = sorted({p for p in peers if peers.count(p) > 1})
+        if twice:
+            return Refusal.NODE_TWICE, f"route {n} names {twice[0]} more than once"
+        if len(set(peers)) < 2:
+            return Refusal.ONE_NODE, f"route {n} comes from one node; a distributed forward needs at least two"
+        hole = _coverage_hole(run.hops, n_layer)
+        if hole:
+            return Refusal.COVERAGE_HOLE, f"route {n}: {hole}"
+        for h in run.hops:
+            if (h.model_digest, h.recipe_digest) != (model, recipe):
+                return Refusal.OTHER_FINGERPRINT, f"hop {h.peer_id} attests another fingerprint than the evidence names"
+        for h in run.hops:
+            if not h.verifies():
+                return Refusal.BAD_SIGNATURE, f"hop {h.peer_id}'s attestation signature does not verify"
+        if not run.generated:
+            return Refusal.NO_TOKENS, f"route {n} generated no tokens"
+        if generated_of(len(prompt), run.steps) != run.generated:
+            return Refusal.BROKEN_CHAIN, f"route {n}: its steps do not end in the tokens it reports"
+        ordered = sorted(run.hops, key=lambda h: h.start)
+        head_in, tail_out = expected_digests(prompt, run)
+        if ordered[0].input_digest != head_in:
+            return Refusal.BROKEN_CHAIN, f"route {n}: the head did not take this prompt and these tokens"
+        if ordered[-1].output_digest != tail_out:
+            return Refusal.BROKEN_CHAIN, f"route {n}: the tail did not emit these tokens"
+        for a, b in zip(ordered, ordered[1:]):
+            if a.output_digest != b.input_digest or a.steps != b.steps or a.steps != len(run.steps):
+                return Refusal.BROKEN_CHAIN, f"route {n}: {b.peer_id} did not take what {a.peer_id} gave"
+        if c["method"] == TWO_ROUTES:
+            common = seen_across & set(peers)
+            if common:
+                return Refusal.NODE_TWICE, f"the two routes share peer {sorted(common)[0]}"
+            seen_across |= set(peers)
+    if c["method"] == WHOLE_MODEL and ids_digest(TOKENS_DOMAIN, routes[0].generated) != c["reference_digest"]:
+        return Refusal.DISAGREES, "the route's tokens differ from the certifier's own whole-model run"
+    if c["method"] == TWO_ROUTES:
+        a, b = routes
+        if a.generated != b.generated or ids_digest(TOKENS_DOMAIN, a.generated) != c["reference_digest"]:
+            return Refusal.DISAGREES, "the two routes generated different tokens"
+    return None
+
+
+def _validate(content: Mapping[str, Any]) -> str | None:
+    """For the DHT: a node stores and gossips only evidence that checks out."""
+    refusal = check_evidence(content)
+    return None if refusal is None else f"{refusal[0].value}: {refusal[1]}"
+
+
+CERTIFICATE_TYPE = PayloadType(CERTIFICATE, max_payload_bytes=12 * 1024, claimed_peer_field="certifier",
+                               replay_key_field="key", validate=_validate)
+
+
+# --- whose evidence counts -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrustPolicy:
+    """The certifiers whose evidence this node accepts (peer ID strings)."""
+
+    certifiers: frozenset[str] = frozenset()
+
+    @classmethod
+    def default(cls, bootstrap: Iterable[Any] = (), *, own: PeerId | Identity | None = None,
+                extra: Iterable[str] = (), trust_file: str | None = None) -> "TrustPolicy":
+        """Its bootstrap peers' keys (from their multiaddrs), its own, ``--trust``
+        peer IDs and a trust file's (one peer ID a line, ``#`` comments)."""
+        out: set[str] = set()
+        for b in bootstrap:
+            peer = getattr(b, "peer_id", None)
+            if peer is None and isinstance(b, str):
+                from .multiaddr import Multiaddr
+
+                peer = Multiaddr.parse(b).peer_id
+            if peer is not None:
+                out.add(str(peer))
+        if own is not None:
+            out.add(str(own.peer_id if isinstance(own, Identity) else own))
+        texts = list(extra)
+        if trust_file:
+            try:
+                with open(trust_file) as f:
+                    texts += [line.split("#", 1)[0].strip() for line in f]
+            except OSError as e:
+                raise CertificationError(f"cannot read trust file {trust_file}: {e.strerror or e}") from None
+        for text in filter(None, texts):
+            try:
+                out.add(str(PeerId.from_string(text)))
+            except IdentityError as e:
+                raise CertificationError(f"--trust {text[:60]!r} is not a peer ID: {e}") from None
+        return cls(frozenset(out))
+
+    def trusts(self, peer_id: str) -> bool:
+        return peer_id in self.certifiers
+
+
+@dataclass(frozen=True)
+class Certificate:
+    """A recipe certified for this node: by whom, how, on which route."""
+
+    model_digest: str
+    recipe_digest: str
+    certifier: str
+    method: str
+    issued_at_ms: int
+    route: tuple[tuple[str, int, int], ...]  # (peer, start, end) of the first route
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"certifier": self.certifier, "method": self.method, "issued_at_ms": self.issued_at_ms,
+                "route": [{"peer_id": p, "layers": [a, b]} for p, a, b in self.route]}
+
+
+def evaluate(record: Record, trust: TrustPolicy, *, model_digest: str, n_layer: int | None = None) -> Certificate:
+    """A verified certificate record -> the Certificate it grants this node, or
+    :class:`EvidenceRefused` with the reason."""
+    c = record.content
+    if record.payload_type != CERTIFICATE:
+        raise EvidenceRefused(Refusal.MALFORMED, f"a {record.payload_type} record is not evidence")
+    refusal = check_evidence(c)
+    if refusal is not None:
+        raise EvidenceRefused(*refusal)
+    if c["model_digest"] != model_digest:
+        raise EvidenceRefused(Refusal.OTHER_FINGERPRINT, "the evidence names another model")
+    if n_layer is not None and c["n_layer"] != n_layer:
+        raise EvidenceRefused(Refusal.OTHER_FINGERPRINT, f"the evidence is for {c['n_layer']} layers, the model has {n_layer}")
+    if str(record.signer) != c["certifier"]:
+        raise EvidenceRefused(Refusal.BAD_SIGNATURE, "the record is not signed by the certifier it names")
+    if not trust.trusts(c["certifier"]):
+        raise EvidenceRefused(Refusal.UNTRUSTED, f"certifier {c['certifier']} is not one this node trusts "
+                              "(add it with --trust PEER_ID or a trust file)")
+    hops = sorted(c["routes"][0]["hops"], key=lambda h: h["layers"][0])
+    return Certificate(c["model_digest"], c["recipe_digest"], c["certifier"], c["method"], record.issued_at_ms,
+                       tuple((h["peer_id"], h["layers"][0], h["layers"][1]) for h in hops))
+
+
+def certified(records: Iterable[Record], trust: TrustPolicy, *, model_digest: str, n_layer: int | None = None,
+              refused: list[tuple[Record, EvidenceRefused]] | None = None) -> dict[str, Certificate]:
+    """recipe digest -> the newest Certificate this node accepts for it. Refused
+    evidence is appended to ``refused`` as (record, error) when given."""
+    out: dict[str, Certificate] = {}
+    for rec in records:
+        try:
+            cert = evaluate(rec, trust, model_digest=model_digest, n_layer=n_layer)
+        except EvidenceRefused as e:
+            if refused is not None:
+                refused.append((rec, e))
+            continue
+        old = out.get(cert.recipe_digest)
+        if old is None or cert.issued_at_ms > old.issued_at_ms:
+            out[cert.recipe_digest] = cert
+    return out

@@ -1,0 +1,201 @@
+"""``meshnet-peer certify``: take a dark recipe out of the dark, with evidence.
+
+The certifier drives a real forward over a route of at least two distinct
+peers that together cover every layer, asks each hop to sign what it computed,
+and compares the route's tokens with
+
+- its own whole-model run under the same recipe (``whole-model``: its own
+  engine must derive the same recipe digest, so the build and CPU kernels
+  match), or, when it cannot run the whole model here,
+- a second route with no peer in common (``two-routes``).
+
+Only identical tokens certify. The evidence (see :mod:`certification`) is
+signed with the certifier's key and stored under ``cert/<model>/<recipe>`` in
+the DHT, from where gossip spreads it. The DHT node that carries it uses a
+fresh identity: the certifier's key may be a running bootstrap peer's, and two
+DHT nodes must not share a peer ID.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import trio
+
+from .certification import (
+    TOKENS_DOMAIN,
+    TWO_ROUTES,
+    WHOLE_MODEL,
+    CertificationError,
+    Evidence,
+    RouteRun,
+    TrustPolicy,
+    cert_key,
+    ids_digest,
+)
+from .client import RouteSession, drive
+from .engine.contract import SamplingParams
+from .engine.recipe import explain_mismatch
+from .errors import unwrap_errors
+from .identity import Identity
+from .network import start_node
+from .placement import NoRoute, Span, plan_route
+from .records import wall_ms
+from .swarm_view import RecipeView, build_view, fetch_records
+
+DEFAULT_PROMPT = "The capital of France is"
+DEFAULT_TOKENS = 16
+METHOD_CHOICES = ("auto", WHOLE_MODEL, TWO_ROUTES)
+
+
+@dataclass
+class CertifyOptions:
+    bootstrap: list
+    identity: Identity  # signs the evidence
+    model_path: str
+    recipe: str | None = None  # a recipe digest (or a prefix); default: the dark recipe most peers serve
+    method: str = "auto"
+    prompt: str = DEFAULT_PROMPT
+    max_tokens: int = DEFAULT_TOKENS
+    step_timeout: float = 10.0
+    threads: int | None = None
+
+
+def certification_planner(exclude: set[str]):
+    """plan_route over peers that each serve part of the model (so a route has
+    at least two), leaving out ``exclude`` (the other route's peers)."""
+
+    def plan(spans: Sequence[Span], start: int, end: int, **kw) -> list[Span]:
+        partial = [s for s in spans if s.peer_id not in exclude and not (s.start == 0 and s.end == end)]
+        return plan_route(partial, start, end, **kw)
+
+    return plan
+
+
+def run_route(spans: list[Span], n_layer: int, prompt: list[int], max_tokens: int, *, step_timeout: float,
+              exclude: set[str] = frozenset(), log: Callable[[str], None] = lambda m: None) -> RouteRun:
+    """One attested greedy generation through a route of the given spans, no failover."""
+    session = RouteSession(lambda: spans, n_layer, max_tokens=len(prompt) + max_tokens, sampling=SamplingParams(),
+                           step_timeout=step_timeout, max_failovers=0, on_event=log,
+                           planner=certification_planner(set(exclude)))
+    try:
+        run = drive(session, prompt, max_tokens, stop_at_eog=False)
+        return RouteRun(run.steps, run.token_ids, session.attestations())
+    finally:
+        session.close()
+
+
+def whole_model_reference(opts: CertifyOptions, view: RecipeView, source_sha256: str, prompt: list[int]
+                          ) -> tuple[list[int] | None, str]:
+    """The certifier's own tokens from the whole model under the recipe's settings,
+    or (None, why not): another build or CPU path derives another recipe digest."""
+    from .local import LocalRoute
+
+    n_ubatch = int(view.axes.get("n_ubatch", 0) or 0)
+    seam = str(view.axes.get("seam_dtype", ""))
+    if n_ubatch <= 0 or not seam:
+        return None, "the peers' reports do not state n_ubatch and seam_dtype"
+    from .engine.cut import inspect_gguf
+
+    info = inspect_gguf(opts.model_path, source_sha256=source_sha256)
+    route = LocalRoute.from_model(opts.model_path, [(0, info.source_layers)], source_sha256=source_sha256,
+                                  n_ubatch=n_ubatch, seam_dtype=seam, max_sessions=1,
+                                  n_ctx_per_session=len(prompt) + opts.max_tokens + 8, n_threads=opts.threads)
+    try:
+        mine = route.caps[0]
+        if mine.recipe_digest != view.recipe_digest:
+            axes = explain_mismatch(dict(mine.recipe), view.axes) or ["an axis this build does not know"]
+            return None, "this machine runs another recipe: " + "; ".join(axes)
+        return route.generate(prompt, opts.max_tokens, SamplingParams(), stop_at_eog=False).token_ids, ""
+    finally:
+        route.close()
+
+
+def choose_recipe(views: list[RecipeView], wanted: str | None, n_layer: int) -> RecipeView:
+    if wanted:
+        matches = [v for v in views if v.recipe_digest.startswith(wanted.lower())]
+        if len(matches) != 1:
+            raise CertificationError(f"{len(matches)} recipes in the swarm match {wanted!r}"
+                                     + (f"; there are: {', '.join(v.recipe_digest[:12] for v in views)}" if views else ""))
+        return matches[0]
+    candidates = [v for v in views if not v.holes(n_layer)]
+    if not candidates:
+        if not views:
+            raise NoRoute([(0, n_layer)], "no peer announces this model")
+        holes = views[0].holes(n_layer)
+        raise NoRoute(holes, f"recipe {views[0].recipe_digest[:12]} does not cover every layer, so it cannot be certified")
+    dark = [v for v in candidates if v.certificate is None]
+    return (dark or candidates)[0]
+
+
+async def certify(opts: CertifyOptions, log: Callable[[str], None] = print) -> dict:
+    """Certify one recipe of the model in the swarm; returns a summary."""
+    from .engine.cut import inspect_gguf, sha256_file
+    from .engine.tokenizer import Tokenizer
+
+    source_sha = await trio.to_thread.run_sync(sha256_file, opts.model_path)
+    info = await trio.to_thread.run_sync(lambda: inspect_gguf(opts.model_path, source_sha256=source_sha))
+    n_layer, model = info.source_layers, info.model_digest
+    prompt = Tokenizer(opts.model_path).encode(opts.prompt)
+    if not prompt:
+        raise CertificationError("the certification prompt is empty")
+    own = TrustPolicy.default(own=opts.identity)
+    with unwrap_errors():
+        async with trio.open_nursery() as nursery:
+            node = await start_node(nursery, Identity.generate(), bootstrap=opts.bootstrap, client_mode=True)
+            reports, certs = await fetch_records(node, model)
+            view = choose_recipe(build_view(model, n_layer, reports, certs, own).recipes, opts.recipe, n_layer)
+            log(f"certifying recipe {view.recipe_digest[:12]} of model {model[:12]} ({len(view.spans)} peers)")
+            summary = await _certify_recipe(opts, view, info, source_sha, prompt, log)
+            wire = summary.pop("evidence")
+            stored = await node.publish(cert_key(model, view.recipe_digest), wire)
+            nursery.cancel_scope.cancel()
+    summary["stored_on"] = stored
+    log(f"certified recipe {view.recipe_digest[:12]} by {summary['method']}; evidence stored on {stored} nodes")
+    return summary
+
+
+async def _certify_recipe(opts: CertifyOptions, view: RecipeView, info, source_sha: str, prompt: list[int],
+                          log: Callable[[str], None]) -> dict:
+    n_layer = info.source_layers
+    method, reference, why_not = opts.method, None, ""
+    if method in ("auto", WHOLE_MODEL):
+        if info.is_cut:
+            why_not = f"{opts.model_path} is a shard, not the whole model"
+        else:
+            log("running the whole model here under the same recipe ...")
+            reference, why_not = await trio.to_thread.run_sync(whole_model_reference, opts, view, source_sha, prompt)
+        if reference is None:
+            if method == WHOLE_MODEL:
+                raise CertificationError(f"cannot certify by a whole-model run: {why_not}")
+            log(f"no whole-model run here ({why_not}); comparing two routes with no peer in common")
+        method = WHOLE_MODEL if reference is not None else TWO_ROUTES
+
+    def route(exclude: set[str]) -> RouteRun:
+        return run_route(view.spans, n_layer, prompt, opts.max_tokens, step_timeout=opts.step_timeout,
+                         exclude=exclude, log=log)
+
+    try:
+        first = await trio.to_thread.run_sync(route, set())
+        routes = [first]
+        if method == TWO_ROUTES:
+            routes.append(await trio.to_thread.run_sync(route, {h.peer_id for h in first.hops}))
+    except NoRoute as e:
+        raise CertificationError(f"no certification route: {e}") from None
+    for r in routes:
+        log("route: " + " -> ".join(f"{h.start}:{h.end}@{h.peer_id[-8:]}" for h in sorted(r.hops, key=lambda h: h.start)))
+    expected = reference if method == WHOLE_MODEL else routes[0].generated
+    for r in routes:
+        if r.generated != expected:
+            first_diff = next((i for i, (a, b) in enumerate(zip(r.generated, expected)) if a != b), min(len(r.generated), len(expected)))
+            raise CertificationError(f"the route's tokens differ from the reference from token {first_diff} on: "
+                                     f"recipe {view.recipe_digest[:12]} is not certified")
+    evidence = Evidence(view.spans[0].record.content["model_digest"], view.recipe_digest, n_layer, method,
+                        tuple(prompt), tuple(routes), ids_digest(TOKENS_DOMAIN, expected), view.axes, view.labels)
+    wire = evidence.sign(opts.identity, now_ms=wall_ms())
+    return {"model_digest": evidence.model_digest, "recipe_digest": view.recipe_digest, "method": method,
+            "certifier": str(opts.identity.peer_id), "token_ids": list(expected),
+            "routes": [[{"peer_id": h.peer_id, "layers": [h.start, h.end]} for h in sorted(r.hops, key=lambda h: h.start)]
+                       for r in routes],
+            "evidence": wire}

@@ -1,0 +1,141 @@
+"""``meshnet-peer status``: what the swarm serves, as this node sees it.
+
+Per model: its recipes with their state (dark, or certified and by whom, as
+this node's trust policy decides), the layers each recipe covers with its
+holes named, and its peers with their range, reachability (direct, or through
+which relay), load and throughput (each peer's own measure, and a round trip
+this command measures itself unless ``--no-probe``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import trio
+
+from .capability import MODELS_KEY
+from .certification import TrustPolicy
+from .errors import MeshnetError, unwrap_errors
+from .identity import Identity
+from .placement import Span
+from .records import keep_newest
+from .swarm_view import RecipeView, SwarmView, build_view, fetch_records
+
+MAX_MODELS = 32
+PROBE_TIMEOUT_S = 3.0
+
+
+def _ranges(pairs: Sequence[tuple[int, int]]) -> list[list[int]]:
+    return [[a, b] for a, b in pairs]
+
+
+def covered_ranges(spans: Sequence[Span]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for s in sorted(spans, key=lambda s: s.start):
+        if out and s.start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], s.end))
+        else:
+            out.append((s.start, s.end))
+    return out
+
+
+def probe(span: Span) -> float | None:
+    """A Health round trip to the peer over the data plane, in ms, or None."""
+    from .client import connect
+
+    try:
+        client = connect(span, PROBE_TIMEOUT_S)
+    except MeshnetError:
+        return None
+    try:
+        client.health()  # the first call also pays the TLS handshake
+        t0 = time.perf_counter()
+        client.health()
+        return round((time.perf_counter() - t0) * 1000, 3)
+    except MeshnetError:
+        return None
+    finally:
+        client.close()
+
+
+def recipe_doc(view: SwarmView, r: RecipeView, rtt: dict[str, float | None]) -> dict[str, Any]:
+    cert = r.certificate
+    peers = []
+    for s in sorted(r.spans, key=lambda s: (s.start, s.peer_id)):
+        c = s.record.content
+        peers.append({
+            "peer_id": s.peer_id, "name": c.get("name", ""), "layers": [s.start, s.end],
+            "reachability": "direct" if c.get("direct", True) else f"relay {c.get('relay')}",
+            "free_sessions": s.free_sessions, "kv_tokens_free": c.get("kv_tokens_free", 0),
+            "throughput_reported": s.throughput, "rtt_ms": rtt.get(s.peer_id), "departing": s.departing,
+        })
+    return {
+        "recipe_digest": r.recipe_digest, "state": r.state, "labels": r.labels, "axes": r.axes,
+        "certified_by": cert.certifier if cert else None, "method": cert.method if cert else None,
+        "certified_at_ms": cert.issued_at_ms if cert else None,
+        "coverage": {"covered": _ranges(covered_ranges(r.spans)), "holes": _ranges(r.holes(view.n_layer))},
+        "refused_evidence": sorted({f"{who}: {err}" for who, err in r.refused}),
+        "peers": peers,
+    }
+
+
+async def swarm_status(bootstrap: Sequence[Any], trust: TrustPolicy, models: Sequence[tuple[str, str, int]] = (),
+                       *, probe_peers: bool = True) -> dict[str, Any]:
+    """``models``: (digest, name, n_layer) to show; default: every model the swarm's index names."""
+    from .network import start_node
+
+    with unwrap_errors():
+        async with trio.open_nursery() as nursery:
+            node = await start_node(nursery, Identity.generate(), bootstrap=bootstrap, client_mode=True)
+            wanted = list(models)
+            if not wanted:
+                index = keep_newest({r.signer.multihash: r for r in node.records(MODELS_KEY)}, await node.get(MODELS_KEY))
+                seen: dict[str, tuple[str, str, int]] = {}
+                for rec in sorted(index.values(), key=lambda r: -r.issued_at_ms):
+                    c = rec.content
+                    seen.setdefault(c["model_digest"], (c["model_digest"], c["name"], c["n_layer"]))
+                wanted = list(seen.values())[:MAX_MODELS]
+            views = []
+            for digest, name, n_layer in wanted:
+                reports, certs = await fetch_records(node, digest)
+                views.append((name, build_view(digest, n_layer, reports, certs, trust)))
+            nursery.cancel_scope.cancel()
+    rtt: dict[str, float | None] = {}
+    if probe_peers:
+        spans = {s.peer_id: s for _, v in views for r in v.recipes for s in r.spans}
+        async with trio.open_nursery() as nursery:
+            async def one(s: Span) -> None:
+                rtt[s.peer_id] = await trio.to_thread.run_sync(probe, s)
+
+            for s in spans.values():
+                nursery.start_soon(one, s)
+    return {
+        "trusted_certifiers": sorted(trust.certifiers),
+        "models": [{"model_digest": v.model_digest, "name": name, "n_layer": v.n_layer,
+                    "recipes": [recipe_doc(v, r, rtt) for r in v.recipes]} for name, v in views],
+    }
+
+
+def format_status(doc: dict[str, Any]) -> str:
+    lines = []
+    if not doc["models"]:
+        lines.append("no models found in the swarm")
+    for m in doc["models"]:
+        lines.append(f"model {m['name'] or '?'} {m['model_digest'][:16]} ({m['n_layer']} layers)")
+        if not m["recipes"]:
+            lines.append("  no peer serves it")
+        for r in m["recipes"]:
+            state = (f"certified by {r['certified_by']} ({r['method']})" if r["state"] == "certified" else "dark")
+            holes = ", ".join(f"{a}-{b - 1}" for a, b in r["coverage"]["holes"]) or "none"
+            label = "/".join(str(v) for v in r["labels"].values())
+            lines.append(f"  recipe {r['recipe_digest'][:16]} {label}: {state}; holes: {holes}")
+            for why in r["refused_evidence"][:4]:
+                lines.append(f"    refused evidence: {why}")
+            for p in r["peers"]:
+                rtt = f"{p['rtt_ms']:.2f} ms" if p["rtt_ms"] is not None else "unreachable" if "rtt_ms" in p else "-"
+                lines.append(f"    {p['layers'][0]:>4}-{p['layers'][1] - 1:<4} {p['peer_id']} {p['name']} "
+                             f"[{p['reachability']}] free {p['free_sessions']} "
+                             f"{p['throughput_reported']:.1f} tok/s reported, rtt {rtt}"
+                             + (" (departing)" if p["departing"] else ""))
+    return "\n".join(lines)

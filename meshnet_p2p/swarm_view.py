@@ -1,0 +1,172 @@
+"""What the swarm serves for one model, as this node sees it: the recipes its
+peers announce, which of them this node holds certified, and which layers each
+recipe covers. Pure functions of verified records and a trust policy; the
+network call that fetches them (:func:`survey`) is passed nothing else.
+
+Routing for user traffic takes only certified recipes
+(:func:`routable_spans`); a dark recipe is routable for certification only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import trio
+
+from .capability import model_key
+from .certification import Certificate, EvidenceRefused, TrustPolicy, cert_key, certified
+from .engine.recipe import explain_mismatch
+from .errors import MeshnetError, unwrap_errors
+from .identity import Identity
+from .placement import NoRoute, Span, missing_layers, plan_route
+from .records import Record, keep_newest
+
+MAX_RECIPES = 16  # recipes of one model whose certificates a survey fetches (the most served first)
+CERTIFY_HINT = "meshnet-peer certify --bootstrap MULTIADDR --identity KEY_FILE_OF_A_TRUSTED_CERTIFIER"
+
+
+class RecipeNotCertified(NoRoute):
+    """Peers serve the model, but not under a recipe this node holds certified."""
+
+    def __init__(self, message: str, missing: list[tuple[int, int]]) -> None:
+        MeshnetError.__init__(self, message)
+        self.missing = missing
+
+
+@dataclass
+class RecipeView:
+    recipe_digest: str
+    axes: dict[str, Any]
+    labels: dict[str, Any]
+    spans: list[Span]
+    certificate: Certificate | None = None
+    refused: list[tuple[str, EvidenceRefused]] = field(default_factory=list)
+
+    @property
+    def state(self) -> str:
+        return "certified" if self.certificate is not None else "dark"
+
+    def holes(self, n_layer: int) -> list[tuple[int, int]]:
+        return missing_layers([s for s in self.spans if not s.departing], 0, n_layer)
+
+
+@dataclass
+class SwarmView:
+    model_digest: str
+    n_layer: int
+    recipes: list[RecipeView]  # most peers first
+
+    def certified(self) -> list[RecipeView]:
+        return [r for r in self.recipes if r.certificate is not None]
+
+    def recipe(self, digest: str) -> RecipeView | None:
+        return next((r for r in self.recipes if r.recipe_digest == digest), None)
+
+
+def build_view(model_digest: str, n_layer: int, reports: Iterable[Record], certs: Iterable[Record],
+               trust: TrustPolicy) -> SwarmView:
+    groups: dict[str, RecipeView] = {}
+    for rec in reports:
+        c = rec.content
+        if c.get("model_digest") != model_digest:
+            continue
+        view = groups.get(c["recipe_digest"])
+        if view is None:
+            view = groups[c["recipe_digest"]] = RecipeView(c["recipe_digest"], dict(c.get("recipe") or {}),
+                                                           dict(c.get("recipe_labels") or {}), [])
+        view.spans.append(Span.from_report(rec))
+    refused: list[tuple[Record, EvidenceRefused]] = []
+    held = certified(certs, trust, model_digest=model_digest, n_layer=n_layer, refused=refused)
+    for digest, cert in held.items():
+        if digest in groups:
+            groups[digest].certificate = cert
+    for rec, err in refused:
+        view = groups.get(rec.content.get("recipe_digest"))
+        if view is not None:
+            view.refused.append((str(rec.signer), err))
+    recipes = sorted(groups.values(), key=lambda v: (v.certificate is None, -len(v.spans), v.recipe_digest))
+    return SwarmView(model_digest, n_layer, recipes)
+
+
+def nearest_certified(view: SwarmView, dark: RecipeView) -> tuple[RecipeView, list[str]] | None:
+    """The certified recipe that differs from ``dark`` on the fewest axes, and how."""
+    best = None
+    for cert in view.certified():
+        reasons = explain_mismatch(cert.axes, dark.axes)
+        if best is None or len(reasons) < len(best[1]):
+            best = (cert, reasons)
+    return best
+
+
+def routable_spans(view: SwarmView, trust: TrustPolicy) -> list[Span]:
+    """The spans of the certified recipe that can serve every layer (the one with
+    most peers), or a typed error that says why there is none and what to do."""
+    n = view.n_layer
+    for r in view.certified():
+        try:
+            plan_route(r.spans, 0, n)
+            return r.spans
+        except NoRoute:
+            continue
+    if not view.recipes:
+        raise NoRoute([(0, n)], "no peer announces this model")
+    certified_views = view.certified()
+    if certified_views:  # certified, but no certified route covers every layer
+        best = certified_views[0]
+        holes = best.holes(n) or [(0, n)]
+        notes = [f"certified recipe {best.recipe_digest[:12]} is missing them"]
+        for dark in view.recipes:
+            if dark.certificate is None and not missing_layers(dark.spans, *holes[0]):
+                reasons = explain_mismatch(best.axes, dark.axes)
+                notes.append(f"peers of dark recipe {dark.recipe_digest[:12]} serve them, but it is not certified"
+                             + (f" (it differs on: {'; '.join(reasons)})" if reasons else ""))
+                break
+        raise NoRoute(holes, "; ".join(notes))
+    top = view.recipes[0]
+    lines = [f"recipe {top.recipe_digest[:12]} of model {view.model_digest[:12]} is dark: "
+             f"this node holds no certificate for it from a certifier it trusts "
+             f"({len(trust.certifiers)} trusted)"]
+    why = sorted({f"{certifier}: {err.reason.value}" for certifier, err in top.refused})
+    if why:
+        lines.append("evidence seen and refused: " + ", ".join(why[:4]))
+    lines.append(f"certify it with `{CERTIFY_HINT}`, or trust a certifier with --trust PEER_ID")
+    holes = top.holes(n)
+    if holes:  # nothing to certify yet: say what is missing first
+        raise NoRoute(holes, "; ".join(lines))
+    raise RecipeNotCertified("; ".join(lines), [(0, n)])
+
+
+async def fetch_records(node, model_digest: str) -> tuple[list[Record], list[Record]]:
+    """Capability reports of a model and the certificates of its recipes, from a
+    running DHT node (gossip first, then lookups)."""
+    key = model_key(model_digest)
+    found = keep_newest({r.signer.multihash: r for r in node.records(key)}, await node.get(key))
+    reports = [r for r in found.values() if not r.content.get("departing")]
+    counts: dict[str, int] = {}
+    for r in reports:
+        counts[r.content["recipe_digest"]] = counts.get(r.content["recipe_digest"], 0) + 1
+    recipes = sorted(counts, key=lambda d: -counts[d])[:MAX_RECIPES]
+    certs: list[Record] = []
+    async with trio.open_nursery() as nursery:
+
+        async def one(recipe: str) -> None:
+            ck = cert_key(model_digest, recipe)
+            got = keep_newest({r.signer.multihash: r for r in node.records(ck)}, await node.get(ck))
+            certs.extend(got.values())
+
+        for d in recipes:
+            nursery.start_soon(one, d)
+    return sorted(reports, key=lambda r: r.content["layers"][0]), certs
+
+
+async def survey(bootstrap: Sequence[Any], model_digest: str, n_layer: int, trust: TrustPolicy) -> SwarmView:
+    """A SwarmView from a short-lived client-mode DHT node."""
+    from .network import start_node
+
+    with unwrap_errors():
+        async with trio.open_nursery() as nursery:
+            node = await start_node(nursery, Identity.generate(), bootstrap=bootstrap, client_mode=True)
+            reports, certs = await fetch_records(node, model_digest)
+            nursery.cancel_scope.cancel()
+    return build_view(model_digest, n_layer, reports, certs, trust)
