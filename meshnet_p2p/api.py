@@ -87,8 +87,8 @@ def create_app(client: Client, model_name: str) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         data = []
-        spans = await client.spans()
-        try:
+        try:  # a model whose recipe is dark here (or that no route serves) is not listed
+            spans = await client.spans()
             plan_route(spans, 0, client.n_layer)
             data.append({"id": model_name, "object": "model", "created": 0, "owned_by": "meshnet-p2p",
                          "digest": client.model_digest, "peers": len({s.peer_id for s in spans})})

@@ -247,6 +247,9 @@ def _info_doc(info) -> dict:
         "role": info.role,
         "source_sha256": info.source_sha256,
         "model_digest": info.model_digest,
+        "weight_quantization": info.weight_quantization,
+        "tokenizer_digest": info.tokenizer_digest,
+        "data_sha256": info.data_sha256,
     }
 
 

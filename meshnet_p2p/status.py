@@ -99,6 +99,8 @@ async def swarm_status(bootstrap: Sequence[Any], trust: TrustPolicy, models: Seq
             views = []
             for digest, name, n_layer in wanted:
                 reports, certs = await fetch_records(node, digest)
+                if n_layer <= 0:  # a digest given alone: the layers its peers' ranges reach
+                    n_layer = max((r.content["layers"][1] for r in reports), default=1)
                 views.append((name, build_view(digest, n_layer, reports, certs, trust)))
             nursery.cancel_scope.cancel()
     rtt: dict[str, float | None] = {}

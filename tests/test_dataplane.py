@@ -85,6 +85,32 @@ def test_capability_and_a_step_through_a_real_shard(middle):
     c.close()
 
 
+def test_a_peer_attests_what_a_session_computed(middle):
+    from meshnet_p2p.certification import SEAM_DOMAIN, Attestation, RowDigest
+
+    c = middle.client()
+    fp = c.capability().fingerprint
+    try:
+        with c.session(fp, max_tokens=64) as s:
+            mine_in, mine_out = RowDigest(SEAM_DOMAIN), RowDigest(SEAM_DOMAIN)
+            for position, rows in [(0, 5), (5, 1)]:
+                given = hidden(rows, seed=position)
+                r = s.step(position, hidden=given, decode=rows == 1)
+                mine_in.hidden(position, given)
+                mine_out.hidden(position, r.hidden)
+            m = s.attest()
+            a = Attestation(m.peer_id, m.session_id, m.model_digest, m.recipe_digest, m.start, m.end, m.steps,
+                            m.input_digest, m.output_digest, m.signature)
+            assert a.verifies() and a.peer_id == str(middle.peer_id) and a.session_id == s.session_id
+            assert (a.start, a.end, a.steps, a.recipe_digest) == (10, 20, 2, fp.recipe_digest)
+            assert (a.input_digest, a.output_digest) == (mine_in.hexdigest(), mine_out.hexdigest())
+            s.step(6, hidden=hidden(1), decode=True)  # the digests go on with the session
+            assert s.attest().output_digest != a.output_digest
+            s.release()
+    finally:
+        c.close()
+
+
 def test_a_client_pinned_to_another_identity_is_refused(middle, tmp_path):
     from meshnet_p2p.dataplane.tls import make_tls_credentials
 
