@@ -41,6 +41,7 @@ def main() -> int:
 
     model = default_model_path()
     with Swarm(("0:10", "10:20", "20:30"), "--threads", str(args.threads)) as swarm:
+        swarm.certify()  # a fresh swarm's recipe is dark until certified
         client = Client([swarm.addr])
         whole = LocalRoute.from_model(model, [(0, 30)], source_sha256=sha256_file(model), n_ubatch=64,
                                       n_threads=args.threads, max_sessions=1)

@@ -10,17 +10,11 @@ shuts everything down (SIGTERM, then waits for each process).
 from __future__ import annotations
 
 import itertools
-import os
 import sys
-import tempfile
 import time
 from typing import Callable, TextIO
 
-import trio
-
-from .certify import CertifyOptions, certify
 from .client import Client
-from .identity import Identity
 from .peer_process import Swarm
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."
@@ -41,17 +35,14 @@ def run_demo(prompt: str = DEFAULT_PROMPT, max_tokens: int = 64, *, chat: bool =
 
     spans = thirds(inspect_gguf(model or default_model_path()).source_layers)
     log("starting a bootstrap peer and three volunteers ...")
-    keys = tempfile.TemporaryDirectory(prefix="meshnet-demo-")
-    key = os.path.join(keys.name, "bootstrap.key")
-    Identity.generate().save(key)
-    swarm = Swarm(spans, "--threads", "1", *(["--model", model] if model else []), boot_identity=key)
+    swarm = Swarm(spans, "--threads", "1", *(["--model", model] if model else []))
     try:
         for span, p in zip(spans, swarm.joins, strict=True):
             log(f"volunteer serving layers {span} at {p.address()}")
         # A fresh swarm's recipe is dark: the bootstrap operator certifies it with the
         # bootstrap's own key, which clients trust by default.
         log("certifying the swarm's recipe with the bootstrap peer's key ...")
-        trio.run(certify, CertifyOptions([swarm.addr], Identity.load(key), model or default_model_path()), log)
+        swarm.certify(model, log)
         client = Client([swarm.addr], model_path=model)
         t0 = time.perf_counter()
         result = client.generate(prompt, max_tokens, chat=chat, on_token=lambda t: (out.write(t), out.flush()))
@@ -64,4 +55,3 @@ def run_demo(prompt: str = DEFAULT_PROMPT, max_tokens: int = 64, *, chat: bool =
     finally:
         log("shutting the swarm down ...")
         swarm.stop()
-        keys.cleanup()

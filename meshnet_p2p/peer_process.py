@@ -4,9 +4,11 @@ tests start their swarms with."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 
 from .errors import MeshnetError
@@ -61,10 +63,14 @@ class Swarm:
 
     def __init__(self, spans, *join_args: str, env: dict | None = None, process=PeerProcess, timeout: float = 300,
                  boot_identity: str | None = None) -> None:
-        # with a key file, the bootstrap peer's key can also sign certificates (clients trust it by default)
+        # The bootstrap peer runs with a key file, so its operator can certify the
+        # swarm's recipe with it (clients trust their bootstrap peers' keys).
+        self._keys = None
+        if boot_identity is None:
+            self._keys = tempfile.TemporaryDirectory(prefix="meshnet-swarm-")
+            boot_identity = os.path.join(self._keys.name, "bootstrap.key")
         self.boot_identity = boot_identity
-        self.boot = process("bootstrap", "--listen", "127.0.0.1:0", *(["--identity", boot_identity] if boot_identity else []),
-                            env=env)
+        self.boot = process("bootstrap", "--listen", "127.0.0.1:0", "--identity", boot_identity, env=env)
         self.joins: list[PeerProcess] = []
         try:
             self.addr = self.boot.address(timeout)
@@ -75,9 +81,23 @@ class Swarm:
             self.stop()
             raise
 
+    def certify(self, model: str | None = None, log=lambda m: None) -> dict:
+        """Certify the swarm's recipe with the bootstrap peer's key, in this process."""
+        import trio
+
+        from .certify import CertifyOptions, certify
+        from .identity import Identity
+        from .models import default_model_path
+
+        opts = CertifyOptions([self.addr], Identity.load(self.boot_identity), model or default_model_path())
+        return trio.run(certify, opts, log)
+
     def stop(self) -> list[int]:
         """Exit codes, joins first, then the bootstrap peer."""
-        return [p.stop() for p in [*self.joins, self.boot]]
+        codes = [p.stop() for p in [*self.joins, self.boot]]
+        if self._keys is not None:
+            self._keys.cleanup()
+        return codes
 
     def __enter__(self) -> "Swarm":
         return self
