@@ -134,17 +134,16 @@ def _why(c: Mapping[str, Any]) -> str | None:
                 for k, v in recipe.items())):
             return (f"recipe must map at most {MAX_RECIPE_AXES} names (<= {MAX_RECIPE_KEY_CHARS} chars) "
                     f"to int, bool or str (<= {MAX_RECIPE_VALUE_CHARS} chars)")
-        from .engine.recipe import RECIPE_AXES, recipe_digest
+        from .engine.recipe import recipe_digest
 
-        # axes this build knows must hash to the digest they ride beside (other
-        # axis sets are another schema: that recipe stays dark here, unexplained)
-        if set(recipe) == set(RECIPE_AXES):
-            try:
-                matches = recipe_digest(recipe) == c["recipe_digest"]
-            except ValueError:
-                matches = False
-            if not matches:
-                return "recipe axes do not hash to recipe_digest"
+        # the axes must be exactly those this build knows and hash to the digest
+        # they ride beside: otherwise anyone could name any axes for a recipe
+        try:
+            matches = recipe_digest(recipe) == c["recipe_digest"]
+        except ValueError:
+            matches = False
+        if not matches:
+            return "recipe axes do not hash to recipe_digest"
     if "recipe_labels" in c:
         labels = c["recipe_labels"]
         if not (isinstance(labels, Mapping) and len(labels) <= MAX_RECIPE_LABELS and all(

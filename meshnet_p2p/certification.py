@@ -36,12 +36,14 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Iterable, Mapping, Sequence
 
-from .engine.contract import HIDDEN, TensorBundle
+from .engine.contract import TensorBundle
+from .engine.recipe import recipe_digest
 from .errors import MeshnetError
 from .identity import Identity, IdentityError, PeerId
 from .records import PayloadType, Record, canonical, sign_record
 
 CERTIFICATE = "meshnet/certificate/v1"
+CERT_INDEX = "meshnet/certified-index/v1"  # which recipes of a model one certifier certified
 CERTIFICATE_TTL_MS = 24 * 3600 * 1000  # the longest a record may live; certify again to renew
 ATTEST_DOMAIN = b"meshnet-hop-attestation-v1\0"
 # what crosses a boundary: one hop's output digest is the next hop's input digest, so one domain
@@ -55,7 +57,8 @@ METHODS = (WHOLE_MODEL, TWO_ROUTES)
 
 MAX_IDS = 256  # prompt or generated tokens carried in evidence
 MAX_STEPS = 512
-MAX_HOPS = 32
+MAX_HOPS = 12  # per route: two routes of 12 hops still fit one record
+MAX_INDEXED = 32  # recipes one certifier's index names per model
 MAX_LAYERS = 100_000
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -86,8 +89,15 @@ class EvidenceRefused(CertificationError):
         super().__init__(f"evidence refused ({reason.value}): {detail}")
 
 
-def cert_key(model_digest: str, recipe_digest: str) -> str:
-    return f"cert/{model_digest}/{recipe_digest}"
+def cert_key(model_digest: str, recipe_digest: str, certifier: str) -> str:
+    """One key per certifier: only its signer may store there (the key names it),
+    so nobody can crowd a trusted certifier's evidence out, and readers look up
+    only the certifiers they trust."""
+    return f"cert/{model_digest}/{recipe_digest}/{certifier}"
+
+
+def index_key(model_digest: str, certifier: str) -> str:
+    return f"certs/{model_digest}/{certifier}"
 
 
 # --- what a hop computed -------------------------------------------------------------------
@@ -109,10 +119,15 @@ class RowDigest:
         self._h.update(struct.pack("<cQI", b"O", position, token_id))
 
     def hidden(self, position: int, bundle: TensorBundle) -> None:
-        t = bundle.get(HIDDEN) or bundle.tensors[0]
-        self._h.update(struct.pack("<cQ", b"H", position) + t.dtype.encode() + b"\0")
-        self._h.update(struct.pack(f"<{len(t.shape)}Q", *t.shape))
-        self._h.update(t.data)
+        self._h.update(struct.pack("<cQI", b"H", position, len(bundle.tensors)))
+        for t in sorted(bundle.tensors, key=lambda t: t.name):
+            self._h.update(t.name.encode() + b"\0" + t.dtype.encode() + b"\0")
+            self._h.update(struct.pack(f"<I{len(t.shape)}Q", len(t.shape), *t.shape))
+            self._h.update(t.data)
+
+    def rollback(self, position: int) -> None:
+        """A rewind is part of the record too: work after it is not the same work."""
+        self._h.update(struct.pack("<cQ", b"R", position))
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
@@ -175,9 +190,11 @@ class RouteRun:
     steps: list[tuple[int, int, int]]
     generated: list[int]
     hops: list[Attestation]
+    session: str = ""  # the route session every hop attests
 
     def to_content(self) -> dict[str, Any]:
-        return {"steps": [list(s) for s in self.steps], "generated": list(self.generated),
+        return {"session": self.session or (self.hops[0].session_id if self.hops else ""),
+                "steps": [list(s) for s in self.steps], "generated": list(self.generated),
                 "hops": [h.to_content() for h in self.hops]}
 
 
@@ -212,7 +229,7 @@ class Evidence:
 
     def content(self, certifier: PeerId) -> dict[str, Any]:
         return {
-            "key": cert_key(self.model_digest, self.recipe_digest),
+            "key": cert_key(self.model_digest, self.recipe_digest, str(certifier)),
             "certifier": str(certifier),
             "model_digest": self.model_digest,
             "recipe_digest": self.recipe_digest,
@@ -251,8 +268,9 @@ def _shape(c: Mapping[str, Any]) -> tuple[list[RouteRun], list[int]] | str:
 
     if not (hex64(c.get("model_digest")) and hex64(c.get("recipe_digest")) and hex64(c.get("reference_digest"))):
         return "model_digest, recipe_digest and reference_digest must be sha256 hex"
-    if c.get("key") != cert_key(c["model_digest"], c["recipe_digest"]):
-        return "the record's key does not name its model and recipe"
+    if not isinstance(c.get("certifier"), str) or c.get("key") != cert_key(c["model_digest"], c["recipe_digest"],
+                                                                              c["certifier"]):
+        return "the record's key does not name its model, recipe and certifier"
     if not uint(c.get("n_layer"), MAX_LAYERS) or c["n_layer"] < 1:
         return "n_layer out of range"
     if c.get("method") not in METHODS:
@@ -278,6 +296,8 @@ def _shape(c: Mapping[str, Any]) -> tuple[list[RouteRun], list[int]] | str:
                 return "steps must be 1..512 [position, rows, token] triples"
             if not id_list(r["generated"]):
                 return "generated must be at most 256 token ids"
+            if not (isinstance(r["session"], str) and 0 < len(r["session"]) <= 128):
+                return "a route names its session (1..128 chars)"
             hops = r["hops"]
             if not isinstance(hops, list) or not 0 < len(hops) <= MAX_HOPS:
                 return f"a route has 1..{MAX_HOPS} hops"
@@ -291,7 +311,7 @@ def _shape(c: Mapping[str, Any]) -> tuple[list[RouteRun], list[int]] | str:
                         and hex64(h.get("output_digest")) and isinstance(h.get("signature"), bytes)):
                     return "a hop's attestation is malformed"
                 atts.append(Attestation.from_content(h))
-            routes.append(RouteRun([tuple(s) for s in steps], list(r["generated"]), atts))
+            routes.append(RouteRun([tuple(s) for s in steps], list(r["generated"]), atts, r["session"]))
     except (KeyError, TypeError):
         return "a route is missing fields"
     return routes, list(c["prompt"])
@@ -312,6 +332,25 @@ def _coverage_hole(hops: Sequence[Attestation], n_layer: int) -> str | None:
     return None
 
 
+def _schedule_problem(run: RouteRun, prompt_len: int) -> str | None:
+    """Why a route's steps are not a prefill of the whole prompt from position 0
+    followed by one-token decodes of the tokens it generated, or None."""
+    at = 0
+    for position, rows, _ in run.steps:
+        if position != at:
+            return f"a step at position {position} does not follow on from {at}"
+        if position < prompt_len and position + rows > prompt_len:
+            return "a prefill step runs past the prompt"
+        if position >= prompt_len and rows != 1:
+            return "a decode step carries more than one token"
+        at += rows
+    if at < prompt_len:
+        return "its steps never feed the whole prompt"
+    if at > prompt_len + max(0, len(run.generated) - 1):
+        return "its steps feed more tokens than it generated"
+    return None
+
+
 def check_evidence(c: Mapping[str, Any]) -> tuple[Refusal, str] | None:
     """Why this evidence content certifies nothing, or None if it holds. Checks
     everything but who the certifier is (that is the reader's trust policy)."""
@@ -324,8 +363,21 @@ def check_evidence(c: Mapping[str, Any]) -> tuple[Refusal, str] | None:
         return Refusal.MALFORMED, "two-routes evidence carries two routes"
     if c["method"] == WHOLE_MODEL and len(routes) != 1:
         return Refusal.MALFORMED, "whole-model evidence carries one route"
+    try:
+        axes_match = recipe_digest(c.get("recipe") or {}) == recipe
+    except ValueError:
+        axes_match = False
+    if not axes_match:
+        return Refusal.OTHER_FINGERPRINT, "the recipe axes it names do not hash to its recipe digest"
+    if len(routes) == 2 and routes[0].session == routes[1].session:
+        return Refusal.MALFORMED, "the two routes name one session"
     seen_across: set[str] = set()
     for n, run in enumerate(routes):
+        if not run.generated:
+            return Refusal.NO_TOKENS, f"route {n} generated no tokens"
+        why = _schedule_problem(run, len(prompt))
+        if why:
+            return Refusal.BROKEN_CHAIN, f"route {n}: {why}"
         peers = [h.peer_id for h in run.hops]
         twice = sorted({p for p in peers if peers.count(p) > 1})
         if twice:
@@ -336,13 +388,13 @@ def check_evidence(c: Mapping[str, Any]) -> tuple[Refusal, str] | None:
         if hole:
             return Refusal.COVERAGE_HOLE, f"route {n}: {hole}"
         for h in run.hops:
+            if h.session_id != run.session:
+                return Refusal.BROKEN_CHAIN, f"route {n}: hop {h.peer_id} attests another session"
             if (h.model_digest, h.recipe_digest) != (model, recipe):
                 return Refusal.OTHER_FINGERPRINT, f"hop {h.peer_id} attests another fingerprint than the evidence names"
         for h in run.hops:
             if not h.verifies():
                 return Refusal.BAD_SIGNATURE, f"hop {h.peer_id}'s attestation signature does not verify"
-        if not run.generated:
-            return Refusal.NO_TOKENS, f"route {n} generated no tokens"
         if generated_of(len(prompt), run.steps) != run.generated:
             return Refusal.BROKEN_CHAIN, f"route {n}: its steps do not end in the tokens it reports"
         ordered = sorted(run.hops, key=lambda h: h.start)
@@ -374,8 +426,34 @@ def _validate(content: Mapping[str, Any]) -> str | None:
     return None if refusal is None else f"{refusal[0].value}: {refusal[1]}"
 
 
-CERTIFICATE_TYPE = PayloadType(CERTIFICATE, max_payload_bytes=12 * 1024, claimed_peer_field="certifier",
+CERTIFICATE_TYPE = PayloadType(CERTIFICATE, max_payload_bytes=15 * 1024, claimed_peer_field="certifier",
                                replay_key_field="key", validate=_validate)
+
+
+def _valid_index(c: Mapping[str, Any]) -> str | None:
+    try:
+        recipes = c["recipes"]
+        if not (isinstance(c["model_digest"], str) and isinstance(c["certifier"], str)
+                and c["key"] == index_key(c["model_digest"], c["certifier"])):
+            return "key must be certs/<model digest>/<certifier>"
+        if not (_HEX64.fullmatch(c["model_digest"]) and isinstance(recipes, list) and len(recipes) <= MAX_INDEXED
+                and all(isinstance(r, str) and _HEX64.fullmatch(r) for r in recipes)):
+            return f"recipes must be at most {MAX_INDEXED} recipe digests"
+    except (KeyError, TypeError):
+        return "missing or mistyped fields"
+    return None
+
+
+CERT_INDEX_TYPE = PayloadType(CERT_INDEX, max_payload_bytes=4096, claimed_peer_field="certifier",
+                              replay_key_field="key", validate=_valid_index)
+
+
+def sign_index(identity: Identity, model_digest: str, recipes: Sequence[str], *, now_ms: int,
+               ttl_ms: int = CERTIFICATE_TTL_MS) -> bytes:
+    """The certifier's list of the recipes of a model it certified (newest first)."""
+    content = {"key": index_key(model_digest, str(identity.peer_id)), "certifier": str(identity.peer_id),
+               "model_digest": model_digest, "recipes": list(dict.fromkeys(recipes))[:MAX_INDEXED]}
+    return sign_record(identity, CERT_INDEX, content, seq=now_ms, now_ms=now_ms, ttl_ms=ttl_ms)
 
 
 # --- whose evidence counts -------------------------------------------------------------------
@@ -431,9 +509,12 @@ class Certificate:
     method: str
     issued_at_ms: int
     route: tuple[tuple[str, int, int], ...]  # (peer, start, end) of the first route
+    n_layer: int = 0
+    expires_at_ms: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {"certifier": self.certifier, "method": self.method, "issued_at_ms": self.issued_at_ms,
+                "expires_at_ms": self.expires_at_ms,
                 "route": [{"peer_id": p, "layers": [a, b]} for p, a, b in self.route]}
 
 
@@ -443,6 +524,12 @@ def evaluate(record: Record, trust: TrustPolicy, *, model_digest: str, n_layer: 
     c = record.content
     if record.payload_type != CERTIFICATE:
         raise EvidenceRefused(Refusal.MALFORMED, f"a {record.payload_type} record is not evidence")
+    certifier = c.get("certifier")
+    if str(record.signer) != certifier:
+        raise EvidenceRefused(Refusal.BAD_SIGNATURE, "the record is not signed by the certifier it names")
+    if not trust.trusts(certifier):  # checked before the evidence: it costs nothing to check
+        raise EvidenceRefused(Refusal.UNTRUSTED, f"certifier {certifier} is not one this node trusts "
+                              "(add it with --trust PEER_ID or a trust file)")
     refusal = check_evidence(c)
     if refusal is not None:
         raise EvidenceRefused(*refusal)
@@ -450,14 +537,10 @@ def evaluate(record: Record, trust: TrustPolicy, *, model_digest: str, n_layer: 
         raise EvidenceRefused(Refusal.OTHER_FINGERPRINT, "the evidence names another model")
     if n_layer is not None and c["n_layer"] != n_layer:
         raise EvidenceRefused(Refusal.OTHER_FINGERPRINT, f"the evidence is for {c['n_layer']} layers, the model has {n_layer}")
-    if str(record.signer) != c["certifier"]:
-        raise EvidenceRefused(Refusal.BAD_SIGNATURE, "the record is not signed by the certifier it names")
-    if not trust.trusts(c["certifier"]):
-        raise EvidenceRefused(Refusal.UNTRUSTED, f"certifier {c['certifier']} is not one this node trusts "
-                              "(add it with --trust PEER_ID or a trust file)")
     hops = sorted(c["routes"][0]["hops"], key=lambda h: h["layers"][0])
     return Certificate(c["model_digest"], c["recipe_digest"], c["certifier"], c["method"], record.issued_at_ms,
-                       tuple((h["peer_id"], h["layers"][0], h["layers"][1]) for h in hops))
+                       tuple((h["peer_id"], h["layers"][0], h["layers"][1]) for h in hops), c["n_layer"],
+                       record.expires_at_ms)
 
 
 def certified(records: Iterable[Record], trust: TrustPolicy, *, model_digest: str, n_layer: int | None = None,

@@ -31,8 +31,12 @@ from .certification import (
     Evidence,
     RouteRun,
     TrustPolicy,
+    MAX_HOPS,
+    MAX_IDS,
     cert_key,
     ids_digest,
+    index_key,
+    sign_index,
 )
 from .client import RouteSession, drive
 from .engine.contract import SamplingParams
@@ -68,7 +72,10 @@ def certification_planner(exclude: set[str]):
 
     def plan(spans: Sequence[Span], start: int, end: int, **kw) -> list[Span]:
         partial = [s for s in spans if s.peer_id not in exclude and not (s.start == 0 and s.end == end)]
-        return plan_route(partial, start, end, **kw)
+        route = plan_route(partial, start, end, **kw)
+        if len(route) > MAX_HOPS:
+            raise CertificationError(f"the route has {len(route)} hops; evidence holds at most {MAX_HOPS}")
+        return route
 
     return plan
 
@@ -140,16 +147,26 @@ async def certify(opts: CertifyOptions, log: Callable[[str], None] = print) -> d
     prompt = Tokenizer(opts.model_path).encode(opts.prompt)
     if not prompt:
         raise CertificationError("the certification prompt is empty")
+    if len(prompt) > MAX_IDS or opts.max_tokens > MAX_IDS:  # evidence carries both: refuse before running
+        raise CertificationError(f"the prompt ({len(prompt)} tokens) and --max-tokens ({opts.max_tokens}) must each "
+                                 f"be at most {MAX_IDS}")
     own = TrustPolicy.default(own=opts.identity)
     with unwrap_errors():
         async with trio.open_nursery() as nursery:
             node = await start_node(nursery, Identity.generate(), bootstrap=opts.bootstrap, client_mode=True)
-            reports, certs = await fetch_records(node, model)
+            reports, certs = await fetch_records(node, model, own.certifiers)
             view = choose_recipe(build_view(model, n_layer, reports, certs, own).recipes, opts.recipe, n_layer)
             log(f"certifying recipe {view.recipe_digest[:12]} of model {model[:12]} ({len(view.spans)} peers)")
             summary = await _certify_recipe(opts, view, info, source_sha, prompt, log)
             wire = summary.pop("evidence")
-            stored = await node.publish(cert_key(model, view.recipe_digest), wire)
+            me = str(opts.identity.peer_id)
+            stored = await node.publish(cert_key(model, view.recipe_digest, me), wire)
+            # this certifier's index of the model's recipes it certified: this one first
+            mine = [r for r in [*node.records(index_key(model, me)), *await node.get(index_key(model, me))]
+                    if str(r.signer) == me]
+            before = max(mine, key=lambda r: r.seq).content["recipes"] if mine else []
+            await node.publish(index_key(model, me), sign_index(opts.identity, model, [view.recipe_digest, *before],
+                                                                now_ms=wall_ms()))
             nursery.cancel_scope.cancel()
     summary["stored_on"] = stored
     log(f"certified recipe {view.recipe_digest[:12]} by {summary['method']}; evidence stored on {stored} nodes")

@@ -150,7 +150,7 @@ class RouteSession:
         except BaseException:
             client.close()
             raise
-        return _Hop(span, client, stream, int(cap.fingerprint.recipe_axes["n_ubatch"]))
+        return _Hop(span, client, stream, _n_ubatch(c, cap))
 
     # --- stepping -------------------------------------------------------------------------------
 
@@ -167,6 +167,8 @@ class RouteSession:
             old = self.measured_ms.get(hop.span.peer_id)
             self.measured_ms[hop.span.peer_id] = ms if old is None else 0.8 * old + 0.2 * ms
         hop.history.append((position, payload, decode))
+        if reply.hidden is None and reply.token_id is None:
+            raise ShardConnectionError(f"{hop.span.peer_id} acknowledged a step it was never given")
         if hidden:
             hop.inputs.hidden(position, payload)
         else:
@@ -258,6 +260,19 @@ def connect(span: Span, timeout: float) -> ShardClient:
             raise MeshnetError(f"report of {peer} advertises an address of another peer")
         channel = open_channel(cert, address=(addr.host, addr.port))
     return ShardClient(channel, timeout=timeout)
+
+
+def _n_ubatch(report: dict, cap: pb.Capability) -> int:
+    """The route's micro-batch size: from the report's axes (which hash to its
+    recipe digest), else what the peer says; a peer cannot crash us with it."""
+    value = (report.get("recipe") or {}).get("n_ubatch", cap.fingerprint.recipe_axes.get("n_ubatch"))
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if not 0 < n <= 1 << 16:
+        raise MeshnetError(f"{report['peer_id']} states no usable n_ubatch ({str(value)[:20]!r})")
+    return n
 
 
 def _route_fingerprint(report: dict) -> pb.Fingerprint:

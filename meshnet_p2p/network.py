@@ -18,7 +18,7 @@ import trio
 
 from . import capability
 from .capability import model_key
-from .certification import CERTIFICATE, CERTIFICATE_TYPE
+from .certification import CERT_INDEX, CERT_INDEX_TYPE, CERTIFICATE, CERTIFICATE_TYPE
 from .dht.node import DHTConfig, DHTNode
 from .dht.routing import Contact
 from .dht.transport import UdpTransport
@@ -32,7 +32,7 @@ DEFAULT_LIST = pathlib.Path(__file__).resolve().parent.parent / "bootstrap" / "p
 
 
 # every record type a node accepts: capability reports, the model index, certificates
-TYPES: dict[str, PayloadType] = {**capability.TYPES, CERTIFICATE: CERTIFICATE_TYPE}
+TYPES: dict[str, PayloadType] = {**capability.TYPES, CERTIFICATE: CERTIFICATE_TYPE, CERT_INDEX: CERT_INDEX_TYPE}
 
 
 class BootstrapError(MeshnetError):

@@ -60,6 +60,7 @@ class Reject(str, Enum):
 class RecordRejected(MeshnetError):
     def __init__(self, reason: Reject, detail: str) -> None:
         self.reason = reason
+        self.detail = detail
         super().__init__(f"record rejected ({reason.value}): {detail}")
 
 
@@ -205,7 +206,9 @@ class RecordVerifier:
         if kind.validate is not None:
             why = kind.validate(content)
             if why is not None:
-                raise RecordRejected(Reject.MALFORMED, f"{ptype} content: {why}")
+                err = RecordRejected(Reject.MALFORMED, f"{ptype} content: {why}")
+                err.content_reason = why.split(":")[0][:64]  # a fixed set: countable per reason
+                raise err
         if kind.claimed_peer_field is not None:
             claimed = content.get(kind.claimed_peer_field)
             if claimed != str(signer):

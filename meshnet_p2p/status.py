@@ -10,6 +10,7 @@ this command measures itself unless ``--no-probe``).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Any, Sequence
 
 import trio
@@ -74,6 +75,7 @@ def recipe_doc(view: SwarmView, r: RecipeView, rtt: dict[str, float | None]) -> 
         "recipe_digest": r.recipe_digest, "state": r.state, "labels": r.labels, "axes": r.axes,
         "certified_by": cert.certifier if cert else None, "method": cert.method if cert else None,
         "certified_at_ms": cert.issued_at_ms if cert else None,
+        "certificate_expires_at_ms": cert.expires_at_ms if cert else None,
         "coverage": {"covered": _ranges(covered_ranges(r.spans)), "holes": _ranges(r.holes(view.n_layer))},
         "refused_evidence": sorted({f"{who}: {err}" for who, err in r.refused}),
         "peers": peers,
@@ -91,17 +93,17 @@ async def swarm_status(bootstrap: Sequence[Any], trust: TrustPolicy, models: Seq
             wanted = list(models)
             if not wanted:
                 index = keep_newest({r.signer.multihash: r for r in node.records(MODELS_KEY)}, await node.get(MODELS_KEY))
-                seen: dict[str, tuple[str, str, int]] = {}
-                for rec in sorted(index.values(), key=lambda r: -r.issued_at_ms):
+                # the index is anyone's claim: a model's name and layer count are what most entries say
+                votes: dict[str, Counter] = {}
+                for rec in index.values():
                     c = rec.content
-                    seen.setdefault(c["model_digest"], (c["model_digest"], c["name"], c["n_layer"]))
-                wanted = list(seen.values())[:MAX_MODELS]
+                    votes.setdefault(c["model_digest"], Counter())[(c["name"], c["n_layer"])] += 1
+                ranked = sorted(votes.items(), key=lambda kv: -sum(kv[1].values()))[:MAX_MODELS]
+                wanted = [(digest, *count.most_common(1)[0][0]) for digest, count in ranked]
             views = []
             for digest, name, n_layer in wanted:
-                reports, certs = await fetch_records(node, digest)
-                if n_layer <= 0:  # a digest given alone: the layers its peers' ranges reach
-                    n_layer = max((r.content["layers"][1] for r in reports), default=1)
-                views.append((name, build_view(digest, n_layer, reports, certs, trust)))
+                reports, certs = await fetch_records(node, digest, trust.certifiers)
+                views.append((name, build_view(digest, n_layer or None, reports, certs, trust)))
             nursery.cancel_scope.cancel()
     rtt: dict[str, float | None] = {}
     if probe_peers:

@@ -15,14 +15,14 @@ from typing import Any, Iterable, Sequence
 import trio
 
 from .capability import model_key
-from .certification import Certificate, EvidenceRefused, TrustPolicy, cert_key, certified
+from .certification import Certificate, EvidenceRefused, TrustPolicy, cert_key, certified, index_key
 from .engine.recipe import explain_mismatch
 from .errors import MeshnetError, unwrap_errors
 from .identity import Identity
 from .placement import NoRoute, Span, missing_layers, plan_route
 from .records import Record, keep_newest
 
-MAX_RECIPES = 16  # recipes of one model whose certificates a survey fetches (the most served first)
+MAX_CERTIFIERS = 16  # trusted certifiers whose certificates a survey looks up
 CERTIFY_HINT = "meshnet-peer certify --bootstrap MULTIADDR --identity KEY_FILE_OF_A_TRUSTED_CERTIFIER"
 
 
@@ -64,8 +64,11 @@ class SwarmView:
         return next((r for r in self.recipes if r.recipe_digest == digest), None)
 
 
-def build_view(model_digest: str, n_layer: int, reports: Iterable[Record], certs: Iterable[Record],
+def build_view(model_digest: str, n_layer: int | None, reports: Iterable[Record], certs: Iterable[Record],
                trust: TrustPolicy) -> SwarmView:
+    """``n_layer`` None: not known here (a digest given alone); then the accepted
+    certificates', else the layers the reports reach."""
+    reports = list(reports)
     groups: dict[str, RecipeView] = {}
     for rec in reports:
         c = rec.content
@@ -73,8 +76,9 @@ def build_view(model_digest: str, n_layer: int, reports: Iterable[Record], certs
             continue
         view = groups.get(c["recipe_digest"])
         if view is None:
-            view = groups[c["recipe_digest"]] = RecipeView(c["recipe_digest"], dict(c.get("recipe") or {}),
-                                                           dict(c.get("recipe_labels") or {}), [])
+            view = groups[c["recipe_digest"]] = RecipeView(c["recipe_digest"], {}, {}, [])
+        if not view.axes and c.get("recipe"):  # reports' axes hash to their digest (capability._valid)
+            view.axes, view.labels = dict(c["recipe"]), dict(c.get("recipe_labels") or {})
         view.spans.append(Span.from_report(rec))
     refused: list[tuple[Record, EvidenceRefused]] = []
     held = certified(certs, trust, model_digest=model_digest, n_layer=n_layer, refused=refused)
@@ -86,6 +90,9 @@ def build_view(model_digest: str, n_layer: int, reports: Iterable[Record], certs
         if view is not None:
             view.refused.append((str(rec.signer), err))
     recipes = sorted(groups.values(), key=lambda v: (v.certificate is None, -len(v.spans), v.recipe_digest))
+    if n_layer is None:
+        n_layer = max((c.n_layer for c in held.values()), default=0) or max(
+            (r.content["layers"][1] for r in reports), default=1)
     return SwarmView(model_digest, n_layer, recipes)
 
 
@@ -114,16 +121,22 @@ def routable_spans(view: SwarmView, trust: TrustPolicy) -> list[Span]:
     certified_views = view.certified()
     if certified_views:  # certified, but no certified route covers every layer
         best = certified_views[0]
-        holes = best.holes(n) or [(0, n)]
+        holes = best.holes(n)
+        if not holes:
+            raise NoRoute([(0, n)], f"every peer of certified recipe {best.recipe_digest[:12]} is full, departing "
+                          "or failed recently")
         notes = [f"certified recipe {best.recipe_digest[:12]} is missing them"]
         for dark in view.recipes:
-            if dark.certificate is None and not missing_layers(dark.spans, *holes[0]):
-                reasons = explain_mismatch(best.axes, dark.axes)
+            if dark.certificate is None and not any(missing_layers(dark.spans, a, b) for a, b in holes):
+                near = nearest_certified(view, dark)
+                reasons = near[1] if near else []
                 notes.append(f"peers of dark recipe {dark.recipe_digest[:12]} serve them, but it is not certified"
-                             + (f" (it differs on: {'; '.join(reasons)})" if reasons else ""))
+                             + (f" (it differs from certified {near[0].recipe_digest[:12]} on: {'; '.join(reasons)})"
+                                if reasons else ""))
                 break
         raise NoRoute(holes, "; ".join(notes))
-    top = view.recipes[0]
+    whole = [r for r in view.recipes if not r.holes(n)]
+    top = whole[0] if whole else view.recipes[0]  # a dark recipe that could serve, if there is one
     lines = [f"recipe {top.recipe_digest[:12]} of model {view.model_digest[:12]} is dark: "
              f"this node holds no certificate for it from a certifier it trusts "
              f"({len(trust.certifiers)} trusted)"]
@@ -137,26 +150,38 @@ def routable_spans(view: SwarmView, trust: TrustPolicy) -> list[Span]:
     raise RecipeNotCertified("; ".join(lines), [(0, n)])
 
 
-async def fetch_records(node, model_digest: str) -> tuple[list[Record], list[Record]]:
-    """Capability reports of a model and the certificates of its recipes, from a
-    running DHT node (gossip first, then lookups)."""
+async def fetch_records(node, model_digest: str, certifiers: Iterable[str]) -> tuple[list[Record], list[Record]]:
+    """Capability reports of a model and the certificates that ``certifiers`` signed
+    for the recipes its peers serve, from a running DHT node (gossip, then lookups).
+
+    Each certifier has its own keys (its index of certified recipes, then one key
+    per recipe), which only it can sign for: strangers can neither crowd them out
+    nor make a reader check their evidence."""
     key = model_key(model_digest)
     found = keep_newest({r.signer.multihash: r for r in node.records(key)}, await node.get(key))
     reports = [r for r in found.values() if not r.content.get("departing")]
-    counts: dict[str, int] = {}
-    for r in reports:
-        counts[r.content["recipe_digest"]] = counts.get(r.content["recipe_digest"], 0) + 1
-    recipes = sorted(counts, key=lambda d: -counts[d])[:MAX_RECIPES]
+    served = {r.content["recipe_digest"] for r in reports}
     certs: list[Record] = []
+
+    async def signed_by(k: str, certifier: str) -> Record | None:
+        got = [r for r in [*node.records(k), *await node.get(k)] if str(r.signer) == certifier]
+        return max(got, key=lambda r: r.seq, default=None)
+
+    async def one(certifier: str) -> None:
+        index = await signed_by(index_key(model_digest, certifier), certifier)
+        wanted = [d for d in (index.content["recipes"] if index else []) if d in served]
+        async with trio.open_nursery() as inner:
+            async def fetch(recipe: str) -> None:
+                rec = await signed_by(cert_key(model_digest, recipe, certifier), certifier)
+                if rec is not None:
+                    certs.append(rec)
+
+            for d in wanted:
+                inner.start_soon(fetch, d)
+
     async with trio.open_nursery() as nursery:
-
-        async def one(recipe: str) -> None:
-            ck = cert_key(model_digest, recipe)
-            got = keep_newest({r.signer.multihash: r for r in node.records(ck)}, await node.get(ck))
-            certs.extend(got.values())
-
-        for d in recipes:
-            nursery.start_soon(one, d)
+        for certifier in sorted(certifiers)[:MAX_CERTIFIERS]:
+            nursery.start_soon(one, certifier)
     return sorted(reports, key=lambda r: r.content["layers"][0]), certs
 
 
@@ -167,6 +192,6 @@ async def survey(bootstrap: Sequence[Any], model_digest: str, n_layer: int, trus
     with unwrap_errors():
         async with trio.open_nursery() as nursery:
             node = await start_node(nursery, Identity.generate(), bootstrap=bootstrap, client_mode=True)
-            reports, certs = await fetch_records(node, model_digest)
+            reports, certs = await fetch_records(node, model_digest, trust.certifiers)
             nursery.cancel_scope.cancel()
     return build_view(model_digest, n_layer, reports, certs, trust)

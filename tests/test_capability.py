@@ -1,6 +1,8 @@
 """Capability reports are validated field by field: each lie or oddity has its own reason."""
 
+import json
 import math
+import pathlib
 
 import pytest
 from hypothesis import given
@@ -8,6 +10,7 @@ from hypothesis import strategies as st
 
 from meshnet_p2p.capability import CAPABILITY_TYPE, TYPES, CapabilityReport, _valid
 from meshnet_p2p.dataplane.tls import make_tls_credentials
+from meshnet_p2p.engine.recipe import recipe_digest
 from meshnet_p2p.identity import Identity
 from meshnet_p2p.multiaddr import Multiaddr
 from meshnet_p2p.records import MAX_RECORD_BYTES, RecordRejected, RecordVerifier, Reject, sign_record, wall_ms
@@ -35,9 +38,13 @@ def valid_content() -> dict:
 def test_a_real_report_is_valid_direct_and_relayed():
     assert _valid(valid_content()) is None
     assert _valid(report(relay=RELAY).content(IDENT)) is None
-    with_recipe = {**valid_content(), "recipe": {"seam_dtype": "f32", "n_ubatch": 32, "flash_attn": False},
+    axes = json.loads((pathlib.Path(__file__).parent / "data" / "recipe_vectors.json").read_text())["recipes"][0]["axes"]
+    with_recipe = {**valid_content(), "recipe": axes, "recipe_digest": recipe_digest(axes),
                    "recipe_labels": {"name": "default"}}
     assert _valid(with_recipe) is None
+    # axes must hash to the digest beside them: nobody can name other axes for a recipe
+    assert _valid({**with_recipe, "recipe": {**axes, "n_ubatch": 32}}) == "recipe axes do not hash to recipe_digest"
+    assert _valid({**with_recipe, "recipe": {"seam_dtype": "f32"}}) == "recipe axes do not hash to recipe_digest"
     wire = report().sign(IDENT, seq=1, now_ms=wall_ms())
     assert RecordVerifier(TYPES).verify(wire, wall_ms()).content["throughput"] == 25.0
 

@@ -2,6 +2,8 @@
 evidence parser under arbitrary input (pure; no network, no model)."""
 
 import dataclasses
+import json
+import pathlib
 
 import pytest
 from hypothesis import given
@@ -26,12 +28,15 @@ from meshnet_p2p.certification import (
     expected_digests,
     ids_digest,
 )
+from meshnet_p2p.engine.recipe import recipe_digest
 from meshnet_p2p.identity import Identity
 from meshnet_p2p.multiaddr import Multiaddr
 from meshnet_p2p.network import TYPES
 from meshnet_p2p.records import RecordRejected, RecordVerifier, Reject, sign_record, wall_ms
 
-MODEL, RECIPE, OTHER = "ab" * 32, "cd" * 32, "ef" * 32
+VECTORS = json.loads((pathlib.Path(__file__).parent / "data" / "recipe_vectors.json").read_text())["recipes"]
+AXES = VECTORS[0]["axes"]
+MODEL, RECIPE, OTHER = "ab" * 32, recipe_digest(AXES), "ef" * 32
 N_LAYER = 30
 PROMPT = (11, 12, 13)
 GENERATED = [21, 22, 23]
@@ -44,7 +49,7 @@ def route(peers=PEERS[:3], cuts=((0, 10), (10, 20), (20, 30)), *, generated=GENE
           fingerprint=(MODEL, RECIPE), session="s1") -> RouteRun:
     """A route whose hops chain: the head took the prompt, each hop took what the
     one before gave, the tail emitted the tokens; each hop signs its part."""
-    run = RouteRun(list(steps), list(generated), [])
+    run = RouteRun(list(steps), list(generated), [], session)
     head_in, tail_out = expected_digests(PROMPT, run)
     seams = [head_in] + [f"{i:02x}" * 32 for i in range(1, len(cuts))] + [tail_out]
     for i, (ident, (a, b)) in enumerate(zip(peers, cuts)):
@@ -55,7 +60,7 @@ def route(peers=PEERS[:3], cuts=((0, 10), (10, 20), (20, 30)), *, generated=GENE
 
 def evidence(*routes: RouteRun, method=WHOLE_MODEL, reference=GENERATED, **kw) -> dict:
     ev = Evidence(MODEL, RECIPE, N_LAYER, method, PROMPT, routes or (route(),),
-                  ids_digest(TOKENS_DOMAIN, reference), {"n_ubatch": 64}, {"recipe_name": "default"})
+                  ids_digest(TOKENS_DOMAIN, reference), AXES, {"recipe_name": "default"})
     return {**ev.content(CERTIFIER.peer_id), **kw}
 
 
@@ -129,6 +134,25 @@ def test_hops_that_do_not_chain_are_refused():
     assert refusal(evidence(run)) is Refusal.BROKEN_CHAIN
 
 
+@pytest.mark.parametrize("steps", [[(2, 1, 21), (3, 1, 22), (4, 1, 23)], [(0, 2, 21), (3, 1, 22), (4, 1, 23)],
+                                   [(0, 4, 21), (4, 1, 22), (5, 1, 23)], [(0, 3, 21), (3, 2, 22), (5, 1, 23)]],
+                         ids=["prompt-never-fed", "gap", "prefill-past-prompt", "two-token-decode"])
+def test_steps_that_are_not_a_prefill_then_decodes_are_refused(steps):
+    assert refusal(evidence(route(steps=steps))) is Refusal.BROKEN_CHAIN
+
+
+def test_hops_of_one_route_attest_one_session():
+    run = route()
+    run.hops[1] = route(session="s9").hops[1]
+    assert refusal(evidence(run)) is Refusal.BROKEN_CHAIN
+    assert refusal(evidence(route(), route(PEERS[3:6]), method=TWO_ROUTES)) is Refusal.MALFORMED  # one session twice
+
+
+def test_recipe_axes_that_do_not_hash_to_the_digest_are_refused():
+    assert refusal(evidence(recipe={**AXES, "n_ubatch": 32})) is Refusal.OTHER_FINGERPRINT
+    assert refusal(evidence(recipe={})) is Refusal.OTHER_FINGERPRINT
+
+
 def test_a_head_that_took_another_prompt_is_refused():
     run = route()
     run.hops[0] = dataclasses.replace(run.hops[0], input_digest="77" * 32).signed_by(PEERS[0])
@@ -154,6 +178,12 @@ def test_untrusted_certifiers_certify_nothing():
     cert = evaluate(rec, TrustPolicy(frozenset({str(CERTIFIER.peer_id)})), model_digest=MODEL, n_layer=N_LAYER)
     assert cert.certifier == str(CERTIFIER.peer_id) and cert.method == WHOLE_MODEL
     assert [layers for _, *layers in cert.route] == [[0, 10], [10, 20], [20, 30]]
+
+
+def test_a_certificate_lives_under_its_certifiers_own_key():
+    content = evidence()
+    assert content["key"].endswith("/" + str(CERTIFIER.peer_id))
+    assert refusal({**content, "key": content["key"].rsplit("/", 1)[0] + "/" + str(PEERS[0].peer_id)}) is Refusal.MALFORMED
 
 
 def test_certified_keeps_accepted_and_counts_refused():
@@ -182,7 +212,7 @@ def test_the_dht_stores_no_evidence_that_fails_its_checks():
 
 def test_signing_refuses_evidence_that_does_not_hold():
     ev = Evidence(MODEL, RECIPE, N_LAYER, WHOLE_MODEL, PROMPT, (route(PEERS[:1], ((0, 30),)),),
-                  ids_digest(TOKENS_DOMAIN, GENERATED))
+                  ids_digest(TOKENS_DOMAIN, GENERATED), AXES)
     with pytest.raises(EvidenceRefused, match="one node"):
         ev.sign(CERTIFIER, now_ms=wall_ms())
 
@@ -238,3 +268,25 @@ def test_any_hop_field_replaced_gives_a_reason_never_an_exception(hop, name, val
     content["routes"][0]["hops"][hop][name] = value
     r = check_evidence(content)
     assert r is None or isinstance(r[0], Refusal)
+
+
+def test_a_certifiers_index_names_only_its_own_key():
+    from meshnet_p2p.certification import sign_index
+
+    verifier = RecordVerifier(TYPES)
+    rec = verifier.verify(sign_index(CERTIFIER, MODEL, [RECIPE, OTHER, RECIPE], now_ms=wall_ms()), wall_ms())
+    assert rec.content["recipes"] == [RECIPE, OTHER] and rec.content["key"].endswith(str(CERTIFIER.peer_id))
+    forged = {**rec.content, "key": f"certs/{MODEL}/{PEERS[0].peer_id}"}
+    with pytest.raises(RecordRejected):
+        verifier.verify(sign_record(CERTIFIER, "meshnet/certified-index/v1", forged, seq=2, now_ms=wall_ms(),
+                                    ttl_ms=1000), wall_ms())
+
+
+@given(st.dictionaries(st.sampled_from(["key", "certifier", "model_digest", "recipes", "n_layer", "name", "peer_id"]),
+                       values, max_size=7))
+def test_index_validators_give_a_reason_never_an_exception(content):
+    from meshnet_p2p.capability import _valid_index as model_index
+    from meshnet_p2p.certification import _valid_index as cert_index
+
+    for check in (model_index, cert_index):
+        assert check(content) is None or isinstance(check(content), str)

@@ -63,7 +63,7 @@ def test_a_fresh_swarm_is_dark_until_a_trusted_certifier_certifies_it(tmp_path, 
         assert summary["method"] == "whole-model" and summary["token_ids"] == reference
         assert len({h["peer_id"] for h in summary["routes"][0]}) == 3
         r = generate(addr)
-        assert r.returncode == 2 and "is dark" in r.stderr and "untrusted-certifier" in r.stderr, r.stderr
+        assert r.returncode == 2 and "is dark" in r.stderr, r.stderr
         trusted = generate(addr, "--trust", summary["certifier"])
         assert trusted.returncode == 0, trusted.stderr
         assert json.loads(trusted.stdout)["token_ids"] == reference

@@ -278,6 +278,8 @@ class ShardRuntimeServicer:
         if not status.ok:
             return _error(_ENGINE_CODES[status.code], status.message)
         state.rolled_back(msg.route_epoch)
+        state.inputs.rollback(msg.position)
+        state.outputs.rollback(msg.position)
         return pb.SessionResponse(ack=pb.Ack())
 
     def _attest(self, sid: str, state: SessionState) -> pb.SessionResponse:

@@ -220,6 +220,9 @@ class DHTNode:
             return self.verifier.verify(wire_record, self.now_ms(), remember=False)
         except RecordRejected as e:
             self.stats["rejected_" + e.reason.value] += 1
+            why = getattr(e, "content_reason", None)
+            if why:  # e.g. "rejected_content: throughput must be finite ..."
+                self.stats["rejected_content: " + why] += 1
             return None
 
     def _accept(self, key: str, wire_record: bytes) -> tuple[bool, str]:

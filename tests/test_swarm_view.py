@@ -1,0 +1,78 @@
+"""Which recipes a node may route user traffic over, and what it says when
+none: pure functions of verified records and a trust policy."""
+
+import json
+import pathlib
+
+import pytest
+
+from meshnet_p2p.certification import Certificate, TrustPolicy
+from meshnet_p2p.engine.recipe import recipe_digest
+from meshnet_p2p.identity import Identity
+from meshnet_p2p.placement import NoRoute
+from meshnet_p2p.records import Record
+from meshnet_p2p.swarm_view import CERTIFY_HINT, RecipeNotCertified, build_view, routable_spans
+from meshnet_p2p.testing import sample_report
+
+AXES = json.loads((pathlib.Path(__file__).parent / "data" / "recipe_vectors.json").read_text())["recipes"][0]["axes"]
+ODD = {**AXES, "n_ubatch": 32}
+GOOD, DARK = recipe_digest(AXES), recipe_digest(ODD)
+MODEL = "ab" * 32
+
+
+def record(layers, recipe=GOOD, axes=AXES, free=2) -> Record:
+    ident = Identity.generate()
+    rep = sample_report(ident, MODEL, recipe, layers, free_sessions=free)
+    content = {**rep.content(ident), "recipe": dict(axes), "recipe_labels": {}}
+    return Record("meshnet/capability/v1", content, 1, 0, 2**62, ident.peer_id, b"", b"")
+
+
+def view(reports, certified=()):
+    v = build_view(MODEL, 30, reports, [], TrustPolicy())
+    for r in v.recipes:
+        if r.recipe_digest in certified:
+            r.certificate = Certificate(MODEL, r.recipe_digest, "someone", "whole-model", 0, ())
+    return v
+
+
+def test_only_a_certified_recipe_serves_users():
+    good = [record((0, 10)), record((10, 20)), record((20, 30))]
+    odd = [record((0, 30), DARK, ODD)]
+    spans = routable_spans(view(good + odd, {GOOD}), TrustPolicy())
+    assert {s.peer_id for s in spans} == {r.content["peer_id"] for r in good}
+
+
+def test_fake_recipes_with_more_peers_do_not_hide_the_certified_one():
+    good = [record((0, 30))]
+    fakes = [record((0, 30), f"{i:02x}" * 32, {}) for i in range(40)]
+    spans = routable_spans(view(good + fakes, {GOOD}), TrustPolicy())
+    assert [s.peer_id for s in spans] == [good[0].content["peer_id"]]
+
+
+def test_a_dark_swarm_is_refused_with_the_command_that_certifies_it():
+    with pytest.raises(RecipeNotCertified) as e:
+        routable_spans(view([record((0, 15)), record((15, 30))]), TrustPolicy())
+    assert "is dark" in str(e.value) and CERTIFY_HINT in str(e.value)
+
+
+def test_a_dark_swarm_with_a_hole_names_the_hole_first():
+    with pytest.raises(NoRoute) as e:
+        routable_spans(view([record((0, 10)), record((20, 30))]), TrustPolicy())
+    assert "layers 10-19" in str(e.value) and "is dark" in str(e.value)
+
+
+def test_layers_only_a_dark_recipe_serves_are_refused_naming_the_differing_axis():
+    reports = [record((0, 10)), record((20, 30)), record((10, 20), DARK, ODD)]
+    with pytest.raises(NoRoute) as e:
+        routable_spans(view(reports, {GOOD}), TrustPolicy())
+    assert "layers 10-19" in str(e.value) and "n_ubatch is 32 there, 64 here" in str(e.value)
+
+
+def test_a_certified_recipe_whose_peers_are_all_full_says_so():
+    with pytest.raises(NoRoute, match="full, departing"):
+        routable_spans(view([record((0, 30), free=0)], {GOOD}), TrustPolicy())
+
+
+def test_no_peer_at_all():
+    with pytest.raises(NoRoute, match="no peer announces"):
+        routable_spans(view([]), TrustPolicy())
