@@ -190,10 +190,10 @@ class RouteRun:
     steps: list[tuple[int, int, int]]
     generated: list[int]
     hops: list[Attestation]
-    session: str = ""  # the route session every hop attests
+    session: str = ""  # the route's session (each hop attests its own hop session)
 
     def to_content(self) -> dict[str, Any]:
-        return {"session": self.session or (self.hops[0].session_id if self.hops else ""),
+        return {"session": self.session or "route",
                 "steps": [list(s) for s in self.steps], "generated": list(self.generated),
                 "hops": [h.to_content() for h in self.hops]}
 
@@ -387,9 +387,10 @@ def check_evidence(c: Mapping[str, Any]) -> tuple[Refusal, str] | None:
         hole = _coverage_hole(run.hops, n_layer)
         if hole:
             return Refusal.COVERAGE_HOLE, f"route {n}: {hole}"
+        sessions = [h.session_id for h in run.hops]
+        if len(set(sessions)) != len(sessions) or any(not sid or len(sid) > 128 for sid in sessions):
+            return Refusal.MALFORMED, f"route {n}: each hop attests a session of its own"
         for h in run.hops:
-            if h.session_id != run.session:
-                return Refusal.BROKEN_CHAIN, f"route {n}: hop {h.peer_id} attests another session"
             if (h.model_digest, h.recipe_digest) != (model, recipe):
                 return Refusal.OTHER_FINGERPRINT, f"hop {h.peer_id} attests another fingerprint than the evidence names"
         for h in run.hops:

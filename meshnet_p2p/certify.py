@@ -88,7 +88,7 @@ def run_route(spans: list[Span], n_layer: int, prompt: list[int], max_tokens: in
                            planner=certification_planner(set(exclude)))
     try:
         run = drive(session, prompt, max_tokens, stop_at_eog=False)
-        return RouteRun(run.steps, run.token_ids, session.attestations())
+        return RouteRun(run.steps, run.token_ids, session.attestations(), session.session_id)
     finally:
         session.close()
 

@@ -37,16 +37,28 @@ from .dataplane.client import (
 )
 from .dataplane.tls import cert_identity
 from .engine.contract import SamplingParams, TensorBundle
-from .errors import MeshnetError, unwrap_errors
+from .errors import MeshnetError, sanitize, unwrap_errors
 from .identity import Identity, PeerId
 from .multiaddr import Multiaddr
 from .local import Generation, prefill_chunks
-from .placement import Span, plan_route
+from .placement import NoRoute, Span, plan_route
 from .swarm_view import routable_spans, survey
 
 
 class GenerationError(MeshnetError):
     pass
+
+
+CONNECT_TIMEOUT_S = 3.0  # a candidate's first contact (TCP, TLS, GetCapability)
+MAX_OPEN_TRIES = 64  # candidates one route search may set aside
+
+
+def _tried_text(tried: dict[str, str]) -> str:
+    if not tried:
+        return ""
+    shown = "; ".join(f"{peer[-8:]}: {sanitize(why)[:120]}" for peer, why in list(tried.items())[:4])
+    more = f" and {len(tried) - 4} more" if len(tried) > 4 else ""
+    return f" (tried {len(tried)} peers: {shown}{more})"
 
 
 @dataclass
@@ -84,7 +96,8 @@ class RouteSession:
                  sampling: SamplingParams, step_timeout: float = 10.0, max_failovers: int = 4,
                  ban_seconds: float = 60.0, on_event: Callable[[str], None] | None = None,
                  latency_ms: dict[str, float] | None = None, measured_ms: dict[str, float] | None = None,
-                 planner: Callable[..., list[Span]] = plan_route) -> None:
+                 planner: Callable[..., list[Span]] = plan_route, open_timeout: float = 60.0) -> None:
+        self.open_timeout = open_timeout  # seconds to find and open a route, across candidates
         self.spans_provider = spans_provider
         self.planner = planner  # plan_route, or a certifier's (at least two peers, some banned)
         self.max_tokens = max_tokens
@@ -93,12 +106,13 @@ class RouteSession:
         self.max_failovers = max_failovers
         self.ban_seconds = ban_seconds
         self.on_event = on_event or (lambda msg: None)
-        self.session_id = uuid.uuid4().hex
+        self.session_id = uuid.uuid4().hex  # the route's own name (each hop's session has its own ID)
         self.epoch = 0
         self.banned: dict[str, float] = {}
         self.latency_ms: dict[str, float] = latency_ms if latency_ms is not None else {}
         self.measured_ms: dict[str, float] = measured_ms if measured_ms is not None else {}  # per-token, decode
         self.failovers = 0
+        self.n_layer = n_layer
         self.spans = spans_provider()
         self.hops = self._open_chain(0, n_layer)
 
@@ -109,32 +123,55 @@ class RouteSession:
         return {p for p, until in self.banned.items() if until > now}
 
     def _open_chain(self, start: int, end: int) -> list[_Hop]:
-        last_error: Exception | None = None
-        for attempt in range(self.max_failovers + 1):
-            route = self.planner(self.spans, start, end, banned=self._banned_now(), latency_ms=self.latency_ms,
-                                 measured_ms=self.measured_ms)
-            hops: list[_Hop] = []
-            try:
-                for span in route:
-                    hops.append(self._open_hop(span))
-                return hops
-            except MeshnetError as e:  # typed peer errors and broken connections included
-                last_error = e
-                bad = route[len(hops)].peer_id
-                self.banned[bad] = time.monotonic() + self.ban_seconds
-                self.on_event(f"cannot open a session on {bad}: {e}")
-                for h in hops:
-                    h.close()
-                time.sleep(min(2.0, 0.1 * 2**attempt))
-                self.spans = self.spans_provider()
-        raise GenerationError(f"could not open a route for layers {start}-{end - 1}: {last_error}")
+        """Open a session on every hop of the cheapest route for [start, end).
+
+        Reports cost nothing to forge, so a candidate that fails at session open
+        (dead address, another peer's certificate, a handshake that hangs, a
+        refusal) is set aside and the next one tried at once: that spends no
+        failover, only time, bounded by ``open_timeout`` and MAX_OPEN_TRIES. Hops
+        already open are kept for the next plan. It gives up only when no
+        untried route is left, naming what it tried."""
+        tried: dict[str, str] = {}
+        opened: dict[str, _Hop] = {}
+        deadline = time.monotonic() + self.open_timeout
+        rediscovered = False
+        try:
+            while True:
+                try:
+                    route = self.planner(self.spans, start, end, banned=self._banned_now() | set(tried),
+                                         latency_ms=self.latency_ms, measured_ms=self.measured_ms)
+                except NoRoute as e:
+                    if tried and not rediscovered:  # the swarm may have changed while we tried
+                        rediscovered = True
+                        self.spans = self.spans_provider()
+                        continue
+                    raise GenerationError(f"could not open a route for layers {start}-{end - 1}: {e}"
+                                          + _tried_text(tried)) from None
+                try:
+                    for span in route:
+                        if span.peer_id not in opened:
+                            opened[span.peer_id] = self._open_hop(span)
+                    hops = [opened.pop(span.peer_id) for span in route]
+                    return hops
+                except MeshnetError as e:  # typed peer errors and broken connections included
+                    bad = next(s.peer_id for s in route if s.peer_id not in opened)
+                    tried[bad] = str(e)
+                    self.banned[bad] = time.monotonic() + self.ban_seconds
+                    self.on_event(f"cannot open a session on {bad}: {e}")
+                    if len(tried) >= MAX_OPEN_TRIES or time.monotonic() > deadline:
+                        raise GenerationError(f"could not open a route for layers {start}-{end - 1} in "
+                                              f"{len(tried)} tries" + _tried_text(tried)) from None
+        finally:
+            for hop in opened.values():  # opened for a plan that was not taken
+                hop.close()
 
     def _open_hop(self, span: Span) -> _Hop:
         c = span.record.content
         peer = PeerId.from_string(c["peer_id"])
-        client = connect(span, self.step_timeout)
+        client = connect(span, min(self.step_timeout, CONNECT_TIMEOUT_S))  # first contact: a short bound
         try:
             cap = client.capability()  # also sets up the connection (TLS handshake)
+            client.timeout = self.step_timeout
             t0 = time.perf_counter()
             client.health()
             self.latency_ms[span.peer_id] = (time.perf_counter() - t0) * 1000  # a round trip, used when re-planning
@@ -144,7 +181,8 @@ class RouteSession:
                 raise MeshnetError(f"{peer} serves other layers than it announced")
             s = self.sampling
             # open with the route's fingerprint, not the peer's: a peer of another recipe refuses, naming the axes
-            stream = client.session(_route_fingerprint(c), max_tokens=self.max_tokens, session_id=self.session_id,
+            # each hop its own random session ID: no peer on the route learns the ID another hop knows
+            stream = client.session(_route_fingerprint(c), max_tokens=self.max_tokens, session_id=uuid.uuid4().hex,
                                     route_epoch=self.epoch, timeout=None,
                                     sampling=pb.Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed))
         except BaseException:
@@ -166,9 +204,9 @@ class RouteSession:
             ms = (time.perf_counter() - t0) * 1000
             old = self.measured_ms.get(hop.span.peer_id)
             self.measured_ms[hop.span.peer_id] = ms if old is None else 0.8 * old + 0.2 * ms
-        hop.history.append((position, payload, decode))
-        if reply.hidden is None and reply.token_id is None:
-            raise ShardConnectionError(f"{hop.span.peer_id} acknowledged a step it was never given")
+        if (reply.token_id is None) if hop.span.end == self.n_layer else (reply.hidden is None):
+            raise ShardConnectionError(f"{hop.span.peer_id} answered with the wrong kind of output for its layers")
+        hop.history.append((position, payload, decode))  # only what it really computed is replayed
         if hidden:
             hop.inputs.hidden(position, payload)
         else:

@@ -36,3 +36,10 @@ class unwrap_errors:
             if leaves and all(isinstance(e, self.kinds) for e in leaves):
                 raise leaves[0] from None
         return False
+
+
+def sanitize(text: object, limit: int = 500) -> str:
+    """Text from the network made safe for a terminal or a log: control and other
+    non-printable characters escaped, length bounded."""
+    s = str(text)[:limit]
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in s)

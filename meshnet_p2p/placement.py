@@ -99,8 +99,19 @@ def _finite_nonneg(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
 
 
+CLAIM_ADVANTAGE = 2.0  # an unmeasured claim may look at most this much faster per layer than the best measured peer
+IMPLAUSIBLE_PENALTY_MS = 1000.0  # a claim beyond that is tried only after every plausible candidate
+
+
+def best_measured_ms_per_layer(spans: Iterable[Span], measured_ms: dict[str, float] | None) -> float | None:
+    """The fastest per-layer time the client measured itself, over ``spans``."""
+    rates = [float(measured_ms[s.peer_id]) / (s.end - s.start) for s in spans
+             if measured_ms and _finite_nonneg(measured_ms.get(s.peer_id)) and s.end > s.start]
+    return min(rates) if rates else None
+
+
 def span_cost_ms(span: Span, latency_ms: dict[str, float] | None = None,
-                 measured_ms: dict[str, float] | None = None) -> float:
+                 measured_ms: dict[str, float] | None = None, ref_ms_per_layer: float | None = None) -> float:
     """Estimated ms per token through ``span``.
 
     ``measured_ms[peer]``, the per-token time the client measured for this
@@ -117,7 +128,12 @@ def span_cost_ms(span: Span, latency_ms: dict[str, float] | None = None,
     if not _finite_nonneg(hop):
         hop = DEFAULT_HOP_MS
     tps = span.throughput if _finite_nonneg(span.throughput) and span.throughput > 0 else DEFAULT_TOKENS_PER_S
-    return hop + max(1000.0 / tps, MIN_UNMEASURED_MS_PER_TOKEN) + crowding
+    compute = max(1000.0 / tps, MIN_UNMEASURED_MS_PER_TOKEN)
+    if ref_ms_per_layer is not None:  # what we measured bounds what a claim can win
+        floor = ref_ms_per_layer * (span.end - span.start) / CLAIM_ADVANTAGE
+        if compute < floor:
+            return hop + floor + IMPLAUSIBLE_PENALTY_MS + crowding
+    return hop + compute + crowding
 
 
 def plan_route(
@@ -132,6 +148,7 @@ def plan_route(
     """The cheapest chain of peers covering layers [start, end), boundary to boundary
     (costs per :func:`span_cost_ms`; ``measured_ms`` beats advertised throughput)."""
     usable = [s for s in spans if s.peer_id not in banned and not s.departing and s.free_sessions > 0 and s.start < s.end]
+    ref = best_measured_ms_per_layer(usable, measured_ms)
     edges: dict[int, list[Span]] = {}
     for s in usable:
         edges.setdefault(s.start, []).append(s)
@@ -147,7 +164,7 @@ def plan_route(
         for s in edges.get(at, []):
             if s.end > end:
                 continue
-            c = cost + span_cost_ms(s, latency_ms, measured_ms)
+            c = cost + span_cost_ms(s, latency_ms, measured_ms, ref)
             if c < best.get(s.end, float("inf")):
                 best[s.end] = c
                 prev[s.end] = s

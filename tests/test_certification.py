@@ -53,7 +53,7 @@ def route(peers=PEERS[:3], cuts=((0, 10), (10, 20), (20, 30)), *, generated=GENE
     head_in, tail_out = expected_digests(PROMPT, run)
     seams = [head_in] + [f"{i:02x}" * 32 for i in range(1, len(cuts))] + [tail_out]
     for i, (ident, (a, b)) in enumerate(zip(peers, cuts)):
-        att = Attestation(str(ident.peer_id), session, *fingerprint, a, b, len(steps), seams[i], seams[i + 1])
+        att = Attestation(str(ident.peer_id), f"{session}-{i}", *fingerprint, a, b, len(steps), seams[i], seams[i + 1])
         run.hops.append(att.signed_by(ident))
     return run
 
@@ -141,11 +141,11 @@ def test_steps_that_are_not_a_prefill_then_decodes_are_refused(steps):
     assert refusal(evidence(route(steps=steps))) is Refusal.BROKEN_CHAIN
 
 
-def test_hops_of_one_route_attest_one_session():
+def test_each_hop_attests_a_session_of_its_own():
     run = route()
-    run.hops[1] = route(session="s9").hops[1]
-    assert refusal(evidence(run)) is Refusal.BROKEN_CHAIN
-    assert refusal(evidence(route(), route(PEERS[3:6]), method=TWO_ROUTES)) is Refusal.MALFORMED  # one session twice
+    run.hops[1] = dataclasses.replace(run.hops[1], session_id=run.hops[0].session_id).signed_by(PEERS[1])
+    assert refusal(evidence(run)) is Refusal.MALFORMED
+    assert refusal(evidence(route(), route(PEERS[3:6]), method=TWO_ROUTES)) is Refusal.MALFORMED  # one route session twice
 
 
 def test_recipe_axes_that_do_not_hash_to_the_digest_are_refused():

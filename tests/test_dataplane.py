@@ -270,6 +270,26 @@ def test_cancels_in_band_and_out_of_band(middle):
     c.close()
 
 
+def test_a_stranger_cannot_cancel_or_release_another_clients_session(middle):
+    owner, stranger = middle.client(), middle.client()  # two connections, as two clients have
+    fp = owner.capability().fingerprint
+    try:
+        s = owner.session(fp, max_tokens=64, session_id="mine")
+        assert s.step(0, hidden=hidden(1)).position == 1
+        assert not stranger.cancel("mine") and not stranger.release("mine")
+        assert s.step(1, hidden=hidden(1), decode=True).position == 2  # untouched
+        # a stranger's cancel sent before the session opens does not doom it either
+        assert stranger.cancel("not-yet")
+        t = owner.session(fp, max_tokens=16, session_id="not-yet")
+        assert t.step(0, hidden=hidden(1)).position == 1
+        t.release()
+        assert owner.release("mine")
+        s.close()
+    finally:
+        owner.close()
+        stranger.close()
+
+
 def test_cancel_mid_prefill_spares_a_concurrent_session(whole, model_path, model_digest, load_engine):
     tok = Tokenizer(model_path)
     prompt = tok.encode("Three things every gardener should know:")

@@ -96,3 +96,17 @@ def test_span_from_a_verified_report_reads_the_validated_fields():
     assert (span.peer_id, span.start, span.end, span.throughput, span.free_sessions, span.departing) == (
         str(ident.peer_id), 3, 9, 40.0, 2, True)
     assert isinstance(span.throughput, float) and span.record is record
+
+
+def test_an_implausible_unmeasured_claim_is_tried_after_measured_honest_peers():
+    from meshnet_p2p.placement import IMPLAUSIBLE_PENALTY_MS, Span, plan_route, span_cost_ms
+
+    honest = [Span("h1", 0, 10, 300.0, 2), Span("h2", 10, 20, 300.0, 2), Span("h3", 20, 30, 300.0, 2)]
+    liar = Span("liar", 0, 30, 100_000.0, 4096)
+    measured = {"h1": 5.0, "h2": 5.0, "h3": 5.0}  # 0.5 ms a layer, measured
+    assert [s.peer_id for s in plan_route(honest + [liar], 0, 30)] == ["liar"]  # nothing measured: the claim seeds
+    assert [s.peer_id for s in plan_route(honest + [liar], 0, 30, measured_ms=measured)] == ["h1", "h2", "h3"]
+    # a claim within twice the best measured speed is plausible and competes on its numbers
+    near = Span("near", 0, 30, 1000.0 / 7.6, 4096)
+    assert span_cost_ms(near, None, measured, 0.5) < IMPLAUSIBLE_PENALTY_MS
+    assert [s.peer_id for s in plan_route(honest + [near], 0, 30, measured_ms=measured)] == ["near"]

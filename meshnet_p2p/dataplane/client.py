@@ -23,7 +23,7 @@ from ..errors import MeshnetError
 from ..identity import PeerId
 from .channel import CallStream, Channel, ChannelError
 from .relay import relay_target
-from .tensors import bundle_from_proto, bundle_to_proto
+from .tensors import PayloadError, bundle_from_proto, bundle_to_proto
 from .tls import TLS_NAME
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["ShardRuntime"].full_name
@@ -197,11 +197,24 @@ class SessionStream:
             bundle_to_proto(hidden, out=msg.hidden)
         self.credits -= 1
         resp = self.request(request, timeout)
+        # What a peer answers is checked like any network input: a reply that is
+        # not this step's is the peer's fault, a typed error failover handles.
         kind = resp.WhichOneof("kind")
         if kind == "ack":
+            if not (resp.ack.duplicate and resp.ack.idempotency_step == n):
+                raise ShardConnectionError("the peer acknowledged a step instead of answering it")
             return StepReply(position, None, None, False, resp)  # a duplicate: acknowledged, not applied
+        if kind != "result":
+            raise ShardConnectionError(f"the peer answered a step with {kind or 'nothing'}")
         r = resp.result
-        hidden_out = bundle_from_proto(r.hidden) if r.HasField("hidden") and r.hidden.tensors else None
+        if r.idempotency_step not in (0, n) or (r.work_id and r.work_id != msg.work_id):
+            raise ShardConnectionError("the peer answered another step than the one sent")
+        try:
+            hidden_out = bundle_from_proto(r.hidden) if r.HasField("hidden") and r.hidden.tensors else None
+        except PayloadError as e:
+            raise ShardConnectionError(f"the peer sent a bad tensor: {e}") from None
+        if hidden_out is None and not r.has_token:
+            raise ShardConnectionError("the peer's step reply carries neither a hidden state nor a token")
         return StepReply(r.position, hidden_out, r.token_id if r.has_token else None, r.is_eog, resp)
 
     def attest(self, timeout: float | None = None) -> pb.Attestation:

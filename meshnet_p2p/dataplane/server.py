@@ -370,7 +370,7 @@ class _Connection:
             request = _UNARY[call.method].FromString(raw)
         except Exception:
             return self.finish(call, h2.INTERNAL, "a malformed request")
-        reply = getattr(self.server.servicer, call.method)(request, None)
+        reply = getattr(self.server.servicer, call.method)(request, self)  # the connection: who asks
         self.send(call, reply.SerializeToString())
         self.finish(call, h2.OK, "")
 
@@ -393,7 +393,7 @@ class _Connection:
                     self.finish(call, h2.INTERNAL, "a malformed SessionRequest")
                     return
 
-        for response in self.server.servicer.Session(requests(), None):
+        for response in self.server.servicer.Session(requests(), self):
             self.send(call, response.SerializeToString())
         if silent:
             return self.finish(call, h2.DEADLINE_EXCEEDED, f"no SessionOpen within {FIRST_MESSAGE_TIMEOUT:g} s")

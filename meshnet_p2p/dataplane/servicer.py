@@ -123,14 +123,17 @@ class ShardRuntimeServicer:
         return pb.HealthReport(serving=h.serving, state=h.state, active_sessions=h.active_sessions, detail=h.detail)
 
     def Cancel(self, request, context):
-        newly = self._cancel(request.session_id, request.work_id)
+        newly = self._cancel(request.session_id, request.work_id, owner=context)
         return pb.CancelResponse(cancelled=newly)
 
     def Release(self, request, context):
-        with self._lock:
-            existed = self._states.pop(request.session_id, None) is not None
+        with self._lock:  # only the connection that opened a session may release it
+            state = self._states.get(request.session_id)
+            if state is None or not state.opened or state.owner is not context:
+                return pb.ReleaseResponse(released=False)
+            self._states.pop(request.session_id, None)
         self.engine.release(request.session_id)
-        return pb.ReleaseResponse(released=existed)
+        return pb.ReleaseResponse(released=True)
 
     def _limits_proto(self) -> pb.FlowControl:
         lim = self.limits
@@ -141,15 +144,19 @@ class ShardRuntimeServicer:
         with self._lock:
             return self._states.get(session_id)
 
-    def _cancel(self, session_id: str, work_id: str) -> bool:
+    def _cancel(self, session_id: str, work_id: str, owner: object = None) -> bool:
         """Mark cancelled (creating the state if the session is not open yet) and
-        abort the engine's in-flight step for it."""
+        abort the engine's in-flight step for it. Only the connection that opened
+        the session (or sent the first cancel) reaches it: a stranger who learns a
+        session ID cannot cancel another client's work."""
         with self._lock:
             state = self._states.get(session_id)
             if state is None:
                 if len(self._states) >= self.limits.max_pending_cancels or not session_id:
                     return False
-                state = self._states[session_id] = SessionState(session_id)
+                state = self._states[session_id] = SessionState(session_id, owner=owner)
+            elif state.owner is not owner:
+                return False
             newly = state.cancel(work_id)
             opened = state.opened
             running = state.running
@@ -174,7 +181,7 @@ class ShardRuntimeServicer:
                     if opened_id is not None:
                         yield _error(E.PROTOCOL, "the session is already open on this stream")
                         continue
-                    reply, opened_id = self._open(req.open)
+                    reply, opened_id = self._open(req.open, context)
                     yield reply
                     if opened_id is None:
                         return
@@ -191,7 +198,7 @@ class ShardRuntimeServicer:
                 elif kind == "credit":
                     state.top_up(req.credit.credits)
                 elif kind == "cancel":
-                    self._cancel(opened_id, req.cancel.work_id)
+                    self._cancel(opened_id, req.cancel.work_id, owner=context)
                     whole = not req.cancel.work_id
                     yield _error(E.CANCELLED, req.cancel.reason or "cancelled", work_id=req.cancel.work_id, terminal=whole)
                     if whole:
@@ -214,7 +221,7 @@ class ShardRuntimeServicer:
                     self.engine.release(opened_id)  # the client went away: free its capacity
                 self._forget(opened_id)
 
-    def _open(self, msg: pb.SessionOpen) -> tuple[pb.SessionResponse, str | None]:
+    def _open(self, msg: pb.SessionOpen, owner: object = None) -> tuple[pb.SessionResponse, str | None]:
         sid = msg.session_id
         try:
             check_session_id(sid)
@@ -235,8 +242,10 @@ class ShardRuntimeServicer:
             state = self._states.get(sid)
             if state is not None and state.opened:
                 return _error(E.INVALID_ARGUMENT, f"session {sid!r} is already open", terminal=True), None
+            if state is not None and state.owner is not owner:  # a stranger's early cancel: not ours
+                state = None
             if state is None:
-                state = self._states[sid] = SessionState(sid)
+                state = self._states[sid] = SessionState(sid, owner=owner)
             if state.cancelled:
                 self._states.pop(sid, None)
                 return _error(E.CANCELLED, "the session was cancelled before it opened", terminal=True), None

@@ -42,6 +42,9 @@ class SessionState:
     inputs: RowDigest = field(default_factory=lambda: RowDigest(SEAM_DOMAIN))
     outputs: RowDigest = field(default_factory=lambda: RowDigest(SEAM_DOMAIN))
     steps_done: int = 0
+    # Who may cancel or release it: the connection that opened it (or, for a
+    # cancel that came first, the connection that sent it). None: in-process.
+    owner: object = None
 
     def open(self, epoch: int, credits: int) -> None:
         self.opened = True

@@ -1,0 +1,271 @@
+"""Attacks on a live swarm (issue 11), each against real processes: the
+attack runs beside a generation that must still give the whole model's tokens."""
+
+import dataclasses
+import socket
+
+import pytest
+import trio
+
+from meshnet_p2p import Client
+from meshnet_p2p.capability import CapabilityReport, model_key
+from meshnet_p2p.certification import TrustPolicy
+from meshnet_p2p.dataplane.tls import make_tls_credentials
+from meshnet_p2p.engine.cut import inspect_gguf
+from meshnet_p2p.engine.tokenizer import Tokenizer
+from meshnet_p2p.identity import Identity
+from meshnet_p2p.multiaddr import Multiaddr
+from meshnet_p2p.network import start_node
+from meshnet_p2p.records import wall_ms
+from meshnet_p2p.swarm_view import survey
+
+from .reference import reference_generate
+from .swarm import start_swarm
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    return reference_generate(model_path, Tokenizer(model_path).encode(PROMPT), 16, n_ubatch=64)[0]
+
+
+def dead_port() -> int:
+    """A loopback port nobody listens on (connections are refused)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def publish_lies(addr: str, model_path: str, ports: list[int]) -> None:
+    """One capability report per port from a fresh identity, validly signed, each
+    claiming every layer of the certified recipe at the highest throughput a
+    report may claim, behind an address that goes nowhere, with an honest
+    peer's TLS certificate (or their own)."""
+    info = inspect_gguf(model_path)
+    view = await survey([addr], info.model_digest, info.source_layers, TrustPolicy.default([addr]))
+    [recipe] = view.certified()
+    honest = recipe.spans[0].record.content
+    async with trio.open_nursery() as nursery:
+        node = await start_node(nursery, Identity.generate(), bootstrap=[addr], client_mode=True)
+        for n, port in enumerate(ports):
+            liar = Identity.generate()
+            cert = honest["tls_cert"] if n % 2 else make_tls_credentials(liar).cert_pem.decode()
+            lie = CapabilityReport(info.model_digest, recipe.recipe_digest, (0, info.source_layers),
+                                   (str(Multiaddr.for_socket("127.0.0.1", "tcp", port, liar.peer_id)),),
+                                   throughput=100_000.0, free_sessions=4096, tls_cert=cert,
+                                   recipe=recipe.axes, recipe_labels=recipe.labels)
+            await node.publish(model_key(info.model_digest), lie.sign(liar, seq=1, now_ms=wall_ms()))
+        nursery.cancel_scope.cancel()
+
+
+def test_ten_lying_reports_do_not_stop_a_generation(tmp_path, model_path, reference):
+    boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"])
+    silent = socket.socket()  # accepts connections and never answers: a handshake that hangs
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    try:
+        ports = [dead_port() for _ in range(8)] + [silent.getsockname()[1]] * 2  # even ones dial: refused or hung
+        trio.run(publish_lies, addr, model_path, ports)
+        events = []
+        client = Client([addr], model_path=model_path, step_timeout=3.0, on_event=events.append)
+        result = client.generate(PROMPT, 16, stop_at_eog=False)
+        assert result.token_ids == reference
+        assert [h["peer_id"] for h in result.route] == [j.peer_id for j in joins]
+        assert result.failovers == 0  # failing at session open spends no failover
+    finally:
+        silent.close()
+        for p in joins + [boot]:
+            p.stop()
+
+
+# --- 7. a bad peer's replies are typed errors that failover handles -----------------------------
+
+
+@dataclasses.dataclass
+class Liar:
+    identity: Identity
+    creds: object
+    fingerprint: dict
+    port: int = 0
+
+
+def lying_server(answer):
+    """A stock grpcio server speaking ShardRuntime whose Session accepts the open,
+    then answers every step with ``answer(step)``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from meshnet_p2p._proto import shard_runtime_pb2 as pb
+
+    identity = Identity.generate()
+    creds = make_tls_credentials(identity)
+
+    def session(requests, context):
+        for req in requests:
+            kind = req.WhichOneof("kind")
+            if kind == "open":
+                yield pb.SessionResponse(accepted=pb.SessionAccepted(session_id=req.open.session_id,
+                                                                     granted=pb.FlowControl(credits=8)))
+            elif kind == "step":
+                yield answer(req.step)
+
+    def capability(request, context):
+        return pb.Capability(peer_id=str(identity.peer_id), fingerprint=pb.Fingerprint(**fingerprint),
+                             layers=pb.LayerRange(start=10, end=20, total=30), max_sessions=64, free_sessions=64)
+
+    fingerprint: dict = {}
+    server = grpc.server(ThreadPoolExecutor(max_workers=4))
+    handlers = {
+        "Session": grpc.stream_stream_rpc_method_handler(
+            session, pb.SessionRequest.FromString, pb.SessionResponse.SerializeToString),
+        "GetCapability": grpc.unary_unary_rpc_method_handler(
+            capability, pb.CapabilityRequest.FromString, pb.Capability.SerializeToString),
+        "Health": grpc.unary_unary_rpc_method_handler(
+            lambda r, c: pb.HealthReport(serving=True), pb.HealthRequest.FromString, pb.HealthReport.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("meshnet.shard.v1.ShardRuntime", handlers),))
+    liar = Liar(identity, creds, fingerprint)  # the test fills in the certified recipe's fingerprint
+    port = server.add_secure_port("127.0.0.1:0", grpc.ssl_server_credentials([(creds.key_pem, creds.cert_pem)]))
+    server.start()
+    liar.port = port
+    return server, liar, port
+
+
+def bad_crc(step):
+    from meshnet_p2p._proto import shard_runtime_pb2 as pb
+    from meshnet_p2p.dataplane.tensors import bundle_to_proto
+    from meshnet_p2p.engine.contract import HIDDEN, Tensor, TensorBundle
+
+    resp = pb.SessionResponse()
+    resp.result.position = step.position + 1
+    bundle_to_proto(TensorBundle((Tensor(HIDDEN, "f32", (1, 576), bytes(2304)),)), out=resp.result.hidden)
+    resp.result.hidden.tensors[0].crc32c ^= 1
+    return resp
+
+
+def an_ack(step):
+    from meshnet_p2p._proto import shard_runtime_pb2 as pb
+
+    return pb.SessionResponse(ack=pb.Ack(work_id=step.work_id, idempotency_step=step.idempotency_step))
+
+
+def a_credit(step):
+    from meshnet_p2p._proto import shard_runtime_pb2 as pb
+
+    return pb.SessionResponse(credit=pb.CreditTopUp(credits=3))
+
+
+@pytest.mark.parametrize("answer", [bad_crc, an_ack, a_credit], ids=["bad-crc", "ack", "wrong-kind"])
+def test_a_malformed_step_reply_is_a_typed_connection_error(answer):
+    from meshnet_p2p._proto import shard_runtime_pb2 as pb
+    from meshnet_p2p.dataplane.client import ShardClient, ShardConnectionError, open_channel
+    from meshnet_p2p.engine.contract import HIDDEN, Tensor, TensorBundle
+
+    server, liar, port = lying_server(answer)
+    client = ShardClient(open_channel(liar.creds.cert_pem, address=("127.0.0.1", port)), timeout=10)
+    try:
+        stream = client.session(pb.Fingerprint(), max_tokens=8)
+        with pytest.raises(ShardConnectionError):
+            stream.step(0, hidden=TensorBundle((Tensor(HIDDEN, "f32", (1, 576), bytes(2304)),)), timeout=10)
+        stream.close()
+    finally:
+        client.close()
+        server.stop(None)
+
+
+def test_a_middle_peer_that_answers_with_a_token_is_failed_over(tmp_path, model_path, reference):
+    """A lying middle peer (a stock grpcio server) that answers steps with a token,
+    announced for the middle span at a high throughput: the client fails it over
+    to the honest middle peer, and the output is still exact."""
+    from meshnet_p2p._proto import shard_runtime_pb2 as pb
+
+    def a_token(step):
+        return pb.SessionResponse(result=pb.StepResult(work_id=step.work_id, idempotency_step=step.idempotency_step,
+                                                       position=step.position + 1, has_token=True, token_id=7))
+
+    boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"])
+    server, liar, port = lying_server(a_token)
+    try:
+        trio.run(publish_liar, addr, model_path, liar)
+        events = []
+        client = Client([addr], model_path=model_path, step_timeout=3.0, on_event=events.append)
+        result = client.generate(PROMPT, 16, stop_at_eog=False)
+        assert result.token_ids == reference
+        assert result.route[1]["peer_id"] == joins[1].peer_id
+    finally:
+        server.stop(None)
+        for p in joins + [boot]:
+            p.stop()
+
+
+async def publish_liar(addr, model_path, liar) -> None:
+    """A report for the middle span, at the highest throughput allowed, pointing
+    at a lying server (with its own identity's certificate)."""
+    info = inspect_gguf(model_path)
+    view = await survey([addr], info.model_digest, info.source_layers, TrustPolicy.default([addr]))
+    [recipe] = view.certified()
+    async with trio.open_nursery() as nursery:
+        node = await start_node(nursery, Identity.generate(), bootstrap=[addr], client_mode=True)
+        liar.fingerprint.update(model_digest=info.model_digest, recipe_digest=recipe.recipe_digest)
+        lie = CapabilityReport(info.model_digest, recipe.recipe_digest, (10, 20),
+                               (str(Multiaddr.for_socket("127.0.0.1", "tcp", liar.port, liar.identity.peer_id)),),
+                               throughput=100_000.0, free_sessions=4096, tls_cert=liar.creds.cert_pem.decode(),
+                               recipe=recipe.axes, recipe_labels=recipe.labels)
+        await node.publish(model_key(info.model_digest), lie.sign(liar.identity, seq=1, now_ms=wall_ms()))
+        nursery.cancel_scope.cancel()
+
+
+# --- 9. text from the network never reaches a terminal raw -------------------------------------
+
+
+def test_text_from_the_network_is_escaped_before_a_terminal():
+    from meshnet_p2p._proto import shard_runtime_pb2 as pb
+    from meshnet_p2p.dataplane.client import ShardError
+    from meshnet_p2p.engine.contract import OpenRequest, check_session_id
+
+    e = ShardError(pb.Error(code=pb.INTERNAL, detail="boom\x1b[2J\x07\r\nerror: all is well"))
+    assert "\x1b" not in str(e) and "\n" not in str(e) and "\\x1b" in str(e)
+    for bad in ("a\x1b[31mred", "two\nlines", "", "x" * 129, "spa ce"):
+        with pytest.raises(ValueError):
+            check_session_id(bad)
+    with pytest.raises(ValueError):
+        OpenRequest("sid\r", 4)
+    check_session_id("0f3a-uuid_like:1.2")
+
+
+# --- 1. idle sessions are released ---------------------------------------------------------------
+
+
+def test_sessions_idle_past_the_bound_are_released(shard_dir, load_engine):
+    import queue
+
+    from meshnet_p2p._proto import shard_runtime_pb2 as pb
+    from meshnet_p2p.dataplane.servicer import Limits, ShardRuntimeServicer
+
+    engine = load_engine(shard_dir[(10, 20)], max_sessions=2)
+    clock = {"ms": 1_000_000}
+    servicer = ShardRuntimeServicer(engine, limits=Limits(session_idle_ms=60_000), now_ms=lambda: clock["ms"])
+    fp = servicer.fingerprint
+    inbox: queue.Queue = queue.Queue()
+
+    def requests():
+        while (item := inbox.get(timeout=30)) is not None:
+            yield item
+
+    streams = []
+    for sid in ("idle-1", "idle-2"):
+        inbox.put(pb.SessionRequest(open=pb.SessionOpen(session_id=sid, fingerprint=fp, max_tokens=16)))
+        stream = servicer.Session(requests(), None)
+        assert next(stream).WhichOneof("kind") == "accepted"
+        streams.append(stream)
+    assert engine.metrics().active_sessions == 2  # the peer is full
+    clock["ms"] += 59_000
+    assert servicer.reap_idle() == [] and engine.metrics().active_sessions == 2
+    clock["ms"] += 2_000
+    assert sorted(servicer.reap_idle()) == ["idle-1", "idle-2"]
+    assert engine.metrics().active_sessions == 0  # room for others again
+    inbox.put(pb.SessionRequest(step=pb.Step(work_id="w", idempotency_step=1, position=0)))
+    reply = next(streams[0])
+    assert reply.error.code == pb.UNKNOWN_SESSION and "idle" in reply.error.detail
