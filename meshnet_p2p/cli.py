@@ -13,7 +13,7 @@ import sys
 from typing import Sequence
 
 from . import __version__
-from .errors import MeshnetError, unwrap_errors
+from .errors import MeshnetError, sanitize, unwrap_errors
 
 EXIT_ERROR = 2
 
@@ -38,6 +38,13 @@ def _nonneg_float(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = _nonneg_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    return value
+
+
 def _add_identity(p: argparse.ArgumentParser) -> None:
     p.add_argument("--identity", help="key file (created if missing; default: a fresh identity per run)")
 
@@ -55,6 +62,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-ubatch", type=_positive, default=d.n_ubatch)
     p.add_argument("--n-ctx", type=_positive, default=d.n_ctx_per_session, help="KV tokens per session")
     p.add_argument("--threads", type=_positive, default=d.n_threads)
+    p.add_argument("--idle-timeout", type=_positive_float, default=120.0, metavar="SECONDS",
+                   help="release a session that sends nothing for this long (default 120)")
 
 
 def _add_trust(p: argparse.ArgumentParser) -> None:
@@ -187,8 +196,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with unwrap_errors(MeshnetError, OSError, ValueError):
             return _dispatch(parser, args)
-    except MeshnetError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except MeshnetError as e:  # may quote what a peer said: escaped before it reaches a terminal
+        print(f"error: {sanitize(e, 4000)}", file=sys.stderr)
         return EXIT_ERROR
     except OSError as e:  # a port taken, an address not ours, a peer refusing the connection
         print(f"error: meshnet-peer {args.command}: {e.strerror or e}", file=sys.stderr)
@@ -383,7 +392,8 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         raise MeshnetError("serve needs --shard PATH, or --layers A:B (with --model or the embedded model)")
     opts = ServeOptions(shard, host, port, _load_or_create_identity(args.identity), relay=relay,
-                        engine=_engine_options(args), limits=Limits(max_message_bytes=args.max_message_bytes))
+                        engine=_engine_options(args), limits=Limits(max_message_bytes=args.max_message_bytes,
+                                                                    session_idle_ms=int(args.idle_timeout * 1000)))
     return _run_listener(args.listen, serve, opts, _print_line, doing="serve")
 
 
@@ -461,6 +471,7 @@ def _api(args: argparse.Namespace) -> int:
 
 
 def _join(args: argparse.Namespace) -> int:
+    from .dataplane.servicer import Limits
     from .engine.cut import parse_layer_range
     from .multiaddr import Multiaddr
     from .network import parse_listen
@@ -475,6 +486,7 @@ def _join(args: argparse.Namespace) -> int:
         listen_port=port, bootstrap=seeds, identity=_load_or_create_identity(args.identity),
         relay=Multiaddr.parse(args.relay) if args.relay else None, engine=_engine_options(args),
         public_name=args.public_name, progress=TerminalProgress("preparing the shard"),
+        limits=Limits(session_idle_ms=int(args.idle_timeout * 1000)),
     )
     return _run_listener(args.listen, join, opts, _print_line, doing="serve")
 
@@ -491,7 +503,7 @@ def _generate_network(args: argparse.Namespace, sampling) -> int:
         digest = args.model
     else:
         model = _model_path(args.model)
-    events = (lambda msg: print(f"[{msg}]", file=sys.stderr, flush=True))
+    events = (lambda msg: print(f"[{sanitize(msg)}]", file=sys.stderr, flush=True))
     client = Client(seeds, model_path=model, model_digest=digest, step_timeout=args.step_timeout, on_event=events,
                     trust=_trust(args, seeds))
     on_token = None if args.json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))

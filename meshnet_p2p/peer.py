@@ -19,6 +19,7 @@ import trio
 
 from .capability import CAPABILITY_TTL_MS, MODELS_KEY, CapabilityReport, model_key, sign_model_index
 from .dataplane.serve import start_data_plane
+from .dataplane.servicer import Limits
 from .engine.contract import HIDDEN, DecodeRequest, EngineOptions, OpenRequest, PrefillRequest, Tensor, TensorBundle
 from .engine.cut import inspect_gguf, sha256_file
 from .engine.llama_engine import LlamaCppShardEngine
@@ -48,6 +49,7 @@ class JoinOptions:
     engine: EngineOptions = EngineOptions()
     public_name: str = ""
     progress: Callable | None = None
+    limits: Limits = Limits()
 
 
 def measure_throughput(engine: LlamaCppShardEngine, steps: int = 8) -> float:
@@ -104,7 +106,7 @@ async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> Non
         load.status.raise_for_status()
         throughput = await trio.to_thread.run_sync(measure_throughput, engine)
         plane = await start_data_plane(nursery, engine, opts.identity, opts.listen_host, opts.listen_port,
-                                       relay=opts.relay, on_open=lambda sid: print_line(f"session {sid[:12]} opened"))
+                                       relay=opts.relay, limits=opts.limits, on_open=lambda sid: print_line(f"session {sid[:12]} opened"))
         servicer, creds, addr = plane.servicer, plane.creds, plane.addr
         caps = engine.capabilities()
 

@@ -526,3 +526,26 @@ def test_rollback_rewinds_the_cache_and_fails_closed_on_a_stale_route(middle):
             s.request(pb.SessionRequest(rollback=pb.RollbackSignal(position=0, route_epoch=0)))
         assert s.step(3, hidden=hidden(1)).position == 4  # the refused rollback changed nothing
     c.close()
+
+
+def test_a_peer_full_of_idle_sessions_frees_them(shard_dir):
+    """Issue 11 #1: sessions opened and never stepped no longer hold a peer full."""
+    served = Served(shard_dir[(10, 20)], "--max-sessions", "1", "--idle-timeout", "0.5")
+    c = served.client(timeout=10)
+    try:
+        fp = c.capability().fingerprint
+        idle = c.session(fp, max_tokens=16)  # the only session, never stepped
+        with pytest.raises(ShardError, match="CAPACITY"):
+            c.session(fp, max_tokens=16)
+        deadline = time.monotonic() + 20
+        while c.health().active_sessions and time.monotonic() < deadline:
+            time.sleep(0.05)  # the peer's reaper runs every 0.125 s here
+        with c.session(fp, max_tokens=16) as s:
+            assert s.step(0, hidden=hidden(1)).position == 1
+            s.release()
+        with pytest.raises(ShardError, match="idle"):
+            idle.step(0, hidden=hidden(1))
+        idle.close()
+    finally:
+        c.close()
+        assert served.stop() == 0

@@ -19,7 +19,7 @@ from google.protobuf.message import DecodeError
 
 from .._proto import shard_runtime_pb2 as pb
 from ..engine.contract import TensorBundle
-from ..errors import MeshnetError
+from ..errors import MeshnetError, sanitize
 from ..identity import PeerId
 from .channel import CallStream, Channel, ChannelError
 from .relay import relay_target
@@ -45,7 +45,7 @@ class ShardError(MeshnetError):
         self.mismatches = list(error.mismatches)
         self.work_id = error.work_id  # the step it refuses, when it refuses one
         self.idempotency_step = error.idempotency_step
-        super().__init__(f"{self.code_name}: {error.detail}")
+        super().__init__(f"{self.code_name}: {sanitize(error.detail)}")  # the peer's words: escaped
 
 
 class ShardConnectionError(MeshnetError):

@@ -59,9 +59,17 @@ async def start_data_plane(nursery: trio.Nursery, engine, identity: Identity, ho
     servicer = ShardRuntimeServicer(engine, identity=identity, limits=limits, on_open=on_open)
     server = ShardServer(servicer, creds, host=host, port=port)
     await nursery.start(server.serve)
+    nursery.start_soon(_reap_idle_sessions, servicer)
     if relay is not None:
         await nursery.start(attach_to_relay, relay, identity, server.adopt)  # relayed clients go straight to the server
     return DataPlane(servicer, server, creds, str(Multiaddr.for_socket(host, "tcp", server.port, identity.peer_id)))
+
+
+async def _reap_idle_sessions(servicer: ShardRuntimeServicer) -> None:
+    period = max(0.05, servicer.limits.session_idle_ms / 4000)
+    while True:
+        await trio.sleep(period)
+        await trio.to_thread.run_sync(servicer.reap_idle)  # engine calls may wait for a step
 
 
 async def serve(opts: ServeOptions, print_line=print) -> None:

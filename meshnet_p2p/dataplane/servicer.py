@@ -71,6 +71,7 @@ class Limits:
     max_message_bytes: int = 16 << 20
     max_prefill_tokens: int = 4096
     max_pending_cancels: int = 4096  # cancels remembered for sessions not open yet
+    session_idle_ms: int = 120_000  # an open session with no request for this long is released
 
 
 def _error(code: int, detail: str, *, work_id: str = "", step: int = 0, retryable: bool = False,
@@ -104,6 +105,7 @@ class ShardRuntimeServicer:
         self._layers = pb.LayerRange(start=caps.start, end=caps.end, total=caps.source_layers)
         self._lock = threading.Lock()
         self._states: dict[str, SessionState] = {}
+        self._reaped: dict[str, None] = {}  # sessions released for idling (the newest 4096), to say why
 
     # --- unary ---------------------------------------------------------------------
 
@@ -191,8 +193,11 @@ class ShardRuntimeServicer:
                     return
                 state = self._state(opened_id)
                 if state is None:
-                    yield _error(E.UNKNOWN_SESSION, "the session was released out of band", terminal=True)
+                    why = (f"the session was released after {self.limits.session_idle_ms / 1000:g} s idle"
+                           if opened_id in self._reaped else "the session was released out of band")
+                    yield _error(E.UNKNOWN_SESSION, why, terminal=True)
                     return
+                state.last_active_ms = self.now_ms()
                 if kind == "step":
                     yield self._step(opened_id, state, req.step)
                 elif kind == "credit":
@@ -267,12 +272,30 @@ class ShardRuntimeServicer:
             return _error(_ENGINE_CODES[status.code], status.message, retryable=status.retryable, terminal=True), None
         credits = min(msg.proposed.credits or self.limits.max_credits, self.limits.max_credits)
         state.open(msg.route_epoch, credits)
+        state.last_active_ms = self.now_ms()
         if self.on_open is not None:
             self.on_open(sid)
         granted = self._limits_proto()
         granted.credits = credits
         return pb.SessionResponse(accepted=pb.SessionAccepted(session_id=sid, route_epoch=msg.route_epoch,
                                                               granted=granted, layers=self._layers)), sid
+
+    def reap_idle(self) -> list[str]:
+        """Release every open session that has sent nothing for ``session_idle_ms``
+        (and is not computing): an idle session must not hold capacity forever.
+        Its stream then fails closed, saying why. Returns the released IDs."""
+        now = self.now_ms()
+        with self._lock:
+            idle = [sid for sid, st in self._states.items()
+                    if st.opened and st.running is None and now - st.last_active_ms > self.limits.session_idle_ms]
+            for sid in idle:
+                self._states.pop(sid)
+                self._reaped[sid] = None
+            while len(self._reaped) > 4096:
+                self._reaped.pop(next(iter(self._reaped)))
+        for sid in idle:
+            self.engine.release(sid)
+        return idle
 
     def _forget(self, sid: str) -> None:
         with self._lock:

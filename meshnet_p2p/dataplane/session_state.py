@@ -45,6 +45,7 @@ class SessionState:
     # Who may cancel or release it: the connection that opened it (or, for a
     # cancel that came first, the connection that sent it). None: in-process.
     owner: object = None
+    last_active_ms: int = 0  # when it last sent anything (idle sessions are released)
 
     def open(self, epoch: int, credits: int) -> None:
         self.opened = True

@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Mapping
@@ -247,9 +248,13 @@ class DecodeRequest:
         _check_one_input(None if self.token_id is None else (self.token_id,), self.hidden, self.position)
 
 
+_SESSION_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
 def check_session_id(session_id: str) -> None:
-    if not session_id or len(session_id) > 128:
-        raise ValueError("a session id must be 1..128 characters")
+    # IDs reach logs and terminals: letters, digits and ._:- only, never control characters
+    if not isinstance(session_id, str) or not _SESSION_ID.fullmatch(session_id):
+        raise ValueError("a session id must be 1..128 characters of A-Z a-z 0-9 . _ : -")
 
 
 def _check_one_input(tokens: tuple[int, ...] | None, hidden: TensorBundle | None, position: int) -> None:
