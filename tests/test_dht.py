@@ -341,3 +341,21 @@ def test_choose_span_covers_missing_layers_first_and_plan_route_is_cheapest():
     assert [s.peer_id for s in plan_route(spans, 0, 30, banned={"fast"})] == ["a", "c", "b"]
     with pytest.raises(NoRoute, match="10-19"):
         plan_route(spans, 0, 30, banned={"fast", "c"})
+
+
+async def test_gossip_pushes_in_flight_are_bounded(autojump_clock, monkeypatch):
+    import meshnet_p2p.dht.node as node_module
+
+    monkeypatch.setattr(node_module, "MAX_PUSHES_IN_FLIGHT", 5)
+    async with trio.open_nursery() as nursery:
+        net, nodes = await start_swarm(nursery, 12, TYPES)
+        net.frozen.update(n.addr for n in nodes[1:])  # pushes hang until they time out
+        hub, peak = nodes[0], 0
+        for i in range(40):
+            ident = swarm_identity(100 + i)
+            hub._gossip_in(report(ident), from_peer=None)
+            peak = max(peak, hub._pushing)
+        assert peak == 5 and hub.stats["gossip_push_skipped"] > 0
+        await trio.sleep(5)  # every push times out and is counted back
+        assert hub._pushing == 0
+        nursery.cancel_scope.cancel()

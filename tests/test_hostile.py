@@ -269,3 +269,27 @@ def test_sessions_idle_past_the_bound_are_released(shard_dir, load_engine):
     inbox.put(pb.SessionRequest(step=pb.Step(work_id="w", idempotency_step=1, position=0)))
     reply = next(streams[0])
     assert reply.error.code == pb.UNKNOWN_SESSION and "idle" in reply.error.detail
+
+
+# --- 8. gossip memory and tasks are bounded -------------------------------------------------------
+
+
+def test_gossip_state_is_bounded_per_topic_in_total_and_prunes_its_buckets():
+    from meshnet_p2p.dht.gossip import GossipState
+    from meshnet_p2p.identity import PeerId
+    from meshnet_p2p.records import Record
+
+    state = GossipState(max_per_topic=8, max_records=20, max_signers=50)
+    now = 1_000_000
+    keys = [Identity.from_seed(i.to_bytes(32, "big")).peer_id for i in range(1, 121)]
+
+    def rec(peer: PeerId, topic: str) -> Record:
+        return Record("t", {"key": topic}, 1, now, now + 60_000, peer, b"", b"")
+
+    verdicts = [state.offer(f"topic-{i % 5}", rec(p, f"topic-{i % 5}"), now) for i, p in enumerate(keys)]
+    assert verdicts.count("new") == 20 and sum(len(t) for t in state.topics.values()) == 20
+    assert all(len(t) <= 8 for t in state.topics.values())
+    assert len(state._buckets) <= 50
+    state.expire(now + 120_000)  # records expired, buckets refilled: all forgotten
+    assert state.topics == {} and state._buckets == {}
+    assert state.offer("topic-0", rec(keys[0], "topic-0"), now + 120_000) == "expired"

@@ -27,9 +27,12 @@ class GossipState:
     rate_per_s: float = 20.0
     burst: float = 40.0
     max_topics: int = 1024
-    max_per_topic: int = 1024
+    max_per_topic: int = 256  # as many values as a DHT key holds
+    max_records: int = 16_384  # in total, over every topic
+    max_signers: int = 65_536  # rate buckets kept at once (pruned as they refill)
     topics: dict[str, dict[bytes, Record]] = field(default_factory=dict)
     _buckets: dict[bytes, _Bucket] = field(default_factory=dict)
+    _count: int = 0
 
     def offer(self, topic: str, record: Record, now_ms: int) -> str:
         """"new" (keep and forward), "duplicate", "old", "expired", "rate-limited" or "full"."""
@@ -44,18 +47,31 @@ class GossipState:
                 return "old"
         elif topic not in self.topics and len(self.topics) >= self.max_topics:
             return "full"
-        elif len(self.topics.get(topic, {})) >= self.max_per_topic:
+        elif len(self.topics.get(topic, {})) >= self.max_per_topic or self._count >= self.max_records:
             return "full"
         bucket = self._buckets.get(signer)
         if bucket is None:
+            if len(self._buckets) >= self.max_signers:
+                self._prune_buckets(now_ms)
+                if len(self._buckets) >= self.max_signers:
+                    return "full"
             bucket = self._buckets[signer] = _Bucket(self.burst, now_ms)
         bucket.tokens = min(self.burst, bucket.tokens + (now_ms - bucket.at_ms) / 1000 * self.rate_per_s)
         bucket.at_ms = now_ms
         if bucket.tokens < 1:
             return "rate-limited"
         bucket.tokens -= 1
-        self.topics.setdefault(topic, {})[signer] = record
+        held = self.topics.setdefault(topic, {})
+        if signer not in held:
+            self._count += 1
+        held[signer] = record
         return "new"
+
+    def _prune_buckets(self, now_ms: int) -> None:
+        """Forget signers whose bucket has refilled: a fresh bucket is the same."""
+        refill_ms = self.burst / self.rate_per_s * 1000
+        for signer in [s for s, b in self._buckets.items() if now_ms - b.at_ms >= refill_ms]:
+            del self._buckets[signer]
 
     def known(self, topic: Any, signer: Any, seq: Any) -> bool:
         """True if a record of ``signer`` at least as new as ``seq`` is held already."""
@@ -107,5 +123,7 @@ class GossipState:
             records = self.topics[topic]
             for signer in [s for s, r in records.items() if r.expires_at_ms <= now_ms]:
                 del records[signer]
+                self._count -= 1
             if not records:
                 del self.topics[topic]
+        self._prune_buckets(now_ms)

@@ -37,6 +37,7 @@ class DHTError(MeshnetError):
 
 
 MAX_KEY_CHARS = 512
+MAX_PUSHES_IN_FLIGHT = 256  # gossip push tasks at once, whatever arrives
 REPLY_BUDGET_BYTES = 40_000  # records per reply, so a reply stays one datagram (wire.MAX_DATAGRAM)
 
 
@@ -80,6 +81,7 @@ class DHTNode:
         self._pending: dict[bytes, tuple[PeerId | None, trio.MemorySendChannel]] = {}
         self._pinging: set[int] = set()
         self._subscribers: dict[str, list[trio.MemorySendChannel]] = {}
+        self._pushing = 0  # gossip pushes in flight (bounded: pulls spread what pushes skip)
         self._nursery: trio.Nursery | None = None
 
     @property
@@ -397,11 +399,18 @@ class DHTNode:
         if self._nursery is not None:
             targets = [c for c in self.table.contacts() if c.peer_id != from_peer and c.peer_id != record.signer]
             for c in random.sample(targets, min(len(targets), self.config.gossip_fanout)):
+                if self._pushing >= MAX_PUSHES_IN_FLIGHT:
+                    self.stats["gossip_push_skipped"] += 1
+                    break
+                self._pushing += 1
                 self._nursery.start_soon(self._push, c, record.wire)
         return True
 
     async def _push(self, contact: Contact, record_wire: bytes) -> None:
-        await self.request(contact, "gossip_push", {"records": [record_wire]})
+        try:
+            await self.request(contact, "gossip_push", {"records": [record_wire]})
+        finally:
+            self._pushing -= 1
 
     async def _gossip_pull_loop(self) -> None:
         while True:
