@@ -161,7 +161,9 @@ def _valid(content: Mapping[str, Any]) -> str | None:
         return f"unreadable content ({type(e).__name__})"
 
 
-CAPABILITY_TYPE = PayloadType(CAPABILITY, max_payload_bytes=8192, replay_key_field="key", validate=_valid)
+MAX_REPORT_LIFETIME_MS = 10 * 60_000  # a report is re-announced every 30 s: it lives minutes, not a day
+CAPABILITY_TYPE = PayloadType(CAPABILITY, max_payload_bytes=8192, replay_key_field="key", validate=_valid,
+                              max_lifetime_ms=MAX_REPORT_LIFETIME_MS)
 
 # Which models a swarm serves: each serving peer also signs a small index entry
 # under one well-known key, so `status` can list models without knowing them.
@@ -184,7 +186,8 @@ def _valid_index(c: Mapping[str, Any]) -> str | None:
     return None
 
 
-MODEL_INDEX_TYPE = PayloadType(MODEL_INDEX, max_payload_bytes=512, replay_key_field="key", validate=_valid_index)
+MODEL_INDEX_TYPE = PayloadType(MODEL_INDEX, max_payload_bytes=512, replay_key_field="key", validate=_valid_index,
+                               max_lifetime_ms=MAX_REPORT_LIFETIME_MS)
 
 
 def sign_model_index(identity: Identity, model_digest: str, name: str, n_layer: int, *, now_ms: int,

@@ -126,8 +126,12 @@ async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> Non
         name = os.path.basename(opts.model_path).split(".")[0]
 
         async def publish_all() -> None:
-            await node.publish(key, report())
-            await node.publish(MODELS_KEY, sign_model_index(opts.identity, digest, name, info.source_layers, now_ms=wall_ms()))
+            try:  # a refusal by other nodes is theirs to have; this peer keeps serving and tries again
+                await node.publish(key, report())
+                await node.publish(MODELS_KEY, sign_model_index(opts.identity, digest, name, info.source_layers,
+                                                                now_ms=wall_ms()))
+            except MeshnetError as e:
+                print_line(f"announce failed, retrying in {ANNOUNCE_INTERVAL_S:g} s: {e}")
 
         await publish_all()
         print_line(f"listening on {addr}")

@@ -74,6 +74,7 @@ class PayloadType:
     claimed_peer_field: str | None = "peer_id"
     replay_key_field: str | None = None  # records of one signer are ordered per this field's value
     validate: Callable[[Mapping[str, Any]], str | None] | None = None  # why content is malformed, or None
+    max_lifetime_ms: int | None = None  # the longest this kind may live (default: the verifier's bound)
 
 
 @dataclass(frozen=True)
@@ -221,6 +222,8 @@ class RecordVerifier:
             raise RecordRejected(Reject.EXPIRED, f"expired {now_ms - expires} ms ago")
         if expires < issued or expires - issued > self.max_lifetime_ms:
             raise RecordRejected(Reject.MALFORMED, "lifetime is negative or longer than allowed")
+        if kind.max_lifetime_ms is not None and expires - issued > kind.max_lifetime_ms:
+            raise RecordRejected(Reject.MALFORMED, f"a {ptype} lives at most {kind.max_lifetime_ms // 1000} s")
         replay_key = (signer.multihash, ptype, content.get(kind.replay_key_field) if kind.replay_key_field else None)
         try:
             hash(replay_key)

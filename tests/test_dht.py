@@ -111,8 +111,8 @@ async def test_many_values_under_one_key_are_paged(autojump_clock):
     async with trio.open_nursery() as nursery:
         _, nodes = await start_swarm(nursery, 12, TYPES, config=DHTConfig(k=4))
         signers = [swarm_identity(1000 + i) for i in range(80)]  # ~0.6 KB each: > one datagram
-        for s in signers:
-            await nodes[1].put(KEY, report(s))
+        for n, s in enumerate(signers):  # from two hosts: one host may store at most a quarter of a key
+            await nodes[1 + n % 2].put(KEY, report(s))
         got = await nodes[7].get(KEY)
         assert {r.signer for r in got} == {s.peer_id for s in signers}
         nursery.cancel_scope.cancel()
@@ -359,3 +359,31 @@ async def test_gossip_pushes_in_flight_are_bounded(autojump_clock, monkeypatch):
         await trio.sleep(5)  # every push times out and is counted back
         assert hub._pushing == 0
         nursery.cancel_scope.cancel()
+
+
+async def test_a_flood_of_stores_from_one_host_cannot_fill_a_key(autojump_clock):
+    """Issue 11 #4: 256 stores from fresh identities filled a key on a node, which
+    then refused honest puts; and a node's own publish must never fail for others'."""
+    async with trio.open_nursery() as nursery:
+        _, nodes = await start_swarm(nursery, 6, TYPES)
+        target, mallory, honest = nodes[0], nodes[1], nodes[2]
+        accepted = 0
+        for i in range(256):
+            reply = await mallory.request(target.contact(), "store", {"key": KEY, "record": report(swarm_identity(5000 + i))})
+            accepted += bool(reply and reply.body["ok"])
+        assert accepted == target.store.max_values_per_source
+        reply = await honest.request(target.contact(), "store", {"key": KEY, "record": report(honest.identity)})
+        assert reply.body["ok"] is True
+        # a key full of others' records does not make the node's own publish fail
+        for i in range(256):
+            target.store.put(KEY, target.verifier.verify(report(swarm_identity(9000 + i)), wall_ms(), remember=False),
+                             wall_ms())
+        assert len(target.store.get(KEY, wall_ms(), budget=1 << 30)[0]) == target.store.max_values_per_key
+        await target.put(KEY, report(target.identity))
+        assert target.identity.peer_id in {r.signer for r in target.store.get(KEY, wall_ms(), budget=1 << 30)[0]}
+        nursery.cancel_scope.cancel()
+
+
+def test_a_capability_report_lives_minutes_not_a_day():
+    with pytest.raises(RecordRejected, match="lives at most"):
+        RecordVerifier(TYPES).verify(report(swarm_identity(7), ttl_ms=24 * 3600 * 1000), wall_ms())

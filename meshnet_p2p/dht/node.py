@@ -206,7 +206,7 @@ class DHTNode:
             return "values", {"values": [r.wire for r in records], "more": more, "nodes": wire.encode_contacts(nearest)}
         if msg.kind == "store":
             key = wire.field(body, "key", str, max_len=MAX_KEY_CHARS)
-            ok, reason = self._accept(key, wire.field(body, "record", bytes, max_len=MAX_RECORD_BYTES))
+            ok, reason = self._accept(key, wire.field(body, "record", bytes, max_len=MAX_RECORD_BYTES), source=addr[0])  # by host
             return "stored", {"ok": ok, "reason": reason}
         if msg.kind == "gossip_push":
             records = wire.field(body, "records", list, max_len=32)
@@ -227,11 +227,11 @@ class DHTNode:
                 self.stats["rejected_content: " + why] += 1
             return None
 
-    def _accept(self, key: str, wire_record: bytes) -> tuple[bool, str]:
+    def _accept(self, key: str, wire_record: bytes, source: Any = None) -> tuple[bool, str]:
         record = self._verify(wire_record)
         if record is None:
             return False, "record rejected"
-        ok, reason = self.store.put(key, record, self.now_ms())
+        ok, reason = self.store.put(key, record, self.now_ms(), source=source, own=record.signer == self.peer_id)
         if ok and reason != "unchanged":
             self._gossip_in(wire_record, from_peer=None, record=record)
         return ok, reason
@@ -271,7 +271,7 @@ class DHTNode:
         Returns how many remote nodes accepted it. Raises :class:`RecordRejected`
         or :class:`DHTError` if this node itself would not accept it."""
         record = self.verifier.verify(record_wire, self.now_ms(), remember=False)
-        ok, reason = self.store.put(key, record, self.now_ms())
+        ok, reason = self.store.put(key, record, self.now_ms(), own=True)  # others' records never crowd ours out
         if not ok:
             raise DHTError(f"cannot store under {key!r}: {reason}")
         self._gossip_in(record_wire, from_peer=None, record=record)

@@ -11,6 +11,7 @@ Bounds: values per key, keys per signer and values in total, so one signer
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..records import Record
 
@@ -20,11 +21,17 @@ class ValueStore:
     max_values_per_key: int = 256
     max_keys_per_signer: int = 64
     max_values: int = 100_000
+    # values of one key stored for one source host: a quarter of a key, so a host
+    # (however many identities it makes) cannot fill one; generous enough for a NAT
+    max_values_per_source: int = 64
     _by_key: dict[str, dict[bytes, Record]] = field(default_factory=dict)
     _keys_of_signer: dict[bytes, set[str]] = field(default_factory=dict)
+    _source_of: dict[tuple[str, bytes], Any] = field(default_factory=dict)
     _count: int = 0
 
-    def put(self, key: str, record: Record, now_ms: int) -> tuple[bool, str]:
+    def put(self, key: str, record: Record, now_ms: int, *, source: Any = None, own: bool = False) -> tuple[bool, str]:
+        """``source``: the address a store came from (None: this node). ``own``: a
+        record this node signed, which others' records never crowd out."""
         if record.content.get("key") != key:
             return False, "the record's signed key does not match the key it is stored under"
         if record.expires_at_ms <= now_ms:
@@ -37,8 +44,13 @@ class ValueStore:
                 return False, f"sequence {record.seq} is not newer than the stored {old.seq}"
             values[signer] = record
             return True, "replaced" if old.seq < record.seq else "unchanged"
+        if source is not None and sum(1 for s in values if self._source_of.get((key, s)) == source) \
+                >= self.max_values_per_source:
+            return False, f"this source already stored {self.max_values_per_source} values under this key"
         if len(values) >= self.max_values_per_key:
-            return False, f"key holds the maximum of {self.max_values_per_key} values"
+            if not own:
+                return False, f"key holds the maximum of {self.max_values_per_key} values"
+            self._drop(key, min(values, key=lambda s: values[s].expires_at_ms))  # the soonest to expire goes
         keys = self._keys_of_signer.setdefault(signer, set())
         if len(keys) >= self.max_keys_per_signer:
             return False, f"signer already holds the maximum of {self.max_keys_per_signer} keys here"
@@ -46,8 +58,16 @@ class ValueStore:
             return False, "this node's store is full"
         self._by_key.setdefault(key, values)[signer] = record
         keys.add(key)
+        if source is not None:
+            self._source_of[(key, signer)] = source
         self._count += 1
         return True, "stored"
+
+    def _drop(self, key: str, signer: bytes) -> None:
+        del self._by_key[key][signer]
+        self._keys_of_signer[signer].discard(key)
+        self._source_of.pop((key, signer), None)
+        self._count -= 1
 
     def get(self, key: str, now_ms: int, *, after: bytes = b"", budget: int = 48_000) -> tuple[list[Record], bool]:
         """Live records of ``key`` ordered by signer, after ``after``, up to ``budget`` bytes.
@@ -68,9 +88,7 @@ class ValueStore:
         if not values:
             return
         for signer in [s for s, r in values.items() if r.expires_at_ms <= now_ms]:
-            del values[signer]
-            self._keys_of_signer[signer].discard(key)
-            self._count -= 1
+            self._drop(key, signer)
         if not values:
             del self._by_key[key]
 
