@@ -1,3 +1,5 @@
+import os
+
 import pytest
 from hypothesis import settings
 
@@ -8,7 +10,11 @@ from meshnet_p2p.models import default_model_path
 
 # Property tests explore a fixed sequence of examples: every run is the same run.
 settings.register_profile("deterministic", derandomize=True, database=None, deadline=None)
-settings.load_profile("deterministic")
+# CI also runs every property test once with fresh random examples, bounded
+# (MESHNET_FUZZ_RANDOM=1 pytest -m hypothesis): what it finds becomes a regression test.
+settings.register_profile("random", derandomize=False, database=None, deadline=None, max_examples=300,
+                          print_blob=True)
+settings.load_profile("random" if os.environ.get("MESHNET_FUZZ_RANDOM") else "deterministic")
 
 N_UBATCH = 32  # small, so ordinary test prompts span several micro-batches
 
