@@ -387,3 +387,60 @@ async def test_a_flood_of_stores_from_one_host_cannot_fill_a_key(autojump_clock)
 def test_a_capability_report_lives_minutes_not_a_day():
     with pytest.raises(RecordRejected, match="lives at most"):
         RecordVerifier(TYPES).verify(report(swarm_identity(7), ttl_ms=24 * 3600 * 1000), wall_ms())
+
+
+# --- issue 11 #5, #6: replayed datagrams, bogus addresses, amplification ------------------------
+
+
+async def test_a_datagram_replayed_from_another_address_does_not_rebind_its_sender(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        net, nodes = await start_swarm(nursery, 4, TYPES)
+        alice, bob = nodes[1], nodes[2]
+        attacker = net.endpoint()
+        captured = wire.encode(alice.identity, "ping", wire.new_rpc_id(), {}, wall_ms(), to=bob.identity.peer_id)
+        bob.transport._send.send_nowait((captured, attacker.local_addr))  # alice's signature, the attacker's address
+        await trio.sleep(2)
+        entry = bob.table.get(node_id_of(alice.peer_id))
+        assert entry is not None and entry.addr == alice.addr
+        # nor does a datagram addressed to another node reach anyone's table
+        carol = nodes[3]
+        stray = wire.encode(alice.identity, "ping", wire.new_rpc_id(), {}, wall_ms(), to=carol.identity.peer_id)
+        before = bob.stats["bad_datagrams"]
+        bob.transport._send.send_nowait((stray, alice.addr))
+        await trio.sleep(1)
+        assert bob.stats["bad_datagrams"] == before + 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_contacts_with_bogus_addresses_do_not_evict_honest_entries(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        net, nodes = await start_swarm(nursery, 6, TYPES)
+        reader, honest = nodes[1], nodes[2]
+        assert reader.table.get(node_id_of(honest.peer_id)).addr == honest.addr
+        bogus = Contact.of(honest.peer_id, "10.9.9.9", 9)  # honest ID, an address where nobody answers
+        for _ in range(5):
+            reader._lookup_failed(bogus)
+        entry = reader.table.get(node_id_of(honest.peer_id))
+        assert entry is not None and entry.addr == honest.addr
+        nursery.cancel_scope.cancel()
+
+
+async def test_replies_to_an_unproven_address_are_at_most_three_times_the_request(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        net, nodes = await start_swarm(nursery, 6, TYPES)
+        target = nodes[0]
+        for i in range(60):  # a key with ~40 KB of values
+            await target.put(KEY, report(swarm_identity(3000 + i)))
+        victim = net.endpoint()  # the spoofed source: it never asked for anything
+        mallory = swarm_identity(77)
+        for kind, body in (("find_value", {"key": KEY, "after": b""}), ("gossip_pull", {"have": {}}),
+                           ("find_node", {"target": bytes(32)})):
+            request = wire.encode(mallory, kind, wire.new_rpc_id(), body, wall_ms(), to=target.peer_id)
+            target.transport._send.send_nowait((request, victim.local_addr))
+            with trio.fail_after(5):
+                reply, _ = await victim.receive()
+            assert len(reply) <= 3 * len(request), kind
+        # an honest reader still gets every value: it proves it receives (a cookie) and asks again
+        reader = nodes[4]
+        assert len(await reader.get(KEY)) == 60
+        nursery.cancel_scope.cancel()

@@ -11,9 +11,12 @@ stores but says so in every request, so nobody adds it to a routing table.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import os
 import random
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -37,6 +40,12 @@ class DHTError(MeshnetError):
 
 
 MAX_KEY_CHARS = 512
+AMPLIFICATION = 3  # an unproven address gets replies at most this many times what it sent
+COOKIE_BYTES = 16
+COOKIE_SECRET_S = 120.0
+MAX_ADDRESSES = 16_384  # proven addresses and cookies kept
+MAX_SEEN_DATAGRAMS = 65_536
+MAX_VERIFYING = 64  # new (peer, address) pairs pinged at once
 MAX_PUSHES_IN_FLIGHT = 256  # gossip push tasks at once, whatever arrives
 REPLY_BUDGET_BYTES = 40_000  # records per reply, so a reply stays one datagram (wire.MAX_DATAGRAM)
 
@@ -78,7 +87,12 @@ class DHTNode:
         self.verifier = RecordVerifier(types)
         self.gossip = GossipState()
         self.stats: Counter[str] = Counter()
-        self._pending: dict[bytes, tuple[PeerId | None, trio.MemorySendChannel]] = {}
+        self._pending: dict[bytes, tuple[PeerId | None, trio.MemorySendChannel, Addr]] = {}
+        self._seen: OrderedDict[tuple, int] = OrderedDict()  # datagrams seen, for replays
+        self._verifying: set[tuple] = set()  # (peer, address) pairs being pinged before they enter the table
+        self._proven_addrs: OrderedDict[Addr, None] = OrderedDict()  # addresses shown to receive
+        self._cookies: OrderedDict[Addr, bytes] = OrderedDict()  # cookies others gave us
+        self._secrets = [os.urandom(32), os.urandom(32)]  # current and previous cookie secret
         self._pinging: set[int] = set()
         self._subscribers: dict[str, list[trio.MemorySendChannel]] = {}
         self._pushing = 0  # gossip pushes in flight (bounded: pulls spread what pushes skip)
@@ -110,19 +124,36 @@ class DHTNode:
 
     async def request(self, contact: Contact | Addr, kind: str, body: dict[str, Any]) -> wire.Message | None:
         """Send a request and wait (bounded by the request timeout) for its answer.
-        A contact's answer must come from that contact's key; None on timeout."""
+        A contact's answer must come from that contact's key and address; None on
+        timeout. A node that asks us to prove we receive at our address (a
+        cookie) is asked again, once, with it."""
         if isinstance(contact, Contact):
             addr, expect = contact.addr, contact.peer_id
         else:
             addr, expect = contact, None
         if self.config.client_mode:
             body = {**body, "client": True}
+        for _ in range(2):
+            cookie = self._cookies.get(addr)
+            reply = await self._request_once(addr, expect, kind, {**body, "cookie": cookie} if cookie else body)
+            if reply is None or reply.kind != "cookie":
+                return reply
+            got = reply.body.get("cookie")
+            if not (isinstance(got, bytes) and len(got) == COOKIE_BYTES):
+                return None
+            self._cookies[addr] = got
+            self._cookies.move_to_end(addr)
+            while len(self._cookies) > MAX_ADDRESSES:
+                self._cookies.popitem(last=False)
+        return None
+
+    async def _request_once(self, addr: Addr, expect: PeerId | None, kind: str, body: dict[str, Any]) -> wire.Message | None:
         rpc_id = wire.new_rpc_id()
         send, recv = trio.open_memory_channel[wire.Message](1)
-        self._pending[rpc_id] = (expect, send)
+        self._pending[rpc_id] = (expect, send, addr)
         try:
             self.stats["sent_" + kind] += 1
-            await self.transport.send(wire.encode(self.identity, kind, rpc_id, body, self.now_ms()), addr)
+            await self.transport.send(wire.encode(self.identity, kind, rpc_id, body, self.now_ms(), to=expect), addr)
             with trio.move_on_after(self.config.request_timeout):
                 return await recv.receive()
             self.stats["timeouts"] += 1
@@ -139,24 +170,31 @@ class DHTNode:
         while True:
             data, addr = await self.transport.receive()
             try:
-                msg = wire.decode(data, self.now_ms())
+                msg = wire.decode(data, self.now_ms(), self.peer_id)
             except wire.BadDatagram as e:
                 self.stats["bad_datagrams"] += 1
                 log.debug("dropped datagram from %s: %s", addr, e)
                 continue
             if msg.sender == self.peer_id:
                 continue
+            if self._replayed(msg):
+                self.stats["replayed_datagrams"] += 1
+                continue
             if msg.kind in wire.RESPONSES:
                 pending = self._pending.get(msg.rpc_id)
-                if pending is None or (pending[0] is not None and pending[0] != msg.sender):
+                if pending is None or (pending[0] is not None and pending[0] != msg.sender) or pending[2] != addr:
                     self.stats["unexpected_responses"] += 1
                     continue
-                self._heard_from(msg.sender, addr, client=False)
+                # an answer from where we asked: a round trip to that address
+                self._proven(addr)
+                if msg.kind != "cookie":
+                    self._heard_from(msg.sender, addr, client=False, round_trip=True)
                 try:
                     pending[1].send_nowait(msg)
                 except trio.WouldBlock:
                     pass
                 continue
+            proven = self._receives(addr, msg.body.get("cookie"))
             self._heard_from(msg.sender, addr, client=bool(msg.body.get("client")))
             try:
                 kind, body = self._handle(msg, addr)
@@ -164,14 +202,75 @@ class DHTNode:
                 self.stats["bad_requests"] += 1
                 log.debug("bad %s from %s: %s", msg.kind, msg.sender, e)
                 continue
-            await self.transport.send(wire.encode(self.identity, kind, msg.rpc_id, body, self.now_ms()), addr)
+            reply = wire.encode(self.identity, kind, msg.rpc_id, body, self.now_ms(), to=msg.sender)
+            if not proven and len(reply) > AMPLIFICATION * len(data):
+                # not yet shown to receive here (a spoofed source?): a small cookie, not the answer
+                self.stats["cookies_sent"] += 1
+                reply = wire.encode(self.identity, "cookie", msg.rpc_id, {"cookie": self._cookie(addr)},
+                                    self.now_ms(), to=msg.sender)
+            await self.transport.send(reply, addr)
 
-    def _heard_from(self, peer: PeerId, addr: Addr, *, client: bool) -> None:
+    # --- who may enter the table, and who has proved it receives ---------------------------
+
+    def _heard_from(self, peer: PeerId, addr: Addr, *, client: bool, round_trip: bool = False) -> None:
+        """A peer enters the routing table, or changes its address there, only after
+        a round trip to that address (its signed answer to our request): a
+        datagram replayed from elsewhere can refresh nothing."""
         if client:
+            return
+        known = self.table.get(node_id_of(peer))
+        if not round_trip and (known is None or known.addr != addr):
+            self._verify_later(peer, addr)
             return
         stale = self.table.add(Contact.of(peer, addr[0], addr[1]))
         if stale is not None:
             self._check_later(stale)
+
+    def _verify_later(self, peer: PeerId, addr: Addr) -> None:
+        key = (peer.multihash, addr)
+        if key in self._verifying or len(self._verifying) >= MAX_VERIFYING or self._nursery is None:
+            return
+        self._verifying.add(key)
+        self._nursery.start_soon(self._verify_contact, peer, addr, key)
+
+    async def _verify_contact(self, peer: PeerId, addr: Addr, key) -> None:
+        try:
+            await self.ping(Contact.of(peer, addr[0], addr[1]))  # its answer adds it (round_trip)
+        finally:
+            self._verifying.discard(key)
+
+    def _replayed(self, msg: wire.Message) -> bool:
+        """A datagram already seen (its sender, rpc id and kind) within the clock window."""
+        now = self.now_ms()
+        while self._seen and next(iter(self._seen.values())) < now - 2 * wire.MAX_CLOCK_SKEW_MS:
+            self._seen.popitem(last=False)
+        key = (msg.sender.multihash, msg.rpc_id, msg.kind)
+        if key in self._seen:
+            return True
+        self._seen[key] = now
+        while len(self._seen) > MAX_SEEN_DATAGRAMS:
+            self._seen.popitem(last=False)
+        return False
+
+    def _cookie(self, addr: Addr, secret: bytes | None = None) -> bytes:
+        msg = f"{addr[0]}|{addr[1]}".encode()
+        return hmac.new(secret or self._secrets[0], msg, hashlib.sha256).digest()[:COOKIE_BYTES]
+
+    def _receives(self, addr: Addr, cookie: Any) -> bool:
+        """Has ``addr`` shown it receives what we send there (an answer to us, or a
+        cookie we gave it, under this or the last secret)?"""
+        if addr in self._proven_addrs:
+            return True
+        if isinstance(cookie, bytes) and any(hmac.compare_digest(cookie, self._cookie(addr, s)) for s in self._secrets):
+            self._proven(addr)
+            return True
+        return False
+
+    def _proven(self, addr: Addr) -> None:
+        self._proven_addrs[addr] = None
+        self._proven_addrs.move_to_end(addr)
+        while len(self._proven_addrs) > MAX_ADDRESSES:
+            self._proven_addrs.popitem(last=False)
 
     def _check_later(self, c: Contact) -> None:
         """Ping ``c`` in the background (once at a time) and evict it if silent."""
@@ -181,7 +280,7 @@ class DHTNode:
 
     async def _check_stale(self, stale: Contact) -> None:
         try:
-            if await self.ping(stale) is None:
+            if await self.ping(stale) is None and self._at_address(stale):
                 self.table.evict(stale.node_id)
                 self.stats["evicted"] += 1
         finally:
@@ -343,13 +442,19 @@ class DHTNode:
             self.stats["bad_contacts"] += 1
             return []
 
+    def _at_address(self, c: Contact) -> bool:
+        """Is ``c`` the table's entry, address included? A contact list may pair an
+        honest ID with a bogus address: its silence says nothing of the honest entry."""
+        entry = self.table.get(c.node_id)
+        return entry is not None and entry.addr == c.addr
+
     def _suspect(self, c: Contact) -> None:
         """A lookup gave up waiting on ``c``: ping it in the background, evict it if silent."""
-        if self.table.get(c.node_id) is not None:
+        if self._at_address(c):
             self._check_later(c)
 
     def _lookup_failed(self, c: Contact) -> None:
-        if self.table.fail(c.node_id):
+        if self._at_address(c) and self.table.fail(c.node_id):
             self.stats["evicted"] += 1
 
     # --- public API: gossip ------------------------------------------------------------------
@@ -431,10 +536,13 @@ class DHTNode:
     # --- maintenance -------------------------------------------------------------------------
 
     async def _maintenance_loop(self) -> None:
-        last_refresh = last_republish = trio.current_time()
+        last_refresh = last_republish = last_secret = trio.current_time()
         while True:
             await trio.sleep(min(self.config.refresh_interval, self.config.republish_interval) / 4)
             now = trio.current_time()
+            if now - last_secret >= COOKIE_SECRET_S:  # a cookie is good for one to two periods
+                last_secret = now
+                self._secrets = [os.urandom(32), self._secrets[0]]
             self.store.expire(self.now_ms())
             self.gossip.expire(self.now_ms())
             if now - last_refresh >= self.config.refresh_interval:

@@ -2,10 +2,13 @@
 
 Wire form (msgpack array)::
 
-    ["mdht1", kind, rpc_id, sender, sent_ms, body, signature]
+    ["mdht2", kind, rpc_id, sender, to, sent_ms, body, signature]
 
-``sender`` is the sender's peer ID bytes (which carry its key); the signature
-covers a domain tag and the first six fields. A datagram whose signature does
+``sender`` is the sender's peer ID bytes (which carry its key); ``to`` the
+recipient's (empty only when the sender does not know it yet: a first ping to
+an address); the signature covers a domain tag and the fields before it. A
+datagram addressed to another node is dropped, so one cannot be replayed to a
+node it was not meant for. A datagram whose signature does
 not verify, whose clock is far off, or whose body is not of its kind's shape
 is dropped with a reason (:class:`BadDatagram`), before any state changes.
 Node IDs are derived from the verified key, so nobody can claim a position
@@ -23,13 +26,14 @@ from ..errors import MeshnetError
 from ..identity import Identity, IdentityError, PeerId
 from ..records import head_verifies, seal, unpack_strict
 
-VERSION = "mdht1"
+VERSION = "mdht2"
 DOMAIN = b"meshnet-dht-v1\0"
 MAX_DATAGRAM = 60_000
 MAX_CLOCK_SKEW_MS = 60_000
 
 REQUESTS = {"ping", "find_node", "find_value", "store", "gossip_push", "gossip_pull"}
-RESPONSES = {"pong", "nodes", "values", "stored", "gossip_ack", "gossip_records"}
+RESPONSES = {"pong", "nodes", "values", "stored", "gossip_ack", "gossip_records",
+             "cookie"}  # "prove you receive at this address: ask again with this cookie"
 KINDS = REQUESTS | RESPONSES
 
 
@@ -50,23 +54,25 @@ def new_rpc_id() -> bytes:
     return os.urandom(8)
 
 
-def encode(identity: Identity, kind: str, rpc_id: bytes, body: dict[str, Any], now_ms: int) -> bytes:
-    data = seal(identity, DOMAIN, [VERSION, kind, rpc_id, identity.peer_id.multihash, now_ms, body])
+def encode(identity: Identity, kind: str, rpc_id: bytes, body: dict[str, Any], now_ms: int,
+           to: PeerId | None = None) -> bytes:
+    recipient = to.multihash if to is not None else b""
+    data = seal(identity, DOMAIN, [VERSION, kind, rpc_id, identity.peer_id.multihash, recipient, now_ms, body])
     if len(data) > MAX_DATAGRAM:
         raise ValueError(f"{kind} datagram of {len(data)} bytes exceeds {MAX_DATAGRAM}")
     return data
 
 
-def decode(data: bytes, now_ms: int) -> Message:
+def decode(data: bytes, now_ms: int, me: PeerId | None = None) -> Message:
     if len(data) > MAX_DATAGRAM:
         raise BadDatagram("oversized datagram")
     try:
         fields = unpack_strict(data)
     except Exception as e:
         raise BadDatagram(f"not msgpack: {type(e).__name__}") from None
-    if not (isinstance(fields, list) and len(fields) == 7):
-        raise BadDatagram("not a 7-element datagram")
-    version, kind, rpc_id, sender, sent_ms, body, signature = fields
+    if not (isinstance(fields, list) and len(fields) == 8):
+        raise BadDatagram("not an 8-element datagram")
+    version, kind, rpc_id, sender, to, sent_ms, body, signature = fields
     if version != VERSION:
         raise BadDatagram(f"unknown version {str(version)[:16]!r}")
     if kind not in KINDS:
@@ -75,13 +81,16 @@ def decode(data: bytes, now_ms: int) -> Message:
         raise BadDatagram("bad rpc id")
     if not (isinstance(sent_ms, int) and not isinstance(sent_ms, bool)) or abs(sent_ms - now_ms) > MAX_CLOCK_SKEW_MS:
         raise BadDatagram("sender clock is too far off (or bad timestamp)")
-    if not isinstance(body, dict) or not (isinstance(signature, bytes) and len(signature) == 64) or not isinstance(sender, bytes):
+    if not isinstance(body, dict) or not (isinstance(signature, bytes) and len(signature) == 64) \
+            or not isinstance(sender, bytes) or not isinstance(to, bytes):
         raise BadDatagram("malformed fields")
+    if to and me is not None and to != me.multihash:
+        raise BadDatagram("addressed to another node")
     try:
         peer = PeerId.from_bytes(sender)
     except IdentityError as e:
         raise BadDatagram(f"bad sender: {e}") from None
-    if not head_verifies(peer, signature, DOMAIN, fields[:6]):
+    if not head_verifies(peer, signature, DOMAIN, fields[:7]):
         raise BadDatagram(f"signature does not verify for {peer}")
     return Message(kind, rpc_id, peer, sent_ms, body)
 
