@@ -37,7 +37,7 @@ from .dataplane.client import (
 )
 from .dataplane.tls import cert_identity
 from .engine.contract import SamplingParams, TensorBundle
-from .errors import MeshnetError, sanitize, unwrap_errors
+from .errors import MeshnetError, sanitize
 from .identity import Identity, PeerId
 from .multiaddr import Multiaddr
 from .local import Generation, prefill_chunks
