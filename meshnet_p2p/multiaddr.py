@@ -16,7 +16,8 @@ from .errors import MeshnetError
 from .identity import IdentityError, PeerId
 
 MAX_MULTIADDR_CHARS = 512
-_HOSTNAME = re.compile(r"^(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?$")
+_HOSTNAME = re.compile(r"(?=.{1,253}\Z)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?\Z",
+                       re.ASCII)  # \Z, not $: "$" also matches before a final newline
 _WITH_VALUE = {"ip4", "ip6", "dns", "dns4", "dns6", "tcp", "udp", "p2p"}
 _FLAGS = {"p2p-circuit"}
 
@@ -107,9 +108,11 @@ def _check(proto: str, value: str, text: str) -> str:
         if proto == "ip4":
             return str(ipaddress.IPv4Address(value))
         if proto == "ip6":
+            if "%" in value:  # a scope ID means nothing beyond this host, and ipaddress accepts any text in it
+                raise ValueError("an ip6 address with a scope ID")
             return str(ipaddress.IPv6Address(value))
         if proto in ("tcp", "udp"):
-            if not value.isdigit() or not 0 <= int(value) <= 65535 or (len(value) > 1 and value[0] == "0"):
+            if not (value.isascii() and value.isdigit()) or not 0 <= int(value) <= 65535 or (len(value) > 1 and value[0] == "0"):
                 raise MultiaddrError(f"{text!r}: port {value!r} is not 0..65535")
             return value
         if proto in ("dns", "dns4", "dns6"):

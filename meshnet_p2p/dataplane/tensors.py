@@ -13,6 +13,7 @@ from ..engine.seam import seam_itemsize
 
 MAX_TENSORS = 8
 MAX_FRAGMENTS = 1024
+MAX_DIMS = 8
 
 
 class PayloadError(ValueError):
@@ -56,6 +57,8 @@ def bundle_from_proto(msg: pb.TensorBundle) -> TensorBundle:
         data = b"".join(parts)  # one part: that same object, no copy
         if crc32c(data) != td.crc32c:
             raise PayloadError(f"tensor {td.name!r}: CRC32C mismatch")
+        if not 0 < len(td.shape) <= MAX_DIMS:  # before any arithmetic on it: a long shape costs quadratic time
+            raise PayloadError(f"tensor {td.name!r}: a shape has 1..{MAX_DIMS} dimensions")
         shape = tuple(td.shape)
         try:
             itemsize = seam_itemsize(td.dtype)

@@ -175,6 +175,10 @@ class DHTNode:
                 self.stats["bad_datagrams"] += 1
                 log.debug("dropped datagram from %s: %s", addr, e)
                 continue
+            except Exception as e:  # a decoder bug must cost one datagram, never the node
+                self.stats["bad_datagrams"] += 1
+                log.warning("datagram from %s broke the decoder: %r", addr, e)
+                continue
             if msg.sender == self.peer_id:
                 continue
             if self._replayed(msg):

@@ -75,7 +75,7 @@ def decode(data: bytes, now_ms: int, me: PeerId | None = None) -> Message:
     version, kind, rpc_id, sender, to, sent_ms, body, signature = fields
     if version != VERSION:
         raise BadDatagram(f"unknown version {str(version)[:16]!r}")
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:  # unverified: a list here must not raise TypeError
         raise BadDatagram(f"unknown kind {str(kind)[:32]!r}")
     if not (isinstance(rpc_id, bytes) and len(rpc_id) == 8):
         raise BadDatagram("bad rpc id")
