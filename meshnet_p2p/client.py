@@ -49,6 +49,17 @@ class GenerationError(MeshnetError):
     pass
 
 
+class RequestRefused(MeshnetError):
+    """Every peer that could serve refused the request itself (it asks for more
+    than they hold, or is malformed): the request's error, no peer's fault."""
+
+
+def _refuses_the_request(e: MeshnetError) -> bool:
+    """A refusal caused by what was asked, not by the peer: no reason to ban it."""
+    return isinstance(e, ShardError) and not e.retryable and e.code_name in (
+        "CAPACITY", "INVALID_ARGUMENT", "CONTEXT_EXHAUSTED")
+
+
 CONNECT_TIMEOUT_S = 3.0  # a candidate's first contact (TCP, TLS, GetCapability)
 MAX_OPEN_TRIES = 64  # candidates one route search may set aside
 
@@ -132,6 +143,7 @@ class RouteSession:
         already open are kept for the next plan. It gives up only when no
         untried route is left, naming what it tried."""
         tried: dict[str, str] = {}
+        refused: dict[str, str] = {}  # the subset that refused the request itself
         opened: dict[str, _Hop] = {}
         deadline = time.monotonic() + self.open_timeout
         rediscovered = False
@@ -145,6 +157,9 @@ class RouteSession:
                         rediscovered = True
                         self.spans = self.spans_provider()
                         continue
+                    if tried and len(refused) == len(tried):
+                        raise RequestRefused(f"the request was refused by every peer that could serve layers "
+                                             f"{start}-{end - 1}: {sanitize(next(iter(refused.values())))}") from None
                     raise GenerationError(f"could not open a route for layers {start}-{end - 1}: {e}"
                                           + _tried_text(tried)) from None
                 try:
@@ -156,7 +171,10 @@ class RouteSession:
                 except MeshnetError as e:  # typed peer errors and broken connections included
                     bad = next(s.peer_id for s in route if s.peer_id not in opened)
                     tried[bad] = str(e)
-                    self.banned[bad] = time.monotonic() + self.ban_seconds
+                    if _refuses_the_request(e):  # rightly refused: set aside for this search, not banned
+                        refused[bad] = str(e)
+                    else:
+                        self.banned[bad] = time.monotonic() + self.ban_seconds
                     self.on_event(f"cannot open a session on {bad}: {e}")
                     if len(tried) >= MAX_OPEN_TRIES or time.monotonic() > deadline:
                         raise GenerationError(f"could not open a route for layers {start}-{end - 1} in "

@@ -64,3 +64,15 @@ def test_unknown_model_and_bad_parameters_are_clear_errors(api):
         api.completions.create(model="gpt-9", prompt="hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError):
         api.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=-3)
+
+
+def test_a_request_too_long_for_every_peer_is_the_requests_error(api):
+    """The peers rightly refuse a session longer than they hold: that is a 400 that
+    says why, not a 503 about the swarm, and the next request is served as usual."""
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as e:
+        api.completions.create(model=MODEL, prompt="hi", max_tokens=8000)
+    assert "holds at most" in str(e.value)
+    r = api.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0)
+    assert r.choices[0].text.startswith(" Paris")

@@ -233,7 +233,7 @@ class ShardRuntimeServicer:
         except ValueError as e:
             return _error(E.INVALID_ARGUMENT, str(e), terminal=True), None
         if self.draining:
-            return _error(E.CAPACITY, "this peer is leaving the network", terminal=True), None
+            return _error(E.CAPACITY, "this peer is leaving the network", retryable=True, terminal=True), None
         theirs = msg.fingerprint
         if (theirs.model_digest, theirs.recipe_digest) != (self.fingerprint.model_digest, self.fingerprint.recipe_digest):
             reasons = []
