@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from . import __version__
+from .engine.recipe import recipe_digest
 from .identity import Identity, IdentityError
 from .multiaddr import Multiaddr, MultiaddrError
 from .records import MAX_RECORD_BYTES, PayloadType, sign_record
@@ -134,8 +135,6 @@ def _why(c: Mapping[str, Any]) -> str | None:
                 for k, v in recipe.items())):
             return (f"recipe must map at most {MAX_RECIPE_AXES} names (<= {MAX_RECIPE_KEY_CHARS} chars) "
                     f"to int, bool or str (<= {MAX_RECIPE_VALUE_CHARS} chars)")
-        from .engine.recipe import recipe_digest
-
         # the axes must be exactly those this build knows and hash to the digest
         # they ride beside: otherwise anyone could name any axes for a recipe
         try:

@@ -46,7 +46,7 @@ from .identity import Identity
 from .network import start_node
 from .placement import NoRoute, Span, plan_route
 from .records import wall_ms
-from .swarm_view import RecipeView, build_view, fetch_records
+from .swarm_view import RecipeView, build_view, fetch_records, newest_signed_by
 
 DEFAULT_PROMPT = "The capital of France is"
 DEFAULT_TOKENS = 16
@@ -85,7 +85,7 @@ def run_route(spans: list[Span], n_layer: int, prompt: list[int], max_tokens: in
     """One attested greedy generation through a route of the given spans, no failover."""
     session = RouteSession(lambda: spans, n_layer, max_tokens=len(prompt) + max_tokens, sampling=SamplingParams(),
                            step_timeout=step_timeout, max_failovers=0, on_event=log,
-                           planner=certification_planner(set(exclude)))
+                           planner=certification_planner(set(exclude)), attest=True)
     try:
         run = drive(session, prompt, max_tokens, stop_at_eog=False)
         return RouteRun(run.steps, run.token_ids, session.attestations(), session.session_id)
@@ -162,9 +162,8 @@ async def certify(opts: CertifyOptions, log: Callable[[str], None] = print) -> d
             me = str(opts.identity.peer_id)
             stored = await node.publish(cert_key(model, view.recipe_digest, me), wire)
             # this certifier's index of the model's recipes it certified: this one first
-            mine = [r for r in [*node.records(index_key(model, me)), *await node.get(index_key(model, me))]
-                    if str(r.signer) == me]
-            before = max(mine, key=lambda r: r.seq).content["recipes"] if mine else []
+            index = await newest_signed_by(node, index_key(model, me), me)
+            before = index.content["recipes"] if index else []
             await node.publish(index_key(model, me), sign_index(opts.identity, model, [view.recipe_digest, *before],
                                                                 now_ms=wall_ms()))
             nursery.cancel_scope.cancel()

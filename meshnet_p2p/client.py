@@ -107,8 +107,10 @@ class RouteSession:
                  sampling: SamplingParams, step_timeout: float = 10.0, max_failovers: int = 4,
                  ban_seconds: float = 60.0, on_event: Callable[[str], None] | None = None,
                  latency_ms: dict[str, float] | None = None, measured_ms: dict[str, float] | None = None,
-                 planner: Callable[..., list[Span]] = plan_route, open_timeout: float = 60.0) -> None:
+                 planner: Callable[..., list[Span]] = plan_route, open_timeout: float = 60.0,
+                 attest: bool = False) -> None:
         self.open_timeout = open_timeout  # seconds to find and open a route, across candidates
+        self.attest = attest  # keep each hop's digests, to check its attestation (certification only)
         self.spans_provider = spans_provider
         self.planner = planner  # plan_route, or a certifier's (at least two peers, some banned)
         self.max_tokens = max_tokens
@@ -225,15 +227,16 @@ class RouteSession:
         if (reply.token_id is None) if hop.span.end == self.n_layer else (reply.hidden is None):
             raise ShardConnectionError(f"{hop.span.peer_id} answered with the wrong kind of output for its layers")
         hop.history.append((position, payload, decode))  # only what it really computed is replayed
-        if hidden:
-            hop.inputs.hidden(position, payload)
-        else:
-            hop.inputs.tokens(position, payload)
-        if reply.hidden is not None:
-            hop.outputs.hidden(position, reply.hidden)
-        elif reply.token_id is not None:
-            hop.outputs.token(reply.position - 1, reply.token_id)
-        hop.steps += 1
+        if self.attest:
+            if hidden:
+                hop.inputs.hidden(position, payload)
+            else:
+                hop.inputs.tokens(position, payload)
+            if reply.hidden is not None:
+                hop.outputs.hidden(position, reply.hidden)
+            else:
+                hop.outputs.token(reply.position - 1, reply.token_id)
+            hop.steps += 1
         return reply.hidden if reply.hidden is not None else reply
 
     @property
@@ -273,6 +276,8 @@ class RouteSession:
     def attestations(self) -> list[Attestation]:
         """Each hop's signed statement of what it computed, checked against what
         this client gave it and got back (raises CertificationError otherwise)."""
+        if not self.attest:
+            raise CertificationError("this route session was not opened to attest (attest=True)")
         out = []
         for hop in self.hops:
             m = hop.stream.attest(timeout=self.step_timeout)

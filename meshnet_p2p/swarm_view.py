@@ -150,6 +150,12 @@ def routable_spans(view: SwarmView, trust: TrustPolicy) -> list[Span]:
     raise RecipeNotCertified("; ".join(lines), [(0, n)])
 
 
+async def newest_signed_by(node, key: str, signer: str) -> Record | None:
+    """The newest record under ``key`` that ``signer`` signed (gossip, then a lookup)."""
+    got = [r for r in [*node.records(key), *await node.get(key)] if str(r.signer) == signer]
+    return max(got, key=lambda r: r.seq, default=None)
+
+
 async def fetch_records(node, model_digest: str, certifiers: Iterable[str]) -> tuple[list[Record], list[Record]]:
     """Capability reports of a model and the certificates that ``certifiers`` signed
     for the recipes its peers serve, from a running DHT node (gossip, then lookups).
@@ -163,16 +169,12 @@ async def fetch_records(node, model_digest: str, certifiers: Iterable[str]) -> t
     served = {r.content["recipe_digest"] for r in reports}
     certs: list[Record] = []
 
-    async def signed_by(k: str, certifier: str) -> Record | None:
-        got = [r for r in [*node.records(k), *await node.get(k)] if str(r.signer) == certifier]
-        return max(got, key=lambda r: r.seq, default=None)
-
     async def one(certifier: str) -> None:
-        index = await signed_by(index_key(model_digest, certifier), certifier)
+        index = await newest_signed_by(node, index_key(model_digest, certifier), certifier)
         wanted = [d for d in (index.content["recipes"] if index else []) if d in served]
         async with trio.open_nursery() as inner:
             async def fetch(recipe: str) -> None:
-                rec = await signed_by(cert_key(model_digest, recipe, certifier), certifier)
+                rec = await newest_signed_by(node, cert_key(model_digest, recipe, certifier), certifier)
                 if rec is not None:
                     certs.append(rec)
 

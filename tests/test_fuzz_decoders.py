@@ -821,6 +821,16 @@ def test_relay_handler_survives_any_first_line_and_headers(first, headers, trail
     assert relay.reservations == {} and relay._tokens == {}
 
 
+async def _reserve(stream, reader, token: str) -> None:
+    """ALICE reserves on the relay over ``stream``: RESERVE, the relay's challenge, her signature, OK."""
+    await stream.send_all(f"MESHNET-RESERVE {ALICE.peer_id} {token}\n".encode())
+    challenge = (await reader.line()).decode().split()
+    assert challenge[0] == "CHALLENGE"
+    sig = ALICE.sign(PEER_DOMAIN + bytes.fromhex(challenge[1]) + RELAY_ID.peer_id.multihash)
+    await stream.send_all(f"SIG {sig.hex()}\n".encode())
+    assert await reader.line() == b"OK"
+
+
 @given(st.booleans(), st.one_of(st.binary(max_size=200), st.lists(words, max_size=3).map(_line)))
 def test_relay_reservation_handshake_with_any_reply(honest, reply):
     relay = Relay(RELAY_ID, LIMITS)
@@ -831,15 +841,12 @@ def test_relay_reservation_handshake_with_any_reply(honest, reply):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(relay._handle, server)
                 reader = relay_mod._LineReader(client)
-                await client.send_all(f"MESHNET-RESERVE {ALICE.peer_id} {'11' * 32}\n".encode())
-                challenge = (await reader.line()).decode().split()
-                assert challenge[0] == "CHALLENGE"
                 if honest:
-                    sig = ALICE.sign(PEER_DOMAIN + bytes.fromhex(challenge[1]) + RELAY_ID.peer_id.multihash)
-                    await client.send_all(f"SIG {sig.hex()}\n".encode())
-                    assert await reader.line() == b"OK"
+                    await _reserve(client, reader, "11" * 32)
                     assert len(relay.reservations) == 1
                 else:
+                    await client.send_all(f"MESHNET-RESERVE {ALICE.peer_id} {'11' * 32}\n".encode())
+                    assert (await reader.line()).decode().split()[0] == "CHALLENGE"
                     await client.send_all(reply)
                 await client.send_eof()
                 await _drain(client)
@@ -880,11 +887,7 @@ def test_relay_connect_to_a_reserved_peer_with_any_request(clients):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(relay._handle, server)
                 reader = relay_mod._LineReader(control)
-                await control.send_all(f"MESHNET-RESERVE {ALICE.peer_id} {'22' * 32}\n".encode())
-                challenge = (await reader.line()).decode().split()
-                sig = ALICE.sign(PEER_DOMAIN + bytes.fromhex(challenge[1]) + RELAY_ID.peer_id.multihash)
-                await control.send_all(f"SIG {sig.hex()}\n".encode())
-                assert await reader.line() == b"OK"
+                await _reserve(control, reader, "22" * 32)
                 async with trio.open_nursery() as peers:
                     peers.start_soon(peer_side, reader, peers)
                     async with trio.open_nursery() as conns:

@@ -43,6 +43,7 @@ from .gguf import (
     encode_string,
     read_gguf,
     write_gguf,
+    written_atomically,
 )
 from .recipe import TOKENIZER_DOMAIN, ftype_name, model_digest
 
@@ -346,8 +347,7 @@ def _write_bound(
     """Write the shard under a name of our own, hash what is on disk, write the
     binding over its placeholder (same length: no offset moves), then rename
     into place, so ``out_path`` only ever holds a whole, bound shard."""
-    tmp = f"{out_path}.{os.getpid()}.{os.urandom(4).hex()}.unbound"
-    try:
+    with written_atomically(out_path, "unbound") as tmp:
         write_gguf(
             tmp,
             kv,
@@ -366,11 +366,4 @@ def _write_bound(
             f.write(binding.encode())
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, out_path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
     return binding

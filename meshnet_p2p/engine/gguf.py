@@ -359,6 +359,24 @@ class OutTensor:
 CHUNK = 4 << 20
 
 
+@contextlib.contextmanager
+def written_atomically(out_path: str, tag: str):
+    """A private temporary name beside ``out_path``, renamed into place when the
+    block succeeds and removed when it fails, so ``out_path`` only ever holds a
+    whole file. A name of our own: two processes writing the same file at once
+    never write into one; whichever renames last wins, both files being whole."""
+    tmp = f"{out_path}.{os.getpid()}.{os.urandom(4).hex()}.{tag}"
+    try:
+        yield tmp
+        os.replace(tmp, out_path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
 def write_gguf(
     out_path: str,
     kv_entries: Iterable[bytes],
@@ -387,11 +405,8 @@ def write_gguf(
         offset = align_up(offset + t.nbytes, alignment)
     total = offset
     header += b"\0" * (align_up(len(header), alignment) - len(header))
-    # A name of our own: two processes cutting the same shard at once must not
-    # write into one file; whichever renames last wins, both files being whole.
-    tmp = f"{out_path}.{os.getpid()}.{os.urandom(4).hex()}.partial"
     done = 0
-    try:
+    with written_atomically(out_path, "partial") as tmp:
         with open(tmp, "wb") as out, (open(source_path, "rb") if source_path else contextlib.nullcontext()) as src:
             out.write(header)
             for t, off in zip(tensors, offsets, strict=True):
@@ -416,12 +431,5 @@ def write_gguf(
                 out.write(b"\0" * pad)
             out.flush()
             os.fsync(out.fileno())
-        os.replace(tmp, out_path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
     if progress:
         progress(total, total)
