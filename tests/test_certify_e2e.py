@@ -144,3 +144,16 @@ def test_certify_refuses_a_swarm_with_a_hole(tmp_path):
     finally:
         for p in joins + [boot]:
             p.stop()
+
+
+@pytest.mark.parametrize("command,needle", [
+    (["generate", "--prompt", "hi", "--trust", "not-a-peer"], "not a peer ID"),
+    (["status", "--trust-file", "/nonexistent/trusted.txt"], "cannot read trust file"),
+    (["status", "--model", "/nonexistent.gguf"], "no model file"),
+    (["certify", "--method", "by-vote"], "invalid choice"),
+    (["certify", "--max-tokens", "0"], "at least 1"),
+])
+def test_bad_certification_flags_are_one_clear_error(command, needle):
+    nobody = f"/ip4/127.0.0.1/udp/9/p2p/{Identity.generate().peer_id}"
+    r = meshnet_peer(*command, "--bootstrap", nobody, timeout=120)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
