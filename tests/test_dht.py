@@ -384,6 +384,58 @@ async def test_a_flood_of_stores_from_one_host_cannot_fill_a_key(autojump_clock)
         nursery.cancel_scope.cancel()
 
 
+async def test_a_key_filled_from_many_hosts_still_takes_a_live_volunteers_record(autojump_clock):
+    """Issue 11 #4 from many hosts: four hosts (64 values each) filled a key with
+    records of identities that run no node, and the node then refused an honest
+    volunteer's report ("key holds the maximum"). Records whose signer is a
+    routing-table member (it answered a round trip) now displace those."""
+    async with trio.open_nursery() as nursery:
+        _, nodes = await start_swarm(nursery, 7, TYPES)
+        target, flooders, volunteer = nodes[0], nodes[1:5], nodes[5]
+        n = 0
+        for f in flooders:
+            for _ in range(target.store.max_values_per_source):
+                n += 1
+                reply = await f.request(target.contact(), "store", {"key": KEY, "record": report(swarm_identity(20_000 + n))})
+                assert reply.body["ok"] is True
+        assert len(target.store.get(KEY, wall_ms(), budget=1 << 30)[0]) == target.store.max_values_per_key
+        assert target.table.get(node_id_of(volunteer.peer_id)) is not None  # it answered the seed's round trip
+        reply = await volunteer.request(target.contact(), "store", {"key": KEY, "record": report(volunteer.identity)})
+        assert reply.body["ok"] is True
+        stored = {r.signer for r in target.store.get(KEY, wall_ms(), budget=1 << 30)[0]}
+        assert volunteer.peer_id in stored and len(stored) == target.store.max_values_per_key
+        # a fresh identity that runs no node still finds the key full, from any host
+        reply = await nodes[6].request(target.contact(), "store", {"key": KEY, "record": report(swarm_identity(30_000))})
+        assert reply.body["ok"] is False and "maximum" in reply.body["reason"]
+        nursery.cancel_scope.cancel()
+
+
+def test_one_network_holds_a_bounded_part_of_the_table():
+    """Issue 11 #8, the table side: identities from one public /24 (pure data: nothing is sent) filled every
+    bucket they fell into; now 2 per bucket and 8 in the table. Private and
+    loopback networks (local swarms, this test suite) are exempt."""
+    from meshnet_p2p.dht.routing import MAX_PER_GROUP, MAX_PER_GROUP_IN_BUCKET
+
+    table = RoutingTable(local_id=node_id_of(swarm_identity(0).peer_id), k=20)
+    for i in range(200):
+        table.add(Contact.of(swarm_identity(40_000 + i).peer_id, f"45.33.12.{i % 250 + 1}", 4001))
+    same = [c for c in table.contacts() if c.host.startswith("45.33.12.")]
+    assert len(same) == MAX_PER_GROUP and table.refused_for_diversity == 200 - MAX_PER_GROUP
+    assert all(sum(1 for c in b.members.values() if c.host.startswith("45.33.12.")) <= MAX_PER_GROUP_IN_BUCKET
+               for b in table.buckets)
+    other = Contact.of(swarm_identity(50_000).peer_id, "151.101.1.7", 4001)
+    table.add(other)
+    assert table.get(other.node_id) == other  # another network still gets in
+    for c in same:  # members that leave make room for their network again
+        table.evict(c.node_id)
+    newcomer = Contact.of(swarm_identity(70_000).peer_id, "45.33.12.99", 4001)
+    table.add(newcomer)
+    assert table.get(newcomer.node_id) == newcomer
+    for i in range(50):
+        table.add(Contact.of(swarm_identity(60_000 + i).peer_id, "127.0.0.1", 5000 + i))
+    assert sum(1 for c in table.contacts() if c.host == "127.0.0.1") > MAX_PER_GROUP
+
+
 def test_a_capability_report_lives_minutes_not_a_day():
     with pytest.raises(RecordRejected, match="lives at most"):
         RecordVerifier(TYPES).verify(report(swarm_identity(7), ttl_ms=24 * 3600 * 1000), wall_ms())

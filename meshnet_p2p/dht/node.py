@@ -309,7 +309,8 @@ class DHTNode:
             return "values", {"values": [r.wire for r in records], "more": more, "nodes": wire.encode_contacts(nearest)}
         if msg.kind == "store":
             key = wire.field(body, "key", str, max_len=MAX_KEY_CHARS)
-            ok, reason = self._accept(key, wire.field(body, "record", bytes, max_len=MAX_RECORD_BYTES), source=addr[0])  # by host
+            ok, reason = self._accept(key, wire.field(body, "record", bytes, max_len=MAX_RECORD_BYTES),
+                                      source=addr[0])  # bounded by host
             return "stored", {"ok": ok, "reason": reason}
         if msg.kind == "gossip_push":
             records = wire.field(body, "records", list, max_len=32)
@@ -334,10 +335,15 @@ class DHTNode:
         record = self._verify(wire_record)
         if record is None:
             return False, "record rejected"
-        ok, reason = self.store.put(key, record, self.now_ms(), source=source, own=record.signer == self.peer_id)
+        ok, reason = self.store.put(key, record, self.now_ms(), source=source, own=record.signer == self.peer_id,
+                                    live=lambda r: self._known_live(r.signer))
         if ok and reason != "unchanged":
             self._gossip_in(wire_record, from_peer=None, record=record)
         return ok, reason
+
+    def _known_live(self, signer: PeerId) -> bool:
+        """This node, or a routing-table member (it entered after a round trip)."""
+        return signer == self.peer_id or self.table.get(node_id_of(signer)) is not None
 
     # --- public API: DHT --------------------------------------------------------------------
 

@@ -6,17 +6,41 @@ member, for the caller to ping (and to :meth:`RoutingTable.fail` if it does not
 answer). Failures evict: a contact that missed ``max_failures`` requests in a
 row is dropped and a replacement takes its place. That is what keeps frozen
 peers from stalling lookups for ever.
+
+Address diversity (as libp2p's kad-dht does): one network (an IPv4 /24, an
+IPv6 /48) holds at most MAX_PER_GROUP_IN_BUCKET members of a bucket and
+MAX_PER_GROUP of the table, so one host minting identities cannot fill the
+table or eclipse a key. Loopback, private and link-local addresses are exempt:
+local swarms and LANs share one network by design.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+import ipaddress
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from ..identity import PeerId
 
 ID_BITS = 256
+MAX_PER_GROUP_IN_BUCKET = 2
+MAX_PER_GROUP = 8
+
+
+def ip_group(host: str) -> str | None:
+    """The network a public address belongs to, for the diversity bound; None
+    for addresses it exempts (loopback, private, link-local, unparsable)."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if not ip.is_global:
+        return None
+    bits = 24 if ip.version == 4 else 48
+    return str(ipaddress.ip_network((ip, bits), strict=False))
 
 
 def node_id_of(peer_id: PeerId) -> int:
@@ -61,6 +85,28 @@ class RoutingTable:
         self.k = k
         self.max_failures = max_failures
         self.buckets = [KBucket(k) for _ in range(ID_BITS)]
+        self._groups: Counter[str] = Counter()  # members per ip_group, table-wide
+        self.refused_for_diversity = 0
+
+    def _diverse_enough(self, b: KBucket, contact: Contact) -> bool:
+        g = ip_group(contact.host)
+        if g is None:
+            return True
+        in_bucket = sum(1 for c in b.members.values() if ip_group(c.host) == g)
+        return in_bucket < MAX_PER_GROUP_IN_BUCKET and self._groups[g] < MAX_PER_GROUP
+
+    def _joined(self, b: KBucket, contact: Contact) -> None:
+        b.members[contact.node_id] = contact
+        if (g := ip_group(contact.host)) is not None:
+            self._groups[g] += 1
+
+    def _left(self, b: KBucket, node_id: int) -> Contact | None:
+        c = b.members.pop(node_id, None)
+        if c is not None and (g := ip_group(c.host)) is not None:
+            self._groups[g] -= 1
+            if not self._groups[g]:
+                del self._groups[g]
+        return c
 
     def _bucket(self, node_id: int) -> KBucket:
         d = node_id ^ self.local_id
@@ -73,12 +119,19 @@ class RoutingTable:
             return None
         b = self._bucket(contact.node_id)
         if contact.node_id in b.members:
-            b.members.pop(contact.node_id)
-            b.members[contact.node_id] = contact  # most recently seen, address refreshed
+            old = self._left(b, contact.node_id)
+            if old.host != contact.host and not self._diverse_enough(b, contact):
+                self._joined(b, old)  # the new address's network is full here: keep the old one
+                self.refused_for_diversity += 1
+                return None
+            self._joined(b, contact)  # most recently seen, address refreshed
             b.failures.pop(contact.node_id, None)
             return None
+        if not self._diverse_enough(b, contact):
+            self.refused_for_diversity += 1
+            return None
         if len(b.members) < b.k:
-            b.members[contact.node_id] = contact
+            self._joined(b, contact)
             return None
         b.replacements.pop(contact.node_id, None)
         b.replacements[contact.node_id] = contact
@@ -101,9 +154,12 @@ class RoutingTable:
     def evict(self, node_id: int) -> None:
         """Drop a member that failed a liveness check; promote its newest replacement."""
         b = self._bucket(node_id)
-        if b.members.pop(node_id, None) is not None and b.replacements:
-            _, newest = b.replacements.popitem(last=True)
-            b.members[newest.node_id] = newest
+        if self._left(b, node_id) is not None:
+            while b.replacements:  # the newest replacement the diversity bound still admits
+                _, newest = b.replacements.popitem(last=True)
+                if self._diverse_enough(b, newest):
+                    self._joined(b, newest)
+                    break
         b.failures.pop(node_id, None)
 
     def get(self, node_id: int) -> Contact | None:

@@ -5,13 +5,18 @@ names its key inside its signed content (field ``key``), so nobody can replant
 someone else's record under another key. A newer sequence number from the
 same signer replaces the older record; an older or equal one is refused.
 Bounds: values per key, keys per signer and values in total, so one signer
-(or many fake ones) cannot fill a node.
+(or many fake ones) cannot fill a node. A full key still takes a record
+whose signer the node knows is live (a routing-table member: it entered
+after answering a round trip at its address): it replaces a value whose
+signer is not, from the source that stored most. Identities cost nothing;
+answering from a real address does, so floods of records from identities
+that run no node give way to volunteers that do.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..records import Record
 
@@ -29,9 +34,11 @@ class ValueStore:
     _source_of: dict[tuple[str, bytes], Any] = field(default_factory=dict)
     _count: int = 0
 
-    def put(self, key: str, record: Record, now_ms: int, *, source: Any = None, own: bool = False) -> tuple[bool, str]:
+    def put(self, key: str, record: Record, now_ms: int, *, source: Any = None, own: bool = False,
+            live: Callable[[Record], bool] | None = None) -> tuple[bool, str]:
         """``source``: the address a store came from (None: this node). ``own``: a
-        record this node signed, which others' records never crowd out."""
+        record this node signed, which others' records never crowd out. ``live``:
+        whether a record's signer is known live here (see the module's doc)."""
         if record.content.get("key") != key:
             return False, "the record's signed key does not match the key it is stored under"
         if record.expires_at_ms <= now_ms:
@@ -48,9 +55,13 @@ class ValueStore:
                 >= self.max_values_per_source:
             return False, f"this source already stored {self.max_values_per_source} values under this key"
         if len(values) >= self.max_values_per_key:
-            if not own:
-                return False, f"key holds the maximum of {self.max_values_per_key} values"
-            self._drop(key, min(values, key=lambda s: values[s].expires_at_ms))  # the soonest to expire goes
+            if own:
+                self._drop(key, min(values, key=lambda s: values[s].expires_at_ms))  # the soonest to expire goes
+            else:
+                victim = self._unproven(key, values, live) if live is not None and live(record) else None
+                if victim is None:
+                    return False, f"key holds the maximum of {self.max_values_per_key} values"
+                self._drop(key, victim)
         keys = self._keys_of_signer.setdefault(signer, set())
         if len(keys) >= self.max_keys_per_signer:
             return False, f"signer already holds the maximum of {self.max_keys_per_signer} keys here"
@@ -62,6 +73,18 @@ class ValueStore:
             self._source_of[(key, signer)] = source
         self._count += 1
         return True, "stored"
+
+    def _unproven(self, key: str, values: dict[bytes, Record], live: Callable[[Record], bool]) -> bytes | None:
+        """A value a live record may replace: its signer not known live, stored by
+        the source holding most of the key, the soonest to expire among those."""
+        candidates = [s for s, r in values.items() if not live(r)]  # the node's own records count as live
+        if not candidates:
+            return None
+        per_source: dict[Any, int] = {}
+        for s in candidates:
+            src = self._source_of.get((key, s))
+            per_source[src] = per_source.get(src, 0) + 1
+        return max(candidates, key=lambda s: (per_source[self._source_of.get((key, s))], -values[s].expires_at_ms))
 
     def _drop(self, key: str, signer: bytes) -> None:
         del self._by_key[key][signer]
