@@ -35,7 +35,7 @@ from .dataplane.client import (
     ShardError,
     open_channel,
 )
-from .dataplane.tls import cert_identity
+from .dataplane.tls import TlsCredentials, cert_identity, default_client_credentials, make_client_credentials
 from .engine.contract import SamplingParams, TensorBundle
 from .errors import MeshnetError, sanitize
 from .identity import Identity, PeerId
@@ -58,6 +58,11 @@ def _refuses_the_request(e: MeshnetError) -> bool:
     """A refusal caused by what was asked, not by the peer: no reason to ban it."""
     return isinstance(e, ShardError) and not e.retryable and e.code_name in (
         "CAPACITY", "INVALID_ARGUMENT", "CONTEXT_EXHAUSTED")
+
+
+def _is_full(e: Exception) -> bool:
+    """The peer has no session to spare now (or took one back to share fairly): not its fault."""
+    return isinstance(e, ShardError) and e.code_name == "CAPACITY" and e.retryable
 
 
 CONNECT_TIMEOUT_S = 3.0  # a candidate's first contact (TCP, TLS, GetCapability)
@@ -108,7 +113,8 @@ class RouteSession:
                  ban_seconds: float = 60.0, on_event: Callable[[str], None] | None = None,
                  latency_ms: dict[str, float] | None = None, measured_ms: dict[str, float] | None = None,
                  planner: Callable[..., list[Span]] = plan_route, open_timeout: float = 60.0,
-                 attest: bool = False) -> None:
+                 attest: bool = False, client_creds: TlsCredentials | None = None) -> None:
+        self.client_creds = client_creds  # the certificate presented to peers (default: this process's)
         self.open_timeout = open_timeout  # seconds to find and open a route, across candidates
         self.attest = attest  # keep each hop's digests, to check its attestation (certification only)
         self.spans_provider = spans_provider
@@ -175,7 +181,7 @@ class RouteSession:
                     tried[bad] = str(e)
                     if _refuses_the_request(e):  # rightly refused: set aside for this search, not banned
                         refused[bad] = str(e)
-                    else:
+                    elif not _is_full(e):  # a full peer is set aside too; anything else is the peer's fault
                         self.banned[bad] = time.monotonic() + self.ban_seconds
                     self.on_event(f"cannot open a session on {bad}: {e}")
                     if len(tried) >= MAX_OPEN_TRIES or time.monotonic() > deadline:
@@ -188,7 +194,7 @@ class RouteSession:
     def _open_hop(self, span: Span) -> _Hop:
         c = span.record.content
         peer = PeerId.from_string(c["peer_id"])
-        client = connect(span, min(self.step_timeout, CONNECT_TIMEOUT_S))  # first contact: a short bound
+        client = connect(span, min(self.step_timeout, CONNECT_TIMEOUT_S), self.client_creds)  # first contact: a short bound
         try:
             cap = client.capability()  # also sets up the connection (TLS handshake)
             client.timeout = self.step_timeout
@@ -261,7 +267,8 @@ class RouteSession:
         self.failovers += 1
         if self.failovers > self.max_failovers:
             raise GenerationError(f"gave up after {self.max_failovers} failovers; last: {error}")
-        self.banned[failed.span.peer_id] = time.monotonic() + self.ban_seconds
+        if not _is_full(error):  # full, not faulty: no ban
+            self.banned[failed.span.peer_id] = time.monotonic() + self.ban_seconds
         self.on_event(f"peer {failed.span.peer_id} failed on layers {failed.span.start}-{failed.span.end - 1} ({error}); rerouting")
         failed.close()
         self.spans = self.spans_provider()
@@ -304,9 +311,11 @@ class RouteSession:
             hop.client.close()
 
 
-def connect(span: Span, timeout: float) -> ShardClient:
+def connect(span: Span, timeout: float, client_creds: TlsCredentials | None = None) -> ShardClient:
     """A data-plane client for the peer of ``span``: direct, or through the relay
-    its report names, with TLS pinned to the certificate its signed report carries."""
+    its report names, with TLS pinned to the certificate its signed report carries,
+    presenting ``client_creds`` (default: this process's client certificate)."""
+    creds = client_creds or default_client_credentials()
     c = span.record.content
     cert = c.get("tls_cert", "").encode()
     peer = PeerId.from_string(c["peer_id"])
@@ -314,12 +323,12 @@ def connect(span: Span, timeout: float) -> ShardClient:
         raise MeshnetError(f"the TLS certificate in {peer}'s report belongs to another peer")
     if c.get("relay"):
         relay = Multiaddr.parse(c["relay"])
-        channel = open_channel(cert, relay=(relay.host, relay.port), peer_id=peer)
+        channel = open_channel(cert, relay=(relay.host, relay.port), peer_id=peer, client=creds)
     else:
         addr = Multiaddr.parse(c["addrs"][0])
         if addr.peer_id != peer:
             raise MeshnetError(f"report of {peer} advertises an address of another peer")
-        channel = open_channel(cert, address=(addr.host, addr.port))
+        channel = open_channel(cert, address=(addr.host, addr.port), client=creds)
     return ShardClient(channel, timeout=timeout)
 
 
@@ -409,6 +418,8 @@ class Client:
         self.trust = trust if trust is not None else TrustPolicy.default(self.bootstrap, own=identity)
         self.latency_ms: dict[str, float] = {}  # peer -> measured round trip, kept across generations
         self.measured_ms: dict[str, float] = {}  # peer -> measured ms per decode step, kept likewise
+        # peers count this client's sessions under its identity (the process's own when none is given)
+        self.client_creds = make_client_credentials(identity) if identity is not None else None
 
     async def spans(self) -> list[Span]:
         """The spans of the certified recipe a route is planned over (RecipeNotCertified if none)."""
@@ -436,7 +447,7 @@ class Client:
             raise GenerationError("the prompt is empty")
         session = RouteSession(provider, self.n_layer, max_tokens=len(ids) + max_tokens, sampling=sampling,
                                step_timeout=self.step_timeout, max_failovers=self.max_failovers, on_event=self.on_event,
-                               latency_ms=self.latency_ms, measured_ms=self.measured_ms)
+                               latency_ms=self.latency_ms, measured_ms=self.measured_ms, client_creds=self.client_creds)
         decoder = self.tokenizer.stream_decoder()
         try:
             run = drive(session, ids, max_tokens, stop_at_eog=stop_at_eog,

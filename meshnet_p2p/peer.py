@@ -34,6 +34,7 @@ from .records import wall_ms
 
 ANNOUNCE_INTERVAL_S = 30.0
 DRAIN_GRACE_S = 30.0
+DRAIN_IDLE_MS = 2_000  # while leaving, a session silent this long is released
 
 
 @dataclass
@@ -114,7 +115,7 @@ async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> Non
             m = engine.metrics()
             rep = CapabilityReport(
                 digest, caps.recipe_digest, (start, end), (addr,), throughput=round(throughput, 2),
-                free_sessions=0 if departing else caps.max_sessions - m.active_sessions,
+                free_sessions=0 if departing else servicer.open_to_newcomers(),
                 kv_tokens_free=caps.kv_token_budget - m.kv_tokens_reserved,
                 relay=str(opts.relay) if opts.relay else None, tls_cert=creds.cert_pem.decode(),
                 public_name=opts.public_name, departing=departing,
@@ -150,5 +151,6 @@ async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> Non
             await node.publish(key, report(departing=True))
         with trio.move_on_after(DRAIN_GRACE_S):
             while engine.metrics().active_sessions:
+                await trio.to_thread.run_sync(servicer.reap_idle, DRAIN_IDLE_MS)  # generations finish; sessions that only sit hold nothing up
                 await trio.sleep(0.1)
         nursery.cancel_scope.cancel()

@@ -293,3 +293,162 @@ def test_gossip_state_is_bounded_per_topic_in_total_and_prunes_its_buckets():
     state.expire(now + 120_000)  # records expired, buckets refilled: all forgotten
     assert state.topics == {} and state._buckets == {}
     assert state.offer("topic-0", rec(keys[0], "topic-0"), now + 120_000) == "expired"
+
+
+# --- 1 and 3. clients prove who they are; a peer's sessions are shared fairly ----------------------
+
+
+def _row():
+    from meshnet_p2p.engine.contract import HIDDEN, Tensor, TensorBundle
+
+    return TensorBundle((Tensor(HIDDEN, "f32", (1, 576), bytes(2304)),))
+
+
+@pytest.fixture
+def full_peer(shard_dir, load_engine):
+    """A middle-shard peer with 4 sessions, served over real TLS on loopback."""
+    from meshnet_p2p.dataplane.server import ShardServer
+    from meshnet_p2p.dataplane.servicer import ShardRuntimeServicer
+
+    engine = load_engine(shard_dir[(10, 20)], max_sessions=4)
+    creds = make_tls_credentials(Identity.generate())
+    srv = ShardServer(ShardRuntimeServicer(engine), creds, handshake_timeout=2.0).start()
+    yield srv, creds
+    srv.stop(0)
+
+
+def _client(peer, who, source: str = "127.0.0.1"):
+    from meshnet_p2p.dataplane.client import ANONYMOUS, ShardClient, open_channel
+    from meshnet_p2p.dataplane.tls import make_client_credentials
+
+    srv, creds = peer
+    tls = ANONYMOUS if who is None else who if not isinstance(who, Identity) else make_client_credentials(who)
+    return ShardClient(open_channel(creds.cert_pem, address=("127.0.0.1", srv.port), client=tls,
+                                    source_address=(source, 0)), timeout=20)
+
+
+def _open(client, n: int = 1):
+    fp = client.capability().fingerprint
+    return [client.session(fp, max_tokens=16, timeout=None) for _ in range(n)]
+
+
+def _reclaimed(streams) -> list[int]:
+    """Which of ``streams`` the peer took back (their next step is refused, saying
+    so); they leave the list, the others have stepped once more."""
+    from meshnet_p2p.dataplane.client import ShardError
+
+    out = []
+    for i, s in enumerate(streams):
+        position = getattr(s, "position", 0)
+        try:
+            s.step(position, hidden=_row(), timeout=20)
+            s.position = position + 1
+        except ShardError as e:
+            assert e.code_name == "CAPACITY" and "reclaimed" in e.detail
+            out.append(i)
+    streams[:] = [s for i, s in enumerate(streams) if i not in out]
+    return out
+
+
+def test_a_client_certificate_names_its_client_and_a_forged_one_is_refused(full_peer):
+    """Failed before the fix: the server had no notion of who a client is."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from meshnet_p2p.dataplane import tls
+    from meshnet_p2p.dataplane.client import ShardConnectionError
+
+    srv, _ = full_peer
+    alice = Identity.generate()
+    kept = [_client(full_peer, alice), _client(full_peer, None)]
+    for c in kept:
+        c.capability()
+    assert sorted(str(c.claimant.client) for c in srv._conns) == sorted([str(alice.peer_id), "None"])
+
+    # Alice's identity extension, lifted onto a certificate for another key: the signature does not cover it
+    real = x509.load_pem_x509_certificate(tls.make_client_credentials(alice).cert_pem)
+    lifted = real.extensions.get_extension_for_oid(tls.LIBP2P_TLS_OID).value
+    key = ec.generate_private_key(ec.SECP256R1())
+    issuer_key, issuer_pem = tls._client_issuer()
+    forged = (x509.CertificateBuilder().subject_name(real.subject).issuer_name(real.issuer).public_key(key.public_key())
+              .serial_number(7).not_valid_before(real.not_valid_before_utc).not_valid_after(real.not_valid_after_utc)
+              .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+              .add_extension(lifted, critical=False).sign(issuer_key, hashes.SHA256()))
+    forged_creds = tls.TlsCredentials(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
+        forged.public_bytes(serialization.Encoding.PEM))
+    self_signed = make_tls_credentials(alice)  # a peer's own kind of certificate: not a client certificate
+    for bad in (forged_creds, self_signed):
+        with pytest.raises(ShardConnectionError):
+            _client(full_peer, bad).capability()
+    assert _client(full_peer, alice).capability().max_sessions == 4  # and the peer serves on
+
+
+def test_one_client_holding_every_session_gives_back_a_fair_share(full_peer):
+    """Failed before the fix: the second client was refused with CAPACITY while the
+    first held all four sessions idle."""
+    from meshnet_p2p.dataplane.client import ShardError
+
+    hog = _open(_client(full_peer, Identity.generate()), 4)
+    honest = _client(full_peer, Identity.generate())
+    mine = _open(honest)  # the peer is full, yet the newcomer gets one: reclaimed from the hog
+    assert len(_reclaimed(hog)) == 1
+    mine += _open(honest)  # 3 against 1: still unfair, so once more
+    assert len(_reclaimed(hog)) == 1 and len(hog) == 2
+    with pytest.raises(ShardError, match="shared fairly"):  # 2 and 2: even, nobody gives more
+        _open(honest)
+    assert _reclaimed(mine) == []  # the newcomer's sessions work
+
+
+def test_addresses_share_before_identities_and_shares_do_not_flip_back(full_peer):
+    """Identities cost nothing, so fresh ones from one address win nothing
+    against another address. Failed before the fix (CAPACITY for the newcomer)."""
+    from meshnet_p2p.dataplane.client import ShardError
+
+    hog = [s for _ in range(4) for s in _open(_client(full_peer, Identity.generate(), source="127.0.0.2"))]
+    honest = _open(_client(full_peer, Identity.generate(), source="127.0.0.1"))
+    assert len(_reclaimed(hog)) == 1 and len(honest) == 1
+    with pytest.raises(ShardError, match="CAPACITY"):  # a fifth identity from the hog's address: 3 vs 1 stays
+        _open(_client(full_peer, Identity.generate(), source="127.0.0.2"))
+
+
+def test_anonymous_clients_share_a_small_budget(full_peer):
+    """Failed before the fix: anonymous clients could take every session."""
+    from meshnet_p2p.dataplane.client import ShardError
+
+    anonymous = _open(_client(full_peer, None))  # served: within the budget of max(1, 4 // 4)
+    with pytest.raises(ShardError, match="anonymous budget"):
+        _open(_client(full_peer, None))
+    assert len(_open(_client(full_peer, Identity.generate()), 3)) == 3  # identified clients take the rest
+    assert _reclaimed(anonymous) == []
+
+
+def _hold_every_session(addr: str, model_path: str, hog: Identity) -> list:
+    """Open every session of every peer of the certified recipe as one client, and hold them."""
+    from meshnet_p2p.client import connect
+    from meshnet_p2p.dataplane.tls import make_client_credentials
+
+    info = inspect_gguf(model_path)
+    view = trio.run(survey, [addr], info.model_digest, info.source_layers, TrustPolicy.default([addr]))
+    [recipe] = view.certified()
+    creds = make_client_credentials(hog)
+    held = []
+    for span in recipe.spans:
+        client = connect(span, 10.0, creds)
+        cap = client.capability()
+        held += [client.session(cap.fingerprint, max_tokens=16, timeout=None) for _ in range(cap.max_sessions)]
+    return held
+
+
+def test_a_client_holding_every_session_of_a_swarm_does_not_stop_a_generation(tmp_path, model_path, reference):
+    """Failed before the fix: `could not open a route for layers 0-29`, every peer full."""
+    boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"])
+    try:
+        held = _hold_every_session(addr, model_path, Identity.generate())
+        assert len(held) == 12
+        result = Client([addr], model_path=model_path, step_timeout=5.0).generate(PROMPT, 16, stop_at_eog=False)
+        assert result.token_ids == reference and result.failovers == 0
+    finally:
+        for p in joins + [boot]:
+            p.stop()

@@ -28,7 +28,7 @@ from typing import Callable
 
 from ..errors import MeshnetError
 from . import h2
-from .tls import decrypt, handshake
+from .tls import TlsCredentials, decrypt, handshake, load_key_pair
 
 MAX_RELAY_RESPONSE = 8192
 _POLL_IN = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
@@ -55,13 +55,16 @@ class _Inbox:
 class Channel:
     def __init__(self, cert_pem: bytes, server_name: str, *, address: tuple[str, int] | None = None,
                  relay: tuple[str, int] | None = None, relay_target: str | None = None,
-                 connect_timeout: float = 10.0, send_timeout: float = 30.0, max_message_bytes: int = h2.MAX_MESSAGE) -> None:
+                 connect_timeout: float = 10.0, send_timeout: float = 30.0, max_message_bytes: int = h2.MAX_MESSAGE,
+                 client_creds: TlsCredentials | None = None, source_address: tuple[str, int] | None = None) -> None:
         if relay is not None:
             if not relay_target:
                 raise ValueError("a relayed channel needs the CONNECT target")
         elif address is None:
             raise ValueError("a direct channel needs an address")
         self._cert = cert_pem
+        self._client_creds = client_creds  # our identity-bound certificate (mutual TLS); None: anonymous
+        self._source = source_address  # the local address to connect from (multi-homed hosts, tests)
         self._name = server_name
         self._address = address
         self._relay = relay
@@ -154,7 +157,8 @@ class Channel:
 
     def _handshake(self, deadline: float) -> None:
         target = self._relay if self._relay is not None else self._address
-        sock = socket.create_connection(target, timeout=max(0.001, deadline - time.monotonic()))
+        sock = socket.create_connection(target, timeout=max(0.001, deadline - time.monotonic()),
+                                        source_address=self._source)
         self._sock = sock
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -171,6 +175,8 @@ class Channel:
         ctx.load_verify_locations(cadata=self._cert.decode("ascii"))  # the pinned certificate is the only root
         ctx.verify_flags |= ssl.VERIFY_X509_STRICT  # as Python 3.13 does by default: the same checks everywhere
         ctx.set_alpn_protocols(["h2"])
+        if self._client_creds is not None:
+            load_key_pair(ctx, self._client_creds)
         tls = ctx.wrap_bio(self._tls_in, self._tls_out, server_hostname=self._name)
         if early:
             self._tls_in.write(early)

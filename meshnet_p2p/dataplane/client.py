@@ -24,7 +24,7 @@ from ..identity import PeerId
 from .channel import CallStream, Channel, ChannelError
 from .relay import relay_target
 from .tensors import PayloadError, bundle_from_proto, bundle_to_proto
-from .tls import TLS_NAME
+from .tls import TLS_NAME, TlsCredentials, default_client_credentials
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["ShardRuntime"].full_name
 
@@ -52,15 +52,24 @@ class ShardConnectionError(MeshnetError):
     """The connection failed: peer gone, TLS failure (wrong identity, tampering), timeout."""
 
 
+ANONYMOUS = None  # as ``client=``: present no client certificate (served within the anonymous budget)
+_DEFAULT = object()
+
+
 def open_channel(cert_pem: bytes, *, address: tuple[str, int] | None = None, relay: tuple[str, int] | None = None,
-                 peer_id: PeerId | None = None) -> Channel:
+                 peer_id: PeerId | None = None, client: TlsCredentials | None | object = _DEFAULT,
+                 source_address: tuple[str, int] | None = None) -> Channel:
     """A channel that trusts only ``cert_pem``: direct to ``address``, or through
-    ``relay`` to ``peer_id``. It connects on first use."""
+    ``relay`` to ``peer_id``. It connects on first use, presenting ``client``'s
+    certificate (default: this process's, see ``default_client_credentials``;
+    ANONYMOUS for none)."""
+    creds = default_client_credentials() if client is _DEFAULT else client
+    extra = {"client_creds": creds, "source_address": source_address}
     if relay is not None:
         if peer_id is None:
             raise ValueError("a relayed channel needs the peer id")
-        return Channel(cert_pem, TLS_NAME, relay=relay, relay_target=relay_target(peer_id))
-    return Channel(cert_pem, TLS_NAME, address=address)  # it refuses a missing address
+        return Channel(cert_pem, TLS_NAME, relay=relay, relay_target=relay_target(peer_id), **extra)
+    return Channel(cert_pem, TLS_NAME, address=address, **extra)  # it refuses a missing address
 
 
 def _parse(message_type, raw: bytes):

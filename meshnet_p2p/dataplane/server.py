@@ -24,7 +24,6 @@ import select
 import socket
 import ssl
 import struct
-import tempfile
 import threading
 import time
 from concurrent import futures
@@ -34,7 +33,8 @@ import trio
 from .._proto import shard_runtime_pb2 as pb
 from . import h2
 from .servicer import ShardRuntimeServicer
-from .tls import TlsCredentials, decrypt, handshake
+from .admission import Claimant, host_group
+from .tls import TlsBindingError, TlsCredentials, client_issuer_pem, decrypt, handshake, load_key_pair, peer_of_der
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["ShardRuntime"].full_name
 _UNARY = {
@@ -54,19 +54,11 @@ def server_ssl_context(creds: TlsCredentials) -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.set_alpn_protocols(["h2"])
-    # ssl loads keys only from paths: an anonymous in-memory file keeps the key off disk.
-    fd = os.memfd_create("meshnet-tls", 0) if hasattr(os, "memfd_create") else None
-    if fd is not None:
-        try:
-            os.write(fd, creds.cert_pem + b"\n" + creds.key_pem)
-            ctx.load_cert_chain(f"/proc/self/fd/{fd}")
-        finally:
-            os.close(fd)
-    else:  # pragma: no cover - non-Linux
-        with tempfile.NamedTemporaryFile() as f:  # created 0600
-            f.write(creds.cert_pem + b"\n" + creds.key_pem)
-            f.flush()
-            ctx.load_cert_chain(f.name)
+    load_key_pair(ctx, creds)
+    # Clients may present an identity-bound certificate (mutual TLS); those without
+    # one are served within the anonymous budget (see admission.py).
+    ctx.verify_mode = ssl.CERT_OPTIONAL
+    ctx.load_verify_locations(cadata=client_issuer_pem().decode("ascii"))
     return ctx
 
 
@@ -101,6 +93,12 @@ class _Connection:
         self.fds_closed = False
         self.fd_lock = threading.Lock()  # descriptor lifetime only: never held across I/O
         self.thread = threading.Thread(target=self._run, name="shard-conn", daemon=True)
+        try:
+            host = sock.getpeername()[0]
+        except (OSError, IndexError, TypeError):  # a socketpair in tests, or a peer already gone
+            host = "local"
+        # Who is asking, for admission (admission.py): set once the TLS handshake proves it.
+        self.claimant = Claimant(host_group(str(host)), None)
 
     # --- life cycle -----------------------------------------------------------------------------
 
@@ -108,8 +106,8 @@ class _Connection:
         try:
             self._handshake(time.monotonic() + self.server.handshake_timeout)
             self._standby()
-        except (OSError, ssl.SSLError, h2.H2ProtocolError, _Closed):
-            pass
+        except (OSError, ssl.SSLError, h2.H2ProtocolError, TlsBindingError, _Closed):
+            pass  # a client certificate that claims an identity it cannot prove ends here too
         finally:
             self.close()
             with self.cond:  # no thread may still use the socket when its descriptor goes
@@ -127,6 +125,9 @@ class _Connection:
 
     def _handshake(self, deadline: float) -> None:
         handshake(self.tls, self.tls_in, self.tls_out, self._send_raw, lambda: self._recv_raw(deadline))
+        client = peer_of_der(self.tls.getpeercert(binary_form=True))
+        if client is not None:
+            self.claimant = Claimant(self.claimant.host, str(client))
         with self.lock:
             self.h2.initiate()
             # What came in the same read as the handshake's end (the client's preface,

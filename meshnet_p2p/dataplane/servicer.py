@@ -7,6 +7,9 @@ flow-control credit (topped up in-band), a repeated idempotency step (acked,
 never applied twice), cancels in-band and out-of-band (also one that arrives
 before its session opens), oversized messages and sessions beyond capacity.
 Errors are per session: nothing one stream does reaches another's state.
+When the peer is full, sessions are shared fairly between source addresses
+and client identities (admission.py); a session reclaimed for that, or
+released for idling, fails closed on its next request, saying why.
 
 The server (server.py) runs each stream on a thread of its pool, which reads
 the stream's requests in order. An in-band cancel therefore acts between steps (later
@@ -36,6 +39,7 @@ from ..certification import Attestation
 from ..engine.recipe import explain_mismatch
 from ..identity import Identity
 from ..records import wall_ms
+from .admission import Admit, Claimant, Held, Reclaim, decide
 from .session_state import SessionState, Verdict
 from .tensors import PayloadError, bundle_from_proto, bundle_to_proto
 
@@ -74,6 +78,9 @@ class Limits:
     session_idle_ms: int = 120_000  # an open session with no request for this long is released
 
 
+IN_PROCESS = Claimant("in-process", "in-process")  # a caller with no connection (tests, embedding)
+
+
 def _error(code: int, detail: str, *, work_id: str = "", step: int = 0, retryable: bool = False,
            terminal: bool = False, mismatches: list[str] | None = None) -> pb.SessionResponse:
     return pb.SessionResponse(error=pb.Error(code=code, detail=detail, retryable=retryable, work_id=work_id,
@@ -105,17 +112,17 @@ class ShardRuntimeServicer:
         self._layers = pb.LayerRange(start=caps.start, end=caps.end, total=caps.source_layers)
         self._lock = threading.Lock()
         self._states: dict[str, SessionState] = {}
-        self._reaped: dict[str, None] = {}  # sessions released for idling (the newest 4096), to say why
+        # sessions released for idling or reclaimed for a fair share (the newest 4096): why, as an error
+        self._reaped: dict[str, pb.SessionResponse] = {}
 
     # --- unary ---------------------------------------------------------------------
 
     def GetCapability(self, request, context):
         c = self.caps
-        m = self.engine.metrics()
         return pb.Capability(
             peer_id=self.peer_id, fingerprint=self.fingerprint,
             layers=self._layers,
-            max_sessions=c.max_sessions, free_sessions=c.max_sessions - m.active_sessions,
+            max_sessions=c.max_sessions, free_sessions=self.open_to_newcomers(),
             kv_token_budget=c.kv_token_budget, flow_control=self._limits_proto(),
             n_embd=c.n_embd, seam_dtype=str(c.recipe["seam_dtype"]),
         )
@@ -193,9 +200,8 @@ class ShardRuntimeServicer:
                     return
                 state = self._state(opened_id)
                 if state is None:
-                    why = (f"the session was released after {self.limits.session_idle_ms / 1000:g} s idle"
-                           if opened_id in self._reaped else "the session was released out of band")
-                    yield _error(E.UNKNOWN_SESSION, why, terminal=True)
+                    yield self._reaped.get(opened_id) or _error(
+                        E.UNKNOWN_SESSION, "the session was released out of band", terminal=True)
                     return
                 state.last_active_ms = self.now_ms()
                 if kind == "step":
@@ -243,17 +249,32 @@ class ShardRuntimeServicer:
             if not reasons:
                 reasons.append("recipe_digest differs on an axis this peer does not know")
             return _error(E.FINGERPRINT_MISMATCH, "; ".join(reasons), terminal=True, mismatches=reasons), None
+        who = getattr(owner, "claimant", None) or IN_PROCESS
+        reclaim = None
         with self._lock:
             state = self._states.get(sid)
             if state is not None and state.opened:
                 return _error(E.INVALID_ARGUMENT, f"session {sid!r} is already open", terminal=True), None
             if state is not None and state.owner is not owner:  # a stranger's early cancel: not ours
                 state = None
-            if state is None:
-                state = self._states[sid] = SessionState(sid, owner=owner)
-            if state.cancelled:
+            if state is not None and state.cancelled:
                 self._states.pop(sid, None)
                 return _error(E.CANCELLED, "the session was cancelled before it opened", terminal=True), None
+            decision = self._admission(who)
+            if not isinstance(decision, (Admit, Reclaim)):  # refused: the early cancel (if any) stays
+                return _error(E.CAPACITY, decision.reason, retryable=True, terminal=True), None
+            if isinstance(decision, Reclaim):
+                reclaim = decision.session_id
+                self._states.pop(reclaim, None)
+                self._remember_reaped(reclaim, _error(
+                    E.CAPACITY, "the session was reclaimed: this peer is full and shares its sessions fairly "
+                    "between clients", retryable=True, terminal=True))
+            if state is None:
+                state = self._states[sid] = SessionState(sid, owner=owner)
+            state.claimant = who
+            state.last_active_ms = self.now_ms()  # admitted now: not idle, whatever a cancel before it did
+        if reclaim is not None:
+            self.engine.release(reclaim)  # aborts a step it may be running
         if msg.max_tokens <= 0:  # the KV positions to reserve: zero would be a session that can do nothing
             self._forget(sid)
             return _error(E.INVALID_ARGUMENT, f"max_tokens must be positive, not {msg.max_tokens}", terminal=True), None
@@ -280,19 +301,43 @@ class ShardRuntimeServicer:
         return pb.SessionResponse(accepted=pb.SessionAccepted(session_id=sid, route_epoch=msg.route_epoch,
                                                               granted=granted, layers=self._layers)), sid
 
-    def reap_idle(self) -> list[str]:
-        """Release every open session that has sent nothing for ``session_idle_ms``
-        (and is not computing): an idle session must not hold capacity forever.
-        Its stream then fails closed, saying why. Returns the released IDs."""
+    def _admission(self, who: Claimant):
         now = self.now_ms()
+        held = [Held(sid, st.claimant, now - st.last_active_ms, st.running is not None)
+                for sid, st in self._states.items() if st.claimant is not None]
+        return decide(held, who, capacity=self.caps.max_sessions)
+
+    def open_to_newcomers(self) -> int:
+        """Sessions a client new to this peer could get now: the free ones, or one
+        reclaimed from a group above its share. What the peer advertises, so a
+        peer that one client fills does not drop out of everyone's routes."""
+        free = self.caps.max_sessions - self.engine.metrics().active_sessions
+        if free > 0 or self.draining:
+            return max(0, free) if not self.draining else 0
+        with self._lock:
+            stranger = Claimant("\x00a new address", "\x00a new client")
+            return 1 if isinstance(self._admission(stranger), Reclaim) else 0
+
+    def _remember_reaped(self, sid: str, why: pb.SessionResponse) -> None:
+        self._reaped[sid] = why
+        while len(self._reaped) > 4096:
+            self._reaped.pop(next(iter(self._reaped)))
+
+    def reap_idle(self, idle_ms: int | None = None) -> list[str]:
+        """Release every open session that has sent nothing for ``idle_ms``
+        (default ``session_idle_ms``) and is not computing: an idle session must
+        not hold capacity forever. Its stream then fails closed, saying why.
+        Returns the released IDs."""
+        now = self.now_ms()
+        bound = self.limits.session_idle_ms if idle_ms is None else idle_ms
         with self._lock:
             idle = [sid for sid, st in self._states.items()
-                    if st.opened and st.running is None and now - st.last_active_ms > self.limits.session_idle_ms]
+                    if st.opened and st.running is None and now - st.last_active_ms > bound]
             for sid in idle:
                 self._states.pop(sid)
-                self._reaped[sid] = None
-            while len(self._reaped) > 4096:
-                self._reaped.pop(next(iter(self._reaped)))
+                self._remember_reaped(sid, _error(
+                    E.UNKNOWN_SESSION, f"the session was released after {bound / 1000:g} s idle",
+                    terminal=True))
         for sid in idle:
             self.engine.release(sid)
         return idle

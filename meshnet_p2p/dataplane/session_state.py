@@ -46,6 +46,7 @@ class SessionState:
     # cancel that came first, the connection that sent it). None: in-process.
     owner: object = None
     last_active_ms: int = 0  # when it last sent anything (idle sessions are released)
+    claimant: object = None  # admission.Claimant once admitted: whose share it counts in
 
     def open(self, epoch: int, credits: int) -> None:
         self.opened = True

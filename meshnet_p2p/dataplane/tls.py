@@ -10,12 +10,25 @@ certificate in signed records (``meshnet/tls/v1`` and their capability
 report); a client checks the embedded identity and pins exactly that
 certificate as its only root, so the TLS handshake proves it talks to that
 peer, relay operators notwithstanding.
+
+Clients present such a certificate too (mutual TLS), so a peer can hold each
+client to a share of its capacity. The stdlib ``ssl`` module verifies a client
+certificate only against trusted issuers and has no hook to accept a
+self-signed one, so client certificates are issued by CLIENT_ISSUER: a key
+derived from a published seed, whose signature therefore proves nothing and
+is relied on for nothing. What binds a client is what binds a peer: TLS
+proves possession of the certificate's key, and the libp2p extension carries
+the identity's signature over that key (``cert_identity``).
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
+import hashlib
+import os
 import ssl
+import tempfile
 from dataclasses import dataclass
 
 from cryptography import x509
@@ -124,6 +137,108 @@ def make_tls_credentials(identity: Identity | None = None, days: int = 30) -> Tl
     cert = cert.sign(key, hashes.SHA256())
     key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     return TlsCredentials(key_pem, cert.public_bytes(serialization.Encoding.PEM))
+
+
+_ISSUER_SEED = b"meshnet-p2p client certificate issuer v1 (a published key: its signature proves nothing)"
+_ISSUER_NAME = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "meshnet-client-issuer")])
+_P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
+
+
+@functools.cache
+def _client_issuer() -> tuple[ec.EllipticCurvePrivateKey, bytes]:
+    scalar = int.from_bytes(hashlib.sha256(_ISSUER_SEED).digest(), "big") % (_P256_ORDER - 1) + 1
+    key = ec.derive_private_key(scalar, ec.SECP256R1())
+    start = datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_ISSUER_NAME)
+        .issuer_name(_ISSUER_NAME)
+        .public_key(key.public_key())
+        .serial_number(1)
+        .not_valid_before(start)
+        .not_valid_after(start + datetime.timedelta(days=365 * 30))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                                     data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=False,
+                                     encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+    )
+    return key, cert.sign(key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+
+
+def client_issuer_pem() -> bytes:
+    """The certificate a peer trusts for client certificates (see the module's doc)."""
+    return _client_issuer()[1]
+
+
+def make_client_credentials(identity: Identity, hours: int = 24) -> TlsCredentials:
+    """A client's P-256 key and certificate, carrying ``identity``'s signature
+    over the key; it is issued by CLIENT_ISSUER only so that ``ssl`` accepts it."""
+    issuer_key, issuer_pem = _client_issuer()
+    issuer = x509.load_pem_x509_certificate(issuer_pem)
+    key = ec.generate_private_key(ec.SECP256R1())
+    spki = key.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "meshnet-client")]))
+        .issuer_name(_ISSUER_NAME)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=hours))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer.public_key()), critical=False)
+        .add_extension(x509.UnrecognizedExtension(LIBP2P_TLS_OID, _signed_key(identity, spki)), critical=False)
+        .sign(issuer_key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return TlsCredentials(key_pem, cert.public_bytes(serialization.Encoding.PEM))
+
+
+_default_client: list = []  # [(credentials, made at monotonic seconds)]
+_DEFAULT_CLIENT_RENEW_S = 12 * 3600
+
+
+def default_client_credentials() -> TlsCredentials:
+    """This process's client certificate when the caller names no identity: a
+    fresh identity per process (renewed well before its certificate expires),
+    so even a casual client is counted as itself, not in the anonymous budget."""
+    import time
+
+    from ..identity import Identity
+
+    now = time.monotonic()
+    if not _default_client or now - _default_client[0][1] > _DEFAULT_CLIENT_RENEW_S:
+        _default_client[:] = [(make_client_credentials(Identity.generate()), now)]
+    return _default_client[0][0]
+
+
+def load_key_pair(ctx: ssl.SSLContext, creds: TlsCredentials) -> None:
+    """``ctx.load_cert_chain`` from memory: ssl loads keys only from paths, and an
+    anonymous in-memory file keeps the key off disk."""
+    fd = os.memfd_create("meshnet-tls", 0) if hasattr(os, "memfd_create") else None
+    if fd is not None:
+        try:
+            os.write(fd, creds.cert_pem + b"\n" + creds.key_pem)
+            ctx.load_cert_chain(f"/proc/self/fd/{fd}")
+        finally:
+            os.close(fd)
+    else:  # pragma: no cover - non-Linux
+        with tempfile.NamedTemporaryFile() as f:  # created 0600
+            f.write(creds.cert_pem + b"\n" + creds.key_pem)
+            f.flush()
+            ctx.load_cert_chain(f.name)
+
+
+def peer_of_der(der: bytes | None) -> PeerId | None:
+    """The identity a client's certificate (DER, as ``getpeercert(True)`` gives
+    it) is bound to; None for a client that sent none. TlsBindingError if it
+    claims one it cannot prove."""
+    if not der:
+        return None
+    return cert_identity(ssl.DER_cert_to_PEM_cert(der).encode())
 
 
 def sign_binding(identity: Identity, creds: TlsCredentials, *, now_ms: int, ttl_ms: int = 24 * 3600 * 1000) -> bytes:
