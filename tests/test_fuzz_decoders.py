@@ -10,7 +10,8 @@ directly (test_capability.py, test_certification.py), peer ID text
 
 The bugs these tests found (an unhashable datagram kind that killed a node,
 a tensor shape whose rank cost quadratic time, control characters in
-multiaddrs) are fixed; their tests stay as regressions.
+multiaddrs, a certificate whose mangled key type or version escaped as
+cryptography's own exceptions) are fixed; their tests stay as regressions.
 """
 
 from __future__ import annotations
@@ -1004,3 +1005,91 @@ def test_a_parsed_multiaddr_is_printable_ascii(text):
     except MultiaddrError:
         return
     assert str(addr).isascii() and str(addr).isprintable()
+
+
+# --- TLS certificates: a client's (mutual TLS) and a peer's, as the network gives them ---------------
+
+
+def _cert_with_extension(value: bytes, *, issuer_signed: bool) -> bytes:
+    import datetime
+
+    from cryptography import x509 as _x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from meshnet_p2p.dataplane import tls
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = _x509.Name([_x509.NameAttribute(_x509.oid.NameOID.COMMON_NAME, "fuzz")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    signer = tls._client_issuer()[0] if issuer_signed else key
+    cert = (_x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(_x509.UnrecognizedExtension(tls.LIBP2P_TLS_OID, value), critical=False)
+            .sign(signer, hashes.SHA256()))
+    return cert.public_bytes(serialization.Encoding.DER)
+
+
+def _mutate(data: bytes, edits: list[tuple[int, int]]) -> bytes:
+    out = bytearray(data)
+    for pos, byte in edits:
+        if out:
+            out[pos % len(out)] = byte
+    return bytes(out)
+
+
+_REAL_EXTENSION: list[bytes] = []
+
+
+def _real_extension() -> bytes:
+    if not _REAL_EXTENSION:
+        from cryptography import x509 as _x509
+
+        from meshnet_p2p.dataplane import tls
+
+        cert = _x509.load_pem_x509_certificate(tls.make_client_credentials(Identity.generate()).cert_pem)
+        _REAL_EXTENSION.append(cert.extensions.get_extension_for_oid(tls.LIBP2P_TLS_OID).value.value)
+    return _REAL_EXTENSION[0]
+
+
+@settings(max_examples=60, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(st.binary(max_size=300), st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 255)), max_size=6)),
+       st.booleans())
+def test_an_identity_extension_of_any_bytes_binds_nobody_or_raises_a_binding_error(value, issuer_signed):
+    """The extension is attacker-chosen bytes inside a certificate whose key the
+    attacker holds: whatever they are, no identity is bound but by a valid
+    signature over this certificate's key (and none verifies over a fresh key)."""
+    from meshnet_p2p.dataplane.tls import TlsBindingError, peer_of_der
+
+    raw = value if isinstance(value, bytes) else _mutate(_real_extension(), value)
+    try:
+        der = _cert_with_extension(raw, issuer_signed=issuer_signed)
+    except ValueError:  # cryptography refuses to build it: nothing reaches the wire
+        return
+    with pytest.raises(TlsBindingError):
+        peer_of_der(der)
+
+
+_CLIENT = Identity.from_seed(b"\x33" * 32)
+_VALID_DER: list[bytes] = []
+
+
+@given(st.binary(max_size=600), st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 255)), max_size=4))
+def test_any_der_bytes_as_a_client_certificate_raise_only_a_binding_error(junk, edits):
+    """Bytes as a handshake would hand them over: junk binds nobody, and a
+    mutated real certificate binds its own identity or none (found: a mangled
+    key type or version escaped as UnsupportedAlgorithm, InvalidVersion)."""
+    import ssl as _ssl
+
+    from meshnet_p2p.dataplane.tls import TlsBindingError, make_client_credentials, peer_of_der
+
+    if not _VALID_DER:
+        _VALID_DER.append(_ssl.PEM_cert_to_DER_cert(make_client_credentials(_CLIENT).cert_pem.decode()))
+    if junk:
+        with pytest.raises(TlsBindingError):
+            peer_of_der(junk)
+    try:
+        peer = peer_of_der(_mutate(_VALID_DER[0], edits))
+    except TlsBindingError:
+        return
+    assert peer == _CLIENT.peer_id

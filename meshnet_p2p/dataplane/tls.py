@@ -91,8 +91,10 @@ def cert_identity(cert_pem: bytes) -> PeerId:
     try:
         cert = x509.load_pem_x509_certificate(cert_pem)
         ext = cert.extensions.get_extension_for_oid(LIBP2P_TLS_OID).value.value
-    except (ValueError, x509.ExtensionNotFound):
+    except x509.ExtensionNotFound:
         raise TlsBindingError("the certificate carries no peer identity") from None
+    except Exception as e:  # noqa: BLE001 - network input: the parser's many errors (InvalidVersion...) are one to us
+        raise TlsBindingError(f"malformed certificate ({type(e).__name__})") from None
     parts, pos = [], 2
     if len(ext) < 2 or ext[0] != 0x30 or ext[1] != len(ext) - 2:
         raise TlsBindingError("malformed identity extension")
@@ -108,7 +110,10 @@ def cert_identity(cert_pem: bytes) -> PeerId:
         peer = PeerId.from_public_key(decode_public_key(parts[0]))
     except IdentityError as e:
         raise TlsBindingError(f"identity extension: {e}") from None
-    spki = cert.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    try:
+        spki = cert.public_key().public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    except Exception:  # noqa: BLE001 - a key this library cannot read (UnsupportedAlgorithm...) binds nobody
+        raise TlsBindingError("the certificate's key is malformed or of an unknown type") from None
     if not peer.verify(parts[1], _SIGN_PREFIX + spki):
         raise TlsBindingError("the certificate's identity signature does not cover its key")
     return peer
