@@ -452,3 +452,57 @@ def test_a_client_holding_every_session_of_a_swarm_does_not_stop_a_generation(tm
     finally:
         for p in joins + [boot]:
             p.stop()
+
+
+# --- 4. a key flooded from many hosts still takes a newcomer's report ------------------------------
+
+
+async def flood_key(addr: str, model_path: str, hosts: list[str], per_host: int) -> int:
+    """From each loopback host, a DHT node that publishes ``per_host`` reports of
+    fresh identities (which run no node) under the model's key, filling it on
+    every node; returns how many stores were accepted anywhere."""
+    info = inspect_gguf(model_path)
+    key = model_key(info.model_digest)
+    accepted = 0
+    async with trio.open_nursery() as nursery:
+        for host in hosts:
+            node = await start_node(nursery, Identity.generate(), listen=f"{host}:0", bootstrap=[addr])
+            for _ in range(per_host):
+                junk = Identity.generate()
+                report = CapabilityReport(info.model_digest, "ab" * 32, (20, 30),
+                                          (str(Multiaddr.for_socket("127.0.0.1", "tcp", dead_port(), junk.peer_id)),),
+                                          throughput=10.0, free_sessions=4, tls_cert=make_tls_credentials(junk).cert_pem.decode())
+                try:
+                    await node.publish(key, report.sign(junk, seq=1, now_ms=wall_ms()))
+                    accepted += 1
+                except Exception:  # noqa: BLE001 - refused everywhere: the key is full
+                    pass
+        nursery.cancel_scope.cancel()
+    return accepted
+
+
+def test_a_volunteer_joining_after_a_flood_from_many_hosts_serves_a_generation(tmp_path, model_path, reference):
+    """Four loopback hosts fill the model's key on every node with 64 reports
+    each; a volunteer that joins afterwards is still found and serves, and a
+    generation through it gives the whole model's tokens. (The live check
+    beside the attack: in a swarm this small it passed before the fix too,
+    since the newcomer also stores its own report. The test that failed first
+    is tests/test_dht.py::test_a_key_filled_from_many_hosts_still_takes_a_live_volunteers_record.)"""
+    import os
+
+    from .swarm import Proc
+
+    boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"])
+    late = None
+    try:
+        assert trio.run(flood_key, addr, model_path, [f"127.0.0.{i}" for i in range(2, 6)], 64) == 256
+        late = Proc("join", "--layers", "20:30", "--bootstrap", addr, "--threads", "1",
+                    env={**os.environ, "MESHNET_CACHE_DIR": str(tmp_path)})
+        late.address(120)
+        joins[2].stop()  # the tail that was there before the flood leaves: only the newcomer serves 20:30
+        result = Client([addr], model_path=model_path, step_timeout=5.0).generate(PROMPT, 16, stop_at_eog=False)
+        assert result.token_ids == reference
+        assert result.route[-1]["peer_id"] == late.peer_id
+    finally:
+        for p in joins + [boot] + ([late] if late else []):
+            p.stop()
