@@ -7,6 +7,8 @@ repeated here: the HTTP/2 transport (test_h2.py), GGUF headers
 (test_gguf_cut.py), the capability, evidence and index validators called
 directly (test_capability.py, test_certification.py), peer ID text
 (test_identity.py), random bundles from a few field values (test_wire_fuzz.py).
+fuzz/atheris_decoders.py explores the same decoders from raw bytes, guided by
+coverage (CI runs it bounded).
 
 The bugs these tests found (an unhashable datagram kind that killed a node,
 a tensor shape whose rank cost quadratic time, control characters in

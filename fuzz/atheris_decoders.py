@@ -1,0 +1,145 @@
+"""Coverage-guided fuzzing (atheris, libFuzzer) of the decoders that read network
+input, beside the hypothesis properties in tests/test_fuzz_decoders.py: those
+check meaning on structured input, this one explores raw bytes by coverage.
+
+Each target may raise only its decoder's typed error; anything else is a
+crash libFuzzer reports with the input that caused it (turn it into a
+regression test). CI runs every target for a bounded number of inputs:
+
+    python fuzz/atheris_decoders.py all -runs=4000
+    python fuzz/atheris_decoders.py datagram -max_total_time=600   # a longer local run
+"""
+
+from __future__ import annotations
+
+import sys
+
+import atheris
+
+with atheris.instrument_imports(include=["meshnet_p2p"]):
+    from meshnet_p2p._proto import shard_runtime_pb2 as pb
+    from meshnet_p2p.capability import TYPES
+    from meshnet_p2p.dataplane import h2
+    from meshnet_p2p.dataplane.tensors import PayloadError, bundle_from_proto
+    from meshnet_p2p.dataplane.tls import TlsBindingError, peer_of_der
+    from meshnet_p2p.dht import wire
+    from meshnet_p2p.engine.gguf import GGUFFormatError, read_gguf
+    from meshnet_p2p.identity import Identity
+    from meshnet_p2p.records import RecordRejected, RecordVerifier
+
+from google.protobuf.message import DecodeError
+
+NOW = 1_800_000_000_000
+ME = Identity.from_seed(b"\x32" * 32).peer_id
+VERIFIER = RecordVerifier(TYPES)
+
+
+def datagram(data: bytes) -> None:
+    try:
+        wire.decode(data, NOW, ME)
+    except wire.BadDatagram:
+        pass
+
+
+ALICE = Identity.from_seed(b"\x31" * 32)
+
+
+def _value(fdp, depth: int = 0):
+    pick = fdp.ConsumeIntInRange(0, 6 if depth < 2 else 4)
+    if pick == 0:
+        return fdp.ConsumeInt(8)
+    if pick == 1:
+        return fdp.ConsumeBytes(fdp.ConsumeIntInRange(0, 80))
+    if pick == 2:
+        return fdp.ConsumeUnicodeNoSurrogates(fdp.ConsumeIntInRange(0, 40))
+    if pick == 3:
+        return fdp.ConsumeBool()
+    if pick == 4:
+        return None
+    if pick == 5:
+        return [_value(fdp, depth + 1) for _ in range(fdp.ConsumeIntInRange(0, 4))]
+    return {fdp.ConsumeUnicodeNoSurrogates(8): _value(fdp, depth + 1) for _ in range(fdp.ConsumeIntInRange(0, 4))}
+
+
+KINDS = ["ping", "find_node", "find_value", "store", "gossip_push", "gossip_pull", "cookie", "pong", "nodes", "values"]
+
+
+def signed_datagram(data: bytes) -> None:
+    """Past the signature, which raw bytes never get through: a body built from
+    the input (any msgpack-able shape) in a datagram ALICE signs, decoded as BOB."""
+    fdp = atheris.FuzzedDataProvider(data)
+    kind = KINDS[fdp.ConsumeIntInRange(0, len(KINDS) - 1)] if fdp.ConsumeBool() else fdp.ConsumeUnicodeNoSurrogates(12)
+    body = {fdp.ConsumeUnicodeNoSurrogates(10): _value(fdp) for _ in range(fdp.ConsumeIntInRange(0, 6))}
+    try:
+        sealed = wire.encode(ALICE, kind, b"\x00" * 8, body, NOW, to=ME)
+    except (TypeError, ValueError, OverflowError):  # not encodable: no such datagram can be sent
+        return
+    try:
+        msg = wire.decode(sealed, NOW, ME)
+        if "nodes" in msg.body:
+            wire.decode_contacts(msg.body["nodes"], 20)
+    except wire.BadDatagram:
+        pass
+
+
+def record(data: bytes) -> None:
+    try:
+        VERIFIER.verify(data, NOW, remember=False)
+    except RecordRejected:
+        pass
+
+
+def bundle(data: bytes) -> None:
+    try:
+        bundle_from_proto(pb.TensorBundle.FromString(data))
+    except (DecodeError, PayloadError):
+        pass
+
+
+def gguf(data: bytes) -> None:
+    try:
+        read_gguf("fuzz", buf=b"GGUF" + data)
+    except GGUFFormatError:
+        pass
+
+
+def http2(data: bytes) -> None:
+    conn = h2.H2ServerConnection(max_streams=32)
+    conn.initiate()
+    try:
+        conn.receive_data(h2.PREFACE + data)  # past the preface: frames are what a client controls
+    except h2.H2ProtocolError:
+        pass
+
+
+def certificate(data: bytes) -> None:
+    try:
+        peer_of_der(data)
+    except TlsBindingError:
+        pass
+
+
+TARGETS = {f.__name__: f for f in (datagram, signed_datagram, record, bundle, gguf, http2, certificate)}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or argv[1] not in [*TARGETS, "all"]:
+        print(f"usage: {argv[0]} {{{'|'.join(TARGETS)}|all}} [libFuzzer flags]", file=sys.stderr)
+        return 2
+    names = list(TARGETS) if argv[1] == "all" else [argv[1]]
+    if len(names) > 1:  # libFuzzer runs one target per process
+        import subprocess
+
+        for name in names:
+            print(f"== {name}", flush=True)
+            rc = subprocess.call([sys.executable, argv[0], name, *argv[2:]])
+            if rc:
+                return rc
+        return 0
+    atheris.Setup([argv[0], *argv[2:]], TARGETS[names[0]])
+    atheris.Fuzz()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
