@@ -66,7 +66,7 @@ def _is_full(e: Exception) -> bool:
 
 
 CONNECT_TIMEOUT_S = 3.0  # a candidate's first contact (TCP, TLS, GetCapability)
-MAX_OPEN_TRIES = 64  # candidates one route search may set aside
+MAX_OPEN_TRIES = 1024  # candidates one route search may set aside (a refused dial costs ~1 ms; open_timeout bounds the rest)
 
 
 def _tried_text(tried: dict[str, str]) -> str:

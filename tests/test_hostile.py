@@ -37,7 +37,8 @@ def dead_port() -> int:
         return s.getsockname()[1]
 
 
-async def publish_lies(addr: str, model_path: str, ports: list[int]) -> None:
+async def publish_lies(addr: str, model_path: str, ports: list[int], throughput: float | None = 100_000.0,
+                       hosts: tuple[str, ...] = ("127.0.0.1",)) -> None:
     """One capability report per port from a fresh identity, validly signed, each
     claiming every layer of the certified recipe at the highest throughput a
     report may claim, behind an address that goes nowhere, with an honest
@@ -47,13 +48,15 @@ async def publish_lies(addr: str, model_path: str, ports: list[int]) -> None:
     [recipe] = view.certified()
     honest = recipe.spans[0].record.content
     async with trio.open_nursery() as nursery:
-        node = await start_node(nursery, Identity.generate(), bootstrap=[addr], client_mode=True)
+        nodes = [await start_node(nursery, Identity.generate(), listen=f"{h}:0", bootstrap=[addr], client_mode=True)
+                 for h in hosts]  # one source host stores at most 64 values of a key
         for n, port in enumerate(ports):
+            node = nodes[n % len(nodes)]
             liar = Identity.generate()
             cert = honest["tls_cert"] if n % 2 else make_tls_credentials(liar).cert_pem.decode()
             lie = CapabilityReport(info.model_digest, recipe.recipe_digest, (0, info.source_layers),
                                    (str(Multiaddr.for_socket("127.0.0.1", "tcp", port, liar.peer_id)),),
-                                   throughput=100_000.0, free_sessions=4096, tls_cert=cert,
+                                   throughput=throughput or honest["throughput"], free_sessions=4096, tls_cert=cert,
                                    recipe=recipe.axes, recipe_labels=recipe.labels)
             await node.publish(model_key(info.model_digest), lie.sign(liar, seq=1, now_ms=wall_ms()))
         nursery.cancel_scope.cancel()
@@ -75,6 +78,25 @@ def test_ten_lying_reports_do_not_stop_a_generation(tmp_path, model_path, refere
         assert result.failovers == 0  # failing at session open spends no failover
     finally:
         silent.close()
+        for p in joins + [boot]:
+            p.stop()
+
+
+def test_a_hundred_plausible_lies_do_not_stop_a_generation(tmp_path, model_path, reference):
+    """Lies whose claims look plausible are tried first, and each costs the client
+    a refused connection: the search must outlast them (it gave up after 64
+    candidates) while an honest route is left."""
+    boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"])
+    try:
+        ports = [dead_port() for _ in range(100)]
+        # each claims the whole model at the speed an honest peer claims for a third of it
+        trio.run(publish_lies, addr, model_path, ports, None, ("127.0.0.2", "127.0.0.3"))
+        events = []
+        result = Client([addr], model_path=model_path, step_timeout=3.0, on_event=events.append).generate(
+            PROMPT, 16, stop_at_eog=False)
+        assert result.token_ids == reference and result.failovers == 0
+        assert sum("cannot open a session" in e for e in events) > 64  # the lies really were tried first
+    finally:
         for p in joins + [boot]:
             p.stop()
 
