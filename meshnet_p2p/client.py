@@ -35,7 +35,7 @@ from .dataplane.client import (
     ShardError,
     open_channel,
 )
-from .dataplane.tls import TlsCredentials, cert_identity, default_client_credentials, make_client_credentials
+from .dataplane.tls import TlsCredentials, cert_identity, make_client_credentials
 from .engine.contract import SamplingParams, TensorBundle
 from .errors import MeshnetError, sanitize
 from .identity import Identity, PeerId
@@ -315,7 +315,6 @@ def connect(span: Span, timeout: float, client_creds: TlsCredentials | None = No
     """A data-plane client for the peer of ``span``: direct, or through the relay
     its report names, with TLS pinned to the certificate its signed report carries,
     presenting ``client_creds`` (default: this process's client certificate)."""
-    creds = client_creds or default_client_credentials()
     c = span.record.content
     cert = c.get("tls_cert", "").encode()
     peer = PeerId.from_string(c["peer_id"])
@@ -323,12 +322,12 @@ def connect(span: Span, timeout: float, client_creds: TlsCredentials | None = No
         raise MeshnetError(f"the TLS certificate in {peer}'s report belongs to another peer")
     if c.get("relay"):
         relay = Multiaddr.parse(c["relay"])
-        channel = open_channel(cert, relay=(relay.host, relay.port), peer_id=peer, client=creds)
+        channel = open_channel(cert, relay=(relay.host, relay.port), peer_id=peer, client=client_creds)
     else:
         addr = Multiaddr.parse(c["addrs"][0])
         if addr.peer_id != peer:
             raise MeshnetError(f"report of {peer} advertises an address of another peer")
-        channel = open_channel(cert, address=(addr.host, addr.port), client=creds)
+        channel = open_channel(cert, address=(addr.host, addr.port), client=client_creds)
     return ShardClient(channel, timeout=timeout)
 
 

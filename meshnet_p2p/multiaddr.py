@@ -124,3 +124,15 @@ def _check(proto: str, value: str, text: str) -> str:
     except (ValueError, IdentityError) as e:
         raise MultiaddrError(f"{text!r}: bad /{proto} value {value!r}: {e}") from None
     raise MultiaddrError(f"{text!r}: unsupported protocol {proto!r}")
+
+
+def ip_of(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address a host string names, IPv4-mapped IPv6 as IPv4 and a scope
+    ID ignored; None if it is no IP address."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip

@@ -23,21 +23,18 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
+from ..multiaddr import ip_of
+
 ANONYMOUS = "anonymous"
 
 
 def host_group(address: str) -> str:
     """The fairness group of a source address: IPv4 as is (also IPv4-mapped
     IPv6), IPv6 by /64, the usual size of one subscriber's network."""
-    try:
-        ip = ipaddress.ip_address(address.split("%", 1)[0])
-    except ValueError:
+    ip = ip_of(address)
+    if ip is None:
         return address
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.IPv6Network((ip, 64), strict=False))
-    return str(ip)
+    return str(ip) if ip.version == 4 else str(ipaddress.IPv6Network((ip, 64), strict=False))
 
 
 @dataclass(frozen=True)
@@ -91,21 +88,21 @@ def decide(held: Sequence[Held], who: Claimant, *, capacity: int, anonymous: int
     if len(held) < capacity:
         return Admit()
     hosts = Counter(h.claimant.host for h in held)
-    top_host, top = max(hosts.items(), key=lambda kv: (kv[1], kv[0]))
-    if top >= hosts.get(who.host, 0) + 2:
+    top_host, top = _most(hosts)
+    if top >= hosts[who.host] + 2:
         pool = [h for h in held if h.claimant.host == top_host]
     else:  # addresses are even enough: share the requester's address between its clients
-        mine = [h for h in held if h.claimant.host == who.host]
-        slots = Counter(h.claimant.slot for h in mine)
-        if not slots:
+        pool = [h for h in held if h.claimant.host == who.host]
+        if not pool:
             return Refuse(f"all {capacity} sessions are in use")
-        top_slot, top = max(slots.items(), key=lambda kv: (kv[1], kv[0]))
-        if top < slots.get(who.slot, 0) + 2:
-            return Refuse(f"all {capacity} sessions are in use, shared fairly between their clients")
-        pool = [h for h in mine if h.claimant.slot == top_slot]
-    if pool and len({h.claimant.slot for h in pool}) > 1:  # within the biggest address, its biggest client gives
         slots = Counter(h.claimant.slot for h in pool)
-        biggest = max(slots.items(), key=lambda kv: (kv[1], kv[0]))[0]
-        pool = [h for h in pool if h.claimant.slot == biggest]
-    victim = max(pool, key=lambda h: (not h.running, h.idle_ms, h.session_id))
+        if _most(slots)[1] < slots[who.slot] + 2:
+            return Refuse(f"all {capacity} sessions are in use, shared fairly between their clients")
+    biggest, _ = _most(Counter(h.claimant.slot for h in pool))  # within that address, its biggest client gives
+    victim = max((h for h in pool if h.claimant.slot == biggest), key=lambda h: (not h.running, h.idle_ms, h.session_id))
     return Reclaim(victim.session_id)
+
+
+def _most(counts: Counter) -> tuple[str, int]:
+    """The biggest group and its count (ties: the greatest name, so the choice is deterministic)."""
+    return max(counts.items(), key=lambda kv: (kv[1], kv[0]))

@@ -52,18 +52,17 @@ class ShardConnectionError(MeshnetError):
     """The connection failed: peer gone, TLS failure (wrong identity, tampering), timeout."""
 
 
-ANONYMOUS = None  # as ``client=``: present no client certificate (served within the anonymous budget)
-_DEFAULT = object()
+ANONYMOUS = object()  # as ``client=``: present no client certificate (served within the anonymous budget)
 
 
 def open_channel(cert_pem: bytes, *, address: tuple[str, int] | None = None, relay: tuple[str, int] | None = None,
-                 peer_id: PeerId | None = None, client: TlsCredentials | None | object = _DEFAULT,
+                 peer_id: PeerId | None = None, client: TlsCredentials | None | object = None,
                  source_address: tuple[str, int] | None = None) -> Channel:
     """A channel that trusts only ``cert_pem``: direct to ``address``, or through
     ``relay`` to ``peer_id``. It connects on first use, presenting ``client``'s
-    certificate (default: this process's, see ``default_client_credentials``;
-    ANONYMOUS for none)."""
-    creds = default_client_credentials() if client is _DEFAULT else client
+    certificate (None: this process's, see ``default_client_credentials``;
+    ANONYMOUS: none)."""
+    creds = None if client is ANONYMOUS else client or default_client_credentials()
     extra = {"client_creds": creds, "source_address": source_address}
     if relay is not None:
         if peer_id is None:

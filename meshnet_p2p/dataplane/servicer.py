@@ -39,7 +39,7 @@ from ..certification import Attestation
 from ..engine.recipe import explain_mismatch
 from ..identity import Identity
 from ..records import wall_ms
-from .admission import Admit, Claimant, Held, Reclaim, decide
+from .admission import Claimant, Held, Reclaim, Refuse, decide
 from .session_state import SessionState, Verdict
 from .tensors import PayloadError, bundle_from_proto, bundle_to_proto
 
@@ -79,6 +79,7 @@ class Limits:
 
 
 IN_PROCESS = Claimant("in-process", "in-process")  # a caller with no connection (tests, embedding)
+_STRANGER = Claimant("\x00a new address", "\x00a new client")  # what a newcomer could get (free_sessions)
 
 
 def _error(code: int, detail: str, *, work_id: str = "", step: int = 0, retryable: bool = False,
@@ -261,7 +262,7 @@ class ShardRuntimeServicer:
                 self._states.pop(sid, None)
                 return _error(E.CANCELLED, "the session was cancelled before it opened", terminal=True), None
             decision = self._admission(who)
-            if not isinstance(decision, (Admit, Reclaim)):  # refused: the early cancel (if any) stays
+            if isinstance(decision, Refuse):  # refused: the early cancel (if any) stays
                 return _error(E.CAPACITY, decision.reason, retryable=True, terminal=True), None
             if isinstance(decision, Reclaim):
                 reclaim = decision.session_id
@@ -311,12 +312,13 @@ class ShardRuntimeServicer:
         """Sessions a client new to this peer could get now: the free ones, or one
         reclaimed from a group above its share. What the peer advertises, so a
         peer that one client fills does not drop out of everyone's routes."""
+        if self.draining:
+            return 0
         free = self.caps.max_sessions - self.engine.metrics().active_sessions
-        if free > 0 or self.draining:
-            return max(0, free) if not self.draining else 0
+        if free > 0:
+            return free
         with self._lock:
-            stranger = Claimant("\x00a new address", "\x00a new client")
-            return 1 if isinstance(self._admission(stranger), Reclaim) else 0
+            return 1 if isinstance(self._admission(_STRANGER), Reclaim) else 0
 
     def _remember_reaped(self, sid: str, why: pb.SessionResponse) -> None:
         self._reaped[sid] = why

@@ -29,6 +29,7 @@ import hashlib
 import os
 import ssl
 import tempfile
+import time
 from dataclasses import dataclass
 
 from cryptography import x509
@@ -202,22 +203,19 @@ def make_client_credentials(identity: Identity, hours: int = 24) -> TlsCredentia
     return TlsCredentials(key_pem, cert.public_bytes(serialization.Encoding.PEM))
 
 
-_default_client: list = []  # [(credentials, made at monotonic seconds)]
 _DEFAULT_CLIENT_RENEW_S = 12 * 3600
+_default_client: tuple[TlsCredentials, float] | None = None  # and when it was made (monotonic seconds)
 
 
 def default_client_credentials() -> TlsCredentials:
     """This process's client certificate when the caller names no identity: a
     fresh identity per process (renewed well before its certificate expires),
     so even a casual client is counted as itself, not in the anonymous budget."""
-    import time
-
-    from ..identity import Identity
-
+    global _default_client
     now = time.monotonic()
-    if not _default_client or now - _default_client[0][1] > _DEFAULT_CLIENT_RENEW_S:
-        _default_client[:] = [(make_client_credentials(Identity.generate()), now)]
-    return _default_client[0][0]
+    if _default_client is None or now - _default_client[1] > _DEFAULT_CLIENT_RENEW_S:
+        _default_client = (make_client_credentials(Identity.generate()), now)
+    return _default_client[0]
 
 
 def load_key_pair(ctx: ssl.SSLContext, creds: TlsCredentials) -> None:

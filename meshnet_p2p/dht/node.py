@@ -336,14 +336,14 @@ class DHTNode:
         if record is None:
             return False, "record rejected"
         ok, reason = self.store.put(key, record, self.now_ms(), source=source, own=record.signer == self.peer_id,
-                                    live=lambda r: self._known_live(r.signer))
+                                    live=self._known_live)
         if ok and reason != "unchanged":
             self._gossip_in(wire_record, from_peer=None, record=record)
         return ok, reason
 
-    def _known_live(self, signer: PeerId) -> bool:
-        """This node, or a routing-table member (it entered after a round trip)."""
-        return signer == self.peer_id or self.table.get(node_id_of(signer)) is not None
+    def _known_live(self, record: Record) -> bool:
+        """Signed by this node, or by a routing-table member (it entered after a round trip)."""
+        return record.signer == self.peer_id or self.table.get(node_id_of(record.signer)) is not None
 
     # --- public API: DHT --------------------------------------------------------------------
 

@@ -16,31 +16,28 @@ local swarms and LANs share one network by design.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import ipaddress
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from ..identity import PeerId
+from ..multiaddr import ip_of
 
 ID_BITS = 256
 MAX_PER_GROUP_IN_BUCKET = 2
 MAX_PER_GROUP = 8
 
 
+@functools.lru_cache(maxsize=4096)  # asked for every member of a bucket a contact joins
 def ip_group(host: str) -> str | None:
     """The network a public address belongs to, for the diversity bound; None
     for addresses it exempts (loopback, private, link-local, unparsable)."""
-    try:
-        ip = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
+    ip = ip_of(host)
+    if ip is None or not ip.is_global:
         return None
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    if not ip.is_global:
-        return None
-    bits = 24 if ip.version == 4 else 48
-    return str(ipaddress.ip_network((ip, bits), strict=False))
+    return str(ipaddress.ip_network((ip, 24 if ip.version == 4 else 48), strict=False))
 
 
 def node_id_of(peer_id: PeerId) -> int:
@@ -118,13 +115,18 @@ class RoutingTable:
         if contact.node_id == self.local_id:
             return None
         b = self._bucket(contact.node_id)
-        if contact.node_id in b.members:
-            old = self._left(b, contact.node_id)
-            if old.host != contact.host and not self._diverse_enough(b, contact):
-                self._joined(b, old)  # the new address's network is full here: keep the old one
-                self.refused_for_diversity += 1
-                return None
-            self._joined(b, contact)  # most recently seen, address refreshed
+        old = b.members.get(contact.node_id)
+        if old is not None:
+            if old.host == contact.host:
+                b.members.move_to_end(contact.node_id)  # most recently seen
+                b.members[contact.node_id] = contact
+            else:  # an address change: the new address's network must have room
+                self._left(b, contact.node_id)
+                if not self._diverse_enough(b, contact):
+                    self._joined(b, old)
+                    self.refused_for_diversity += 1
+                    return None
+                self._joined(b, contact)
             b.failures.pop(contact.node_id, None)
             return None
         if not self._diverse_enough(b, contact):

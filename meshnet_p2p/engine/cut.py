@@ -42,6 +42,7 @@ from .gguf import (
     encode_kv,
     encode_string,
     read_gguf,
+    read_range,
     write_gguf,
     written_atomically,
 )
@@ -186,14 +187,8 @@ def _binding_digest(path: str, skip: tuple[int, int], progress: Progress | None 
     done = 0
     with open(path, "rb") as f:
         for lo, hi in ((0, skip[0]), (skip[1], total)):
-            f.seek(lo)
-            left = hi - lo
-            while left:
-                chunk = f.read(min(4 << 20, left))
-                if not chunk:
-                    raise GGUFFormatError(f"{path}: file ended while hashing it")
+            for chunk in read_range(f, lo, hi - lo, short=f"{path}: file ended while hashing it"):
                 h.update(chunk)
-                left -= len(chunk)
                 done += len(chunk)
                 if progress:
                     progress("binding", done, total)

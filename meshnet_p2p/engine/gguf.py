@@ -17,7 +17,7 @@ import os
 import struct
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, Mapping, Sequence
 
 from ..errors import MeshnetError
 
@@ -359,6 +359,18 @@ class OutTensor:
 CHUNK = 4 << 20
 
 
+def read_range(f: BinaryIO, offset: int, length: int, *, short: str) -> Iterator[bytes]:
+    """``length`` bytes of ``f`` from ``offset``, CHUNK at a time; GGUFFormatError(``short``)
+    if the file ends first (truncated while we read it)."""
+    f.seek(offset)
+    while length:
+        chunk = f.read(min(CHUNK, length))
+        if not chunk:
+            raise GGUFFormatError(short)
+        length -= len(chunk)
+        yield chunk
+
+
 @contextlib.contextmanager
 def written_atomically(out_path: str, tag: str):
     """A private temporary name beside ``out_path``, renamed into place when the
@@ -416,14 +428,8 @@ def write_gguf(
                 else:
                     if src is None:
                         raise GGUFFormatError(f"no source file to copy {t.name!r} from")
-                    src.seek(t.source_offset)
-                    left = t.nbytes
-                    while left:
-                        chunk = src.read(min(CHUNK, left))
-                        if not chunk:
-                            raise GGUFFormatError(f"source ended while copying {t.name!r}")
+                    for chunk in read_range(src, t.source_offset, t.nbytes, short=f"source ended while copying {t.name!r}"):
                         out.write(chunk)
-                        left -= len(chunk)
                         done += len(chunk)
                         if progress:
                             progress(done, total)
