@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -66,6 +67,7 @@ def _is_full(e: Exception) -> bool:
 
 
 CONNECT_TIMEOUT_S = 3.0  # a candidate's first contact (TCP, TLS, GetCapability)
+PROBE_WIDTH = 16  # first contacts at once, once a search has met a failing candidate
 MAX_OPEN_TRIES = 1024  # candidates one route search may set aside (a refused dial costs ~1 ms; open_timeout bounds the rest)
 
 
@@ -84,6 +86,13 @@ class GenerationResult(Generation):
     text: str = ""
     route: list[dict] = field(default_factory=list)
     failovers: int = 0
+
+
+@dataclass
+class _Contact:
+    span: Span
+    client: ShardClient  # connected, its peer checked against its report
+    cap: pb.Capability
 
 
 @dataclass
@@ -144,22 +153,37 @@ class RouteSession:
     def _open_chain(self, start: int, end: int) -> list[_Hop]:
         """Open a session on every hop of the cheapest route for [start, end).
 
-        Reports cost nothing to forge, so a candidate that fails at session open
-        (dead address, another peer's certificate, a handshake that hangs, a
-        refusal) is set aside and the next one tried at once: that spends no
-        failover, only time, bounded by ``open_timeout`` and MAX_OPEN_TRIES. Hops
-        already open are kept for the next plan. It gives up only when no
-        untried route is left, naming what it tried."""
+        Reports cost nothing to forge, so a candidate that fails at first contact
+        or session open (dead address, another peer's certificate, a handshake
+        that hangs, a refusal) is set aside and the search goes on: that spends
+        no failover, only time, bounded by ``open_timeout`` and MAX_OPEN_TRIES.
+        First contacts run side by side: the route's new peers at once, and once
+        anything has failed, up to PROBE_WIDTH candidates of the next-best
+        routes with them, so lies behind addresses that hang cost their timeout
+        together, not one after another. Hops already open are kept for the next
+        plan. It gives up only when no untried route is left, naming what it tried."""
         tried: dict[str, str] = {}
         refused: dict[str, str] = {}  # the subset that refused the request itself
+        contacts: dict[str, _Contact] = {}  # first contact made, no session yet
         opened: dict[str, _Hop] = {}
         deadline = time.monotonic() + self.open_timeout
         rediscovered = False
+
+        def set_aside(peer: str, e: MeshnetError) -> None:
+            tried[peer] = str(e)
+            if _refuses_the_request(e):  # rightly refused: set aside for this search, not banned
+                refused[peer] = str(e)
+            elif not _is_full(e):  # a full peer is set aside too; anything else is the peer's fault
+                self.banned[peer] = time.monotonic() + self.ban_seconds
+            self.on_event(f"cannot open a session on {peer}: {e}")
+
         try:
             while True:
+                if len(tried) >= MAX_OPEN_TRIES or time.monotonic() > deadline:
+                    raise GenerationError(f"could not open a route for layers {start}-{end - 1} in "
+                                          f"{len(tried)} tries" + _tried_text(tried))
                 try:
-                    route = self.planner(self.spans, start, end, banned=self._banned_now() | set(tried),
-                                         latency_ms=self.latency_ms, measured_ms=self.measured_ms)
+                    route = self._plan(start, end, self._banned_now() | set(tried))
                 except NoRoute as e:
                     if tried and not rediscovered:  # the swarm may have changed while we tried
                         rediscovered = True
@@ -170,28 +194,69 @@ class RouteSession:
                                              f"{start}-{end - 1}: {sanitize(next(iter(refused.values())))}") from None
                     raise GenerationError(f"could not open a route for layers {start}-{end - 1}: {e}"
                                           + _tried_text(tried)) from None
+                known = set(opened) | set(contacts)
+                if any(s.peer_id not in known for s in route):
+                    width = PROBE_WIDTH if tried else len(route)  # widen only once a candidate has failed
+                    batch = self._to_contact(start, end, route, self._banned_now() | set(tried), known, width)
+                    for peer, outcome in self._first_contacts(batch).items():
+                        if isinstance(outcome, _Contact):
+                            contacts[peer] = outcome
+                        else:
+                            set_aside(peer, outcome)
+                    continue  # plan again with what was learned
                 try:
                     for span in route:
                         if span.peer_id not in opened:
-                            opened[span.peer_id] = self._open_hop(span)
-                    hops = [opened.pop(span.peer_id) for span in route]
-                    return hops
+                            opened[span.peer_id] = self._start(contacts.pop(span.peer_id))
+                    return [opened.pop(span.peer_id) for span in route]
                 except MeshnetError as e:  # typed peer errors and broken connections included
-                    bad = next(s.peer_id for s in route if s.peer_id not in opened)
-                    tried[bad] = str(e)
-                    if _refuses_the_request(e):  # rightly refused: set aside for this search, not banned
-                        refused[bad] = str(e)
-                    elif not _is_full(e):  # a full peer is set aside too; anything else is the peer's fault
-                        self.banned[bad] = time.monotonic() + self.ban_seconds
-                    self.on_event(f"cannot open a session on {bad}: {e}")
-                    if len(tried) >= MAX_OPEN_TRIES or time.monotonic() > deadline:
-                        raise GenerationError(f"could not open a route for layers {start}-{end - 1} in "
-                                              f"{len(tried)} tries" + _tried_text(tried)) from None
+                    set_aside(next(s.peer_id for s in route if s.peer_id not in opened), e)
         finally:
             for hop in opened.values():  # opened for a plan that was not taken
                 hop.close()
+            for contact in contacts.values():
+                contact.client.close()
 
-    def _open_hop(self, span: Span) -> _Hop:
+    def _plan(self, start: int, end: int, banned: set[str]) -> list[Span]:
+        return self.planner(self.spans, start, end, banned=banned, latency_ms=self.latency_ms,
+                            measured_ms=self.measured_ms)
+
+    def _to_contact(self, start: int, end: int, route: list[Span], banned: set[str], known: set[str],
+                    width: int) -> list[Span]:
+        """The new peers of ``route``, then those of the next-best routes (each
+        planned without the peers already chosen), up to ``width``."""
+        batch = {s.peer_id: s for s in route if s.peer_id not in known}
+        skip = banned | set(batch)
+        while len(batch) < width:
+            try:
+                new = [s for s in self._plan(start, end, skip) if s.peer_id not in known]
+            except NoRoute:
+                break
+            if not new:  # a route of peers already contacted: nothing more to learn here
+                break
+            for s in new[: width - len(batch)]:
+                batch[s.peer_id] = s
+            skip |= {s.peer_id for s in new}
+        return list(batch.values())
+
+    def _first_contacts(self, spans: list[Span]) -> dict[str, "_Contact | MeshnetError"]:
+        """First contact with each of ``spans``' peers, side by side."""
+        with futures.ThreadPoolExecutor(max_workers=max(1, len(spans)), thread_name_prefix="first-contact") as pool:
+            pending = {s.peer_id: pool.submit(self._contact, s) for s in spans}
+        out: dict[str, _Contact | MeshnetError] = {}
+        for peer, f in pending.items():
+            e = f.exception()
+            out[peer] = f.result() if e is None else e
+        bug = next((e for e in out.values() if isinstance(e, BaseException) and not isinstance(e, MeshnetError)), None)
+        if bug is not None:  # not a peer's fault but ours: close what opened, and say so
+            for c in out.values():
+                if isinstance(c, _Contact):
+                    c.client.close()
+            raise bug
+        return out
+
+    def _contact(self, span: Span) -> "_Contact":
+        """Connect, and check the peer is what its report says (raises MeshnetError)."""
         c = span.record.content
         peer = PeerId.from_string(c["peer_id"])
         client = connect(span, min(self.step_timeout, CONNECT_TIMEOUT_S), self.client_creds)  # first contact: a short bound
@@ -205,7 +270,15 @@ class RouteSession:
                 raise MeshnetError(f"{peer} serves another model or recipe than it announced")
             if (cap.layers.start, cap.layers.end) != (span.start, span.end):
                 raise MeshnetError(f"{peer} serves other layers than it announced")
-            s = self.sampling
+        except BaseException:
+            client.close()
+            raise
+        return _Contact(span, client, cap)
+
+    def _start(self, contact: "_Contact") -> _Hop:
+        """Open this route's session on a contacted peer."""
+        c, client, s = contact.span.record.content, contact.client, self.sampling
+        try:
             # open with the route's fingerprint, not the peer's: a peer of another recipe refuses, naming the axes
             # each hop its own random session ID: no peer on the route learns the ID another hop knows
             stream = client.session(_route_fingerprint(c), max_tokens=self.max_tokens, session_id=uuid.uuid4().hex,
@@ -214,7 +287,7 @@ class RouteSession:
         except BaseException:
             client.close()
             raise
-        return _Hop(span, client, stream, _n_ubatch(c, cap))
+        return _Hop(contact.span, client, stream, _n_ubatch(c, contact.cap))
 
     # --- stepping -------------------------------------------------------------------------------
 

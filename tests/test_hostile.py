@@ -101,6 +101,27 @@ def test_a_hundred_plausible_lies_do_not_stop_a_generation(tmp_path, model_path,
             p.stop()
 
 
+def test_lies_behind_addresses_that_hang_do_not_outlast_the_route_search(tmp_path, model_path, reference):
+    """Each hanging address costs a first contact of 3 s; forty of them, tried one
+    after another, used up the search's 60 s while an honest route was left.
+    First contacts now run side by side."""
+    boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"])
+    silent = socket.socket()  # accepts connections and never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(128)
+    try:
+        trio.run(publish_lies, addr, model_path, [silent.getsockname()[1]] * 40, None, ("127.0.0.2",))
+        events = []
+        result = Client([addr], model_path=model_path, step_timeout=5.0, on_event=events.append).generate(
+            PROMPT, 16, stop_at_eog=False)
+        assert result.token_ids == reference and result.failovers == 0
+        assert sum("cannot open a session" in e for e in events) >= 20  # the lies really were tried first
+    finally:
+        silent.close()
+        for p in joins + [boot]:
+            p.stop()
+
+
 # --- 7. a bad peer's replies are typed errors that failover handles -----------------------------
 
 
