@@ -549,3 +549,80 @@ def test_a_volunteer_joining_after_a_flood_from_many_hosts_serves_a_generation(t
     finally:
         for p in joins + [boot] + ([late] if late else []):
             p.stop()
+
+
+# --- 2. another client's sessions, live ----------------------------------------------------------
+
+
+def test_a_stranger_who_knows_every_session_id_cannot_cancel_a_generation(tmp_path, model_path, reference):
+    """The strongest stranger: it knows the session ID of every hop (a hostile
+    head learns only its own) and sends Cancel and Release for each from its own
+    connection, mid-generation. Before sessions belonged to their connection,
+    the tail cancelled and the client failed over (and banned an honest peer)."""
+    from meshnet_p2p.client import RouteSession, connect, drive
+    from meshnet_p2p.dataplane.tls import make_client_credentials
+    from meshnet_p2p.engine.contract import SamplingParams
+
+    boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"])
+    try:
+        client = Client([addr], model_path=model_path, step_timeout=5.0)
+        ids = Tokenizer(model_path).encode(PROMPT)
+        session = RouteSession(lambda: trio.run(client.spans), client.n_layer, max_tokens=len(ids) + 16,
+                               sampling=SamplingParams(), step_timeout=5.0)
+        stranger = make_client_credentials(Identity.generate())
+        answers = []
+
+        def on_token(_tok):
+            if len(answers) == 0:
+                for hop in session.hops:
+                    other = connect(hop.span, 5.0, stranger)
+                    try:
+                        answers.append((other.cancel(hop.stream.session_id), other.release(hop.stream.session_id)))
+                    finally:
+                        other.close()
+
+        try:
+            assert len({hop.stream.session_id for hop in session.hops}) == 3  # each hop its own ID
+            run = drive(session, ids, 16, on_token=on_token, stop_at_eog=False)
+        finally:
+            session.close()
+        assert answers == [(False, False)] * 3
+        assert run.token_ids == reference and session.failovers == 0
+    finally:
+        for p in joins + [boot]:
+            p.stop()
+
+
+# --- 6. UDP amplification against a live swarm -----------------------------------------------------
+
+
+def test_an_unproven_address_draws_at_most_three_times_what_it_sends(tmp_path, model_path, reference):
+    """Requests that would draw the model's reports (find_value), the gossip
+    state (gossip_pull) or contacts (find_node) from an address that never
+    proved it receives: the bootstrap's answers stay within 3x the bytes sent
+    (cookies, not answers), and a generation beside them is exact."""
+    from meshnet_p2p.dht import wire
+
+    boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"])
+    target = Multiaddr.parse(addr)
+    info = inspect_gguf(model_path)
+    mallory = Identity.generate()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        sock.bind(("127.0.0.9", 0))  # an address the bootstrap has never heard from
+        sock.settimeout(10)
+        sent = received = 0
+        for i in range(60):
+            kind, body = [("find_value", {"key": model_key(info.model_digest), "after": b""}),
+                          ("gossip_pull", {"have": {}}), ("find_node", {"target": bytes(32)})][i % 3]
+            request = wire.encode(mallory, kind, wire.new_rpc_id(), body, wall_ms(), to=target.peer_id)
+            sock.sendto(request, (target.host, target.port))
+            sent += len(request)
+            received += len(sock.recv(65536))  # one answer each: a cookie
+        assert received <= 3 * sent
+        result = Client([addr], model_path=model_path, step_timeout=5.0).generate(PROMPT, 16, stop_at_eog=False)
+        assert result.token_ids == reference
+    finally:
+        sock.close()
+        for p in joins + [boot]:
+            p.stop()
