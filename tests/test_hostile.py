@@ -626,3 +626,48 @@ def test_an_unproven_address_draws_at_most_three_times_what_it_sends(tmp_path, m
         sock.close()
         for p in joins + [boot]:
             p.stop()
+
+
+# --- issue 12 #2: idle connections lock a peer out -------------------------------------------------
+
+
+def _idle_tls_connections(host: str, port: int, n: int, sources: list[str]) -> list:
+    """``n`` TLS connections (ALPN h2) from ``sources`` in turn, handshaken and then silent."""
+    import ssl
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE  # the attacker does not care whom it ties up
+    ctx.set_alpn_protocols(["h2"])
+    conns = []
+    for i in range(n):
+        raw = socket.create_connection((host, port), timeout=10, source_address=(sources[i % len(sources)], 0))
+        try:
+            conns.append(ctx.wrap_socket(raw))
+        except (OSError, ssl.SSLError):  # refused or closed: the peer's right
+            raw.close()
+    return conns
+
+
+@pytest.mark.parametrize("sources", [["127.0.0.2"], ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"]],
+                         ids=["one-source", "four-sources"])
+def test_idle_connections_do_not_lock_a_peer_out(tmp_path, model_path, reference, sources):
+    """Issue 12 #2: 64 idle TLS connections to a peer's data port locked out
+    everyone else (`no available peer serves layers 10-19`). Now one source
+    holds at most 16, and a full peer closes an idle connection of the source
+    holding most to let a newcomer in."""
+    boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"])
+    conns = []
+    try:
+        info = inspect_gguf(model_path)
+        view = trio.run(survey, [addr], info.model_digest, info.source_layers, TrustPolicy.default([addr]))
+        middle = next(s for s in view.certified()[0].spans if s.start == 10)
+        target = Multiaddr.parse(middle.record.content["addrs"][0])
+        conns = _idle_tls_connections(target.host, target.port, 80, sources)
+        result = Client([addr], model_path=model_path, step_timeout=5.0).generate(PROMPT, 16, stop_at_eog=False)
+        assert result.token_ids == reference
+    finally:
+        for c in conns:
+            c.close()
+        for p in joins + [boot]:
+            p.stop()

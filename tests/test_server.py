@@ -294,3 +294,47 @@ def test_a_call_sent_with_the_handshakes_last_message_is_answered(server):
             pass
     assert pb.HealthReport.FromString(replies[0].data).serving
     raw.close()
+
+
+def test_a_connection_without_calls_is_closed_after_the_idle_timeout(shard_dir, load_engine):
+    """Issue 12 #2: after the handshake nothing timed out, so silent connections
+    held their slot for ever. Now one with no call for the idle timeout gets a
+    GOAWAY and is closed; one with a call open is not."""
+    engine = load_engine(shard_dir[(10, 20)])
+    creds = make_tls_credentials()
+    srv = ShardServer(ShardRuntimeServicer(engine), creds, idle_timeout=0.5).start()
+    try:
+        silent = _tls_socket(creds, srv.port)
+        silent.sendall(h2.PREFACE + h2.frame(h2.SETTINGS, 0, 0, b""))
+        busy = _ours(creds, srv)
+        stream = busy.session(busy.capability().fingerprint, max_tokens=8, timeout=None)
+        assert _closed_by_server(silent, timeout=10)
+        assert busy.health().serving  # the connection with a session open was kept
+        stream.close()
+    finally:
+        srv.stop(0)
+
+
+def test_one_source_holds_a_bounded_share_of_connections_and_idle_ones_give_way(shard_dir, load_engine):
+    """Issue 12 #2: 64 connections from one source locked everyone out. One source
+    now holds at most max_connections_per_source (its own idle one gives way to
+    its next), and a full server closes an idle connection of the source holding
+    most to let another source in."""
+    engine = load_engine(shard_dir[(10, 20)])
+    creds = make_tls_credentials()
+    srv = ShardServer(ShardRuntimeServicer(engine), creds, max_connections=3, max_connections_per_source=3).start()
+    try:
+        def from_(source: str) -> ssl.SSLSocket:
+            raw = socket.create_connection(("127.0.0.1", srv.port), source_address=(source, 0))
+            return _h2_tls_context(creds).wrap_socket(raw, server_hostname=TLS_NAME)
+
+        first = [from_("127.0.0.2") for _ in range(3)]
+        fourth = from_("127.0.0.2")  # over its cap: its own longest-idle connection gives way
+        assert _closed_by_server(first[0])
+        other = _ours(creds, srv)  # 127.0.0.1, the peer full: an idle one of 127.0.0.2 gives way
+        assert other.health().serving
+        assert _closed_by_server(first[1])
+        for s in first[2:] + [fourth]:
+            s.close()
+    finally:
+        srv.stop(0)

@@ -26,6 +26,7 @@ import ssl
 import struct
 import threading
 import time
+from collections import Counter
 from concurrent import futures
 
 import trio
@@ -48,6 +49,8 @@ MAX_CALLS = 32  # concurrent calls per connection (a route opens one Session per
 MAX_WAITING_UNARY = 4  # unary calls per connection whose request has not come yet (they hold no worker)
 FIRST_MESSAGE_TIMEOUT = 10.0  # a call that sends nothing (no SessionOpen, no unary request) this long is ended
 SEND_TIMEOUT = 30.0  # a reply the client's flow-control window never lets out ends the call
+MAX_CONNECTIONS_PER_SOURCE = 16  # per host_group (an IPv4 address, an IPv6 /64); relayed ones share the relay's
+IDLE_CONNECTION_S = 60.0  # a connection with no call for this long is closed (GOAWAY)
 
 
 def server_ssl_context(creds: TlsCredentials) -> ssl.SSLContext:
@@ -93,12 +96,9 @@ class _Connection:
         self.fds_closed = False
         self.fd_lock = threading.Lock()  # descriptor lifetime only: never held across I/O
         self.thread = threading.Thread(target=self._run, name="shard-conn", daemon=True)
-        try:
-            host = sock.getpeername()[0]
-        except (OSError, IndexError, TypeError):  # a socketpair in tests, or a peer already gone
-            host = "local"
         # Who is asking, for admission (admission.py): set once the TLS handshake proves it.
-        self.claimant = Claimant(host_group(str(host)), None)
+        self.claimant = Claimant(_source_of(sock), None)
+        self.last_active = time.monotonic()  # when a call last started or ended (idle connections close)
 
     # --- life cycle -----------------------------------------------------------------------------
 
@@ -252,15 +252,26 @@ class _Connection:
         except Exception:  # a lost connection, or a bug in handling this peer's input: it ends, never the thread
             self.close()
 
+    def idle(self) -> bool:
+        """No call runs or waits: closing it loses nothing (handshaking ones too)."""
+        return not self.calls and not self.broken
+
     def _standby(self) -> None:
-        """Read while no handler waits to (so Cancels reach running steps)."""
+        """Read while no handler waits to (so Cancels reach running steps); close
+        the connection once it has had no call for the idle timeout."""
         while True:
             with self.cond:
                 while not self.broken and self.waiters:
                     self.cond.wait()
                 if self.broken:
                     return
-            self._poll_and_read(None, standby=True)
+                idle_for = time.monotonic() - self.last_active if not self.calls else None
+                if idle_for is not None and idle_for >= self.server.idle_timeout:
+                    self.h2.close(h2.NO_ERROR, "idle")  # GOAWAY, then hang up
+                    self._write_quietly()
+                    self.broken_locked()
+                    return
+            self._poll_and_read(None if idle_for is None else self.server.idle_timeout - idle_for, standby=True)
 
     def _wait_locked(self, ready, deadline: float | None) -> bool:
         """Under the lock: until ``ready()`` (True) or the deadline (False) or the
@@ -323,6 +334,7 @@ class _Connection:
             self.h2.reset_stream(ev.stream_id, h2.REFUSED_STREAM)
             return
         call = self.calls[ev.stream_id] = _Call(ev.stream_id, method)
+        self.last_active = time.monotonic()
         if method == "Session":
             self._launch(call)
         # A unary call waits for its request before it takes a worker: a silent one holds none.
@@ -357,6 +369,7 @@ class _Connection:
                 self.server.release_session_slot()
             with self.cond:
                 self.calls.pop(call.sid, None)
+                self.last_active = time.monotonic()
                 self._discard_inbox(call)  # requests it never read: their window goes back to the client
                 self._write_quietly()
                 self.cond.notify_all()
@@ -432,16 +445,31 @@ class _Closed(Exception):
     pass
 
 
+def _source_of(sock: socket.socket) -> str:
+    try:
+        return host_group(str(sock.getpeername()[0]))
+    except (OSError, IndexError, TypeError):  # a socketpair in tests, or a peer already gone
+        return "local"
+
+
+def _longest_idle(conns: list[_Connection]) -> _Connection | None:
+    idle = [c for c in conns if c.idle()]
+    return min(idle, key=lambda c: c.last_active) if idle else None
+
+
 class ShardServer:
     def __init__(self, servicer: ShardRuntimeServicer, creds: TlsCredentials, *, host: str = "127.0.0.1",
                  port: int = 0, max_workers: int = 32, max_connections: int = 64,
-                 handshake_timeout: float = 10.0) -> None:
+                 max_connections_per_source: int = MAX_CONNECTIONS_PER_SOURCE, handshake_timeout: float = 10.0,
+                 idle_timeout: float = IDLE_CONNECTION_S) -> None:
         self.servicer = servicer
         self.ssl_context = server_ssl_context(creds)
         self.executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shard-rpc")
         self._session_slots = threading.BoundedSemaphore(max_workers)  # a Session never queues for a worker
         self.unary_executor = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="shard-rpc-unary")
         self.max_connections = max_connections
+        self.max_connections_per_source = max_connections_per_source
+        self.idle_timeout = idle_timeout
         self.handshake_timeout = handshake_timeout
         self.draining = False
         self._lock = threading.Lock()
@@ -479,9 +507,12 @@ class ShardServer:
         """Serve an already connected socket: an accepted client, or a data
         connection a relay opened for one (its TLS runs end to end through it)."""
         with self._lock:
-            if self.draining or len(self._conns) >= self.max_connections:
+            victim = None if self.draining else self._make_room(_source_of(sock))
+            if victim is None:
                 sock.close()
                 return
+            if victim is not True:
+                victim.close()  # an idle connection gives way (its thread ends it; no call is lost)
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_TIMEOUT), 0))
@@ -491,6 +522,23 @@ class ShardServer:
                 return
             self._conns.add(conn)
             conn.thread.start()  # under the lock: stop() never sees a connection whose thread has not started
+
+    def _make_room(self, host: str):
+        """Under the lock: may a new connection from ``host`` be served? True if
+        there is room; an idle connection to close first (the source's own when
+        it is at its cap, else one of the source holding most when the peer is
+        full); None to refuse it."""
+        live = [c for c in self._conns if not c.broken]  # ones already closing are on their way out
+        mine = [c for c in live if c.claimant.host == host]
+        if len(mine) >= self.max_connections_per_source:
+            return _longest_idle(mine)
+        if len(live) < self.max_connections:
+            return True
+        for source, _ in Counter(c.claimant.host for c in live).most_common():
+            victim = _longest_idle([c for c in live if c.claimant.host == source])
+            if victim is not None:
+                return victim
+        return None
 
     def take_session_slot(self) -> bool:
         return self._session_slots.acquire(blocking=False)
