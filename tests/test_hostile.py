@@ -671,3 +671,32 @@ def test_idle_connections_do_not_lock_a_peer_out(tmp_path, model_path, reference
             c.close()
         for p in joins + [boot]:
             p.stop()
+
+
+def test_silent_session_calls_do_not_keep_real_sessions_out(tmp_path, model_path, reference):
+    """Issue 12 #2 (sessions of real routes must keep being admitted): Session
+    calls that never send their SessionOpen held a worker each for 10 s, so
+    one source's 16 connections x 32 calls took all 32 and a real route's
+    session was refused. Now a Session takes a worker only once its SessionOpen
+    has come, and silent calls cost their connection only."""
+    from meshnet_p2p.client import connect
+
+    boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"])
+    clients = []
+    try:
+        info = inspect_gguf(model_path)
+        view = trio.run(survey, [addr], info.model_digest, info.source_layers, TrustPolicy.default([addr]))
+        middle = next(s for s in view.certified()[0].spans if s.start == 10)
+        calls = []
+        for _ in range(16):
+            c = connect(middle, 10.0)
+            c.channel._source = ("127.0.0.2", 0)  # the flood comes from its own address
+            clients.append(c)
+            calls += [c.channel.stream("/meshnet.shard.v1.ShardRuntime/Session") for _ in range(32)]
+        result = Client([addr], model_path=model_path, step_timeout=5.0).generate(PROMPT, 16, stop_at_eog=False)
+        assert result.token_ids == reference
+    finally:
+        for c in clients:
+            c.close()
+        for p in joins + [boot]:
+            p.stop()

@@ -229,14 +229,20 @@ def test_sessions_beyond_the_workers_are_refused_not_queued(shard_dir, load_engi
     srv = ShardServer(ShardRuntimeServicer(engine), creds, max_workers=2).start()
     try:
         ch = open_channel(creds.cert_pem, address=("127.0.0.1", srv.port))
-        held = [ch.stream("/meshnet.shard.v1.ShardRuntime/Session") for _ in range(2)]  # each holds a worker
+        client = ShardClient(ch, timeout=20)
+        fp = client.capability().fingerprint
+        held = [client.session(fp, max_tokens=8, timeout=None) for _ in range(2)]  # each opened: holds a worker
         third = ch.stream("/meshnet.shard.v1.ShardRuntime/Session")
+        silent = ch.stream("/meshnet.shard.v1.ShardRuntime/Session")  # no SessionOpen yet: holds no worker
         t0 = time.monotonic()
+        third.send(pb.SessionRequest(open=pb.SessionOpen(session_id="third", fingerprint=fp, max_tokens=8))
+                   .SerializeToString())
         with pytest.raises(ChannelError) as e:
             third.recv(deadline=time.monotonic() + 5)
         assert e.value.code == "UNAVAILABLE" and time.monotonic() - t0 < 3  # refused, so the client can go elsewhere
-        for call in held:
-            call.cancel()
+        for stream in held:
+            stream.close()
+        silent.cancel()
         ch.close()
     finally:
         srv.stop(0)

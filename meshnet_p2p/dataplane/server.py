@@ -46,7 +46,7 @@ _UNARY = {
 }
 _POLL_IN = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
 MAX_CALLS = 32  # concurrent calls per connection (a route opens one Session per peer, plus brief unary calls)
-MAX_WAITING_UNARY = 4  # unary calls per connection whose request has not come yet (they hold no worker)
+MAX_WAITING_CALLS = 4  # calls per connection whose first message has not come yet (they hold no worker)
 FIRST_MESSAGE_TIMEOUT = 10.0  # a call that sends nothing (no SessionOpen, no unary request) this long is ended
 SEND_TIMEOUT = 30.0  # a reply the client's flow-control window never lets out ends the call
 MAX_CONNECTIONS_PER_SOURCE = 16  # per host_group (an IPv4 address, an IPv6 /64); relayed ones share the relay's
@@ -66,9 +66,10 @@ def server_ssl_context(creds: TlsCredentials) -> ssl.SSLContext:
 
 
 class _Call:
-    __slots__ = ("sid", "method", "inbox", "ended", "done", "started")
+    __slots__ = ("sid", "method", "inbox", "ended", "done", "started", "created")
 
     def __init__(self, sid: int, method: str) -> None:
+        self.created = time.monotonic()
         self.sid = sid
         self.method = method
         self.inbox: list[bytes] = []
@@ -253,8 +254,8 @@ class _Connection:
             self.close()
 
     def idle(self) -> bool:
-        """No call runs or waits: closing it loses nothing (handshaking ones too)."""
-        return not self.calls and not self.broken
+        """No call has a worker: closing it loses nothing but silent calls (handshaking ones too)."""
+        return not self.broken and not any(c.started for c in self.calls.values())
 
     def _standby(self) -> None:
         """Read while no handler waits to (so Cancels reach running steps); close
@@ -265,13 +266,32 @@ class _Connection:
                     self.cond.wait()
                 if self.broken:
                     return
-                idle_for = time.monotonic() - self.last_active if not self.calls else None
-                if idle_for is not None and idle_for >= self.server.idle_timeout:
-                    self.h2.close(h2.NO_ERROR, "idle")  # GOAWAY, then hang up
-                    self._write_quietly()
-                    self.broken_locked()
-                    return
-            self._poll_and_read(None if idle_for is None else self.server.idle_timeout - idle_for, standby=True)
+                now = time.monotonic()
+                wake = self._end_silent_calls_locked(now)
+                if self.idle():
+                    if now - self.last_active >= self.server.idle_timeout:
+                        self.h2.close(h2.NO_ERROR, "idle")  # GOAWAY, then hang up
+                        self._write_quietly()
+                        self.broken_locked()
+                        return
+                    wake = min(wake, self.last_active + self.server.idle_timeout)
+            self._poll_and_read(None if wake == float("inf") else wake - now, standby=True)
+
+    def _end_silent_calls_locked(self, now: float) -> float:
+        """End calls whose first message has not come within FIRST_MESSAGE_TIMEOUT;
+        returns when the next one would be due (inf if none waits)."""
+        due, ended = float("inf"), False
+        for call in [c for c in self.calls.values() if not c.started]:
+            if now - call.created >= FIRST_MESSAGE_TIMEOUT:
+                del self.calls[call.sid]
+                self._discard_inbox(call)
+                self.h2.send_trailers(call.sid, h2.DEADLINE_EXCEEDED, f"no request within {FIRST_MESSAGE_TIMEOUT:g} s")
+                ended = True
+            else:
+                due = min(due, call.created + FIRST_MESSAGE_TIMEOUT)
+        if ended:
+            self._write_quietly()
+        return due
 
     def _wait_locked(self, ready, deadline: float | None) -> bool:
         """Under the lock: until ``ready()`` (True) or the deadline (False) or the
@@ -327,17 +347,14 @@ class _Connection:
         if self.server.draining:
             self.h2.send_trailers(ev.stream_id, h2.UNAVAILABLE, "the server is shutting down")
             return
-        waiting_unary = sum(1 for c in self.calls.values() if not c.started)
-        if len(self.calls) >= MAX_CALLS or (method != "Session" and waiting_unary >= MAX_WAITING_UNARY) \
-                or (method == "Session" and not self.server.take_session_slot()):
+        waiting = sum(1 for c in self.calls.values() if not c.started)
+        if len(self.calls) >= MAX_CALLS or waiting >= MAX_WAITING_CALLS:
             # Refused before any work: the client may retry (here later, or on another peer).
             self.h2.reset_stream(ev.stream_id, h2.REFUSED_STREAM)
             return
-        call = self.calls[ev.stream_id] = _Call(ev.stream_id, method)
-        self.last_active = time.monotonic()
-        if method == "Session":
-            self._launch(call)
-        # A unary call waits for its request before it takes a worker: a silent one holds none.
+        self.calls[ev.stream_id] = _Call(ev.stream_id, method)
+        # A call waits for its first message (a Session its SessionOpen) before it takes a
+        # worker: a silent one holds none, and the standby ends it after FIRST_MESSAGE_TIMEOUT.
 
     def _launch(self, call: _Call) -> None:
         """Give a call its handler: Sessions when they open, unary calls once their
@@ -345,7 +362,13 @@ class _Connection:
         Cancel never waits behind Sessions."""
         if call.started:
             return
+        if call.method == "Session" and not self.server.take_session_slot():
+            self.calls.pop(call.sid, None)  # every worker runs a session: refused, never queued
+            self._discard_inbox(call)
+            self.h2.reset_stream(call.sid, h2.REFUSED_STREAM)
+            return
         call.started = True
+        self.last_active = time.monotonic()
         pool = self.server.executor if call.method == "Session" else self.server.unary_executor
         try:
             pool.submit(self._handle, call)
