@@ -16,10 +16,10 @@ import sys
 
 import atheris
 
-with atheris.instrument_imports(include=["meshnet_p2p"]):
+with atheris.instrument_imports(include=["meshnet_p2p", "h2", "hpack", "hyperframe"]):
     from meshnet_p2p._proto import shard_runtime_pb2 as pb
     from meshnet_p2p.capability import TYPES
-    from meshnet_p2p.dataplane import h2
+    from meshnet_p2p.dataplane import grpc_core
     from meshnet_p2p.dataplane.tensors import PayloadError, bundle_from_proto
     from meshnet_p2p.dataplane.tls import TlsBindingError, peer_of_der
     from meshnet_p2p.dht import wire
@@ -103,12 +103,16 @@ def gguf(data: bytes) -> None:
         pass
 
 
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+
+
 def http2(data: bytes) -> None:
-    conn = h2.H2ServerConnection(max_streams=32)
+    conn = grpc_core.server(max_streams=32)
     conn.initiate()
     try:
-        conn.receive_data(h2.PREFACE + data)  # past the preface: frames are what a client controls
-    except h2.H2ProtocolError:
+        conn.receive_data(PREFACE + data)  # past the preface: frames are what a client controls
+        conn.data_to_send()
+    except grpc_core.H2ProtocolError:
         pass
 
 

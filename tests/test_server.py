@@ -17,7 +17,7 @@ import pytest
 
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
 from meshnet_p2p._proto import shard_runtime_pb2_grpc as pb_grpc
-from meshnet_p2p.dataplane import h2
+from meshnet_p2p.dataplane import grpc_core as h2
 from meshnet_p2p.dataplane.channel import ChannelError
 from meshnet_p2p.dataplane.client import ShardClient, open_channel
 from meshnet_p2p.dataplane.server import ShardServer
@@ -25,6 +25,8 @@ from meshnet_p2p.dataplane.servicer import ShardRuntimeServicer
 from meshnet_p2p.dataplane.tensors import bundle_to_proto
 from meshnet_p2p.dataplane.tls import TLS_NAME, make_tls_credentials
 from meshnet_p2p.engine.contract import HIDDEN, Tensor, TensorBundle
+
+from .h2frames import PREFACE, SETTINGS, frame
 
 
 @pytest.fixture
@@ -172,7 +174,7 @@ def test_refused_calls_return_their_window(server):
     srv, creds, engine = server
     sock = _tls_socket(creds, srv.port)
     sock.settimeout(10)
-    c = h2.H2ClientConnection(authority=TLS_NAME)
+    c = h2.client(authority=TLS_NAME)
     c.initiate()
     sock.sendall(c.data_to_send())
 
@@ -284,7 +286,7 @@ def test_a_call_sent_with_the_handshakes_last_message_is_answered(server):
             if outgoing.pending:
                 raw.sendall(outgoing.read())
             incoming.write(raw.recv(65536))
-    c = h2.H2ClientConnection(authority=TLS_NAME)
+    c = h2.client(authority=TLS_NAME)
     c.initiate()
     sid = c.open_stream("/meshnet.shard.v1.ShardRuntime/Health")
     c.send_message(sid, pb.HealthRequest().SerializeToString(), end_stream=True)
@@ -311,7 +313,7 @@ def test_a_connection_without_calls_is_closed_after_the_idle_timeout(shard_dir, 
     srv = ShardServer(ShardRuntimeServicer(engine), creds, idle_timeout=0.5).start()
     try:
         silent = _tls_socket(creds, srv.port)
-        silent.sendall(h2.PREFACE + h2.frame(h2.SETTINGS, 0, 0, b""))
+        silent.sendall(PREFACE + frame(SETTINGS, 0, 0, b""))
         busy = _ours(creds, srv)
         stream = busy.session(busy.capability().fingerprint, max_tokens=8, timeout=None)
         assert _closed_by_server(silent, timeout=10)

@@ -1,7 +1,7 @@
 """A gRPC client channel to one peer, driven from the caller's thread.
 
 One TCP connection (direct, or through a relay's HTTP CONNECT splice), TLS
-that trusts exactly the peer's pinned certificate, and HTTP/2 from ``h2.py``
+that trusts exactly the peer's pinned certificate, and HTTP/2 from ``grpc_core.py``
 on top. Calls block the thread that makes them and do their own I/O: the
 thread waiting for a reply reads the socket itself, so a step's round trip
 involves no other thread. Several threads may share a channel (a step on one,
@@ -27,7 +27,7 @@ from collections import deque
 from typing import Callable
 
 from ..errors import MeshnetError
-from . import h2
+from . import grpc_core
 from .tls import TlsCredentials, decrypt, handshake, load_key_pair
 
 MAX_RELAY_RESPONSE = 8192
@@ -49,13 +49,13 @@ class _Inbox:
 
     def __init__(self) -> None:
         self.messages: deque[bytes] = deque()
-        self.ended: h2.StreamEnded | None = None
+        self.ended: grpc_core.StreamEnded | None = None
 
 
 class Channel:
     def __init__(self, cert_pem: bytes, server_name: str, *, address: tuple[str, int] | None = None,
                  relay: tuple[str, int] | None = None, relay_target: str | None = None,
-                 connect_timeout: float = 10.0, send_timeout: float = 30.0, max_message_bytes: int = h2.MAX_MESSAGE,
+                 connect_timeout: float = 10.0, send_timeout: float = 30.0, max_message_bytes: int = grpc_core.MAX_MESSAGE,
                  client_creds: TlsCredentials | None = None, source_address: tuple[str, int] | None = None) -> None:
         if relay is not None:
             if not relay_target:
@@ -79,7 +79,7 @@ class Channel:
         self._tls: ssl.SSLObject | None = None
         self._tls_in = ssl.MemoryBIO()
         self._tls_out = ssl.MemoryBIO()
-        self._h2: h2.H2ClientConnection | None = None
+        self._wire: grpc_core.GrpcConnection | None = None
         self._poll: select.poll | None = None
         self._reading = False
         self._close_after_read = False  # close() came while a reader may be inside poll(): it closes the fd
@@ -109,8 +109,8 @@ class Channel:
         with self._lock:
             self._check()
             try:
-                sid = self._h2.open_stream(path, timeout=timeout)
-            except h2.H2StreamClosed as e:
+                sid = self._wire.open_stream(path, timeout=timeout)
+            except grpc_core.H2StreamClosed as e:
                 raise ChannelError("UNAVAILABLE", str(e)) from None
             self._inboxes[sid] = _Inbox()
             self._write_quietly()
@@ -120,8 +120,8 @@ class Channel:
     def close(self) -> None:
         with self._connect_lock, self._lock:  # not while a connection is being set up
             if self._broken is None:
-                if self._h2 is not None:
-                    self._h2.close()
+                if self._wire is not None:
+                    self._wire.close()
                     self._write_quietly()
                 self._fail("the channel was closed")  # every open call ends UNAVAILABLE, never as a clean end
             sock = self._sock
@@ -138,10 +138,10 @@ class Channel:
     # --- connection -----------------------------------------------------------------------------
 
     def _connect(self, deadline: float | None) -> None:
-        if self._h2 is not None:
+        if self._wire is not None:
             return
         with self._connect_lock:
-            if self._h2 is not None:
+            if self._wire is not None:
                 return
             if self._broken is not None:
                 raise ChannelError("UNAVAILABLE", self._broken)
@@ -186,11 +186,11 @@ class Channel:
             raise ChannelError("UNAVAILABLE", f"TLS handshake failed: {e.reason or e}") from None
         except ConnectionError as e:
             raise ChannelError("UNAVAILABLE", str(e)) from None
-        conn = h2.H2ClientConnection(authority=self._name, max_message_bytes=self._max_message)
+        conn = grpc_core.client(authority=self._name, max_message_bytes=self._max_message)
         conn.initiate()
         with self._lock:
             self._tls = tls
-            self._h2 = conn
+            self._wire = conn
             self._write_locked()
 
     def _connect_through_relay(self, deadline: float) -> bytes:
@@ -236,7 +236,7 @@ class Channel:
         self._broken = self._broken or why
         for inbox in self._inboxes.values():
             if inbox.ended is None:
-                inbox.ended = h2.StreamEnded(0, h2.UNAVAILABLE, self._broken)
+                inbox.ended = grpc_core.StreamEnded(0, grpc_core.UNAVAILABLE, self._broken)
         self._cond.notify_all()
 
     def _write_quietly(self) -> None:
@@ -251,7 +251,7 @@ class Channel:
             self._fail(f"connection lost: {e}")
 
     def _write_locked(self) -> None:
-        data = self._h2.data_to_send()
+        data = self._wire.data_to_send()
         if data:
             self._tls.write(data)
             self._send_raw(self._tls_out.read())
@@ -303,19 +303,19 @@ class Channel:
             plain = decrypt(self._tls, self._tls_in, data)
             if plain is None:
                 return self._fail("the peer closed the TLS session")
-            events = self._h2.receive_data(plain) if plain else []
+            events = self._wire.receive_data(plain) if plain else []
             for ev in events:
-                if isinstance(ev, h2.Message):
+                if isinstance(ev, grpc_core.Message):
                     inbox = self._inboxes.get(ev.stream_id)
                     if inbox is not None:
                         inbox.messages.append(ev.data)
-                elif isinstance(ev, h2.StreamEnded):
+                elif isinstance(ev, grpc_core.StreamEnded):
                     inbox = self._inboxes.get(ev.stream_id)
                     if inbox is not None and inbox.ended is None:
                         inbox.ended = ev
         except ssl.SSLError as e:  # a record that fails its MAC: someone changed bytes in flight
             return self._fail(f"TLS failure (data altered or corrupt): {e.reason or e}")
-        except h2.H2ProtocolError as e:
+        except grpc_core.H2ProtocolError as e:
             return self._fail(f"HTTP/2 protocol error from the peer: {e}")
         self._write_quietly()  # acks, window updates, and data the peer's window now lets out
 
@@ -340,15 +340,15 @@ class CallStream:
         with ch._lock:
             self._raise_if_ended()
             try:
-                ch._h2.send_message(self.id, message, end_stream=end)
-            except h2.H2StreamClosed:
+                ch._wire.send_message(self.id, message, end_stream=end)
+            except grpc_core.H2StreamClosed:
                 self._raise_if_ended()
                 raise ChannelError("INTERNAL", "the call is closed for sending") from None
             ch._write_quietly()
             self._raise_if_ended()  # the write broke the channel
-            waiting = ch._h2.pending(self.id)
+            waiting = ch._wire.pending(self.id)
         if waiting:  # more than the peer's flow-control window: read until it grants more
-            ch._wait(lambda: not ch._h2.pending(self.id) or self._inbox.ended is not None, self._limit(deadline))
+            ch._wait(lambda: not ch._wire.pending(self.id) or self._inbox.ended is not None, self._limit(deadline))
             with ch._lock:
                 self._raise_if_ended()
 
@@ -368,7 +368,7 @@ class CallStream:
             if inbox.messages:
                 message = inbox.messages.popleft()
                 if ch._broken is None:
-                    ch._h2.consumed(self.id, len(message) + 5)
+                    ch._wire.consumed(self.id, len(message) + 5)
                     ch._write_quietly()
                 return message
             self._raise_if_ended()
@@ -377,14 +377,14 @@ class CallStream:
     def _raise_if_ended(self) -> None:
         ended = self._inbox.ended
         if ended is not None and ended.status != 0:
-            raise ChannelError(h2.GRPC_STATUS.get(ended.status, f"STATUS_{ended.status}"), ended.message)
+            raise ChannelError(grpc_core.GRPC_STATUS.get(ended.status, f"STATUS_{ended.status}"), ended.message)
 
     def end(self) -> None:
         """Half-close: no more requests on this call."""
         ch = self._ch
         with ch._lock:
             if ch._broken is None:
-                ch._h2.end_stream(self.id)
+                ch._wire.end_stream(self.id)
                 ch._write_quietly()
 
     def cancel(self) -> None:
@@ -396,7 +396,7 @@ class CallStream:
                 return
             if ch._broken is None:
                 for message in inbox.messages:
-                    ch._h2.consumed(self.id, len(message) + 5)  # unread, but the window is ours again
-                ch._h2.reset_stream(self.id)
+                    ch._wire.consumed(self.id, len(message) + 5)  # unread, but the window is ours again
+                ch._wire.reset_stream(self.id)
                 ch._write_quietly()
             inbox.messages.clear()  # credited once: a later recv must not credit them again

@@ -32,7 +32,7 @@ from concurrent import futures
 import trio
 
 from .._proto import shard_runtime_pb2 as pb
-from . import h2
+from . import grpc_core
 from .servicer import ShardRuntimeServicer
 from .admission import Claimant, host_group
 from .tls import TlsBindingError, TlsCredentials, client_issuer_pem, decrypt, handshake, load_key_pair, peer_of_der
@@ -79,7 +79,7 @@ class _Call:
 
 
 class _Connection:
-    """One client connection: TLS through a MemoryBIO, HTTP/2 from h2.py, and the
+    """One client connection: TLS through a MemoryBIO, HTTP/2 from grpc_core.py, and the
     reader role passed between the threads that wait on it."""
 
     def __init__(self, server: "ShardServer", sock: socket.socket) -> None:
@@ -89,7 +89,7 @@ class _Connection:
         self.cond = threading.Condition(self.lock)
         self.tls_in, self.tls_out = ssl.MemoryBIO(), ssl.MemoryBIO()
         self.tls = server.ssl_context.wrap_bio(self.tls_in, self.tls_out, server_side=True)
-        self.h2 = h2.H2ServerConnection(max_streams=MAX_CALLS)
+        self.wire = grpc_core.server(max_streams=MAX_CALLS)
         self.calls: dict[int, _Call] = {}
         self.waiters = 0  # handlers waiting for a request or for flow-control window
         self.reading = False  # one of them polls the socket; the others wait to be handed theirs
@@ -107,7 +107,7 @@ class _Connection:
         try:
             self._handshake(time.monotonic() + self.server.handshake_timeout)
             self._standby()
-        except (OSError, ssl.SSLError, h2.H2ProtocolError, TlsBindingError, _Closed):
+        except (OSError, ssl.SSLError, grpc_core.H2ProtocolError, TlsBindingError, _Closed):
             pass  # a client certificate that claims an identity it cannot prove ends here too
         finally:
             self.close()
@@ -130,7 +130,7 @@ class _Connection:
         if client is not None:
             self.claimant = Claimant(self.claimant.host, str(client))
         with self.lock:
-            self.h2.initiate()
+            self.wire.initiate()
             # What came in the same read as the handshake's end (the client's preface,
             # SETTINGS, even a first call) is already in the TLS buffer: handle it now.
             self._feed_locked(b"")
@@ -178,7 +178,7 @@ class _Connection:
         return self.sock.recv(1 << 18)
 
     def _write_locked(self) -> None:
-        data = self.h2.data_to_send()
+        data = self.wire.data_to_send()
         if data and not self.broken:
             self.tls.write(data)
             self._send_raw(self.tls_out.read())
@@ -194,28 +194,28 @@ class _Connection:
         plain = decrypt(self.tls, self.tls_in, data)
         if plain is None:
             raise _Closed()
-        for ev in (self.h2.receive_data(plain) if plain else ()):
-            if isinstance(ev, h2.Message):
+        for ev in (self.wire.receive_data(plain) if plain else ()):
+            if isinstance(ev, grpc_core.Message):
                 call = self.calls.get(ev.stream_id)
                 if call is None or call.ended:  # a refused or finished call: nobody will take it
-                    self.h2.consumed(ev.stream_id, len(ev.data) + 5)
+                    self.wire.consumed(ev.stream_id, len(ev.data) + 5)
                     continue
                 call.inbox.append(ev.data)
                 self._launch(call)
-            elif isinstance(ev, h2.RequestStarted):
+            elif isinstance(ev, grpc_core.RequestStarted):
                 self._start_call(ev)
-            elif isinstance(ev, (h2.RequestEnded, h2.StreamReset)):
+            elif isinstance(ev, (grpc_core.RequestEnded, grpc_core.StreamReset)):
                 call = self.calls.get(ev.stream_id)
                 if call is not None:
                     call.ended = True
-                    if isinstance(ev, h2.StreamReset):  # a cancelled call's unread requests are void
+                    if isinstance(ev, grpc_core.StreamReset):  # a cancelled call's unread requests are void
                         self._discard_inbox(call)
                     self._launch(call)
         self._write_locked()
 
     def _discard_inbox(self, call: _Call) -> None:
         for raw in call.inbox:
-            self.h2.consumed(call.sid, len(raw) + 5)
+            self.wire.consumed(call.sid, len(raw) + 5)
         call.inbox.clear()
 
     def _poll_and_read(self, timeout: float | None, *, standby: bool = False) -> None:
@@ -242,10 +242,10 @@ class _Connection:
                     self._feed_locked(data)
                 finally:
                     self.cond.notify_all()
-        except h2.H2ProtocolError as e:
+        except grpc_core.H2ProtocolError as e:
             with self.cond:
                 try:  # tell the client why before hanging up
-                    self.h2.close(e.code, str(e))
+                    self.wire.close(e.code, str(e))
                     self._write_locked()
                 except (OSError, ssl.SSLError):
                     pass
@@ -270,7 +270,7 @@ class _Connection:
                 wake = self._end_silent_calls_locked(now)
                 if self.idle():
                     if now - self.last_active >= self.server.idle_timeout:
-                        self.h2.close(h2.NO_ERROR, "idle")  # GOAWAY, then hang up
+                        self.wire.close(grpc_core.NO_ERROR, "idle")  # GOAWAY, then hang up
                         self._write_quietly()
                         self.broken_locked()
                         return
@@ -285,7 +285,7 @@ class _Connection:
             if now - call.created >= FIRST_MESSAGE_TIMEOUT:
                 del self.calls[call.sid]
                 self._discard_inbox(call)
-                self.h2.send_trailers(call.sid, h2.DEADLINE_EXCEEDED, f"no request within {FIRST_MESSAGE_TIMEOUT:g} s")
+                self.wire.send_trailers(call.sid, grpc_core.DEADLINE_EXCEEDED, f"no request within {FIRST_MESSAGE_TIMEOUT:g} s")
                 ended = True
             else:
                 due = min(due, call.created + FIRST_MESSAGE_TIMEOUT)
@@ -330,27 +330,27 @@ class _Connection:
             if not call.inbox:
                 return None
             raw = call.inbox.pop(0)
-            self.h2.consumed(call.sid, len(raw) + 5)  # the client may send this much more
+            self.wire.consumed(call.sid, len(raw) + 5)  # the client may send this much more
             self._write_quietly()
             return raw
 
     # --- calls ----------------------------------------------------------------------------------
 
-    def _start_call(self, ev: h2.RequestStarted) -> None:
+    def _start_call(self, ev: grpc_core.RequestStarted) -> None:
         prefix = f"/{_SERVICE}/"
         method = ev.path[len(prefix):] if ev.path.startswith(prefix) else ""
         if method != "Session" and method not in _UNARY:
-            self.h2.send_trailers(ev.stream_id, h2.UNIMPLEMENTED, f"unknown method {ev.path[:128]}")
+            self.wire.send_trailers(ev.stream_id, grpc_core.UNIMPLEMENTED, f"unknown method {ev.path[:128]}")
             return
         if self.broken:
             return
         if self.server.draining:
-            self.h2.send_trailers(ev.stream_id, h2.UNAVAILABLE, "the server is shutting down")
+            self.wire.send_trailers(ev.stream_id, grpc_core.UNAVAILABLE, "the server is shutting down")
             return
         waiting = sum(1 for c in self.calls.values() if not c.started)
         if len(self.calls) >= MAX_CALLS or waiting >= MAX_WAITING_CALLS:
             # Refused before any work: the client may retry (here later, or on another peer).
-            self.h2.reset_stream(ev.stream_id, h2.REFUSED_STREAM)
+            self.wire.reset_stream(ev.stream_id, grpc_core.REFUSED_STREAM)
             return
         self.calls[ev.stream_id] = _Call(ev.stream_id, method)
         # A call waits for its first message (a Session its SessionOpen) before it takes a
@@ -365,7 +365,7 @@ class _Connection:
         if call.method == "Session" and not self.server.take_session_slot():
             self.calls.pop(call.sid, None)  # every worker runs a session: refused, never queued
             self._discard_inbox(call)
-            self.h2.reset_stream(call.sid, h2.REFUSED_STREAM)
+            self.wire.reset_stream(call.sid, grpc_core.REFUSED_STREAM)
             return
         call.started = True
         self.last_active = time.monotonic()
@@ -377,7 +377,7 @@ class _Connection:
                 self.server.release_session_slot()
             self.calls.pop(call.sid, None)
             self._discard_inbox(call)
-            self.h2.send_trailers(call.sid, h2.UNAVAILABLE, "the server is shutting down")
+            self.wire.send_trailers(call.sid, grpc_core.UNAVAILABLE, "the server is shutting down")
 
     def _handle(self, call: _Call) -> None:
         try:
@@ -386,7 +386,7 @@ class _Connection:
             else:
                 self._unary(call)
         except Exception as e:  # a bug must end this call, not the connection or the peer
-            self.finish(call, h2.INTERNAL, f"{type(e).__name__}: {e}")
+            self.finish(call, grpc_core.INTERNAL, f"{type(e).__name__}: {e}")
         finally:
             if call.method == "Session":
                 self.server.release_session_slot()
@@ -402,14 +402,14 @@ class _Connection:
     def _unary(self, call: _Call) -> None:
         raw = self.next_request(call, FIRST_MESSAGE_TIMEOUT)  # here already, unless it ended empty
         if raw is None:
-            return self.finish(call, h2.INTERNAL, "no request message")
+            return self.finish(call, grpc_core.INTERNAL, "no request message")
         try:
             request = _UNARY[call.method].FromString(raw)
         except Exception:
-            return self.finish(call, h2.INTERNAL, "a malformed request")
+            return self.finish(call, grpc_core.INTERNAL, "a malformed request")
         reply = getattr(self.server.servicer, call.method)(request, self)  # the connection: who asks
         self.send(call, reply.SerializeToString())
-        self.finish(call, h2.OK, "")
+        self.finish(call, grpc_core.OK, "")
 
     def _session(self, call: _Call) -> None:
         silent = []
@@ -427,14 +427,14 @@ class _Connection:
                 try:
                     yield pb.SessionRequest.FromString(raw)
                 except Exception:
-                    self.finish(call, h2.INTERNAL, "a malformed SessionRequest")
+                    self.finish(call, grpc_core.INTERNAL, "a malformed SessionRequest")
                     return
 
         for response in self.server.servicer.Session(requests(), self):
             self.send(call, response.SerializeToString())
         if silent:
-            return self.finish(call, h2.DEADLINE_EXCEEDED, f"no SessionOpen within {FIRST_MESSAGE_TIMEOUT:g} s")
-        self.finish(call, h2.OK, "")
+            return self.finish(call, grpc_core.DEADLINE_EXCEEDED, f"no SessionOpen within {FIRST_MESSAGE_TIMEOUT:g} s")
+        self.finish(call, grpc_core.OK, "")
 
     def send(self, call: _Call, message: bytes) -> None:
         """Send one reply; if the client's flow-control window holds it back, wait
@@ -443,15 +443,15 @@ class _Connection:
             if self.broken or call.done:
                 return
             try:
-                self.h2.send_message(call.sid, message)
-            except h2.H2StreamClosed:
+                self.wire.send_message(call.sid, message)
+            except grpc_core.H2StreamClosed:
                 call.ended = True
                 return
             self._write_quietly()
-            if not self._wait_locked(lambda: not self.h2.pending(call.sid),  # a reset call has nothing pending
+            if not self._wait_locked(lambda: not self.wire.pending(call.sid),  # a reset call has nothing pending
                                      time.monotonic() + SEND_TIMEOUT):
                 call.ended = True
-                self.h2.reset_stream(call.sid, h2.CANCEL)
+                self.wire.reset_stream(call.sid, grpc_core.CANCEL)
                 self._write_quietly()
 
     def finish(self, call: _Call, status: int, message: str) -> None:
@@ -459,7 +459,7 @@ class _Connection:
             if self.broken or call.done:
                 return
             call.done = True
-            self.h2.send_trailers(call.sid, status, message)
+            self.wire.send_trailers(call.sid, status, message)
             self._write_quietly()
 
 
