@@ -14,3 +14,17 @@ SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 4, 5
 def frame(ftype: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     n = len(payload)
     return struct.pack(">BHBBI", n >> 16, n & 0xFFFF, ftype, flags, stream_id) + bytes(payload)
+
+
+def frames(data: bytes) -> list[tuple[int, int, int, bytes]]:
+    """Split bytes (after an optional client preface) into (type, flags, stream, payload);
+    a partial frame at the end is left out."""
+    out, pos = [], len(PREFACE) if data.startswith(PREFACE) else 0
+    while pos + 9 <= len(data):
+        n = int.from_bytes(data[pos:pos + 3], "big")
+        if pos + 9 + n > len(data):
+            break
+        sid = int.from_bytes(data[pos + 5:pos + 9], "big") & 0x7FFFFFFF
+        out.append((data[pos + 3], data[pos + 4], sid, data[pos + 9:pos + 9 + n]))
+        pos += 9 + n
+    return out

@@ -20,6 +20,7 @@ from meshnet_p2p.dataplane.grpc_core import (
 )
 
 from .h2frames import (
+    ACK,
     CONTINUATION,
     DATA,
     END_HEADERS,
@@ -309,7 +310,8 @@ class FakeClient:
 def served() -> tuple[h2.GrpcConnection, FakeClient]:
     s = h2.server(max_message_bytes=1000, max_streams=2)
     s.initiate()
-    assert [f[0] for f in FakeServer.frames(s.data_to_send())] == [SETTINGS, WINDOW_UPDATE]
+    # the second SETTINGS lowers the stream limit once acknowledged (grpc_core.PRE_SETTINGS_STREAMS)
+    assert [f[0] for f in FakeServer.frames(s.data_to_send())] == [SETTINGS, SETTINGS, WINDOW_UPDATE]
     assert s.receive_data(PREFACE + frame(SETTINGS, 0, 0)) == []
     s.data_to_send()
     return s, FakeClient()
@@ -387,8 +389,12 @@ def test_requests_beyond_the_stream_limit_and_non_grpc_requests_are_refused():
     s, c = served()
     s.receive_data(c.request(1) + c.request(3))
     s.data_to_send()
-    with pytest.raises(H2ProtocolError):  # past the advertised limit: h2 ends the connection (RFC 9113 5.1.2)
-        s.receive_data(c.request(5))
+    # before the client acknowledges our SETTINGS it may not know the limit: refused stream by stream
+    assert s.receive_data(c.request(5)) == []
+    assert FakeServer.frames(s.data_to_send()) == [(RST_STREAM, 0, 5, struct.pack(">I", h2.REFUSED_STREAM))]
+    s.receive_data(frame(SETTINGS, ACK, 0) + frame(SETTINGS, ACK, 0))  # both of ours
+    with pytest.raises(H2ProtocolError):  # then past the limit, h2 ends the connection (RFC 9113 5.1.2)
+        s.receive_data(c.request(7))
     assert [f[0] for f in FakeServer.frames(s.data_to_send())] == [GOAWAY]
     s2, c2 = served()
     block = c2.enc.encode([(":method", "GET"), (":path", "/"), (":scheme", "https"), (":authority", "x")])

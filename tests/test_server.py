@@ -197,7 +197,12 @@ def test_refused_calls_return_their_window(server):
     drain(True)  # the server's SETTINGS and its connection window
     body = bytes(16000)
     for _ in range(h2.CONNECTION_WINDOW // len(body) + 200):  # more than the connection's window in all
-        sid = c.open_stream("/meshnet.shard.v1.ShardRuntime/NoSuchMethod")
+        for _ in range(100):  # h2 keeps to the server's stream limit: wait for answers to free one
+            try:
+                sid = c.open_stream("/meshnet.shard.v1.ShardRuntime/NoSuchMethod")
+                break
+            except h2.H2StreamClosed:
+                drain(True)
         c.send_message(sid, body, end_stream=True)
         assert not c.pending(sid), "the server stopped crediting: refused calls leaked its window"
         sock.sendall(c.data_to_send())
@@ -216,9 +221,13 @@ def test_silent_unary_calls_hold_no_worker_and_end_with_their_connection(server)
     other = _ours(creds, srv)
     t0 = time.monotonic()
     assert other.health().serving and time.monotonic() - t0 < 3
+    fifth = ch.stream("/meshnet.shard.v1.ShardRuntime/Health")
     with pytest.raises(ChannelError) as e:  # a fifth waiting one on that connection is refused at once
-        ch.unary("/meshnet.shard.v1.ShardRuntime/Health", pb.HealthRequest().SerializeToString(), timeout=5)
+        fifth.recv(deadline=time.monotonic() + 5)
     assert e.value.code == "UNAVAILABLE" and time.monotonic() - t0 < 5
+    # a call whose request comes is no silent one: served on that connection still
+    assert pb.HealthReport.FromString(
+        ch.unary("/meshnet.shard.v1.ShardRuntime/Health", pb.HealthRequest().SerializeToString(), timeout=5)).serving
     assert len(silent) == 4
     ch.close()  # the connection goes with its four silent calls
     other.close()
@@ -346,3 +355,83 @@ def test_one_source_holds_a_bounded_share_of_connections_and_idle_ones_give_way(
             s.close()
     finally:
         srv.stop(0)
+
+
+def _frames_until_closed(sock, timeout: float = 10, answer_pings: bool = False) -> tuple[list, bool]:
+    """Read a raw connection's frames until the server closes it (True) or
+    ``timeout`` passes (False); optionally acking each PING as a live client does."""
+    from .h2frames import ACK, PING, frames
+
+    deadline, data, seen = time.monotonic() + timeout, b"", 0
+    while time.monotonic() < deadline:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            break
+        except (ConnectionError, ssl.SSLError):
+            return frames(data), True
+        if not chunk:
+            return frames(data), True
+        data += chunk
+        got = frames(data)
+        if answer_pings:
+            for ftype, flags, _, payload in got[seen:]:
+                if ftype == PING and not flags & ACK:
+                    sock.sendall(frame(PING, ACK, 0, payload))
+        seen = len(got)
+    return frames(data), False
+
+
+def test_keepalive_pings_close_a_connection_whose_client_vanished(shard_dir, load_engine):
+    """Issue 12 #2: a client that vanished without a FIN (power loss, a dead
+    route) kept its connection and its calls for ever. A connection with calls
+    that has been silent is now sent a PING, and closed if no answer comes; one
+    whose client answers is kept."""
+    from .h2frames import END_HEADERS, GOAWAY, HEADERS, PING
+
+    engine = load_engine(shard_dir[(10, 20)])
+    creds = make_tls_credentials()
+    srv = ShardServer(ShardRuntimeServicer(engine), creds, keepalive=0.2, keepalive_timeout=0.5).start()
+    try:
+        def with_a_call() -> ssl.SSLSocket:
+            import hpack
+
+            sock = _tls_socket(creds, srv.port)
+            block = hpack.Encoder().encode([(":method", "POST"), (":scheme", "https"), (":authority", TLS_NAME),
+                                            (":path", "/meshnet.shard.v1.ShardRuntime/Session"),
+                                            ("content-type", "application/grpc"), ("te", "trailers")])
+            sock.sendall(PREFACE + frame(SETTINGS, 0, 0) + frame(HEADERS, END_HEADERS, 1, block))
+            return sock
+
+        vanished, alive = with_a_call(), with_a_call()
+        answered: list = []
+        t = threading.Thread(target=lambda: answered.append(_frames_until_closed(alive, timeout=3.0, answer_pings=True)))
+        t.start()
+        got, closed = _frames_until_closed(vanished, answer_pings=False)
+        assert closed and [f[0] for f in got if f[0] in (PING, GOAWAY)][-2:] == [PING, GOAWAY]
+        t.join(10)
+        got, closed = answered[0]
+        assert not closed and sum(1 for f in got if f[0] == PING) >= 2  # pinged, answered, kept
+        vanished.close()
+        alive.close()
+    finally:
+        srv.stop(0)
+
+
+def test_a_stopping_server_says_goaway_last(shard_dir, load_engine):
+    """Issue 12 #1 (GOAWAY on drain): h2 takes nothing after a GOAWAY, so the
+    server refuses new calls while draining, lets running ones finish, and
+    sends GOAWAY(NO_ERROR) as each connection's last frame."""
+    from .h2frames import GOAWAY
+
+    engine = load_engine(shard_dir[(10, 20)])
+    creds = make_tls_credentials()
+    srv = ShardServer(ShardRuntimeServicer(engine), creds).start()
+    sock = _tls_socket(creds, srv.port)
+    sock.sendall(PREFACE + frame(SETTINGS, 0, 0))
+    assert _ours(creds, srv).health().serving  # the server is up and has read our preface by now
+    srv.stop(0)
+    got, closed = _frames_until_closed(sock)
+    sock.close()
+    assert closed and got[-1][0] == GOAWAY and got[-1][3][4:8] == b"\x00\x00\x00\x00"

@@ -63,6 +63,10 @@ MAX_MESSAGE = 20 << 20
 CREDIT_STEP = 1 << 20
 MAX_HEADER_LIST = 16 << 10  # decoded, as advertised in our SETTINGS (h2 ends the connection past it)
 MAX_STREAMS = 100  # concurrent calls a server takes per connection, advertised
+# Past the advertised limit h2 ends the whole connection; but a client may open
+# streams before it has our SETTINGS (h2load opens 100 at once), so until it
+# acknowledges them h2 allows this many, and we refuse the excess stream by stream.
+PRE_SETTINGS_STREAMS = 128
 _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 
 # What a peer may send that costs us work and it nothing: (burst, per second).
@@ -150,20 +154,31 @@ Event = Message | StreamEnded | ConnectionEnded | RequestStarted | RequestEnded 
 
 
 class Budget:
-    """A token bucket: ``spend`` says whether one more is within it."""
+    """A token bucket: ``spend`` says whether one more is within it; ``charge``
+    takes one regardless, into debt, and ``debt_s`` says how long it lasts."""
 
     __slots__ = ("tokens", "burst", "rate", "at")
 
     def __init__(self, burst: int, rate: float, now: float) -> None:
         self.tokens, self.burst, self.rate, self.at = float(burst), burst, rate, now
 
+    def level(self, now: float) -> float:
+        return min(self.burst, self.tokens + (now - self.at) * self.rate)
+
     def spend(self, now: float) -> bool:
-        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
-        self.at = now
+        self.tokens, self.at = self.level(now), now
         if self.tokens < 1:
             return False
         self.tokens -= 1
         return True
+
+    def charge(self, now: float) -> None:
+        """Spend one even without it: the debt (at most one burst) is paid back first."""
+        self.tokens, self.at = max(-self.burst, self.level(now) - 1), now
+
+    def debt_s(self, now: float) -> float:
+        """Seconds until the bucket is out of debt (0 if it is not in debt)."""
+        return max(0.0, -self.level(now) / self.rate)
 
 
 @dataclass
@@ -209,7 +224,8 @@ class GrpcConnection:
             h2.settings.SettingCodes.ENABLE_PUSH: 0,
             h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: RECEIVE_WINDOW,
             h2.settings.SettingCodes.MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST,
-            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: max_streams if not client_side else MAX_STREAMS,
+            h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: MAX_STREAMS if client_side else
+            max(max_streams, PRE_SETTINGS_STREAMS),
         })
         conn.decoder.max_header_list_size = MAX_HEADER_LIST
         self._streams: dict[int, _Stream] = {}
@@ -224,6 +240,8 @@ class GrpcConnection:
 
     def initiate(self) -> None:
         self._h2.initiate_connection()
+        if not self.client_side and self.max_streams < PRE_SETTINGS_STREAMS:  # in force once acknowledged
+            self._h2.update_settings({h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS: self.max_streams})
         self._h2.increment_flow_control_window(CONNECTION_WINDOW - DEFAULT_WINDOW)
 
     def data_to_send(self) -> bytes:
@@ -273,6 +291,16 @@ class GrpcConnection:
         st.trailers = (status, message[:1024])
         st.end_after_outbox = True
         self._flush(st)
+
+    def refuse(self, stream_id: int) -> None:
+        """Server: refuse a call before any work (REFUSED_STREAM: safe to retry).
+        Refusals spend the peer's reset budget: opening calls only to have them
+        refused is a rapid reset too. Over budget, :class:`H2ProtocolError`."""
+        self.reset_stream(stream_id, REFUSED_STREAM)
+        try:
+            self._spend("reset")
+        except _Refused as e:
+            self._fail(e.code, str(e))
 
     def reset_stream(self, stream_id: int, code: int = CANCEL) -> None:
         if self._drop(stream_id) is not None and not self.closed:
@@ -491,9 +519,8 @@ class GrpcConnection:
         if isinstance(ev, h2.events.TrailersReceived):  # gRPC requests have none: they just end the request
             return
         st = self._streams[sid] = _Stream(sid)
-        if self.open_calls() > self.max_streams:
-            self._spend("reset")
-            return self.reset_stream(sid, REFUSED_STREAM)
+        if self.open_calls() > self.max_streams:  # before the client has our SETTINGS
+            return self.refuse(sid)
         path = fields.get(":path", "")
         if fields.get(":method") != "POST" or not path.startswith("/") or \
                 not fields.get("content-type", "").startswith("application/grpc"):

@@ -33,6 +33,7 @@ import trio
 
 from .._proto import shard_runtime_pb2 as pb
 from . import grpc_core
+from .fair_pool import FairPool
 from .servicer import ShardRuntimeServicer
 from .admission import Claimant, host_group
 from .tls import TlsBindingError, TlsCredentials, client_issuer_pem, decrypt, handshake, load_key_pair, peer_of_der
@@ -51,6 +52,14 @@ FIRST_MESSAGE_TIMEOUT = 10.0  # a call that sends nothing (no SessionOpen, no un
 SEND_TIMEOUT = 30.0  # a reply the client's flow-control window never lets out ends the call
 MAX_CONNECTIONS_PER_SOURCE = 16  # per host_group (an IPv4 address, an IPv6 /64); relayed ones share the relay's
 IDLE_CONNECTION_S = 60.0  # a connection with no call for this long is closed (GOAWAY)
+KEEPALIVE_S = 20.0  # a connection with calls but nothing heard for this long is sent a PING...
+KEEPALIVE_TIMEOUT_S = 10.0  # ...and closed if the answer takes longer (a client that vanished)
+UNARY_WORKERS = 4
+# Calls one source may start per second (a burst of twice that): past it, its
+# connections are read no sooner than its budget allows, so TCP holds back a
+# flood of cheap calls at no CPU to us, and other sources' calls get read.
+CALLS_PER_SOURCE_PER_S = 200.0
+UNARY_QUEUE_PER_SOURCE = 64  # unary calls one source may have waiting for a worker
 
 
 def server_ssl_context(creds: TlsCredentials) -> ssl.SSLContext:
@@ -100,6 +109,7 @@ class _Connection:
         # Who is asking, for admission (admission.py): set once the TLS handshake proves it.
         self.claimant = Claimant(_source_of(sock), None)
         self.last_active = time.monotonic()  # when a call last started or ended (idle connections close)
+        self.ping_sent: float | None = None  # when an unanswered keepalive PING went out
 
     # --- life cycle -----------------------------------------------------------------------------
 
@@ -210,8 +220,26 @@ class _Connection:
                     call.ended = True
                     if isinstance(ev, grpc_core.StreamReset):  # a cancelled call's unread requests are void
                         self._discard_inbox(call)
+                        if not call.started:  # never took a worker: nothing runs for it (rapid reset)
+                            del self.calls[call.sid]
+                            continue
                     self._launch(call)
+            elif isinstance(ev, grpc_core.PingAcked):
+                self.ping_sent = None
+        self._refuse_excess_waiting()
         self._write_locked()
+
+    def _refuse_excess_waiting(self) -> None:
+        """Calls whose first message did not come in the same read as their
+        headers wait, at most MAX_WAITING_CALLS per connection; newer ones are
+        refused. Counted once a read is handled, so a client that sends many
+        calls' headers before their messages (pipelining, as h2load does) is not
+        mistaken for a silent one."""
+        waiting = sorted(c.sid for c in self.calls.values() if not c.started)
+        for sid in waiting[MAX_WAITING_CALLS:]:
+            call = self.calls.pop(sid)
+            self._discard_inbox(call)
+            self.wire.refuse(sid)
 
     def _discard_inbox(self, call: _Call) -> None:
         for raw in call.inbox:
@@ -275,6 +303,10 @@ class _Connection:
                         self.broken_locked()
                         return
                     wake = min(wake, self.last_active + self.server.idle_timeout)
+                pause = self.server.read_pause(self.claimant.host)
+                if pause > 0:  # its source has started more calls than its budget: read later
+                    self.cond.wait(min(wake - now, pause))
+                    continue
             self._poll_and_read(None if wake == float("inf") else wake - now, standby=True)
 
     def _end_silent_calls_locked(self, now: float) -> float:
@@ -307,6 +339,10 @@ class _Connection:
                     return False
                 if self.reading:
                     self.cond.wait(remaining)
+                    continue
+                pause = self.server.read_pause(self.claimant.host)
+                if pause > 0:  # the source's call budget is spent: read later
+                    self.cond.wait(pause if remaining is None else min(pause, remaining))
                     continue
                 self.reading = True
                 self.lock.release()
@@ -347,10 +383,10 @@ class _Connection:
         if self.server.draining:
             self.wire.send_trailers(ev.stream_id, grpc_core.UNAVAILABLE, "the server is shutting down")
             return
-        waiting = sum(1 for c in self.calls.values() if not c.started)
-        if len(self.calls) >= MAX_CALLS or waiting >= MAX_WAITING_CALLS:
+        self.server.charge_call(self.claimant.host)
+        if len(self.calls) >= MAX_CALLS:
             # Refused before any work: the client may retry (here later, or on another peer).
-            self.wire.reset_stream(ev.stream_id, grpc_core.REFUSED_STREAM)
+            self.wire.refuse(ev.stream_id)
             return
         self.calls[ev.stream_id] = _Call(ev.stream_id, method)
         # A call waits for its first message (a Session its SessionOpen) before it takes a
@@ -365,13 +401,19 @@ class _Connection:
         if call.method == "Session" and not self.server.take_session_slot():
             self.calls.pop(call.sid, None)  # every worker runs a session: refused, never queued
             self._discard_inbox(call)
-            self.wire.reset_stream(call.sid, grpc_core.REFUSED_STREAM)
+            self.wire.refuse(call.sid)
             return
         call.started = True
         self.last_active = time.monotonic()
-        pool = self.server.executor if call.method == "Session" else self.server.unary_executor
         try:
-            pool.submit(self._handle, call)
+            if call.method == "Session":
+                self.server.executor.submit(self._handle, call)
+            elif not self.server.unary_executor.submit(self.claimant.host, lambda: self._handle(call)):
+                call.started = False  # its source has a full queue: this call is refused, not queued
+                self.calls.pop(call.sid, None)
+                self._discard_inbox(call)
+                self.wire.send_trailers(call.sid, grpc_core.RESOURCE_EXHAUSTED,
+                                        f"over {UNARY_QUEUE_PER_SOURCE} calls from your address wait already")
         except RuntimeError:  # the pool is shut down
             if call.method == "Session":
                 self.server.release_session_slot()
@@ -484,20 +526,27 @@ class ShardServer:
     def __init__(self, servicer: ShardRuntimeServicer, creds: TlsCredentials, *, host: str = "127.0.0.1",
                  port: int = 0, max_workers: int = 32, max_connections: int = 64,
                  max_connections_per_source: int = MAX_CONNECTIONS_PER_SOURCE, handshake_timeout: float = 10.0,
-                 idle_timeout: float = IDLE_CONNECTION_S) -> None:
+                 idle_timeout: float = IDLE_CONNECTION_S, keepalive: float = KEEPALIVE_S,
+                 keepalive_timeout: float = KEEPALIVE_TIMEOUT_S) -> None:
         self.servicer = servicer
         self.ssl_context = server_ssl_context(creds)
         self.executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shard-rpc")
         self._session_slots = threading.BoundedSemaphore(max_workers)  # a Session never queues for a worker
-        self.unary_executor = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="shard-rpc-unary")
+        # Unary calls have workers of their own, shared between sources in turn: a
+        # Cancel never waits behind Sessions, nor one source's calls behind another's flood.
+        self.unary_executor = FairPool(UNARY_WORKERS, per_source=UNARY_QUEUE_PER_SOURCE, name="shard-rpc-unary")
         self.max_connections = max_connections
         self.max_connections_per_source = max_connections_per_source
         self.idle_timeout = idle_timeout
+        self.keepalive = keepalive
+        self.keepalive_timeout = keepalive_timeout
         self.handshake_timeout = handshake_timeout
         self.draining = False
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._conns: set[_Connection] = set()
+        self._call_budgets: dict[str, grpc_core.Budget] = {}  # per source (spend_call)
+        self._budget_lock = threading.Lock()
         self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.host = host
         self.port = self._listener.getsockname()[1]
@@ -514,10 +563,14 @@ class ShardServer:
         poller = select.poll()
         poller.register(self._listener, select.POLLIN)
         poller.register(self._stop_r, select.POLLIN)
+        tick = max(1, int(min(self.keepalive, self.keepalive_timeout) * 250))  # ms: a quarter of the shorter
         while True:
-            ready = dict(poller.poll(-1))
+            ready = dict(poller.poll(tick))
             if self._stop_r in ready:
                 return
+            self._keepalive()
+            if self._listener.fileno() not in ready:
+                continue
             try:
                 sock, _ = self._listener.accept()
             except OSError as e:
@@ -563,6 +616,50 @@ class ShardServer:
                 return victim
         return None
 
+    def _keepalive(self) -> None:
+        """PING connections with calls that have been silent; close those whose
+        answer never came (a client that vanished without a FIN: its sessions
+        would otherwise wait for it until admission reclaims them)."""
+        now = time.monotonic()
+        with self._lock:
+            conns = [c for c in self._conns if not c.broken and c.calls]
+        for c in conns:
+            if not c.lock.acquire(timeout=0.05):  # busy: a handler is sending, so it is not silent
+                continue
+            try:
+                if c.ping_sent is not None:
+                    if now - c.ping_sent >= self.keepalive_timeout:
+                        c.wire.close(grpc_core.NO_ERROR, "no answer to keepalive")
+                        c._write_quietly()
+                        c.broken_locked()
+                elif now - c.wire.last_received >= self.keepalive:
+                    c.ping_sent = now
+                    c.wire.ping()
+                    c._write_quietly()
+            finally:
+                c.lock.release()
+
+    def charge_call(self, host: str) -> None:
+        """A call started by ``host``: it spends one of its source's budget, into
+        debt if need be (the calls of one read all count). Called under a
+        connection's lock: takes only its own lock, never the server's."""
+        now = time.monotonic()
+        with self._budget_lock:
+            budget = self._call_budgets.get(host)
+            if budget is None:
+                if len(self._call_budgets) >= 4 * self.max_connections:  # forget sources quiet long enough to be full
+                    self._call_budgets = {h: b for h, b in self._call_budgets.items() if b.level(now) < b.burst}
+                budget = self._call_budgets[host] = grpc_core.Budget(int(2 * CALLS_PER_SOURCE_PER_S),
+                                                                     CALLS_PER_SOURCE_PER_S, now)
+            budget.charge(now)
+
+    def read_pause(self, host: str) -> float:
+        """How long ``host``'s connections wait before their next read: until its
+        budget is out of debt (0 if it is not in debt)."""
+        with self._budget_lock:
+            budget = self._call_budgets.get(host)
+            return 0.0 if budget is None else budget.debt_s(time.monotonic())
+
     def take_session_slot(self) -> bool:
         return self._session_slots.acquire(blocking=False)
 
@@ -591,8 +688,15 @@ class ShardServer:
         with self._changed:  # running calls get ``grace`` to finish (each call's end notifies)
             self._changed.wait_for(lambda: not any(x.started for c in self._conns for x in c.calls.values()), grace or 0)
             conns = list(self._conns)
+        for c in conns:  # GOAWAY last, once calls are over (h2 takes nothing after it): who may retry what
+            if c.lock.acquire(timeout=0.2):  # not behind a send blocked on a client that stopped reading
+                try:
+                    c.wire.close(grpc_core.NO_ERROR, "the server is shutting down")
+                    c._write_quietly()
+                finally:
+                    c.lock.release()
         for c in conns:
-            c.shutdown_socket()  # first, without its lock: a send blocked on a client that stopped reading returns now
+            c.shutdown_socket()  # without its lock: a send blocked on a client that stopped reading returns now
         for c in conns:
             c.close()
         self.executor.shutdown(wait=True)
