@@ -488,3 +488,12 @@ def test_a_grpc_timeout_that_is_not_ascii_digits_is_ignored():
     s, c = served()
     assert s.receive_data(c.request(1, **{"grpc-timeout": "\u00b2S"})) == \
         [h2.RequestStarted(1, "/meshnet.shard.v1.ShardRuntime/Session", None)]
+
+
+def test_a_received_frame_is_never_serialized_again_for_a_log_line():
+    """h2 evaluates repr(frame) for a trace line on every frame it receives, logging
+    on or not; hyperframe's repr re-serializes and hex-dumps the body. Ours is short."""
+    from hyperframe.frame import DataFrame
+
+    f = DataFrame(1, b"x" * 16384)
+    assert repr(f) == "DataFrame(stream_id=1, flags=[])"
