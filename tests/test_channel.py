@@ -228,7 +228,7 @@ def test_opening_a_call_on_a_connection_the_peer_dropped_is_a_channel_error(grpc
     ChannelError (which failover catches), never a raw OSError."""
     ch = channel(grpc_server)
     assert ch.unary("/t.Svc/Big", b"256", timeout=10)
-    ch._sock.shutdown(socket.SHUT_WR)  # as if the connection died under us
+    ch.sock.shutdown(socket.SHUT_WR)  # as if the connection died under us
     with pytest.raises(ChannelError) as e:
         ch.stream("/t.Svc/Echo")
     assert e.value.code == "UNAVAILABLE"

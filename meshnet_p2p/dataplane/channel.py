@@ -1,23 +1,20 @@
 """A gRPC client channel to one peer, driven from the caller's thread.
 
 One TCP connection (direct, or through a relay's HTTP CONNECT splice), TLS
-that trusts exactly the peer's pinned certificate, and HTTP/2 from ``grpc_core.py``
-on top. Calls block the thread that makes them and do their own I/O: the
+that trusts exactly the peer's pinned certificate, and gRPC on the shared
+driver (driver.py: TLS through MemoryBIOs, the h2-based core, the reader
+role). Calls block the thread that makes them and do their own I/O: the
 thread waiting for a reply reads the socket itself, so a step's round trip
 involves no other thread. Several threads may share a channel (a step on one,
-an out-of-band Cancel on another): whoever waits becomes the reader while no
-one else is reading, and hands each stream what arrived for it.
+an out-of-band Cancel on another): whoever waits reads for everyone.
 
-TLS runs through ``ssl.MemoryBIO`` so that the SSL object and the HTTP/2
-state are only ever touched under one lock, and socket writes happen in the
-order TLS produced them. Every wait has a deadline; a peer that stops
-answering (SIGSTOP, a dead route) surfaces as ``DEADLINE_EXCEEDED`` instead
-of a hang. A broken channel stays broken: callers open a new one.
+Every wait has a deadline; a peer that stops answering (SIGSTOP, a dead
+route) surfaces as ``DEADLINE_EXCEEDED`` instead of a hang. A broken channel
+stays broken: callers open a new one.
 """
 
 from __future__ import annotations
 
-import select
 import socket
 import ssl
 import struct
@@ -28,10 +25,10 @@ from typing import Callable
 
 from ..errors import MeshnetError
 from . import grpc_core
-from .tls import TlsCredentials, decrypt, handshake, load_key_pair
+from .driver import READ_SIZE, Driver
+from .tls import TlsCredentials, handshake, load_key_pair
 
 MAX_RELAY_RESPONSE = 8192
-_POLL_IN = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
 
 
 class ChannelError(MeshnetError):
@@ -52,7 +49,7 @@ class _Inbox:
         self.ended: grpc_core.StreamEnded | None = None
 
 
-class Channel:
+class Channel(Driver):
     def __init__(self, cert_pem: bytes, server_name: str, *, address: tuple[str, int] | None = None,
                  relay: tuple[str, int] | None = None, relay_target: str | None = None,
                  connect_timeout: float = 10.0, send_timeout: float = 30.0, max_message_bytes: int = grpc_core.MAX_MESSAGE,
@@ -62,6 +59,7 @@ class Channel:
                 raise ValueError("a relayed channel needs the CONNECT target")
         elif address is None:
             raise ValueError("a direct channel needs an address")
+        super().__init__()
         self._cert = cert_pem
         self._client_creds = client_creds  # our identity-bound certificate (mutual TLS); None: anonymous
         self._source = source_address  # the local address to connect from (multi-homed hosts, tests)
@@ -72,25 +70,14 @@ class Channel:
         self.connect_timeout = connect_timeout
         self._send_timeout = send_timeout
         self._max_message = max_message_bytes
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
         self._connect_lock = threading.Lock()
-        self._sock: socket.socket | None = None
-        self._tls: ssl.SSLObject | None = None
-        self._tls_in = ssl.MemoryBIO()
-        self._tls_out = ssl.MemoryBIO()
-        self._wire: grpc_core.GrpcConnection | None = None
-        self._poll: select.poll | None = None
-        self._reading = False
-        self._close_after_read = False  # close() came while a reader may be inside poll(): it closes the fd
-        self._broken: str | None = None
         self._inboxes: dict[int, _Inbox] = {}
 
     # --- calls ----------------------------------------------------------------------------------
 
     def unary(self, path: str, request: bytes, *, timeout: float) -> bytes:
         deadline = time.monotonic() + timeout
-        stream = self.stream(path, timeout=timeout)
+        stream = self.stream(path, timeout=timeout, with_first_message=True)
         try:
             stream.send(request, end=True)
             reply = stream.recv(deadline=deadline)
@@ -102,71 +89,64 @@ class Channel:
         finally:
             stream.cancel()
 
-    def stream(self, path: str, *, timeout: float | None = None) -> "CallStream":
-        """Open a call. ``timeout`` bounds the whole call (sent as grpc-timeout too)."""
+    def stream(self, path: str, *, timeout: float | None = None, with_first_message: bool = False) -> "CallStream":
+        """Open a call. ``timeout`` bounds the whole call (sent as grpc-timeout too).
+        With ``with_first_message`` the headers go out with the first message, in
+        one write: a server reads them together, and does not count the call as
+        one that waits silent for its first message."""
         deadline = None if timeout is None else time.monotonic() + timeout
         self._connect(deadline)
-        with self._lock:
+        with self.lock:
             self._check()
             try:
-                sid = self._wire.open_stream(path, timeout=timeout)
+                sid = self.wire.open_stream(path, timeout=timeout)
             except grpc_core.H2StreamClosed as e:
                 raise ChannelError("UNAVAILABLE", str(e)) from None
             self._inboxes[sid] = _Inbox()
-            self._write_quietly()
-            self._check()  # the write broke the channel: say so as every other call does
+            if not with_first_message:
+                self.write_quietly()
+                self._check()  # the write broke the channel: say so as every other call does
         return CallStream(self, sid, deadline)
 
     def close(self) -> None:
-        with self._connect_lock, self._lock:  # not while a connection is being set up
-            if self._broken is None:
-                if self._wire is not None:
-                    self._wire.close()
-                    self._write_quietly()
-                self._fail("the channel was closed")  # every open call ends UNAVAILABLE, never as a clean end
-            sock = self._sock
-            if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)  # wakes a reader blocked in poll
-                except OSError:
-                    pass
-                if self._reading:
-                    self._close_after_read = True  # its descriptor must not be reused under that reader
-                else:
-                    sock.close()
+        with self._connect_lock, self.lock:  # not while a connection is being set up
+            if self.broken is None:
+                if self.wire is not None:
+                    self.wire.close()
+                    self.write_quietly()
+                self.break_locked("the channel was closed")  # every open call ends UNAVAILABLE, never as a clean end
+            self.release_locked()  # now, or when a reader still in poll returns
 
     # --- connection -----------------------------------------------------------------------------
 
     def _connect(self, deadline: float | None) -> None:
-        if self._wire is not None:
+        if self.wire is not None:
             return
         with self._connect_lock:
-            if self._wire is not None:
+            if self.wire is not None:
                 return
-            if self._broken is not None:
-                raise ChannelError("UNAVAILABLE", self._broken)
+            if self.broken is not None:
+                raise ChannelError("UNAVAILABLE", self.broken)
             limit = time.monotonic() + self.connect_timeout
             deadline = limit if deadline is None else min(deadline, limit)
             try:
                 self._handshake(deadline)
             except (ChannelError, OSError, ssl.SSLError) as e:
                 error = e if isinstance(e, ChannelError) else ChannelError("UNAVAILABLE", f"cannot connect: {e}")
-                with self._lock:
-                    self._fail(error.detail)
+                with self.lock:
+                    self.break_locked(error.detail)
                 raise error from None
 
     def _handshake(self, deadline: float) -> None:
         target = self._relay if self._relay is not None else self._address
         sock = socket.create_connection(target, timeout=max(0.001, deadline - time.monotonic()),
                                         source_address=self._source)
-        self._sock = sock
+        self.sock = sock
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # Reads wait in poll() with each call's deadline; a write to a peer that
         # stopped reading gives up after send_timeout instead of blocking forever.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(self._send_timeout), 0))
-        self._poll = select.poll()
-        self._poll.register(sock, _POLL_IN)
         early = b""
         if self._relay is not None:
             early = self._connect_through_relay(deadline)
@@ -177,24 +157,24 @@ class Channel:
         ctx.set_alpn_protocols(["h2"])
         if self._client_creds is not None:
             load_key_pair(ctx, self._client_creds)
-        tls = ctx.wrap_bio(self._tls_in, self._tls_out, server_hostname=self._name)
+        tls = ctx.wrap_bio(self.tls_in, self.tls_out, server_hostname=self._name)
         if early:
-            self._tls_in.write(early)
+            self.tls_in.write(early)
         try:
-            handshake(tls, self._tls_in, self._tls_out, self._send_raw, lambda: self._recv_raw(deadline))
+            handshake(tls, self.tls_in, self.tls_out, self.send_raw, lambda: self._recv_raw(deadline))
         except ssl.SSLError as e:
             raise ChannelError("UNAVAILABLE", f"TLS handshake failed: {e.reason or e}") from None
         except ConnectionError as e:
             raise ChannelError("UNAVAILABLE", str(e)) from None
         conn = grpc_core.client(authority=self._name, max_message_bytes=self._max_message)
         conn.initiate()
-        with self._lock:
-            self._tls = tls
-            self._wire = conn
-            self._write_locked()
+        with self.lock:
+            self.tls = tls
+            self.wire = conn
+            self.write_locked()
 
     def _connect_through_relay(self, deadline: float) -> bytes:
-        self._send_raw(f"CONNECT {self._relay_target} HTTP/1.1\r\nHost: {self._relay_target}\r\n\r\n".encode())
+        self.send_raw(f"CONNECT {self._relay_target} HTTP/1.1\r\nHost: {self._relay_target}\r\n\r\n".encode())
         head = b""
         while b"\r\n\r\n" not in head:
             if len(head) > MAX_RELAY_RESPONSE:
@@ -210,114 +190,42 @@ class Channel:
             raise ChannelError("UNAVAILABLE", f"the relay refused: {status[:80]}")
         return rest
 
-    def _send_raw(self, data: bytes) -> None:
-        if data:
-            try:
-                self._sock.sendall(data)
-            except (BlockingIOError, TimeoutError):
-                raise ChannelError("UNAVAILABLE", f"the peer took no data for {self._send_timeout:g} s") from None
-
     def _recv_raw(self, deadline: float | None) -> bytes:
-        while True:
-            wait = -1 if deadline is None else int(max(0.0, deadline - time.monotonic()) * 1000 + 0.999)
-            if self._poll.poll(wait):
-                return self._sock.recv(1 << 18)
+        """While connecting (one thread): the next bytes, or DEADLINE_EXCEEDED."""
+        while not self.poll(None if deadline is None else max(0.0, deadline - time.monotonic())):
             if deadline is not None and time.monotonic() >= deadline:
                 raise ChannelError("DEADLINE_EXCEEDED", "no answer before the deadline")
+        return self.sock.recv(READ_SIZE)
 
-    # --- the shared reader ------------------------------------------------------------------------
+    # --- the shared reader (driver.py) ------------------------------------------------------------
 
     def _check(self) -> None:
-        if self._broken is not None:
-            raise ChannelError("UNAVAILABLE", self._broken)
+        if self.broken is not None:
+            raise ChannelError("UNAVAILABLE", self.broken)
 
-    def _fail(self, why: str) -> None:
-        """Break the channel (under the lock): every waiter gets the reason."""
-        self._broken = self._broken or why
-        for inbox in self._inboxes.values():
+    def on_broken_locked(self) -> None:
+        for inbox in self._inboxes.values():  # every waiter gets the reason
             if inbox.ended is None:
-                inbox.ended = grpc_core.StreamEnded(0, grpc_core.UNAVAILABLE, self._broken)
-        self._cond.notify_all()
+                inbox.ended = grpc_core.StreamEnded(0, grpc_core.UNAVAILABLE, self.broken)
 
-    def _write_quietly(self) -> None:
-        """Send what HTTP/2 has queued; a failure breaks the channel (and every call learns why)."""
-        if self._broken is not None:
-            return
-        try:
-            self._write_locked()
-        except ChannelError as e:
-            self._fail(e.detail)
-        except (OSError, ssl.SSLError) as e:
-            self._fail(f"connection lost: {e}")
-
-    def _write_locked(self) -> None:
-        data = self._wire.data_to_send()
-        if data:
-            self._tls.write(data)
-            self._send_raw(self._tls_out.read())
+    def dispatch_locked(self, events: list) -> None:
+        for ev in events:
+            if isinstance(ev, grpc_core.Message):
+                inbox = self._inboxes.get(ev.stream_id)
+                if inbox is not None:
+                    inbox.messages.append(ev.data)
+            elif isinstance(ev, grpc_core.StreamEnded):
+                inbox = self._inboxes.get(ev.stream_id)
+                if inbox is not None and inbox.ended is None:
+                    inbox.ended = ev
 
     def _wait(self, ready: Callable[[], bool], deadline: float | None) -> None:
-        """Return once ``ready()`` (checked under the lock); read the socket
-        meanwhile unless another thread already is."""
-        while True:
-            with self._cond:
-                while True:
-                    if ready():
-                        return
-                    if self._broken is not None:
-                        return  # the inbox now carries the failure
-                    if not self._reading:
-                        self._reading = True
-                        break
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        raise ChannelError("DEADLINE_EXCEEDED", "no answer before the deadline")
-                    self._cond.wait(remaining)
-            try:
-                data = self._recv_raw(deadline)
-            except BaseException as e:
-                with self._cond:
-                    self._done_reading()
-                    if isinstance(e, OSError):
-                        self._fail(f"connection lost: {e}")
-                if isinstance(e, OSError):
-                    continue
-                raise
-            with self._cond:
-                try:
-                    if self._broken is None:
-                        self._feed(data)
-                finally:
-                    self._done_reading()
-
-    def _done_reading(self) -> None:
-        self._reading = False
-        if self._close_after_read:
-            self._sock.close()
-        self._cond.notify_all()
-
-    def _feed(self, data: bytes) -> None:
-        if not data:
-            return self._fail("the peer closed the connection")
-        try:
-            plain = decrypt(self._tls, self._tls_in, data)
-            if plain is None:
-                return self._fail("the peer closed the TLS session")
-            events = self._wire.receive_data(plain) if plain else []
-            for ev in events:
-                if isinstance(ev, grpc_core.Message):
-                    inbox = self._inboxes.get(ev.stream_id)
-                    if inbox is not None:
-                        inbox.messages.append(ev.data)
-                elif isinstance(ev, grpc_core.StreamEnded):
-                    inbox = self._inboxes.get(ev.stream_id)
-                    if inbox is not None and inbox.ended is None:
-                        inbox.ended = ev
-        except ssl.SSLError as e:  # a record that fails its MAC: someone changed bytes in flight
-            return self._fail(f"TLS failure (data altered or corrupt): {e.reason or e}")
-        except grpc_core.H2ProtocolError as e:
-            return self._fail(f"HTTP/2 protocol error from the peer: {e}")
-        self._write_quietly()  # acks, window updates, and data the peer's window now lets out
+        """Return once ``ready()`` (checked under the lock) or the channel broke
+        (the inbox then carries why); read the socket meanwhile unless another
+        thread already is."""
+        with self.cond:
+            if not self.wait_locked(ready, deadline):
+                raise ChannelError("DEADLINE_EXCEEDED", "no answer before the deadline")
 
 
 class CallStream:
@@ -337,19 +245,19 @@ class CallStream:
 
     def send(self, message: bytes, *, end: bool = False, deadline: float | None = None) -> None:
         ch = self._ch
-        with ch._lock:
+        with ch.lock:
             self._raise_if_ended()
             try:
-                ch._wire.send_message(self.id, message, end_stream=end)
+                ch.wire.send_message(self.id, message, end_stream=end)
             except grpc_core.H2StreamClosed:
                 self._raise_if_ended()
                 raise ChannelError("INTERNAL", "the call is closed for sending") from None
-            ch._write_quietly()
+            ch.write_quietly()
             self._raise_if_ended()  # the write broke the channel
-            waiting = ch._wire.pending(self.id)
+            waiting = ch.wire.pending(self.id)
         if waiting:  # more than the peer's flow-control window: read until it grants more
-            ch._wait(lambda: not ch._wire.pending(self.id) or self._inbox.ended is not None, self._limit(deadline))
-            with ch._lock:
+            ch._wait(lambda: not ch.wire.pending(self.id) or self._inbox.ended is not None, self._limit(deadline))
+            with ch.lock:
                 self._raise_if_ended()
 
     def recv(self, *, deadline: float | None = None) -> bytes | None:
@@ -364,12 +272,12 @@ class CallStream:
                 self.cancel()
                 raise
         ch = self._ch
-        with ch._lock:
+        with ch.lock:
             if inbox.messages:
                 message = inbox.messages.popleft()
-                if ch._broken is None:
-                    ch._wire.consumed(self.id, len(message) + 5)
-                    ch._write_quietly()
+                if ch.broken is None:
+                    ch.wire.consumed(self.id, len(message) + 5)
+                    ch.write_quietly()
                 return message
             self._raise_if_ended()
             return None
@@ -382,21 +290,21 @@ class CallStream:
     def end(self) -> None:
         """Half-close: no more requests on this call."""
         ch = self._ch
-        with ch._lock:
-            if ch._broken is None:
-                ch._wire.end_stream(self.id)
-                ch._write_quietly()
+        with ch.lock:
+            if ch.broken is None:
+                ch.wire.end_stream(self.id)
+                ch.write_quietly()
 
     def cancel(self) -> None:
         """Reset the call if it is still open; forget it either way."""
         ch = self._ch
-        with ch._lock:
+        with ch.lock:
             inbox = ch._inboxes.pop(self.id, None)
             if inbox is None:
                 return
-            if ch._broken is None:
+            if ch.broken is None:
                 for message in inbox.messages:
-                    ch._wire.consumed(self.id, len(message) + 5)  # unread, but the window is ours again
-                ch._wire.reset_stream(self.id)
-                ch._write_quietly()
+                    ch.wire.consumed(self.id, len(message) + 5)  # unread, but the window is ours again
+                ch.wire.reset_stream(self.id)
+                ch.write_quietly()
             inbox.messages.clear()  # credited once: a later recv must not credit them again

@@ -140,7 +140,7 @@ class SessionStream:
         self.record = record
         self.responses: list[bytes] = []  # with record=True: every response exactly as received
         try:
-            self._call: CallStream = client.channel.stream(_path("Session"), timeout=timeout)
+            self._call: CallStream = client.channel.stream(_path("Session"), timeout=timeout, with_first_message=True)
         except ChannelError as e:
             raise ShardConnectionError(str(e)) from None
         accepted = self.request(pb.SessionRequest(open=pb.SessionOpen(

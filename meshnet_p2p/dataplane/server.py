@@ -33,10 +33,11 @@ import trio
 
 from .._proto import shard_runtime_pb2 as pb
 from . import grpc_core
+from .driver import Driver
 from .fair_pool import FairPool
 from .servicer import ShardRuntimeServicer
 from .admission import Claimant, host_group
-from .tls import TlsBindingError, TlsCredentials, client_issuer_pem, decrypt, handshake, load_key_pair, peer_of_der
+from .tls import TlsBindingError, TlsCredentials, client_issuer_pem, handshake, load_key_pair, peer_of_der
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["ShardRuntime"].full_name
 _UNARY = {
@@ -45,7 +46,6 @@ _UNARY = {
     "Cancel": pb.CancelRequest,
     "Release": pb.ReleaseRequest,
 }
-_POLL_IN = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
 MAX_CALLS = 32  # concurrent calls per connection (a route opens one Session per peer, plus brief unary calls)
 MAX_WAITING_CALLS = 4  # calls per connection whose first message has not come yet (they hold no worker)
 FIRST_MESSAGE_TIMEOUT = 10.0  # a call that sends nothing (no SessionOpen, no unary request) this long is ended
@@ -87,24 +87,17 @@ class _Call:
         self.started = False  # a handler runs it
 
 
-class _Connection:
-    """One client connection: TLS through a MemoryBIO, HTTP/2 from grpc_core.py, and the
-    reader role passed between the threads that wait on it."""
+class _Connection(Driver):
+    """One client connection on the shared driver (driver.py): the calls it
+    carries, their handlers, and a standby reader for when no handler waits."""
 
     def __init__(self, server: "ShardServer", sock: socket.socket) -> None:
+        super().__init__()
         self.server = server
         self.sock = sock
-        self.lock = threading.Lock()
-        self.cond = threading.Condition(self.lock)
-        self.tls_in, self.tls_out = ssl.MemoryBIO(), ssl.MemoryBIO()
         self.tls = server.ssl_context.wrap_bio(self.tls_in, self.tls_out, server_side=True)
         self.wire = grpc_core.server(max_streams=MAX_CALLS)
         self.calls: dict[int, _Call] = {}
-        self.waiters = 0  # handlers waiting for a request or for flow-control window
-        self.reading = False  # one of them polls the socket; the others wait to be handed theirs
-        self.broken = False
-        self.fds_closed = False
-        self.fd_lock = threading.Lock()  # descriptor lifetime only: never held across I/O
         self.thread = threading.Thread(target=self._run, name="shard-conn", daemon=True)
         # Who is asking, for admission (admission.py): set once the TLS handshake proves it.
         self.claimant = Claimant(_source_of(sock), None)
@@ -121,21 +114,21 @@ class _Connection:
             pass  # a client certificate that claims an identity it cannot prove ends here too
         finally:
             self.close()
-            with self.cond:  # no thread may still use the socket when its descriptor goes
+            with self.cond:
                 while True:
                     # Calls no handler ever took (a unary call whose request never came) end here;
                     # nothing can feed the connection any more once it is broken and nobody reads.
                     for call in [c for c in self.calls.values() if not c.started]:
                         del self.calls[call.sid]
                         self._discard_inbox(call)
-                    if not self.calls and not self.reading:  # every poller but this thread belongs to a call
+                    if not self.calls and not self.reading:  # every handler has let go of the connection
                         break
                     self.cond.wait()
-            self.release_fds()
+                self.release_locked()
             self.server._forget(self)
 
     def _handshake(self, deadline: float) -> None:
-        handshake(self.tls, self.tls_in, self.tls_out, self._send_raw, lambda: self._recv_raw(deadline))
+        handshake(self.tls, self.tls_in, self.tls_out, self.send_raw, lambda: self._recv_raw(deadline))
         client = peer_of_der(self.tls.getpeercert(binary_form=True))
         if client is not None:
             self.claimant = Claimant(self.claimant.host, str(client))
@@ -143,68 +136,27 @@ class _Connection:
             self.wire.initiate()
             # What came in the same read as the handshake's end (the client's preface,
             # SETTINGS, even a first call) is already in the TLS buffer: handle it now.
-            self._feed_locked(b"")
+            self.feed_locked(b"")
 
-    def close(self) -> None:
+    def close(self, why: str = "closed") -> None:
         with self.cond:
-            self.broken_locked()
+            self.break_locked(why)
 
-    def broken_locked(self) -> None:
-        """End the connection: every call ends, and whoever polls is woken. Under
-        the lock, so it can never touch descriptors release_fds already closed."""
-        if self.broken or self.fds_closed:
-            return
-        self.broken = True
+    def on_broken_locked(self) -> None:
         for call in self.calls.values():
             call.ended = True
-        self.cond.notify_all()
-        self.shutdown_socket()  # every thread polling the socket wakes (POLLHUP)
 
-    def shutdown_socket(self) -> None:
-        """Wake whoever polls or sends on the socket (any thread, lock or not)."""
-        with self.fd_lock:
-            if not self.fds_closed:
-                try:
-                    self.sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def release_fds(self) -> None:
-        with self.cond, self.fd_lock:
-            self.fds_closed = True
-            self.sock.close()
-
-    # --- I/O ------------------------------------------------------------------------------------
-
-    def _send_raw(self, data: bytes) -> None:
-        if data:
-            self.sock.sendall(data)
+    def read_pause(self) -> float:
+        return self.server.read_pause(self.claimant.host)
 
     def _recv_raw(self, deadline: float) -> bytes:
-        poller = select.poll()
-        poller.register(self.sock, _POLL_IN)
-        if not poller.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+        if not self.poll(max(0.0, deadline - time.monotonic())):
             raise _Closed()
         return self.sock.recv(1 << 18)
 
-    def _write_locked(self) -> None:
-        data = self.wire.data_to_send()
-        if data and not self.broken:
-            self.tls.write(data)
-            self._send_raw(self.tls_out.read())
-
-    def _write_quietly(self) -> None:
-        try:
-            self._write_locked()
-        except (OSError, ssl.SSLError):
-            self.broken_locked()
-
-    def _feed_locked(self, data: bytes) -> None:
-        """Decrypt, parse, and hand each call what arrived for it (under the lock)."""
-        plain = decrypt(self.tls, self.tls_in, data)
-        if plain is None:
-            raise _Closed()
-        for ev in (self.wire.receive_data(plain) if plain else ()):
+    def dispatch_locked(self, events: list) -> None:
+        """Hand each call what arrived for it (under the lock)."""
+        for ev in events:
             if isinstance(ev, grpc_core.Message):
                 call = self.calls.get(ev.stream_id)
                 if call is None or call.ended:  # a refused or finished call: nobody will take it
@@ -227,7 +179,6 @@ class _Connection:
             elif isinstance(ev, grpc_core.PingAcked):
                 self.ping_sent = None
         self._refuse_excess_waiting()
-        self._write_locked()
 
     def _refuse_excess_waiting(self) -> None:
         """Calls whose first message did not come in the same read as their
@@ -245,41 +196,6 @@ class _Connection:
         for raw in call.inbox:
             self.wire.consumed(call.sid, len(raw) + 5)
         call.inbox.clear()
-
-    def _poll_and_read(self, timeout: float | None, *, standby: bool = False) -> None:
-        """Called without the lock: wait until the socket has bytes (or
-        ``timeout``), then read what is there and dispatch it under the lock
-        (a non-blocking recv: if the other poller read them first, nothing).
-        The standby leaves bytes to a waiting handler, so a step's request is
-        read by the thread that runs it."""
-        poller = select.poll()  # one per wait: a poll object is not for concurrent use
-        poller.register(self.sock, _POLL_IN)
-        try:
-            if not poller.poll(-1 if timeout is None else max(0, int(timeout * 1000) + 1)):
-                return
-            with self.cond:
-                if self.broken or (standby and self.waiters):
-                    return
-                try:
-                    data = self.sock.recv(1 << 18, socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    return
-                if not data:
-                    raise _Closed()
-                try:
-                    self._feed_locked(data)
-                finally:
-                    self.cond.notify_all()
-        except grpc_core.H2ProtocolError as e:
-            with self.cond:
-                try:  # tell the client why before hanging up
-                    self.wire.close(e.code, str(e))
-                    self._write_locked()
-                except (OSError, ssl.SSLError):
-                    pass
-            self.close()
-        except Exception:  # a lost connection, or a bug in handling this peer's input: it ends, never the thread
-            self.close()
 
     def idle(self) -> bool:
         """No call has a worker: closing it loses nothing but silent calls (handshaking ones too)."""
@@ -299,15 +215,15 @@ class _Connection:
                 if self.idle():
                     if now - self.last_active >= self.server.idle_timeout:
                         self.wire.close(grpc_core.NO_ERROR, "idle")  # GOAWAY, then hang up
-                        self._write_quietly()
-                        self.broken_locked()
+                        self.write_quietly()
+                        self.break_locked("idle")
                         return
                     wake = min(wake, self.last_active + self.server.idle_timeout)
-                pause = self.server.read_pause(self.claimant.host)
+                pause = self.read_pause()
                 if pause > 0:  # its source has started more calls than its budget: read later
                     self.cond.wait(min(wake - now, pause))
                     continue
-            self._poll_and_read(None if wake == float("inf") else wake - now, standby=True)
+            self.read_once(None if wake == float("inf") else wake - now, unless_waiters=True)
 
     def _end_silent_calls_locked(self, now: float) -> float:
         """End calls whose first message has not come within FIRST_MESSAGE_TIMEOUT;
@@ -322,52 +238,20 @@ class _Connection:
             else:
                 due = min(due, call.created + FIRST_MESSAGE_TIMEOUT)
         if ended:
-            self._write_quietly()
+            self.write_quietly()
         return due
-
-    def _wait_locked(self, ready, deadline: float | None) -> bool:
-        """Under the lock: until ``ready()`` (True) or the deadline (False) or the
-        connection breaks (True: the caller looks). Reads the socket itself when
-        no other waiting handler is; otherwise is handed what arrives."""
-        self.waiters += 1
-        try:
-            while True:
-                if ready() or self.broken:
-                    return True
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                if self.reading:
-                    self.cond.wait(remaining)
-                    continue
-                pause = self.server.read_pause(self.claimant.host)
-                if pause > 0:  # the source's call budget is spent: read later
-                    self.cond.wait(pause if remaining is None else min(pause, remaining))
-                    continue
-                self.reading = True
-                self.lock.release()
-                try:
-                    self._poll_and_read(remaining)
-                finally:
-                    self.lock.acquire()
-                    self.reading = False
-                    self.cond.notify_all()
-        finally:
-            self.waiters -= 1
-            if not self.waiters:
-                self.cond.notify_all()  # the standby reads again
 
     def next_request(self, call: _Call, timeout: float | None = None) -> bytes | None:
         """A handler's wait for its call's next message. None once the call has
         ended (or nothing came within ``timeout``)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.cond:
-            self._wait_locked(lambda: bool(call.inbox) or call.ended, deadline)
+            self.wait_locked(lambda: bool(call.inbox) or call.ended, deadline)
             if not call.inbox:
                 return None
             raw = call.inbox.pop(0)
             self.wire.consumed(call.sid, len(raw) + 5)  # the client may send this much more
-            self._write_quietly()
+            self.write_quietly()
             return raw
 
     # --- calls ----------------------------------------------------------------------------------
@@ -436,7 +320,7 @@ class _Connection:
                 self.calls.pop(call.sid, None)
                 self.last_active = time.monotonic()
                 self._discard_inbox(call)  # requests it never read: their window goes back to the client
-                self._write_quietly()
+                self.write_quietly()
                 self.cond.notify_all()
             with self.server._changed:
                 self.server._changed.notify_all()
@@ -489,12 +373,12 @@ class _Connection:
             except grpc_core.H2StreamClosed:
                 call.ended = True
                 return
-            self._write_quietly()
-            if not self._wait_locked(lambda: not self.wire.pending(call.sid),  # a reset call has nothing pending
+            self.write_quietly()
+            if not self.wait_locked(lambda: not self.wire.pending(call.sid),  # a reset call has nothing pending
                                      time.monotonic() + SEND_TIMEOUT):
                 call.ended = True
                 self.wire.reset_stream(call.sid, grpc_core.CANCEL)
-                self._write_quietly()
+                self.write_quietly()
 
     def finish(self, call: _Call, status: int, message: str) -> None:
         with self.cond:
@@ -502,7 +386,7 @@ class _Connection:
                 return
             call.done = True
             self.wire.send_trailers(call.sid, status, message)
-            self._write_quietly()
+            self.write_quietly()
 
 
 
@@ -630,12 +514,12 @@ class ShardServer:
                 if c.ping_sent is not None:
                     if now - c.ping_sent >= self.keepalive_timeout:
                         c.wire.close(grpc_core.NO_ERROR, "no answer to keepalive")
-                        c._write_quietly()
-                        c.broken_locked()
+                        c.write_quietly()
+                        c.break_locked("no answer to keepalive")
                 elif now - c.wire.last_received >= self.keepalive:
                     c.ping_sent = now
                     c.wire.ping()
-                    c._write_quietly()
+                    c.write_quietly()
             finally:
                 c.lock.release()
 
@@ -692,11 +576,11 @@ class ShardServer:
             if c.lock.acquire(timeout=0.2):  # not behind a send blocked on a client that stopped reading
                 try:
                     c.wire.close(grpc_core.NO_ERROR, "the server is shutting down")
-                    c._write_quietly()
+                    c.write_quietly()
                 finally:
                     c.lock.release()
         for c in conns:
-            c.shutdown_socket()  # without its lock: a send blocked on a client that stopped reading returns now
+            c.shutdown()  # without its lock: a send blocked on a client that stopped reading returns now
         for c in conns:
             c.close()
         self.executor.shutdown(wait=True)
