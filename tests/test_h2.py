@@ -496,4 +496,4 @@ def test_a_received_frame_is_never_serialized_again_for_a_log_line():
     from hyperframe.frame import DataFrame
 
     f = DataFrame(1, b"x" * 16384)
-    assert repr(f) == "DataFrame(stream_id=1, flags=[])"
+    assert repr(f) == "DataFrame(stream_id=1)"

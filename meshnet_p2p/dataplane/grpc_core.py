@@ -42,13 +42,13 @@ from ..errors import MeshnetError
 
 
 def _frame_repr(frame) -> str:
-    return f"{type(frame).__name__}(stream_id={frame.stream_id}, flags={sorted(frame.flags)!r})"
+    return f"{type(frame).__name__}(stream_id={frame.stream_id})"
 
 
 # h2 logs every frame it receives as trace("Received frame: %s", repr(frame)),
 # evaluating the repr even with logging off (connection.py, _receive_frame); a
 # frame's repr serializes its body and hex-dumps it: a fifth of the CPU of
-# receiving a step's DATA frame. The short form keeps type, stream and flags.
+# receiving a step's DATA frame. The short form keeps type and stream.
 hyperframe.frame.Frame.__repr__ = _frame_repr
 
 NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0, 1, 2, 3
