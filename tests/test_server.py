@@ -435,3 +435,27 @@ def test_a_stopping_server_says_goaway_last(shard_dir, load_engine):
     got, closed = _frames_until_closed(sock)
     sock.close()
     assert closed and got[-1][0] == GOAWAY and got[-1][3][4:8] == b"\x00\x00\x00\x00"
+
+
+def test_a_connection_is_closed_for_idleness_after_its_last_call_too():
+    """Found in review: while a call ran, the standby reader polled with no
+    timeout, and nothing woke it when the call ended, so a client that went
+    quiet after one call kept its connection for ever. (The handler here works
+    without waiting on the socket, as a step does.)"""
+    done = threading.Event()
+
+    class Slow:
+        def Health(self, request, context):
+            done.wait(0.3)  # busy for a while, reading nothing
+            return pb.HealthReport(serving=True)
+
+    creds = make_tls_credentials()
+    srv = ShardServer(Slow(), creds, idle_timeout=0.5).start()
+    try:
+        ch = open_channel(creds.cert_pem, address=("127.0.0.1", srv.port))
+        assert pb.HealthReport.FromString(ch.unary("/meshnet.shard.v1.ShardRuntime/Health",
+                                                   pb.HealthRequest().SerializeToString(), timeout=10)).serving
+        assert srv.wait_no_connections(5)  # closed by the server: the client never closed it
+        ch.close()
+    finally:
+        srv.stop(0)

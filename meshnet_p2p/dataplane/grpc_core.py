@@ -34,8 +34,8 @@ import h2.config
 import h2.connection
 import h2.events
 import h2.exceptions
+import h2.frame_buffer
 import h2.settings
-
 import hyperframe.frame
 
 from ..errors import MeshnetError
@@ -89,9 +89,23 @@ _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1
 BUDGETS = {
     "ping": (100, 10.0),
     "settings": (20, 1.0),
-    "reset": (200, 20.0),  # streams reset by the peer, or refused by us (rapid reset, CVE-2023-44487)
+    "reset": (200, 20.0),  # RST_STREAM of an open stream, or calls we refused (rapid reset, CVE-2023-44487)
+    "late": (10_000, 1_000.0),  # RST_STREAM of a closed stream: h2 answers each DATA frame in flight with one
     "priority": (100, 10.0),
-    "empty": (100, 10.0),  # DATA frames with no data and no END_STREAM, unknown frame types
+    "empty": (100, 10.0),  # DATA frames with no data and no END_STREAM, unknown frame types, ALTSVC
+    "window": (10_000, 1_000.0),  # WINDOW_UPDATE: honest peers send one per some data consumed
+}
+# Charged per frame as h2 parses it (_MeteredFrames), so frames h2 answers or drops
+# without an event (on closed streams, say) are counted too.
+_METERED = {
+    hyperframe.frame.PingFrame: "ping",
+    hyperframe.frame.SettingsFrame: "settings",
+    hyperframe.frame.RstStreamFrame: "reset",
+    hyperframe.frame.PriorityFrame: "priority",
+    hyperframe.frame.DataFrame: "empty",
+    hyperframe.frame.ExtensionFrame: "empty",
+    hyperframe.frame.AltSvcFrame: "empty",
+    hyperframe.frame.WindowUpdateFrame: "window",
 }
 
 
@@ -194,6 +208,34 @@ class Budget:
         return max(0.0, -self.level(now) / self.rate)
 
 
+class _MeteredFrames(h2.frame_buffer.FrameBuffer):
+    """h2's frame buffer, charging each frame that costs us work and the peer
+    nothing to its budget as it is parsed. Over budget: DenialOfServiceError,
+    which h2 answers with GOAWAY(ENHANCE_YOUR_CALM)."""
+
+    def __init__(self, *, server: bool, spend, is_open) -> None:
+        super().__init__(server=server)
+        self._spend = spend
+        self._is_open = is_open
+        self._last = None
+
+    def __next__(self):
+        f = super().__next__()  # (which may call this method again for the frame it returns)
+        if f is not self._last:
+            self._last = f
+            what = _METERED.get(type(f))
+            if what == "empty" and isinstance(f, hyperframe.frame.DataFrame) and (f.data or "END_STREAM" in f.flags):
+                what = None
+            elif what in ("ping", "settings") and "ACK" in f.flags:
+                what = None  # an answer to ours
+            elif what == "reset" and not self._is_open(f.stream_id):
+                what = "late"
+            if what is not None and not self._spend(what):
+                burst, rate = BUDGETS[what]
+                raise h2.exceptions.DenialOfServiceError(f"too many {what} frames (more than {burst}, then {rate:g}/s)")
+        return f
+
+
 @dataclass
 class _Stream:
     id: int
@@ -241,6 +283,7 @@ class GrpcConnection:
             max(max_streams, PRE_SETTINGS_STREAMS),
         })
         conn.decoder.max_header_list_size = MAX_HEADER_LIST
+        conn.incoming_buffer = _MeteredFrames(server=not client_side, spend=self._within_budget, is_open=self._h2_open)
         self._streams: dict[int, _Stream] = {}
         self._credit = 0  # bytes consumed since the last connection WINDOW_UPDATE
         now = clock()
@@ -284,7 +327,10 @@ class GrpcConnection:
             raise H2StreamClosed(f"stream {stream_id} is closed for sending")
         if not self.client_side and not st.sent_headers:
             st.sent_headers = True
-            self._h2.send_headers(stream_id, [(":status", "200"), ("content-type", "application/grpc")])
+            try:
+                self._h2.send_headers(stream_id, [(":status", "200"), ("content-type", "application/grpc")])
+            except (h2.exceptions.StreamClosedError, h2.exceptions.ProtocolError):
+                raise H2StreamClosed(f"stream {stream_id} is closed for sending") from None
         st.outbox.append(struct.pack(">BI", 0, len(message)) + message)
         st.end_after_outbox = end_stream
         self._flush(st)
@@ -326,7 +372,10 @@ class GrpcConnection:
             return
         self._credit += nbytes
         if self._credit >= CREDIT_STEP:
-            self._h2.increment_flow_control_window(self._credit)
+            try:
+                self._h2.increment_flow_control_window(self._credit)
+            except h2.exceptions.ProtocolError:
+                return  # a GOAWAY later in this same read closed the connection
             self._credit = 0
         st = self._streams.get(stream_id)
         if st is not None:
@@ -334,8 +383,8 @@ class GrpcConnection:
             if st.credit >= CREDIT_STEP:
                 try:
                     self._h2.increment_flow_control_window(st.credit, stream_id)
-                except h2.exceptions.StreamClosedError:
-                    pass  # the peer sends no more on it anyway
+                except (h2.exceptions.StreamClosedError, KeyError):
+                    pass  # h2 has closed or forgotten it: the peer sends no more on it anyway
                 st.credit = 0
 
     def pending(self, stream_id: int) -> bool:
@@ -361,8 +410,8 @@ class GrpcConnection:
     def _reset(self, stream_id: int, code: int) -> None:
         try:
             self._h2.reset_stream(stream_id, code)
-        except h2.exceptions.StreamClosedError:
-            pass  # h2 already has it closed (both ends done): nothing to reset
+        except h2.exceptions.ProtocolError:  # StreamClosedError included
+            pass  # h2 already has it (or the connection) closed: nothing to reset
 
     def _drop(self, stream_id: int) -> _Stream | None:
         """Forget a stream; bytes of a message it never completed go back to the connection."""
@@ -373,6 +422,17 @@ class GrpcConnection:
         return st
 
     def _flush(self, st: _Stream) -> None:
+        # h2 applies a whole read before we see its events, so a send made for an
+        # early event (a WINDOW_UPDATE) may find the stream or the connection
+        # already closed by a later frame of the same read (RST_STREAM, GOAWAY):
+        # then nothing more goes out on it, and the event that says why follows.
+        try:
+            self._send_what_fits(st)
+        except (h2.exceptions.StreamClosedError, KeyError, h2.exceptions.ProtocolError):
+            st.outbox.clear()
+            st.local_done = True
+
+    def _send_what_fits(self, st: _Stream) -> None:
         conn = self._h2
         while st.outbox:
             chunk = st.outbox[0]
@@ -420,6 +480,7 @@ class GrpcConnection:
         self.last_received = self._clock()
         try:
             raw = self._h2.receive_data(data)
+            self._credit_dropped_data()
         except h2.exceptions.ProtocolError as e:  # h2 has queued the GOAWAY that says why
             self.closed = True
             raise H2ProtocolError(int(getattr(e, "error_code", 0) or PROTOCOL_ERROR), f"{type(e).__name__}: {e}") from None
@@ -438,6 +499,16 @@ class GrpcConnection:
         except _Refused as e:
             self._fail(e.code, str(e))
 
+    def _credit_dropped_data(self) -> None:
+        """DATA on streams h2 had already closed never becomes an event: h2 counts it
+        in its own window manager, which gives credit back only after half the
+        connection window (24 MiB) has piled up, so up to that much would be lost to
+        a whole message meanwhile. Those bytes are credited as ours are."""
+        manager = self._h2._inbound_flow_control_window_manager
+        dropped, manager._bytes_processed = manager._bytes_processed, 0
+        if dropped:
+            self.consumed(0, dropped)
+
     def _fail(self, code: int, detail: str):
         if not self.closed:
             self.closed = True
@@ -447,8 +518,15 @@ class GrpcConnection:
                 pass
         raise H2ProtocolError(code, detail)
 
+    def _h2_open(self, stream_id: int) -> bool:
+        st = self._h2.streams.get(stream_id)
+        return st is not None and not st.closed
+
+    def _within_budget(self, what: str) -> bool:
+        return self._budgets[what].spend(self._clock())
+
     def _spend(self, what: str) -> None:
-        if not self._budgets[what].spend(self._clock()):
+        if not self._within_budget(what):
             burst, rate = BUDGETS[what]
             raise _Refused(ENHANCE_YOUR_CALM, f"too many {what} frames (more than {burst}, then {rate:g}/s)")
 
@@ -469,20 +547,13 @@ class GrpcConnection:
                     self._flush(st)
             return
         if isinstance(ev, E.RemoteSettingsChanged):
-            self._spend("settings")
             for st in list(self._streams.values()):
                 if st.outbox:
                     self._flush(st)
             return
-        if isinstance(ev, E.PingReceived):
-            return self._spend("ping")  # h2 has queued the answer
         if isinstance(ev, E.PingAckReceived):
             events.append(PingAcked())
             return
-        if isinstance(ev, E.PriorityUpdated):
-            return self._spend("priority")
-        if isinstance(ev, E.UnknownFrameReceived):
-            return self._spend("empty")
         if isinstance(ev, E.ConnectionTerminated):
             detail = (ev.additional_data or b"").decode("utf-8", "replace")[:256]
             self.goaway = ConnectionEnded(int(ev.error_code or 0), int(ev.last_stream_id or 0),
@@ -498,12 +569,11 @@ class GrpcConnection:
                 else:
                     events.append(StreamReset(st.id, CANCEL))
             return
-        # SettingsAcknowledged, InformationalResponseReceived, AlternativeServiceAvailable: nothing to do
+        # PingReceived (h2 has queued the answer), PriorityUpdated, UnknownFrameReceived, SettingsAcknowledged,
+        # InformationalResponseReceived, AlternativeServiceAvailable: nothing to do (budgets: _MeteredFrames)
 
     def _data(self, ev, events: list[Event]) -> None:
         sid, data, n = ev.stream_id, ev.data, ev.flow_controlled_length
-        if not data and not ev.stream_ended:
-            self._spend("empty")
         st = self._streams.get(sid)
         if st is None or st.remote_done:
             return self.consumed(sid, n)  # a stream already over: its late bytes are dropped, and credited
@@ -579,8 +649,6 @@ class GrpcConnection:
 
     def _peer_reset(self, ev, events: list[Event]) -> None:
         # remote_reset False: h2 reset the stream itself (a stream error the peer caused)
-        if ev.remote_reset and not self.client_side:
-            self._spend("reset")
         st = self._drop(ev.stream_id)
         if st is None:
             return

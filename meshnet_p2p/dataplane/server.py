@@ -219,6 +219,8 @@ class _Connection(Driver):
                         self.break_locked("idle")
                         return
                     wake = min(wake, self.last_active + self.server.idle_timeout)
+                else:  # nothing wakes this poll when the last call ends: look again by then
+                    wake = min(wake, now + self.server.idle_timeout)
                 pause = self.read_pause()
                 if pause > 0:  # its source has started more calls than its budget: read later
                     self.cond.wait(min(wake - now, pause))
