@@ -28,3 +28,9 @@ def frames(data: bytes) -> list[tuple[int, int, int, bytes]]:
         out.append((data[pos + 3], data[pos + 4], sid, data[pos + 9:pos + 9 + n]))
         pos += 9 + n
     return out
+
+
+def request_headers(enc, path: str, *, method: str = "POST", authority: str = "meshnet-peer") -> bytes:
+    """A gRPC call's request header block, HPACK-coded with ``enc`` (an hpack.Encoder)."""
+    return enc.encode([(":method", method), (":scheme", "https"), (":path", path), (":authority", authority),
+                       ("content-type", "application/grpc"), ("te", "trailers")])

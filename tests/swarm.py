@@ -53,3 +53,16 @@ def start_swarm(tmp_path, spans, *extra, certify: bool = True):
             swarm.stop()
             raise
     return swarm.boot, swarm.addr, swarm.joins
+
+
+def certified_span(addr: str, model_path: str, start: int):
+    """The span of the swarm's certified recipe that starts at layer ``start``, as a client sees it."""
+    import trio
+
+    from meshnet_p2p.certification import TrustPolicy
+    from meshnet_p2p.engine.cut import inspect_gguf
+    from meshnet_p2p.swarm_view import survey
+
+    info = inspect_gguf(model_path)
+    view = trio.run(survey, [addr], info.model_digest, info.source_layers, TrustPolicy.default([addr]))
+    return next(s for s in view.certified()[0].spans if s.start == start)

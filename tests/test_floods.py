@@ -21,14 +21,10 @@ import time
 
 import hpack
 import pytest
-import trio
 
 from meshnet_p2p import Client
-from meshnet_p2p.certification import TrustPolicy
-from meshnet_p2p.engine.cut import inspect_gguf
 from meshnet_p2p.engine.tokenizer import Tokenizer
 from meshnet_p2p.multiaddr import Multiaddr
-from meshnet_p2p.swarm_view import survey
 
 from .h2frames import (
     CONTINUATION,
@@ -42,9 +38,11 @@ from .h2frames import (
     RST_STREAM,
     SETTINGS,
     frame,
+    frames,
+    request_headers,
 )
 from .reference import reference_generate
-from .swarm import start_swarm
+from .swarm import certified_span, start_swarm
 
 PROMPT = "The capital of France is"
 ATTACKER = "127.0.0.2"
@@ -56,8 +54,7 @@ RSS_BOUND = 64 << 20
 
 
 def request_block(enc: hpack.Encoder, path: str = HEALTH) -> bytes:
-    return enc.encode([(":method", "POST"), (":scheme", "https"), (":path", path), (":authority", "meshnet-peer"),
-                       ("content-type", "application/grpc"), ("te", "trailers")])
+    return request_headers(enc, path)
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +62,7 @@ def swarm(tmp_path_factory, model_path):
     tmp = tmp_path_factory.mktemp("floods")
     boot, addr, joins = start_swarm(tmp, ["0:10", "10:20", "20:30"])
     try:
-        info = inspect_gguf(model_path)
-        view = trio.run(survey, [addr], info.model_digest, info.source_layers, TrustPolicy.default([addr]))
-        middle = next(s for s in view.certified()[0].spans if s.start == 10)
+        middle = certified_span(addr, model_path, 10)
         target = Multiaddr.parse(middle.record.content["addrs"][0])
         pid = joins[1].p.pid  # the join serving 10:20
         reference = reference_generate(model_path, Tokenizer(model_path).encode(PROMPT), 16, n_ubatch=64)[0]
@@ -142,12 +137,9 @@ class Raw:
 
     def goaway_code(self) -> int | None:
         """The error code of the GOAWAY the peer sent, if it sent one."""
-        buf, pos = bytes(self.received), 0
-        while pos + 9 <= len(buf):
-            n = int.from_bytes(buf[pos:pos + 3], "big")
-            if buf[pos + 3] == GOAWAY and pos + 9 + 8 <= len(buf):
-                return struct.unpack(">I", buf[pos + 13:pos + 17])[0]
-            pos += 9 + n
+        for ftype, _, _, payload in frames(bytes(self.received)):
+            if ftype == GOAWAY and len(payload) >= 8:
+                return struct.unpack(">I", payload[4:8])[0]
         return None
 
     def close(self) -> None:

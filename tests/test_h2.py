@@ -37,6 +37,8 @@ from .h2frames import (
     SETTINGS_MAX_FRAME_SIZE,
     WINDOW_UPDATE,
     frame,
+    frames,
+    request_headers,
 )
 
 
@@ -64,18 +66,7 @@ class FakeServer:
     def grpc(*messages: bytes) -> bytes:
         return b"".join(struct.pack(">BI", 0, len(m)) + m for m in messages)
 
-    @staticmethod
-    def frames(data: bytes) -> list[tuple[int, int, int, bytes]]:
-        out, pos = [], 0
-        if data.startswith(PREFACE):
-            pos = len(PREFACE)
-        while pos < len(data):
-            n = int.from_bytes(data[pos : pos + 3], "big")
-            ftype, flags = data[pos + 3], data[pos + 4]
-            sid = int.from_bytes(data[pos + 5 : pos + 9], "big") & 0x7FFFFFFF
-            out.append((ftype, flags, sid, data[pos + 9 : pos + 9 + n]))
-            pos += 9 + n
-        return out
+    frames = staticmethod(frames)
 
 
 def connected(**kw) -> tuple[H2ClientConnection, FakeServer, int]:
@@ -503,9 +494,7 @@ def test_a_received_frame_is_never_serialized_again_for_a_log_line():
 
 
 def _request(enc, sid: int, method: str = "POST") -> bytes:
-    return frame(HEADERS, END_HEADERS, sid, enc.encode([(":method", method), (":scheme", "https"), (":path", "/svc/M"),
-                                                        (":authority", "x"), ("content-type", "application/grpc"),
-                                                        ("te", "trailers")]))
+    return frame(HEADERS, END_HEADERS, sid, request_headers(enc, "/svc/M", method=method, authority="x"))
 
 
 def _served_raw(**kw):
@@ -523,13 +512,18 @@ def _case_window_then_reset_on_the_server():
     return s, frame(WINDOW_UPDATE, 0, 1, struct.pack(">I", 100)) + frame(RST_STREAM, 0, 1, struct.pack(">I", 8))
 
 
-def _case_window_trailers_reset_on_the_client():
+def _client_uploading_past_a_small_window():
     c = H2ClientConnection(authority="x")
     c.initiate()
     c.receive_data(frame(SETTINGS, 0, 0, struct.pack(">HI", SETTINGS_INITIAL_WINDOW_SIZE, 100)))
     sid = c.open_stream("/svc/M")
-    c.send_message(sid, b"q" * 1000)
+    c.send_message(sid, b"q" * 1000)  # held back by the server's window
     c.data_to_send()
+    return c, sid
+
+
+def _case_window_trailers_reset_on_the_client():
+    c, sid = _client_uploading_past_a_small_window()
     enc = hpack.Encoder()
     trailers = enc.encode([(":status", "200"), ("content-type", "application/grpc"), ("grpc-status", "0")])
     return c, frame(WINDOW_UPDATE, 0, sid, struct.pack(">I", 100)) + frame(HEADERS, END_HEADERS | END_STREAM, sid, trailers) \
@@ -537,12 +531,7 @@ def _case_window_trailers_reset_on_the_client():
 
 
 def _case_window_then_goaway_on_the_client():
-    c = H2ClientConnection(authority="x")
-    c.initiate()
-    c.receive_data(frame(SETTINGS, 0, 0, struct.pack(">HI", SETTINGS_INITIAL_WINDOW_SIZE, 100)))
-    sid = c.open_stream("/svc/M")
-    c.send_message(sid, b"q" * 1000)
-    c.data_to_send()
+    c, sid = _client_uploading_past_a_small_window()
     return c, frame(WINDOW_UPDATE, 0, sid, struct.pack(">I", 100)) + frame(GOAWAY, 0, 0, struct.pack(">II", sid, 0))
 
 

@@ -20,7 +20,7 @@ from meshnet_p2p.records import wall_ms
 from meshnet_p2p.swarm_view import survey
 
 from .reference import reference_generate
-from .swarm import start_swarm
+from .swarm import certified_span, start_swarm
 
 PROMPT = "The capital of France is"
 
@@ -659,9 +659,7 @@ def test_idle_connections_do_not_lock_a_peer_out(tmp_path, model_path, reference
     boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"])
     conns = []
     try:
-        info = inspect_gguf(model_path)
-        view = trio.run(survey, [addr], info.model_digest, info.source_layers, TrustPolicy.default([addr]))
-        middle = next(s for s in view.certified()[0].spans if s.start == 10)
+        middle = certified_span(addr, model_path, 10)
         target = Multiaddr.parse(middle.record.content["addrs"][0])
         conns = _idle_tls_connections(target.host, target.port, 80, sources)
         result = Client([addr], model_path=model_path, step_timeout=5.0).generate(PROMPT, 16, stop_at_eog=False)
@@ -684,9 +682,7 @@ def test_silent_session_calls_do_not_keep_real_sessions_out(tmp_path, model_path
     boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"])
     clients = []
     try:
-        info = inspect_gguf(model_path)
-        view = trio.run(survey, [addr], info.model_digest, info.source_layers, TrustPolicy.default([addr]))
-        middle = next(s for s in view.certified()[0].spans if s.start == 10)
+        middle = certified_span(addr, model_path, 10)
         calls = []
         for _ in range(16):
             c = connect(middle, 10.0)

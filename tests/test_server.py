@@ -388,7 +388,7 @@ def test_keepalive_pings_close_a_connection_whose_client_vanished(shard_dir, loa
     route) kept its connection and its calls for ever. A connection with calls
     that has been silent is now sent a PING, and closed if no answer comes; one
     whose client answers is kept."""
-    from .h2frames import END_HEADERS, GOAWAY, HEADERS, PING
+    from .h2frames import END_HEADERS, GOAWAY, HEADERS, PING, request_headers
 
     engine = load_engine(shard_dir[(10, 20)])
     creds = make_tls_credentials()
@@ -398,9 +398,7 @@ def test_keepalive_pings_close_a_connection_whose_client_vanished(shard_dir, loa
             import hpack
 
             sock = _tls_socket(creds, srv.port)
-            block = hpack.Encoder().encode([(":method", "POST"), (":scheme", "https"), (":authority", TLS_NAME),
-                                            (":path", "/meshnet.shard.v1.ShardRuntime/Session"),
-                                            ("content-type", "application/grpc"), ("te", "trailers")])
+            block = request_headers(hpack.Encoder(), "/meshnet.shard.v1.ShardRuntime/Session", authority=TLS_NAME)
             sock.sendall(PREFACE + frame(SETTINGS, 0, 0) + frame(HEADERS, END_HEADERS, 1, block))
             return sock
 

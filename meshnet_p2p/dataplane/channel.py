@@ -25,7 +25,7 @@ from typing import Callable
 
 from ..errors import MeshnetError
 from . import grpc_core
-from .driver import READ_SIZE, Driver
+from .driver import Driver
 from .tls import TlsCredentials, handshake, load_key_pair
 
 MAX_RELAY_RESPONSE = 8192
@@ -191,11 +191,10 @@ class Channel(Driver):
         return rest
 
     def _recv_raw(self, deadline: float | None) -> bytes:
-        """While connecting (one thread): the next bytes, or DEADLINE_EXCEEDED."""
-        while not self.poll(None if deadline is None else max(0.0, deadline - time.monotonic())):
-            if deadline is not None and time.monotonic() >= deadline:
-                raise ChannelError("DEADLINE_EXCEEDED", "no answer before the deadline")
-        return self.sock.recv(READ_SIZE)
+        data = self.recv_by(deadline)
+        if data is None:
+            raise ChannelError("DEADLINE_EXCEEDED", "no answer before the deadline")
+        return data
 
     # --- the shared reader (driver.py) ------------------------------------------------------------
 

@@ -116,6 +116,14 @@ class Driver:
                     self._fd_closed = True
                     self.sock.close()
 
+    def recv_by(self, deadline: float | None) -> bytes | None:
+        """One thread, while connecting (TLS handshake, a relay's answer): the next
+        bytes, or None once ``deadline`` has passed."""
+        while not self.poll(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+        return self.sock.recv(READ_SIZE)
+
     def read_once(self, timeout: float | None, *, unless_waiters: bool = False) -> None:
         """Without the lock: wait for bytes (or ``timeout``), then read what is
         there and dispatch it under the lock (a non-blocking read: if another

@@ -1,7 +1,7 @@
 """gRPC's wire protocol on the ``h2`` library: sans-io, client and server roles.
 
 Bytes in, events out; calls in, bytes to send out. No sockets, no threads:
-``channel.py`` (client) and ``server.py`` (server) drive it. HTTP/2 itself
+the shared driver (driver.py, under channel.py and server.py) drives it. HTTP/2 itself
 (framing, HPACK, stream states, settings, flow-control accounting, header
 validation) is python-hyper's ``h2``; this module adds what gRPC and a port
 facing the internet need on top (docs/h2-migration.md):
@@ -12,8 +12,9 @@ facing the internet need on top (docs/h2-migration.md):
 - an outbox per stream, sent as the peer's windows allow (h2 neither splits
   nor queues);
 - per-connection budgets for what costs us work and the peer nothing
-  (PING, SETTINGS, RST_STREAM, PRIORITY, empty and unknown frames): over
-  budget, GOAWAY(ENHANCE_YOUR_CALM) and :class:`H2ProtocolError`;
+  (PING, SETTINGS, RST_STREAM, PRIORITY, WINDOW_UPDATE, empty and unknown
+  frames), charged per frame as h2 parses it: over budget,
+  GOAWAY(ENHANCE_YOUR_CALM) and :class:`H2ProtocolError`;
 - a bound on a frame's claimed length before its bytes are buffered.
 
 Any HTTP/2 error the peer causes surfaces as :class:`H2ProtocolError`
@@ -231,9 +232,13 @@ class _MeteredFrames(h2.frame_buffer.FrameBuffer):
             elif what == "reset" and not self._is_open(f.stream_id):
                 what = "late"
             if what is not None and not self._spend(what):
-                burst, rate = BUDGETS[what]
-                raise h2.exceptions.DenialOfServiceError(f"too many {what} frames (more than {burst}, then {rate:g}/s)")
+                raise h2.exceptions.DenialOfServiceError(_too_many(what))
         return f
+
+
+def _too_many(what: str) -> str:
+    burst, rate = BUDGETS[what]
+    return f"too many {what} frames (more than {burst}, then {rate:g}/s)"
 
 
 @dataclass
@@ -356,10 +361,8 @@ class GrpcConnection:
         Refusals spend the peer's reset budget: opening calls only to have them
         refused is a rapid reset too. Over budget, :class:`H2ProtocolError`."""
         self.reset_stream(stream_id, REFUSED_STREAM)
-        try:
-            self._spend("reset")
-        except _Refused as e:
-            self._fail(e.code, str(e))
+        if not self._within_budget("reset"):
+            self._fail(ENHANCE_YOUR_CALM, _too_many("reset"))
 
     def reset_stream(self, stream_id: int, code: int = CANCEL) -> None:
         if self._drop(stream_id) is not None and not self.closed:
@@ -486,18 +489,15 @@ class GrpcConnection:
             raise H2ProtocolError(int(getattr(e, "error_code", 0) or PROTOCOL_ERROR), f"{type(e).__name__}: {e}") from None
         except (ValueError, UnicodeDecodeError) as e:  # anything else from a peer's bytes ends the connection, typed
             self._fail(PROTOCOL_ERROR, f"{type(e).__name__}: {e}")
-        try:
-            # h2 buffers a frame whole before it checks the length the frame claims:
-            # a claim of 16 MiB would cost that much per connection. Check it first.
-            pending = self._h2.incoming_buffer._data
-            if len(pending) >= 9 and int.from_bytes(pending[:3], "big") > MAX_FRAME:
-                raise _Refused(FRAME_SIZE_ERROR, f"a {int.from_bytes(pending[:3], 'big')}-byte frame exceeds our {MAX_FRAME}")
-            events: list[Event] = []
-            for ev in raw:
-                self._event(ev, events)
-            return events
-        except _Refused as e:
-            self._fail(e.code, str(e))
+        # h2 buffers a frame whole before it checks the length the frame claims:
+        # a claim of 16 MiB would cost that much per connection. Check it first.
+        pending = self._h2.incoming_buffer._data
+        if len(pending) >= 9 and (claimed := int.from_bytes(pending[:3], "big")) > MAX_FRAME:
+            self._fail(FRAME_SIZE_ERROR, f"a {claimed}-byte frame exceeds our {MAX_FRAME}")
+        events: list[Event] = []
+        for ev in raw:
+            self._event(ev, events)
+        return events
 
     def _credit_dropped_data(self) -> None:
         """DATA on streams h2 had already closed never becomes an event: h2 counts it
@@ -524,11 +524,6 @@ class GrpcConnection:
 
     def _within_budget(self, what: str) -> bool:
         return self._budgets[what].spend(self._clock())
-
-    def _spend(self, what: str) -> None:
-        if not self._within_budget(what):
-            burst, rate = BUDGETS[what]
-            raise _Refused(ENHANCE_YOUR_CALM, f"too many {what} frames (more than {burst}, then {rate:g}/s)")
 
     def _event(self, ev, events: list[Event]) -> None:
         E = h2.events
@@ -602,8 +597,8 @@ class GrpcConnection:
         if isinstance(ev, h2.events.TrailersReceived):  # gRPC requests have none: they just end the request
             return
         st = self._streams[sid] = _Stream(sid)
-        if self.open_calls() > self.max_streams:  # before the client has our SETTINGS
-            return self.refuse(sid)
+        if self.open_calls() > self.max_streams:  # the per-connection limit; before the client has our
+            return self.refuse(sid)  # SETTINGS it may not know it, and h2 allows PRE_SETTINGS_STREAMS
         path = fields.get(":path", "")
         if fields.get(":method") != "POST" or not path.startswith("/") or \
                 not fields.get("content-type", "").startswith("application/grpc"):
@@ -679,12 +674,6 @@ class GrpcConnection:
         else:
             self._drop(st.id)
         events.append(StreamEnded(st.id, status, detail))
-
-
-class _Refused(Exception):
-    def __init__(self, code: int, detail: str) -> None:
-        self.code = code
-        super().__init__(detail)
 
 
 def client(*, authority: str, max_message_bytes: int = MAX_MESSAGE, user_agent: str = "meshnet-p2p") -> GrpcConnection:

@@ -150,9 +150,10 @@ class _Connection(Driver):
         return self.server.read_pause(self.claimant.host)
 
     def _recv_raw(self, deadline: float) -> bytes:
-        if not self.poll(max(0.0, deadline - time.monotonic())):
+        data = self.recv_by(deadline)
+        if data is None:
             raise _Closed()
-        return self.sock.recv(1 << 18)
+        return data
 
     def dispatch_locked(self, events: list) -> None:
         """Hand each call what arrived for it (under the lock)."""
@@ -186,6 +187,8 @@ class _Connection(Driver):
         refused. Counted once a read is handled, so a client that sends many
         calls' headers before their messages (pipelining, as h2load does) is not
         mistaken for a silent one."""
+        if len(self.calls) <= MAX_WAITING_CALLS:  # the usual case, on every read: nothing to count
+            return
         waiting = sorted(c.sid for c in self.calls.values() if not c.started)
         for sid in waiting[MAX_WAITING_CALLS:]:
             call = self.calls.pop(sid)
@@ -270,10 +273,7 @@ class _Connection(Driver):
             self.wire.send_trailers(ev.stream_id, grpc_core.UNAVAILABLE, "the server is shutting down")
             return
         self.server.charge_call(self.claimant.host)
-        if len(self.calls) >= MAX_CALLS:
-            # Refused before any work: the client may retry (here later, or on another peer).
-            self.wire.refuse(ev.stream_id)
-            return
+        # (Calls past MAX_CALLS never get here: the core refuses them, REFUSED_STREAM.)
         self.calls[ev.stream_id] = _Call(ev.stream_id, method)
         # A call waits for its first message (a Session its SessionOpen) before it takes a
         # worker: a silent one holds none, and the standby ends it after FIRST_MESSAGE_TIMEOUT.
@@ -431,7 +431,7 @@ class ShardServer:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._conns: set[_Connection] = set()
-        self._call_budgets: dict[str, grpc_core.Budget] = {}  # per source (spend_call)
+        self._call_budgets: dict[str, grpc_core.Budget] = {}  # per source (charge_call)
         self._budget_lock = threading.Lock()
         self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.host = host
