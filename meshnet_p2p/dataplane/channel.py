@@ -110,11 +110,8 @@ class Channel(Driver):
 
     def close(self) -> None:
         with self._connect_lock, self.lock:  # not while a connection is being set up
-            if self.broken is None:
-                if self.wire is not None:
-                    self.wire.close()
-                    self.write_quietly()
-                self.break_locked("the channel was closed")  # every open call ends UNAVAILABLE, never as a clean end
+            # every open call ends UNAVAILABLE, never as a clean end
+            self.goaway_locked("the channel was closed")
             self.release_locked()  # now, or when a reader still in poll returns
 
     # --- connection -----------------------------------------------------------------------------

@@ -200,6 +200,13 @@ class Driver:
         self.cond.notify_all()
         self.shutdown()
 
+    def goaway_locked(self, why: str, code: int = grpc_core.NO_ERROR) -> None:
+        """End the connection saying why: GOAWAY (h2 takes nothing after it), then break."""
+        if self.broken is None and self.wire is not None:
+            self.wire.close(code, why)
+            self.write_quietly()
+        self.break_locked(why)
+
     def shutdown(self) -> None:
         """Wake whoever polls or sends on the socket (any thread, lock or not)."""
         with self._fd_lock:

@@ -217,9 +217,7 @@ class _Connection(Driver):
                 wake = self._end_silent_calls_locked(now)
                 if self.idle():
                     if now - self.last_active >= self.server.idle_timeout:
-                        self.wire.close(grpc_core.NO_ERROR, "idle")  # GOAWAY, then hang up
-                        self.write_quietly()
-                        self.break_locked("idle")
+                        self.goaway_locked("idle")
                         return
                     wake = min(wake, self.last_active + self.server.idle_timeout)
                 else:  # nothing wakes this poll when the last call ends: look again by then
@@ -515,9 +513,7 @@ class ShardServer:
             try:
                 if c.ping_sent is not None:
                     if now - c.ping_sent >= self.keepalive_timeout:
-                        c.wire.close(grpc_core.NO_ERROR, "no answer to keepalive")
-                        c.write_quietly()
-                        c.break_locked("no answer to keepalive")
+                        c.goaway_locked("no answer to keepalive")
                 elif now - c.wire.last_received >= self.keepalive:
                     c.ping_sent = now
                     c.wire.ping()
@@ -577,8 +573,7 @@ class ShardServer:
         for c in conns:  # GOAWAY last, once calls are over (h2 takes nothing after it): who may retry what
             if c.lock.acquire(timeout=0.2):  # not behind a send blocked on a client that stopped reading
                 try:
-                    c.wire.close(grpc_core.NO_ERROR, "the server is shutting down")
-                    c.write_quietly()
+                    c.goaway_locked("the server is shutting down")
                 finally:
                     c.lock.release()
         for c in conns:
