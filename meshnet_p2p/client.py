@@ -62,8 +62,11 @@ def _refuses_the_request(e: MeshnetError) -> bool:
 
 
 def _is_full(e: Exception) -> bool:
-    """The peer has no session to spare now (or took one back to share fairly): not its fault."""
-    return isinstance(e, ShardError) and e.code_name == "CAPACITY" and e.retryable
+    """The peer has no session to spare now (or took one back to share fairly), or
+    turned the call away before any work (its per-connection or per-source
+    limits): not its fault."""
+    return (isinstance(e, ShardError) and e.code_name == "CAPACITY" and e.retryable) or \
+        (isinstance(e, ShardConnectionError) and e.refused)
 
 
 CONNECT_TIMEOUT_S = 3.0  # a candidate's first contact (TCP, TLS, GetCapability)

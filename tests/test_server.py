@@ -156,7 +156,7 @@ def test_calls_per_connection_are_bounded_and_silent_calls_are_ended(server, mon
     extra = ch.stream("/meshnet.shard.v1.ShardRuntime/Session")
     with pytest.raises(ChannelError) as e:
         extra.recv(deadline=time.monotonic() + 10)
-    assert e.value.code == "UNAVAILABLE"  # REFUSED_STREAM: never processed, safe to retry
+    assert e.value.code == "UNAVAILABLE" and e.value.refused  # REFUSED_STREAM: never processed, safe to retry
     t0 = time.monotonic()
     for call in silent:  # none sent a SessionOpen: each is ended, freeing its worker
         with pytest.raises(ChannelError):
@@ -224,7 +224,7 @@ def test_silent_unary_calls_hold_no_worker_and_end_with_their_connection(server)
     fifth = ch.stream("/meshnet.shard.v1.ShardRuntime/Health")
     with pytest.raises(ChannelError) as e:  # a fifth waiting one on that connection is refused at once
         fifth.recv(deadline=time.monotonic() + 5)
-    assert e.value.code == "UNAVAILABLE" and time.monotonic() - t0 < 5
+    assert e.value.code == "UNAVAILABLE" and e.value.refused and time.monotonic() - t0 < 5
     # a call whose request comes is no silent one: served on that connection still
     assert pb.HealthReport.FromString(
         ch.unary("/meshnet.shard.v1.ShardRuntime/Health", pb.HealthRequest().SerializeToString(), timeout=5)).serving
@@ -457,3 +457,20 @@ def test_a_connection_is_closed_for_idleness_after_its_last_call_too():
         ch.close()
     finally:
         srv.stop(0)
+
+
+def test_a_call_the_peer_turned_away_before_any_work_bans_no_peer():
+    """A call refused for the caller's own load (REFUSED_STREAM past a
+    connection's limits, RESOURCE_EXHAUSTED past its source's unary queue) is
+    the request's error: the route search sets that peer aside, as a full one,
+    and does not ban it. Anything else from the transport still counts as the
+    peer's fault."""
+    from meshnet_p2p.client import _is_full
+    from meshnet_p2p.dataplane.client import ShardConnectionError
+
+    refused = ChannelError("UNAVAILABLE", "the peer reset the stream (HTTP/2 error 7)", refused=True)
+    queued_out = ChannelError("RESOURCE_EXHAUSTED", "over 64 calls from your address wait already")
+    lost = ChannelError("UNAVAILABLE", "connection lost")
+    assert refused.refused and queued_out.refused and not lost.refused
+    assert _is_full(ShardConnectionError.of(refused)) and _is_full(ShardConnectionError.of(queued_out))
+    assert not _is_full(ShardConnectionError.of(lost))

@@ -35,9 +35,12 @@ class ChannelError(MeshnetError):
     """A call failed: ``code`` names its gRPC status (UNAVAILABLE for a broken
     connection, DEADLINE_EXCEEDED for a timeout, or what the peer returned)."""
 
-    def __init__(self, code: str, detail: str) -> None:
+    def __init__(self, code: str, detail: str, *, refused: bool = False) -> None:
         self.code = code
         self.detail = detail
+        # The peer turned the call away before any work (REFUSED_STREAM; RESOURCE_EXHAUSTED,
+        # a source over its share): the caller's load, not the peer's fault.
+        self.refused = refused or code == "RESOURCE_EXHAUSTED"
         super().__init__(f"{code}: {detail}")
 
 
@@ -281,7 +284,8 @@ class CallStream:
     def _raise_if_ended(self) -> None:
         ended = self._inbox.ended
         if ended is not None and ended.status != 0:
-            raise ChannelError(grpc_core.GRPC_STATUS.get(ended.status, f"STATUS_{ended.status}"), ended.message)
+            raise ChannelError(grpc_core.GRPC_STATUS.get(ended.status, f"STATUS_{ended.status}"), ended.message,
+                               refused=ended.refused)
 
     def end(self) -> None:
         """Half-close: no more requests on this call."""

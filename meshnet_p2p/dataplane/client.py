@@ -49,7 +49,16 @@ class ShardError(MeshnetError):
 
 
 class ShardConnectionError(MeshnetError):
-    """The connection failed: peer gone, TLS failure (wrong identity, tampering), timeout."""
+    """The connection failed: peer gone, TLS failure (wrong identity, tampering), timeout.
+    ``refused``: the peer turned the call away before any work (see ChannelError)."""
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        self.refused = refused
+        super().__init__(message)
+
+    @classmethod
+    def of(cls, e: ChannelError) -> "ShardConnectionError":
+        return cls(str(e), refused=e.refused)
 
 
 ANONYMOUS = object()  # as ``client=``: present no client certificate (served within the anonymous budget)
@@ -87,7 +96,7 @@ class ShardClient:
         try:
             raw = self.channel.unary(_path(method), request.SerializeToString(), timeout=self.timeout)
         except ChannelError as e:
-            raise ShardConnectionError(str(e)) from None
+            raise ShardConnectionError.of(e) from None
         return _parse(reply_type, raw)
 
     def capability(self) -> pb.Capability:
@@ -142,7 +151,7 @@ class SessionStream:
         try:
             self._call: CallStream = client.channel.stream(_path("Session"), timeout=timeout, with_first_message=True)
         except ChannelError as e:
-            raise ShardConnectionError(str(e)) from None
+            raise ShardConnectionError.of(e) from None
         accepted = self.request(pb.SessionRequest(open=pb.SessionOpen(
             session_id=session_id, route_epoch=route_epoch, fingerprint=fingerprint,
             proposed=pb.FlowControl(credits=credits), sampling=sampling, max_tokens=max_tokens)))
@@ -162,13 +171,13 @@ class SessionStream:
         try:
             self._call.send(request.SerializeToString())
         except ChannelError as e:
-            raise ShardConnectionError(str(e)) from None
+            raise ShardConnectionError.of(e) from None
 
     def receive(self, timeout: float | None = None) -> pb.SessionResponse:
         try:
             raw = self._call.recv(deadline=None if timeout is None else time.monotonic() + timeout)
         except ChannelError as e:
-            raise ShardConnectionError(str(e)) from None
+            raise ShardConnectionError.of(e) from None
         if raw is None:
             raise ShardConnectionError("the peer ended the session stream")
         if self.record:

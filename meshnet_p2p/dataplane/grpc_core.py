@@ -138,6 +138,7 @@ class StreamEnded:
     stream_id: int
     status: int
     message: str
+    refused: bool = False  # the peer refused the call before any work (REFUSED_STREAM): not its fault
 
 
 @dataclass(frozen=True)
@@ -654,7 +655,7 @@ class GrpcConnection:
             if code == NO_ERROR and st.status is not None:  # trailers came, then "stop sending": the call is over
                 status = st.status[0]
             events.append(StreamEnded(st.id, status, st.status[1] if code == NO_ERROR and st.status else
-                                      f"the peer reset the stream (HTTP/2 error {code})"))
+                                      f"the peer reset the stream (HTTP/2 error {code})", refused=code == REFUSED_STREAM))
         else:
             events.append(StreamReset(st.id, code))
 
