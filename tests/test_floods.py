@@ -351,7 +351,9 @@ def test_a_flood_of_cheap_calls_from_one_source_does_not_stop_a_generation(swarm
     queue per source and take their turns: another source's calls are
     answered about as fast as with no flood. Without the budget, Health took
     0.28 s a call in the flood (1.9 ms before it), the peer's CPU was all the
-    flood's, and with the turns alone the generation failed as reported."""
+    flood's, and with the turns alone the generation failed as reported. (The
+    bound, 20x the quiet latency or 0.1 s, leaves room for a loaded machine:
+    52 ms was seen with two test suites running at once.)"""
     from meshnet_p2p.client import connect
 
     def health_s(n: int = 10) -> float:
@@ -385,7 +387,7 @@ def test_a_flood_of_cheap_calls_from_one_source_does_not_stop_a_generation(swarm
         flooded = health_s()
         beside_a_generation(swarm, lambda: None)
         out, _ = flood.communicate(timeout=60)
-        assert flooded < max(20 * quiet, 0.05), f"Health took {flooded * 1e3:.1f} ms in the flood, {quiet * 1e3:.1f} before"
+        assert flooded < max(20 * quiet, 0.1), f"Health took {flooded * 1e3:.1f} ms in the flood, {quiet * 1e3:.1f} before"
         succeeded = int(re.search(r"(\d+) succeeded", out).group(1))
         assert succeeded > 100, out  # the peer kept answering the flood too
     finally:
