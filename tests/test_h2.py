@@ -187,6 +187,13 @@ def test_oversized_and_compressed_messages_end_only_their_call():
     assert events[0].status == h2.INTERNAL and "compressed" in events[0].message
     # late frames for the reset stream are ignored, and the connection goes on
     assert c.receive_data(frame(DATA, 0, sid, b"late bytes")) == []
+    # a whole message in one frame (the common case, taken in one step) is checked as strictly
+    sid3 = c.open_stream("/svc/W")
+    events = c.receive_data(srv.response_headers(sid3) + frame(DATA, 0, sid3, srv.grpc(b"w" * 1001)))
+    assert events == [StreamEnded(sid3, h2.RESOURCE_EXHAUSTED, "a 1001-byte message exceeds 1000")]
+    sid4 = c.open_stream("/svc/W")
+    assert c.receive_data(srv.response_headers(sid4) + frame(DATA, 0, sid4, srv.grpc(b"w" * 1000))) == \
+        [h2.Message(sid4, b"w" * 1000)]
 
 
 def test_the_receive_window_is_credited_only_as_messages_are_consumed():

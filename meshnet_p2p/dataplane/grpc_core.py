@@ -210,6 +210,9 @@ class Budget:
         return max(0.0, -self.level(now) / self.rate)
 
 
+_DataFrame = hyperframe.frame.DataFrame
+
+
 class _MeteredFrames(h2.frame_buffer.FrameBuffer):
     """h2's frame buffer, charging each frame that costs us work and the peer
     nothing to its budget as it is parsed. Over budget: DenialOfServiceError,
@@ -223,6 +226,8 @@ class _MeteredFrames(h2.frame_buffer.FrameBuffer):
 
     def __next__(self):
         f = super().__next__()  # (which may call this method again for the frame it returns)
+        if type(f) is _DataFrame and f.data:  # the common frame, and never metered: return it at once
+            return f
         if f is not self._last:
             self._last = f
             what = _METERED.get(type(f))
@@ -576,6 +581,10 @@ class GrpcConnection:
         if len(data) != n:
             self.consumed(sid, n - len(data))  # padding is nobody's to consume
         buf = st.buf
+        if not buf and len(data) >= 5 and data[0] == 0 and int.from_bytes(data[1:5], "big") == len(data) - 5 \
+                and len(data) - 5 <= self.max_message_bytes:
+            events.append(Message(sid, data[5:]))  # one whole message in one frame (every step): one copy
+            return
         buf += data
         # Whole messages leave the buffer at once, so it holds at most one partial
         # message, and a message's size is checked before its bytes are awaited.
