@@ -58,7 +58,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     from .engine.contract import EngineOptions
 
     d = EngineOptions()
-    p.add_argument("--max-sessions", type=_positive, default=d.max_sessions)
+    p.add_argument("--max-sessions", type=_positive, default=d.max_sessions,
+                   help="concurrent sessions (default: as many as --kv-memory holds at --n-ctx each, at most 32)")
+    p.add_argument("--kv-memory", type=_positive, default=d.kv_memory_mib, metavar="MIB",
+                   help=f"memory for the sessions' KV caches when --max-sessions is not given (default {d.kv_memory_mib})")
     p.add_argument("--n-ubatch", type=_positive, default=d.n_ubatch)
     p.add_argument("--n-ctx", type=_positive, default=d.n_ctx_per_session, help="KV tokens per session")
     p.add_argument("--threads", type=_positive, default=d.n_threads)
@@ -278,8 +281,8 @@ def _identity(args: argparse.Namespace) -> int:
 def _engine_options(args: argparse.Namespace):
     from .engine.contract import EngineOptions
 
-    return EngineOptions(max_sessions=args.max_sessions, n_ctx_per_session=args.n_ctx, n_ubatch=args.n_ubatch,
-                         n_threads=args.threads)
+    return EngineOptions(max_sessions=args.max_sessions, n_ctx_per_session=args.n_ctx, kv_memory_mib=args.kv_memory,
+                         n_ubatch=args.n_ubatch, n_threads=args.threads)
 
 
 def _required_seeds(args: argparse.Namespace, alternative: str = "") -> list:

@@ -486,7 +486,7 @@ def _hold_every_session(addr: str, model_path: str, hog: Identity) -> list:
 
 def test_a_client_holding_every_session_of_a_swarm_does_not_stop_a_generation(tmp_path, model_path, reference):
     """Failed before the fix: `could not open a route for layers 0-29`, every peer full."""
-    boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"])
+    boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"], "--max-sessions", "4")
     try:
         held = _hold_every_session(addr, model_path, Identity.generate())
         assert len(held) == 12

@@ -139,20 +139,29 @@ class SamplingParams:
             raise ValueError("seed must fit in 64 unsigned bits")
 
 
+KV_MEMORY_MIB = 256  # what a peer gives its sessions' KV caches by default
+MAX_AUTO_SESSIONS = 32  # sessions a peer sizes itself to at most when not told
+
+
 @dataclass(frozen=True)
 class LoadRequest:
     path: str
-    max_sessions: int = 4
+    # None: as many as kv_memory_mib holds at n_ctx_per_session each (1..MAX_AUTO_SESSIONS);
+    # 17 for a 10-layer shard of the embedded model
+    max_sessions: int | None = None
     n_ctx_per_session: int = 2048
     kv_token_budget: int | None = None  # default: max_sessions * n_ctx_per_session
+    kv_memory_mib: int = KV_MEMORY_MIB
     n_threads: int | None = None
     seam_dtype: str = "f32"
     n_ubatch: int = 64
     source_sha256: str | None = None  # for an uncut model file, skips hashing it again
 
     def __post_init__(self) -> None:
-        if self.max_sessions < 1 or self.n_ctx_per_session < 1:
+        if (self.max_sessions is not None and self.max_sessions < 1) or self.n_ctx_per_session < 1:
             raise ValueError("max_sessions and n_ctx_per_session must be positive")
+        if self.kv_memory_mib < 1:
+            raise ValueError("kv_memory_mib must be positive")
         if self.kv_token_budget is not None and self.kv_token_budget < 1:
             raise ValueError("kv_token_budget must be positive")
         if self.seam_dtype not in SEAM_DTYPES:
@@ -165,8 +174,9 @@ class LoadRequest:
 class EngineOptions:
     """How a serving process runs its engine (the knobs `serve` and `join` share)."""
 
-    max_sessions: int = LoadRequest.max_sessions
+    max_sessions: int | None = LoadRequest.max_sessions
     n_ctx_per_session: int = LoadRequest.n_ctx_per_session
+    kv_memory_mib: int = LoadRequest.kv_memory_mib
     n_ubatch: int = LoadRequest.n_ubatch
     n_threads: int | None = LoadRequest.n_threads
 
@@ -293,6 +303,8 @@ class MetricsResult:
     refused: int = 0
     cancelled: int = 0
     failed_steps: int = 0
+    passes: int = 0  # llama_decode calls
+    shared_passes: int = 0  # of them, those that carried steps of several sessions
 
 
 class ShardEngine(abc.ABC):

@@ -16,20 +16,22 @@ Bit-exactness rests on three rules, checked by the tests: the seam is float32
 a step is split into micro-batches at the same boundaries everywhere (we call
 llama_decode once per ``n_ubatch`` rows, from the step's first position).
 
-With more than one thread, every llama_decode runs on one dedicated compute
-thread. llama.cpp's CPU backend (built with OpenMP) keeps a thread team per
+Every llama_decode runs on one compute thread, which batches: steps of
+different sessions that wait at the same time share a llama_decode where that
+keeps each one exact (batching.py decides which). The one thread matters for
+speed too: llama.cpp's CPU backend (built with OpenMP) keeps a thread team per
 calling thread, and alternating callers (one gRPC handler thread per session)
-measured 2.5x slower per step than one caller (7.5 ms against 3.0 ms on two
-cores), so the hand-off to a fixed thread pays for itself many times over.
+measured 1.4-2.5x slower per step than one caller on two cores.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import math
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import llama_cpp
 import numpy as np
@@ -37,6 +39,7 @@ import numpy as np
 from ..errors import MeshnetError
 from .contract import (
     HIDDEN,
+    MAX_AUTO_SESSIONS,
     OK,
     DecodeRequest,
     EngineCapabilities,
@@ -54,6 +57,7 @@ from .contract import (
     TensorBundle,
     TokenOutput,
 )
+from .batching import Pass, Waiting, plan_round
 from .cut import ShardInfo, inspect_gguf
 from .gguf import align_up
 from .llama_native import ensure_backend, hooks
@@ -61,6 +65,9 @@ from .recipe import FLASH_ATTN_TYPE, KV_CACHE_GGML_TYPE, KV_UNIFIED, RecipeError
 from .sampling import sample
 from .seam import decode_seam, encode_seam, seam_itemsize
 from .sessions import Session, SessionTable
+
+
+_CAPTURE_MISSED = -100  # _decode's code when the hidden-state capture missed
 
 
 class LlamaCppShardEngine(ShardEngine):
@@ -72,12 +79,17 @@ class LlamaCppShardEngine(ShardEngine):
         self._caps: EngineCapabilities | None = None
         self._info: ShardInfo | None = None
         self._table: SessionTable | None = None
-        self._running: str | None = None  # session whose step is in llama_decode now
+        self._running: str | None = None  # the session of a one-session pass in llama_decode now (abortable)
         self._batch: _BatchViews | None = None
-        self._compute: ThreadPoolExecutor | None = None  # the one thread that calls llama_decode (n_threads > 1)
+        self._compute: threading.Thread | None = None  # the one thread that calls llama_decode
+        self._work: dict[int, _Work] = {}  # steps waiting or computing, by arrival
+        self._wake = threading.Condition(self._table_lock)  # work arrived, or the engine closes
+        self._keys = itertools.count()
+        self._stopping = False
         self._state = "not-loaded"
         self._detail = ""
-        self._m = dict(steps=0, tokens_processed=0, tokens_sampled=0, refused=0, cancelled=0, failed_steps=0)
+        self._m = dict(steps=0, tokens_processed=0, tokens_sampled=0, refused=0, cancelled=0, failed_steps=0,
+                       passes=0, shared_passes=0)
         self.keep_logits = False  # tests: keep the tail's last logits per session
         self.last_logits: dict[str, np.ndarray] = {}
 
@@ -110,14 +122,15 @@ class LlamaCppShardEngine(ShardEngine):
         n_vocab = llama_cpp.llama_vocab_n_tokens(vocab)
         is_tail = info.is_tail
         n_ctx_seq = align_up(request.n_ctx_per_session, 256)  # llama.cpp pads per-sequence contexts to 256
+        max_sessions = request.max_sessions or sessions_for_memory(model, n_ctx_seq, request.kv_memory_mib)
         cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = n_ctx_seq * request.max_sessions
+        cparams.n_ctx = n_ctx_seq * max_sessions
         cparams.n_batch = request.n_ubatch
         cparams.n_ubatch = request.n_ubatch
-        cparams.n_seq_max = request.max_sessions
+        cparams.n_seq_max = max_sessions
         cparams.kv_unified = KV_UNIFIED
         # A tail emits one row of logits per step; llama.cpp wants room for one per sequence.
-        outputs = request.max_sessions if is_tail else max(request.n_ubatch, request.max_sessions)
+        outputs = max_sessions if is_tail else max(request.n_ubatch, max_sessions)
         cparams.n_outputs_max = outputs
         cparams.n_outputs_max_per_seq = outputs
         threads = request.n_threads or os.cpu_count() or 1
@@ -175,8 +188,8 @@ class LlamaCppShardEngine(ShardEngine):
         self._logits_addr = 0
         self._logits_view: np.ndarray | None = None
         self._native = native  # keep the callbacks alive as long as the context
-        budget = request.kv_token_budget or request.max_sessions * request.n_ctx_per_session
-        self._table = SessionTable(request.max_sessions, budget, request.n_ctx_per_session)
+        budget = request.kv_token_budget or max_sessions * request.n_ctx_per_session
+        self._table = SessionTable(max_sessions, budget, request.n_ctx_per_session)
         self._caps = EngineCapabilities(
             architecture=info.architecture,
             start=info.start,
@@ -185,7 +198,7 @@ class LlamaCppShardEngine(ShardEngine):
             n_embd=n_embd,
             n_vocab=self._n_vocab,
             role=info.role,
-            max_sessions=request.max_sessions,
+            max_sessions=max_sessions,
             kv_token_budget=budget,
             n_ctx_per_session=request.n_ctx_per_session,
             model_digest=info.model_digest,
@@ -193,8 +206,8 @@ class LlamaCppShardEngine(ShardEngine):
             recipe=recipe.axes(),
             recipe_labels=recipe.labels(),
         )
-        if threads > 1:
-            self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llama-compute")
+        self._compute = threading.Thread(target=self._compute_loop, name="llama-compute", daemon=True)
+        self._compute.start()
         self._state = "serving"
         return LoadResult(OK, self._caps)
 
@@ -202,10 +215,13 @@ class LlamaCppShardEngine(ShardEngine):
         return self._caps
 
     def close(self) -> None:
+        with self._table_lock:
+            self._stopping = True  # steps still waiting end NOT_LOADED
+            self._wake.notify_all()
+        if self._compute is not None and self._compute is not threading.current_thread():
+            self._compute.join()
+            self._compute = None
         with self._step_lock:
-            if self._compute is not None:
-                self._compute.shutdown(wait=True)
-                self._compute = None
             if self._ctx is not None:
                 llama_cpp.llama_free(self._ctx)
                 self._ctx = None
@@ -259,8 +275,11 @@ class LlamaCppShardEngine(ShardEngine):
                 return Status(StatusCode.UNKNOWN_SESSION, f"no open session {session_id!r}")
             if s.cancelled:
                 return OK
+            for w in self._work.values():
+                if w.session is s:
+                    w.cancelled = True  # dropped before its next pass, or its result is
             if self._running == session_id:
-                self._capture.abort = 1
+                self._capture.abort = 1  # a pass of this session alone: stop it now
             if not keep_session:
                 s.cancelled = True
             self._m["cancelled"] += 1
@@ -302,45 +321,29 @@ class LlamaCppShardEngine(ShardEngine):
     ) -> StepResult:
         if self._table is None or self._ctx is None:
             return StepResult(Status(StatusCode.NOT_LOADED, "engine is not loaded"))
-        info = self._info
         rows, err = self._check_input(tokens, hidden)
         if err is not None:
             return self._failed(err)
-        with self._step_lock:
-            with self._table_lock:
-                status, s = self._table.lookup(session_id)
-                if status.ok:
-                    status = self._table.check_step(s, position, len(rows))
-                if not status.ok:
-                    return self._failed(status)
-                self._running = session_id
-                self._capture.abort = 0
-            try:
-                if self._compute is None:
-                    out = self._forward(s, rows, tokens is not None)
-                else:
-                    out = self._compute.submit(self._forward, s, rows, tokens is not None).result()
-            except Exception as e:  # a bug or native failure must not take the peer down
-                out = Status(StatusCode.INTERNAL, f"step failed: {type(e).__name__}: {e}")
-            finally:
-                with self._table_lock:
-                    self._running = None
-                    aborted = self._capture.abort
-                    self._capture.abort = 0
-            if isinstance(out, Status):
-                # Undo whatever part of the step reached the cache.
-                llama_cpp.llama_memory_seq_rm(self._mem, s.seq_id, s.position, -1)
-                if aborted and out.code is StatusCode.INTERNAL:
-                    out = Status(StatusCode.CANCELLED, "step was cancelled")
-                return self._failed(out)
-            s.position += len(rows)
-            self._m["steps"] += 1
-            self._m["tokens_processed"] += len(rows)
-            if info.is_tail:
-                token = self._sample(s, out)
-                return StepResult(OK, s.position, token=token)
-            bundle = TensorBundle((Tensor(HIDDEN, self._seam, (len(rows), self._n_embd), encode_seam(out, self._seam)),))
-            return StepResult(OK, s.position, hidden=bundle)
+        with self._table_lock:
+            if self._stopping:
+                return StepResult(Status(StatusCode.NOT_LOADED, "engine is closing"))
+            status, s = self._table.lookup(session_id)
+            if status.ok:
+                status = self._table.check_step(s, position, len(rows))
+            if status.ok and any(w.session is s for w in self._work.values()):
+                status = Status(StatusCode.INVALID_ARGUMENT, f"session {session_id!r} has a step computing already")
+            if not status.ok:
+                return self._failed(status)
+            work = _Work(next(self._keys), s, rows, tokens is not None, len(rows))
+            self._work[work.key] = work
+            self._wake.notify_all()  # the compute thread (and a test that waits for a batch to gather)
+        work.finished.wait()
+        if work.status is not None:
+            return self._failed(work.status)
+        if work.token is not None:
+            return StepResult(OK, work.position, token=work.token)
+        bundle = TensorBundle((Tensor(HIDDEN, self._seam, (len(rows), self._n_embd), encode_seam(work.hidden, self._seam)),))
+        return StepResult(OK, work.position, hidden=bundle)
 
     def _failed(self, status: Status) -> StepResult:
         self._m["failed_steps"] += 1
@@ -373,56 +376,134 @@ class LlamaCppShardEngine(ShardEngine):
             return None, Status(StatusCode.BAD_TENSOR, "hidden state holds NaN or infinite values")
         return rows, None
 
-    def _forward(self, s: Session, rows, is_tokens: bool) -> np.ndarray | Status:
-        """Run ``rows`` (token ids or an (n, n_embd) float32 array) through the shard.
+    # --- the compute thread ------------------------------------------------------
 
-        Returns the (n, n_embd) hidden states for a non-tail shard, a view of the
-        last row's logits for a tail, or a Status on failure. This is the hot
-        path of every token: numpy views over the batch buffers, no per-row ctypes.
-        """
-        n = len(rows)
+    def _compute_loop(self) -> None:
+        """Rounds of passes (batching.plan_round) over the steps that wait, until close."""
+        while True:
+            with self._table_lock:
+                while not self._work and not self._stopping:
+                    self._wake.wait()
+            with self._step_lock, self._table_lock:  # (the order rollback and release take them in)
+                if self._stopping:
+                    for w in list(self._work.values()):
+                        self._finish_locked(w, Status(StatusCode.NOT_LOADED, "engine is closing"))
+                    return
+                self._drop_dead_locked()
+                plan = plan_round([Waiting(w.key, w.session.seq_id, w.n, w.done) for w in self._work.values()],
+                                  self._n_ubatch)
+            for p in plan:
+                try:
+                    self._run_pass(p)
+                except Exception as e:  # a bug or native failure fails its steps, never the thread
+                    with self._table_lock:
+                        for key, _, _ in p.parts:
+                            w = self._work.get(key)
+                            if w is not None:
+                                self._finish_locked(w, Status(StatusCode.INTERNAL, f"step failed: {type(e).__name__}: {e}"))
+
+    def _drop_dead_locked(self) -> None:
+        """Steps whose session was released, replaced or cancelled meanwhile end now,
+        so no two steps of one sequence ever wait together."""
+        for w in list(self._work.values()):
+            s = w.session
+            if self._table.sessions.get(s.session_id) is not s or s.cancelled:
+                # a released or cancelled session's cache is cleared by release/cancel itself
+                self._finish_locked(w, Status(StatusCode.CANCELLED, "step was cancelled"))
+            elif w.cancelled:
+                self._finish_locked(w, Status(StatusCode.CANCELLED, "step was cancelled"), undo=w.done > 0)
+
+    def _finish_locked(self, w: "_Work", status: Status | None, *, undo: bool = False) -> None:
+        if undo:  # what part of the step reached the cache is forgotten (the caller holds _step_lock too)
+            llama_cpp.llama_memory_seq_rm(self._mem, w.session.seq_id, w.session.position, -1)
+        w.status = status
+        self._work.pop(w.key, None)
+        w.finished.set()
+
+    def _run_pass(self, p: Pass) -> None:
+        with self._step_lock:
+            with self._table_lock:
+                live = [(w, start, m) for key, start, m in p.parts
+                        if (w := self._work.get(key)) is not None and not w.cancelled and not w.session.cancelled
+                        and self._table.sessions.get(w.session.session_id) is w.session]
+                if not live:
+                    return
+                self._running = live[0][0].session.session_id if len(live) == 1 else None
+                self._capture.abort = 0
+            rc = self._decode(live)
+            with self._table_lock:
+                self._running = None
+                aborted = self._capture.abort
+                self._capture.abort = 0
+                self._m["passes"] += 1
+                if len(live) > 1:
+                    self._m["shared_passes"] += 1
+                end = 0  # each step's rows end here in the pass (a tail's logits are its last row's)
+                for w, start, m in live:
+                    end += m
+                    if rc == 2 or aborted or w.cancelled:
+                        self._finish_locked(w, Status(StatusCode.CANCELLED, "step was cancelled"), undo=True)
+                    elif rc == _CAPTURE_MISSED:
+                        self._finish_locked(w, Status(StatusCode.INTERNAL, "hidden-state capture did not see the "
+                                                      "shard's last layer"), undo=True)
+                    elif rc != 0:
+                        self._finish_locked(w, Status(StatusCode.INTERNAL, f"llama_decode failed with code {rc}"), undo=True)
+                    else:
+                        self._complete_part_locked(w, start, m, end - 1 if self._info.is_tail else None)
+
+    def _decode(self, live: list[tuple["_Work", int, int]]) -> int:
+        """One llama_decode of ``live``'s rows (at most n_ubatch, in pass order); a
+        non-tail copies each step's hidden rows out of the capture buffer."""
+        b, cap = self._batch, self._capture
         tail = self._info.is_tail
-        b = self._batch
-        cap = self._capture
-        hidden = None if tail else np.empty((n, self._n_embd), dtype=np.float32)
-        row_bytes = self._n_embd * 4
-        for start in range(0, n, self._n_ubatch):
-            m = min(self._n_ubatch, n - start)
-            b.batch.n_tokens = m
-            if is_tokens:
-                b.token[:m] = rows[start : start + m]
+        j = 0
+        for w, start, m in live:
+            rows = slice(j, j + m)
+            if w.is_tokens:
+                b.token[rows] = w.rows[start : start + m]
             else:
-                b.embd[:m] = rows[start : start + m]
-            np.add(b.steps[:m], s.position + start, out=b.pos[:m])
-            b.seq[:m] = s.seq_id
+                b.embd[rows] = w.rows[start : start + m]
+            np.add(b.steps[:m], w.session.position + start, out=b.pos[rows])
+            b.seq[rows] = w.session.seq_id
             if tail:
-                b.logits[:m] = 0
-                if start + m == n:
-                    b.logits[m - 1] = 1
-            else:
-                cap.cap = m * row_bytes
-                cap.len = 0
-                cap.captures = 0
-            rc = llama_cpp.llama_decode(self._ctx, b.batch)
-            if rc == 2 or cap.abort:
-                return Status(StatusCode.CANCELLED, "step was cancelled")
-            if rc != 0:
-                return Status(StatusCode.INTERNAL, f"llama_decode failed with code {rc}")
-            if not tail:
-                if cap.captures != 1 or cap.len != m * row_bytes:
-                    return Status(StatusCode.INTERNAL, "hidden-state capture did not see the shard's last layer")
-                hidden[start : start + m] = b.capture[:m]
-        if tail:
-            return self._last_logits()
-        return hidden
+                b.logits[rows] = 0
+                if start + m == w.n:
+                    b.logits[j + m - 1] = 1  # the step's last row: its logits are sampled
+            j += m
+        b.batch.n_tokens = j
+        row_bytes = self._n_embd * 4
+        if not tail:
+            cap.cap = j * row_bytes
+            cap.len = 0
+            cap.captures = 0
+        rc = llama_cpp.llama_decode(self._ctx, b.batch)
+        if rc == 0 and not tail:
+            if cap.captures != 1 or cap.len != j * row_bytes:
+                return _CAPTURE_MISSED
+            j = 0
+            for w, start, m in live:
+                if w.hidden is None:
+                    w.hidden = np.empty((w.n, self._n_embd), dtype=np.float32)
+                w.hidden[start : start + m] = b.capture[j : j + m]
+                j += m
+        return rc
 
-    def _last_logits(self) -> np.ndarray:
-        # A view over llama.cpp's logits row, rebuilt only if the buffer moves.
-        addr = ctypes.cast(llama_cpp.llama_get_logits_ith(self._ctx, -1), ctypes.c_void_p).value
-        if addr != self._logits_addr:
-            self._logits_view = np.frombuffer((ctypes.c_float * self._n_vocab).from_address(addr), dtype=np.float32)
-            self._logits_addr = addr
-        return self._logits_view
+    def _complete_part_locked(self, w: "_Work", start: int, m: int, row: int | None) -> None:
+        w.done = start + m
+        if w.done < w.n:
+            return  # more micro-batches to come, in later rounds
+        s = w.session
+        s.position += w.n
+        w.position = s.position
+        self._m["steps"] += 1
+        self._m["tokens_processed"] += w.n
+        if row is not None:  # a tail: sample now, while llama.cpp's logits row is this pass's
+            w.token = self._sample(s, self._logits_row(row))
+        self._finish_locked(w, None)
+
+    def _logits_row(self, i: int) -> np.ndarray:
+        addr = ctypes.cast(llama_cpp.llama_get_logits_ith(self._ctx, i), ctypes.c_void_p).value
+        return np.frombuffer((ctypes.c_float * self._n_vocab).from_address(addr), dtype=np.float32)
 
     def _sample(self, s: Session, logits: np.ndarray) -> TokenOutput:
         if self.keep_logits:
@@ -452,11 +533,42 @@ class LlamaCppShardEngine(ShardEngine):
         return None if s is None else s.position
 
 
+@dataclass(eq=False)
+class _Work:
+    """One step on its way through the compute thread."""
+
+    key: int  # arrival order
+    session: Session
+    rows: object  # token ids, or an (n, n_embd) float32 array
+    is_tokens: bool
+    n: int
+    done: int = 0  # rows computed (a multi-row step runs one micro-batch per round)
+    cancelled: bool = False  # cancel(keep_session=True): its result is dropped
+    hidden: np.ndarray | None = None  # a non-tail's output rows
+    token: TokenOutput | None = None  # a tail's sample
+    position: int = 0  # the session's position after it
+    status: Status | None = None  # why it failed; None: it completed
+    finished: threading.Event = field(default_factory=threading.Event)
+
+
+def kv_bytes_per_token(model) -> int:
+    """What one position of one sequence costs in this shard's K and V caches (f16)."""
+    n_layer = llama_cpp.llama_model_n_layer(model)
+    head_dim = llama_cpp.llama_model_n_embd(model) // max(1, llama_cpp.llama_model_n_head(model))
+    return n_layer * 2 * llama_cpp.llama_model_n_head_kv(model) * head_dim * 2
+
+
+def sessions_for_memory(model, n_ctx_seq: int, kv_memory_mib: int) -> int:
+    """The session count a peer sizes itself to: what its KV memory holds at full length each."""
+    per_session = max(1, n_ctx_seq * kv_bytes_per_token(model))
+    return max(1, min(MAX_AUTO_SESSIONS, (kv_memory_mib << 20) // per_session))
+
+
 class _BatchViews:
     """A llama_batch whose arrays are numpy arrays we own.
 
-    Every row of a step belongs to one sequence (one session per step), so each
-    row's seq-id list is one slot of a single contiguous array; per-token work
+    Every row belongs to one sequence (its session's), so each row's seq-id
+    list is one slot of a single contiguous array; per-token work
     is then a few numpy slice assignments instead of per-row ctypes calls. The
     struct is built by hand (not llama_batch_init) so llama.cpp never frees it.
     """

@@ -8,6 +8,7 @@ never fails half-way for lack of cache, and nothing queues silently.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 from .contract import OK, SamplingParams, Status, StatusCode
@@ -31,7 +32,9 @@ class SessionTable:
     sessions: dict[str, Session] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._free_seq = list(range(self.max_sessions - 1, -1, -1))
+        # lowest first: open sessions then hold consecutive sequence ids, which is what
+        # lets llama.cpp batch their steps (batching.py)
+        self._free_seq = list(range(self.max_sessions))
 
     @property
     def reserved(self) -> int:
@@ -67,7 +70,7 @@ class SessionTable:
                 ),
                 None,
             )
-        session = Session(session_id, self._free_seq.pop(), max_tokens, sampling)
+        session = Session(session_id, heapq.heappop(self._free_seq), max_tokens, sampling)
         self.sessions[session_id] = session
         return OK, session
 
@@ -97,5 +100,5 @@ class SessionTable:
     def release(self, session_id: str) -> Session | None:
         session = self.sessions.pop(session_id, None)
         if session is not None:
-            self._free_seq.append(session.seq_id)
+            heapq.heappush(self._free_seq, session.seq_id)
         return session
