@@ -19,6 +19,7 @@ greedy sampling (or a seed) the output is the same as without the failure.
 from __future__ import annotations
 
 import os
+import random
 import time
 import uuid
 from concurrent import futures
@@ -72,6 +73,18 @@ def _is_full(e: Exception) -> bool:
 CONNECT_TIMEOUT_S = 3.0  # a candidate's first contact (TCP, TLS, GetCapability)
 PROBE_WIDTH = 16  # first contacts at once, once a search has met a failing candidate
 MAX_OPEN_TRIES = 1024  # candidates one route search may set aside (a refused dial costs ~1 ms; open_timeout bounds the rest)
+
+
+BACKOFF_BASE_S = 0.25  # the first wait for busy peers; doubling to BACKOFF_MAX_S
+BACKOFF_MAX_S = 4.0
+
+
+def _backoff(waits: int, hint_s: float) -> float:
+    """How long to wait before asking busy peers again: exponential, at least
+    their own hint (bounded: a hint costs a peer nothing to inflate), jittered so
+    clients turned away together do not come back together."""
+    base = max(min(BACKOFF_BASE_S * 2 ** waits, BACKOFF_MAX_S), min(hint_s, BACKOFF_MAX_S))
+    return base * random.uniform(0.75, 1.25)
 
 
 def _tried_text(tried: dict[str, str]) -> str:
@@ -167,6 +180,8 @@ class RouteSession:
         plan. It gives up only when no untried route is left, naming what it tried."""
         tried: dict[str, str] = {}
         refused: dict[str, str] = {}  # the subset that refused the request itself
+        full: dict[str, float] = {}  # the subset that was full: asked again after a wait (their hint, seconds)
+        waits = 0
         contacts: dict[str, _Contact] = {}  # first contact made, no session yet
         opened: dict[str, _Hop] = {}
         deadline = time.monotonic() + self.open_timeout
@@ -176,15 +191,19 @@ class RouteSession:
             tried[peer] = str(e)
             if _refuses_the_request(e):  # rightly refused: set aside for this search, not banned
                 refused[peer] = str(e)
-            elif not _is_full(e):  # a full peer is set aside too; anything else is the peer's fault
+            elif _is_full(e):  # busy, not faulty: tried again once the search has waited
+                full[peer] = getattr(e, "retry_after_s", 0.0)
+            else:  # anything else is the peer's fault
                 self.banned[peer] = time.monotonic() + self.ban_seconds
             self.on_event(f"cannot open a session on {peer}: {e}")
 
         try:
             while True:
                 if len(tried) >= MAX_OPEN_TRIES or time.monotonic() > deadline:
-                    raise GenerationError(f"could not open a route for layers {start}-{end - 1} in "
-                                          f"{len(tried)} tries" + _tried_text(tried))
+                    why = f"{self.open_timeout:g} s: the peers that serve them stayed busy ({waits} waits)" if waits \
+                        else f"{len(tried)} tries"
+                    raise GenerationError(f"could not open a route for layers {start}-{end - 1} in {why}"
+                                          + _tried_text(tried))
                 try:
                     route = self._plan(start, end, self._banned_now() | set(tried))
                 except NoRoute as e:
@@ -192,10 +211,25 @@ class RouteSession:
                         rediscovered = True
                         self.spans = self.spans_provider()
                         continue
+                    if full and time.monotonic() < deadline:  # busy peers: wait our turn, then ask them again
+                        pause = min(_backoff(waits, max(full.values())), max(0.0, deadline - time.monotonic()))
+                        self.on_event(f"every peer that serves layers {start}-{end - 1} is busy "
+                                      f"({len(full)} full); asking again in {pause:.1f} s")
+                        for hop in opened.values():  # a waiting client holds no session others could use
+                            hop.close()
+                        opened.clear()
+                        time.sleep(pause)
+                        waits += 1
+                        for peer in full:
+                            tried.pop(peer, None)
+                        full.clear()
+                        rediscovered = False
+                        continue
                     if tried and len(refused) == len(tried):
                         raise RequestRefused(f"the request was refused by every peer that could serve layers "
                                              f"{start}-{end - 1}: {sanitize(next(iter(refused.values())))}") from None
-                    raise GenerationError(f"could not open a route for layers {start}-{end - 1}: {e}"
+                    busy = f" after waiting {waits} times for busy peers" if waits else ""
+                    raise GenerationError(f"could not open a route for layers {start}-{end - 1}{busy}: {e}"
                                           + _tried_text(tried)) from None
                 known = set(opened) | set(contacts)
                 if any(s.peer_id not in known for s in route):
@@ -520,9 +554,14 @@ class Client:
         ids = self.tokenizer.encode(text)
         if not ids:
             raise GenerationError("the prompt is empty")
-        session = RouteSession(provider, self.n_layer, max_tokens=len(ids) + max_tokens, sampling=sampling,
-                               step_timeout=self.step_timeout, max_failovers=self.max_failovers, on_event=self.on_event,
-                               latency_ms=self.latency_ms, measured_ms=self.measured_ms, client_creds=self.client_creds)
+        try:
+            session = RouteSession(provider, self.n_layer, max_tokens=len(ids) + max_tokens, sampling=sampling,
+                                   step_timeout=self.step_timeout, max_failovers=self.max_failovers,
+                                   on_event=self.on_event, latency_ms=self.latency_ms, measured_ms=self.measured_ms,
+                                   client_creds=self.client_creds)
+        except RequestRefused as e:  # say what was asked, beside what the peers said they hold
+            raise RequestRefused(f"the prompt has {len(ids)} tokens and max_tokens asks for {max_tokens} more "
+                                 f"({len(ids) + max_tokens} positions in all): {e}") from None
         decoder = self.tokenizer.stream_decoder()
         try:
             run = drive(session, ids, max_tokens, stop_at_eog=stop_at_eog,

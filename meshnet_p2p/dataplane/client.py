@@ -43,6 +43,7 @@ class ShardError(MeshnetError):
         self.retryable = error.retryable
         self.terminal = error.terminal
         self.mismatches = list(error.mismatches)
+        self.retry_after_s = error.retry_after_ms / 1000  # a full peer's hint (0: none)
         self.work_id = error.work_id  # the step it refuses, when it refuses one
         self.idempotency_step = error.idempotency_step
         super().__init__(f"{self.code_name}: {sanitize(error.detail)}")  # the peer's words: escaped

@@ -83,9 +83,15 @@ _STRANGER = Claimant("\x00a new address", "\x00a new client")  # what a newcomer
 
 
 def _error(code: int, detail: str, *, work_id: str = "", step: int = 0, retryable: bool = False,
-           terminal: bool = False, mismatches: list[str] | None = None) -> pb.SessionResponse:
+           terminal: bool = False, mismatches: list[str] | None = None, retry_after_ms: int = 0) -> pb.SessionResponse:
     return pb.SessionResponse(error=pb.Error(code=code, detail=detail, retryable=retryable, work_id=work_id,
-                                             idempotency_step=step, terminal=terminal, mismatches=mismatches or []))
+                                             idempotency_step=step, terminal=terminal, mismatches=mismatches or [],
+                                             retry_after_ms=retry_after_ms))
+
+
+# A full peer's hint to ask again: sessions end as generations finish, seconds apart
+# under load. The client backs off from it (and may go elsewhere meanwhile).
+FULL_RETRY_AFTER_MS = 1000
 
 
 class ShardRuntimeServicer:
@@ -263,7 +269,8 @@ class ShardRuntimeServicer:
                 return _error(E.CANCELLED, "the session was cancelled before it opened", terminal=True), None
             decision = self._admission(who)
             if isinstance(decision, Refuse):  # refused: the early cancel (if any) stays
-                return _error(E.CAPACITY, decision.reason, retryable=True, terminal=True), None
+                return _error(E.CAPACITY, decision.reason, retryable=True, terminal=True,
+                              retry_after_ms=FULL_RETRY_AFTER_MS), None
             if isinstance(decision, Reclaim):
                 reclaim = decision.session_id
                 self._states.pop(reclaim, None)
@@ -291,7 +298,8 @@ class ShardRuntimeServicer:
             return _error(E.INVALID_ARGUMENT, str(e), terminal=True), None
         if not status.ok:
             self._forget(sid)
-            return _error(_ENGINE_CODES[status.code], status.message, retryable=status.retryable, terminal=True), None
+            return _error(_ENGINE_CODES[status.code], status.message, retryable=status.retryable, terminal=True,
+                          retry_after_ms=FULL_RETRY_AFTER_MS if status.retryable else 0), None
         credits = min(msg.proposed.credits or self.limits.max_credits, self.limits.max_credits)
         state.open(msg.route_epoch, credits)
         state.last_active_ms = self.now_ms()

@@ -1,0 +1,97 @@
+"""Many users at once on a real 3-process swarm (issue 13): every generation
+is exact, a full peer makes clients wait instead of failing, and a request
+no route can hold is the request's error."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from meshnet_p2p.client import Client, GenerationError, RequestRefused, RouteSession
+from meshnet_p2p.engine.contract import SamplingParams
+from meshnet_p2p.engine.tokenizer import Tokenizer
+
+from .conftest import N_UBATCH
+from .reference import reference_generate
+from .swarm import start_swarm
+
+TOKENS = 12
+PROMPTS = [f"{subject} is" for subject in (
+    "The capital of France", "Water", "The largest planet", "A good breakfast", "Python", "The moon",
+    "Music", "The ocean", "A library", "Winter", "The oldest tree", "Mathematics", "A bicycle",
+    "Coffee", "The internet", "A volcano")]
+
+
+@pytest.fixture(scope="module")
+def references(model_path):
+    tok = Tokenizer(model_path)
+    return {p: reference_generate(model_path, tok.encode(p), TOKENS, n_ubatch=N_UBATCH)[0] for p in PROMPTS}
+
+
+def test_sixteen_concurrent_generations_equal_their_single_session_outputs(tmp_path, model_path, references):
+    boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"])
+    try:
+        client = Client([addr], model_path=model_path, step_timeout=60.0)
+        start = threading.Barrier(len(PROMPTS))
+
+        def generate(prompt: str) -> list[int]:
+            start.wait(timeout=60)
+            return client.generate(prompt, TOKENS, SamplingParams(), stop_at_eog=False).token_ids
+
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            outputs = dict(zip(PROMPTS, pool.map(generate, PROMPTS), strict=True))
+        assert outputs == references
+    finally:
+        codes = [j.stop() for j in joins] + [boot.stop()]
+    assert codes == [0] * 4
+
+
+def test_a_full_peer_makes_clients_wait_and_a_request_too_long_is_refused(tmp_path, model_path, references):
+    boot, addr, joins = start_swarm(tmp_path, ["0:15", "15:30"], "--max-sessions", "1")
+    try:
+        client = Client([addr], model_path=model_path, step_timeout=60.0)
+        spans = client.spans
+        import trio
+
+        # One user holds the only session of every peer...
+        holder = RouteSession(lambda: trio.run(spans), client.n_layer, max_tokens=64, sampling=SamplingParams())
+        # ...so a second one is told each peer is full, and waits: no ban, no failure.
+        events: list[str] = []
+        busy = threading.Event()
+
+        def on_event(msg: str) -> None:
+            events.append(msg)
+            if "busy" in msg:
+                busy.set()
+
+        waiting = Client([addr], model_path=model_path, step_timeout=60.0, on_event=on_event)
+        prompt = PROMPTS[0]
+        with ThreadPoolExecutor(1) as pool:
+            later = pool.submit(waiting.generate, prompt, TOKENS, SamplingParams(), stop_at_eog=False)
+            try:
+                assert busy.wait(timeout=60), events
+            finally:
+                holder.close()  # the first user leaves: the waiting one gets its turn
+            assert later.result(timeout=120).token_ids == references[prompt]
+        assert not [e for e in events if "failed" in e], events
+
+        # A user who cannot wait long is told why when its own deadline passes.
+        holder = RouteSession(lambda: trio.run(spans), client.n_layer, max_tokens=64, sampling=SamplingParams())
+        try:
+            with pytest.raises(GenerationError, match="busy"):
+                RouteSession(lambda: trio.run(spans), client.n_layer, max_tokens=64, sampling=SamplingParams(),
+                             open_timeout=1.0)
+        finally:
+            holder.close()
+
+        # A prompt longer than any route holds is the request's error, naming both numbers.
+        with pytest.raises(RequestRefused) as e:
+            client.generate("hello " * 33_000, 8)
+        text = str(e.value)
+        assert "the prompt has" in text and "holds at most" in text, text
+        assert client.generate(prompt, TOKENS, SamplingParams(), stop_at_eog=False).token_ids == references[prompt]
+    finally:
+        codes = [j.stop() for j in joins] + [boot.stop()]
+    assert codes == [0] * 3
