@@ -16,7 +16,9 @@ per-session decode tokens/s, aggregate tokens/s (all B generations' tokens
 over the wall time from their start to the last one's end), p50/p99 time
 per token, and
 ``swarm_vs_ceiling`` (aggregate / ceiling). Target at B=16: 16/16 complete
-and identical, swarm_vs_ceiling >= 0.8.
+and identical, swarm_vs_ceiling >= 0.8. Beside it, the ceiling of one
+process with as many threads as one peer has (``..._peer_threads``): the
+swarm is three such processes on the same cores.
 """
 
 from __future__ import annotations
@@ -189,9 +191,13 @@ def main() -> int:
             for b in sizes:
                 texts, want = texts_all[:b], expected_ids[:b]
                 roof = ceiling(model, [tok.encode(t) for t in texts], args.tokens, args.ceiling_threads)
+                same = roof if args.threads == args.ceiling_threads else \
+                    ceiling(model, [tok.encode(t) for t in texts], args.tokens, args.threads)
                 results, wall = through_client(client, texts, args.tokens)
-                row = {"ceiling_tok_s": round(roof, 2), **_summary(results, want, wall, args.tokens)}
+                row = {"ceiling_tok_s": round(roof, 2), "ceiling_peer_threads_tok_s": round(same, 2),
+                       **_summary(results, want, wall, args.tokens)}
                 row["swarm_vs_ceiling"] = round(row["aggregate_tok_s"] / roof, 3)
+                row["swarm_vs_ceiling_peer_threads"] = round(row["aggregate_tok_s"] / same, 3)
                 api_results, api_wall = through_api(url, model_name, texts, args.tokens, tok)
                 api_want = [tok.decode(w) for w in want]
                 api_row = _summary(api_results, api_want, api_wall, args.tokens)
