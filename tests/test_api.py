@@ -74,5 +74,8 @@ def test_a_request_too_long_for_every_peer_is_the_requests_error(api):
     with pytest.raises(openai.BadRequestError) as e:
         api.completions.create(model=MODEL, prompt="hi", max_tokens=8000)
     assert "holds at most" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:  # 200,000 characters: the numbers, not a 503
+        api.completions.create(model=MODEL, prompt="hello " * 33_334, max_tokens=8)
+    assert "the prompt has 33335 tokens" in str(e.value) and "holds at most 2048" in str(e.value), str(e.value)
     r = api.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0)
     assert r.choices[0].text.startswith(" Paris")
