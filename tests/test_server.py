@@ -474,3 +474,31 @@ def test_a_call_the_peer_turned_away_before_any_work_bans_no_peer():
     assert refused.refused and queued_out.refused and not lost.refused
     assert _is_full(ShardConnectionError.of(refused)) and _is_full(ShardConnectionError.of(queued_out))
     assert not _is_full(ShardConnectionError.of(lost))
+
+
+def test_a_thread_that_reads_for_itself_sends_the_standby_poller_aside():
+    """Else the standby and the thread waiting for its request both wake for the
+    same bytes, each step, at the moment the step's latency is made."""
+    from meshnet_p2p.dataplane.driver import Driver
+
+    a, b = socket.socketpair()
+    d = Driver()
+    d.sock = a
+    d.use_standby()
+    try:
+        with d.lock:
+            d.standby_polling = True
+        outcome = []
+        standby = threading.Thread(target=lambda: outcome.append(d.poll(None, standby=True)))
+        standby.start()
+        with d.cond:  # no bytes come: this thread polls for itself until its deadline
+            assert d.wait_locked(lambda: False, time.monotonic() + 0.05) is False
+        standby.join(timeout=10)
+        assert outcome == [False] and not d.standby_polling  # sent aside, not woken by data
+        b.send(b"x")
+        assert d.poll(10, standby=True) is True  # the signal was consumed: data still wakes it
+    finally:
+        with d.lock:
+            d.broken = "test over"
+            d.release_locked()
+        b.close()

@@ -20,6 +20,7 @@ it with what each role keeps per stream and how it ends.
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import ssl
@@ -49,6 +50,11 @@ class Driver:
         self._pollers = 0
         self._closing = False
         self._fd_closed = False
+        # A standby poller (a server's reader for when no handler waits) polls this too,
+        # so a thread that comes to read for itself can send it away first: otherwise
+        # both wake for the same bytes, at the moment a step's latency is made.
+        self._aside: int | None = None
+        self.standby_polling = False  # under lock: the standby is in (or about to enter) poll
 
     # --- what a role adds -----------------------------------------------------------------------
 
@@ -99,8 +105,9 @@ class Driver:
             self.dispatch_locked(self.wire.receive_data(plain))
         self.write_locked()
 
-    def poll(self, timeout: float | None) -> bool:
-        """Without the lock: wait until the socket is readable (True) or ``timeout``."""
+    def poll(self, timeout: float | None, *, standby: bool = False) -> bool:
+        """Without the lock: wait until the socket is readable (True) or ``timeout``;
+        a ``standby`` poll also returns (False) when a thread sent it aside."""
         with self._fd_lock:
             if self._fd_closed:
                 return True  # the caller finds the connection broken
@@ -108,13 +115,37 @@ class Driver:
         try:
             poller = select.poll()  # one per wait: a poll object is not for concurrent use
             poller.register(self.sock, POLL_IN)
-            return bool(poller.poll(-1 if timeout is None else max(0, int(timeout * 1000 + 0.999))))
+            aside = self._aside if standby else None
+            if aside is not None:
+                poller.register(aside, select.POLLIN)
+            ready = poller.poll(-1 if timeout is None else max(0, int(timeout * 1000 + 0.999)))
+            if aside is None:
+                return bool(ready)
+            readable = False
+            for fd, _ in ready:
+                if fd == aside:
+                    try:
+                        os.eventfd_read(aside)
+                    except BlockingIOError:
+                        pass
+                else:
+                    readable = True
+            return readable
         finally:
             with self._fd_lock:
                 self._pollers -= 1
                 if self._closing and not self._pollers and not self._fd_closed:
-                    self._fd_closed = True
-                    self.sock.close()
+                    self._close_fds()
+
+    def use_standby(self) -> None:
+        """Give this connection the means to send a standby poller aside (before it runs)."""
+        self._aside = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def _close_fds(self) -> None:
+        self._fd_closed = True
+        self.sock.close()
+        if self._aside is not None:
+            os.close(self._aside)
 
     def recv_by(self, deadline: float | None) -> bytes | None:
         """One thread, while connecting (TLS handshake, a relay's answer): the next
@@ -124,13 +155,13 @@ class Driver:
                 return None
         return self.sock.recv(READ_SIZE)
 
-    def read_once(self, timeout: float | None, *, unless_waiters: bool = False) -> None:
+    def read_once(self, timeout: float | None, *, unless_waiters: bool = False, standby: bool = False) -> None:
         """Without the lock: wait for bytes (or ``timeout``), then read what is
         there and dispatch it under the lock (a non-blocking read: if another
         thread read them first, nothing). With ``unless_waiters`` (a server's
         standby reader) bytes are left to a waiting thread, so a step's request
         is read by the thread that runs it."""
-        if not self.poll(timeout):
+        if not self.poll(timeout, standby=standby):
             return
         with self.cond:
             if self.broken is not None or (unless_waiters and self.waiters):
@@ -176,6 +207,9 @@ class Driver:
                 if pause > 0:
                     self.cond.wait(pause if remaining is None else min(pause, remaining))
                     continue
+                if self.standby_polling:  # this thread reads for itself: the standby steps aside
+                    self.standby_polling = False
+                    os.eventfd_write(self._aside, 1)
                 self.reading = True
                 self.lock.release()
                 try:
@@ -225,5 +259,4 @@ class Driver:
                 return
             self._closing = True
             if not self._pollers:
-                self._fd_closed = True
-                self.sock.close()
+                self._close_fds()

@@ -98,6 +98,7 @@ class _Connection(Driver):
         self.tls = server.ssl_context.wrap_bio(self.tls_in, self.tls_out, server_side=True)
         self.wire = grpc_core.server(max_streams=MAX_CALLS)
         self.calls: dict[int, _Call] = {}
+        self.use_standby()
         self.thread = threading.Thread(target=self._run, name="shard-conn", daemon=True)
         # Who is asking, for admission (admission.py): set once the TLS handshake proves it.
         self.claimant = Claimant(_source_of(sock), None)
@@ -226,7 +227,12 @@ class _Connection(Driver):
                 if pause > 0:  # its source has started more calls than its budget: read later
                     self.cond.wait(min(wake - now, pause))
                     continue
-            self.read_once(None if wake == float("inf") else wake - now, unless_waiters=True)
+                self.standby_polling = True  # a handler that comes to read sends this poll aside
+            try:
+                self.read_once(None if wake == float("inf") else wake - now, unless_waiters=True, standby=True)
+            finally:
+                with self.lock:
+                    self.standby_polling = False
 
     def _end_silent_calls_locked(self, now: float) -> float:
         """End calls whose first message has not come within FIRST_MESSAGE_TIMEOUT;
