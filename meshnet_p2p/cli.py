@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     relay.add_argument("--listen", default="127.0.0.1:4002", help="HOST:PORT for the TCP socket (port 0: any)")
     _add_identity(relay)
     _add_bootstrap(relay, "also join the DHT through these peers (repeatable; default $MESHNET_BOOTSTRAP)")
+    relay.add_argument("--announce", metavar="MULTIADDR", help="the address peers and clients reach this relay at, "
+                       "when not where it listens (port forwarding, a proxy): /ip4/HOST/tcp/PORT")
     relay.add_argument("--max-reservations", type=_positive, default=128)
     relay.add_argument("--max-connections-per-peer", type=_positive, default=16)
     relay.add_argument("--max-mbps-per-peer", type=float, default=512.0, help="bandwidth per peer, megabits/s")
@@ -129,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bootstrap(join, "bootstrap peers (repeatable; default $MESHNET_BOOTSTRAP, then bootstrap/peers.txt)")
     _add_identity(join)
     join.add_argument("--relay", metavar="MULTIADDR", help="be reachable through this relay (behind NAT)")
+    join.add_argument("--announce", metavar="MULTIADDR", help="the address others reach the data plane at, when "
+                      "not where it listens (port forwarding, a proxy): /ip4/HOST/tcp/PORT")
     _add_engine_flags(join)
     join.add_argument("--public-name", default="", help="a name shown to clients")
 
@@ -349,11 +353,12 @@ def _relay(args: argparse.Namespace) -> int:
     from .lifecycle import until_signalled
 
     from .dataplane.relay import Relay, RelayLimits
-    from .multiaddr import Multiaddr
+    from .multiaddr import Multiaddr, announced
     from .network import bootstrap_addrs, parse_listen, start_node
 
     host, port = parse_listen(args.listen)
     identity = _load_or_create_identity(args.identity)
+    announce = announced(args.announce, identity.peer_id) if args.announce else None
     seeds = bootstrap_addrs(args.bootstrap)
     limits = RelayLimits(max_reservations=args.max_reservations, max_connections_per_peer=args.max_connections_per_peer,
                          bytes_per_second_per_peer=args.max_mbps_per_peer * 1e6 / 8)
@@ -365,6 +370,8 @@ def _relay(args: argparse.Namespace) -> int:
             if seeds:
                 await start_node(nursery, identity, listen=f"{host}:0", bootstrap=seeds, require_bootstrap=False)
             _print_line(f"listening on {Multiaddr.for_socket(host, 'tcp', bound, identity.peer_id)}")
+            if announce is not None:
+                _print_line(f"announcing {announce}")
             await until_signalled()
             nursery.cancel_scope.cancel()
 
@@ -476,7 +483,7 @@ def _api(args: argparse.Namespace) -> int:
 def _join(args: argparse.Namespace) -> int:
     from .dataplane.servicer import Limits
     from .engine.cut import parse_layer_range
-    from .multiaddr import Multiaddr
+    from .multiaddr import Multiaddr, announced
     from .network import parse_listen
     from .peer import JoinOptions, join
     from .progress import TerminalProgress
@@ -484,10 +491,12 @@ def _join(args: argparse.Namespace) -> int:
     host, port = parse_listen(args.listen)
     layers = None if args.layers == "auto" else parse_layer_range(args.layers)
     seeds = _required_seeds(args)
+    identity = _load_or_create_identity(args.identity)
     opts = JoinOptions(
         model_path=_model_path(args.model), layers=layers, num_layers=args.num_layers, listen_host=host,
-        listen_port=port, bootstrap=seeds, identity=_load_or_create_identity(args.identity),
-        relay=Multiaddr.parse(args.relay) if args.relay else None, engine=_engine_options(args),
+        listen_port=port, bootstrap=seeds, identity=identity,
+        relay=Multiaddr.parse(args.relay) if args.relay else None,
+        announce=announced(args.announce, identity.peer_id) if args.announce else None, engine=_engine_options(args),
         public_name=args.public_name, progress=TerminalProgress("preparing the shard"),
         limits=Limits(session_idle_ms=int(args.idle_timeout * 1000)),
     )

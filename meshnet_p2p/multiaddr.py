@@ -103,6 +103,23 @@ class Multiaddr:
         return PeerId.from_string(found) if found else None
 
 
+def announced(text: str, peer_id: PeerId) -> Multiaddr:
+    """An ``--announce`` address: where others reach this peer's TCP port when
+    that is not where it listens (port forwarding, a proxy, a delaying
+    forwarder), as libp2p's announce addresses. A host and a non-zero tcp port;
+    ``/p2p/`` is added if absent and must be this peer's if present."""
+    addr = Multiaddr.parse(text)
+    protos = [p for p, _ in addr.components]
+    if addr.host is None or addr.transport != "tcp" or not addr.port or "p2p-circuit" in protos:
+        raise MultiaddrError(f"{text!r}: an announce address is a host and a tcp port other than 0, "
+                             "e.g. /ip4/203.0.113.7/tcp/4100")
+    if addr.peer_id is None:
+        return Multiaddr(addr.components + (("p2p", str(peer_id)),))
+    if protos.count("p2p") != 1 or addr.peer_id != peer_id:
+        raise MultiaddrError(f"{text!r} names another peer than this one ({peer_id})")
+    return addr
+
+
 def _check(proto: str, value: str, text: str) -> str:
     try:
         if proto == "ip4":

@@ -47,6 +47,7 @@ class JoinOptions:
     bootstrap: list
     identity: Identity
     relay: Multiaddr | None = None
+    announce: Multiaddr | None = None  # where others reach the data plane, if not where it listens
     engine: EngineOptions = EngineOptions()
     public_name: str = ""
     progress: Callable | None = None
@@ -108,7 +109,8 @@ async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> Non
         throughput = await trio.to_thread.run_sync(measure_throughput, engine)
         plane = await start_data_plane(nursery, engine, opts.identity, opts.listen_host, opts.listen_port,
                                        relay=opts.relay, limits=opts.limits, on_open=lambda sid: print_line(f"session {sid[:12]} opened"))
-        servicer, creds, addr = plane.servicer, plane.creds, plane.addr
+        servicer, creds = plane.servicer, plane.creds
+        addr = str(opts.announce) if opts.announce is not None else plane.addr  # what the report tells others
         caps = engine.capabilities()
 
         def report(departing: bool = False) -> bytes:
@@ -135,7 +137,9 @@ async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> Non
                 print_line(f"announce failed, retrying in {ANNOUNCE_INTERVAL_S:g} s: {e}")
 
         await publish_all()
-        print_line(f"listening on {addr}")
+        print_line(f"listening on {plane.addr}")
+        if addr != plane.addr:
+            print_line(f"announcing {addr}")
         print_line(f"recipe {caps.recipe_digest}")
 
         async def announce() -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from meshnet_p2p import Client
 from meshnet_p2p.engine.tokenizer import Tokenizer
+from meshnet_p2p.multiaddr import Multiaddr
 
 from .reference import reference_generate
 from .swarm import Proc, certify_swarm, meshnet_peer, start_swarm
@@ -155,6 +156,43 @@ def test_a_peer_behind_a_relay_serves_through_it(tmp_path, reference):
     finally:
         codes = [p.stop() for p in [nat] + joins + [boot, relay]]
     assert codes == [0] * len(codes)
+
+
+def test_a_peer_is_reached_at_the_address_it_announces(tmp_path, reference):
+    """Behind port forwarding (here a forwarder on another port), a peer's report
+    carries its --announce address, and routes reach it there."""
+    from .forwarder import Forwarder
+
+    forwarder = Forwarder()
+    boot, addr, joins = start_swarm(tmp_path, ["0:10", "20:30"], certify=False)
+    env = {**os.environ, "MESHNET_CACHE_DIR": str(tmp_path)}
+    behind = Proc("join", "--layers", "10:20", "--bootstrap", addr, "--threads", "1",
+                  "--announce", f"/ip4/127.0.0.1/tcp/{forwarder.port}", env=env)
+    try:
+        listening = Multiaddr.parse(behind.wait_line("listening on ").removeprefix("listening on "))
+        announced = behind.wait_line("announcing ").removeprefix("announcing ")
+        assert announced == f"/ip4/127.0.0.1/tcp/{forwarder.port}/p2p/{listening.peer_id}"
+        forwarder.target = (listening.host, listening.port)
+        certify_swarm(addr, boot.identity_path)
+        r = meshnet_peer("generate", "--bootstrap", addr, "--prompt", PROMPT, "--max-tokens", "32", "--json")
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+        assert doc["token_ids"] == reference and doc["route"][1]["peer_id"] == str(listening.peer_id)
+        assert forwarder.carried >= 1  # the route went through the announced address
+    finally:
+        codes = [p.stop() for p in [behind] + joins + [boot]]
+        forwarder.close()
+    assert codes == [0] * len(codes)
+
+
+@pytest.mark.parametrize("announce", ["/ip4/127.0.0.1/tcp/0", "/ip4/127.0.0.1/udp/4000", "/tcp/4000",
+                                      "/ip4/127.0.0.1/tcp/4000/p2p/12D3KooWBtg3aaRMjxwedh83aGiUkwSxDwUZkzuJcfaqUmo7R3pq"])
+def test_a_bad_announce_address_is_one_clear_error(announce):
+    for command in (["join", "--layers", "0:10", "--bootstrap", "/ip4/127.0.0.1/udp/9/p2p/"
+                     "12D3KooWBtg3aaRMjxwedh83aGiUkwSxDwUZkzuJcfaqUmo7R3pq"], ["relay", "--listen", "127.0.0.1:0"]):
+        r = meshnet_peer(*command, "--announce", announce, timeout=120)
+        assert r.returncode == 2 and r.stderr.startswith("error:") and "Traceback" not in r.stderr, r.stderr
+        assert "announce" in r.stderr or "another peer" in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("command", [["join", "--layers", "0:10"], ["generate", "--prompt", "hi"]])

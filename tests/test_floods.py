@@ -26,6 +26,7 @@ from meshnet_p2p import Client
 from meshnet_p2p.engine.tokenizer import Tokenizer
 from meshnet_p2p.multiaddr import Multiaddr
 
+from .forwarder import Forwarder
 from .h2frames import (
     CONTINUATION,
     DATA,
@@ -301,47 +302,6 @@ def test_slowloris_holds_only_its_sources_share(swarm, stage):
 # --- a stock load tool, from its own address --------------------------------------------------------
 
 
-def _forward_from(source: str, target) -> tuple[socket.socket, threading.Event]:
-    """A loopback TCP forwarder whose outgoing connections come from ``source``:
-    h2load cannot choose its address, and the flood must not share the client's.
-    Bytes are spliced as they are (TLS runs end to end through it)."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    stop = threading.Event()
-
-    def pipe(a: socket.socket, b: socket.socket) -> None:
-        try:
-            while data := a.recv(1 << 16):
-                b.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (a, b):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def accept() -> None:
-        listener.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                inner, _ = listener.accept()
-            except (TimeoutError, socket.timeout):
-                continue
-            except OSError:
-                return
-            try:
-                outer = socket.create_connection(target, timeout=10, source_address=(source, 0))
-            except OSError:
-                inner.close()
-                continue
-            for a, b in ((inner, outer), (outer, inner)):
-                threading.Thread(target=pipe, args=(a, b), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    return listener, stop
-
-
 @pytest.mark.skipif(not shutil.which("h2load") and not os.environ.get("MESHNET_REQUIRE_TOOLS"),
                     reason="h2load (Debian's nghttp2-client) is not installed")  # CI installs it, and requires it
 def test_a_flood_of_cheap_calls_from_one_source_does_not_stop_a_generation(swarm, tmp_path):
@@ -373,8 +333,8 @@ def test_a_flood_of_cheap_calls_from_one_source_does_not_stop_a_generation(swarm
     quiet = health_s()
     body = tmp_path / "health.bin"
     body.write_bytes(b"\x00\x00\x00\x00\x00")  # one gRPC message: an empty HealthRequest
-    listener, stop = _forward_from(ATTACKER, swarm[1])
-    port = listener.getsockname()[1]
+    forwarder = Forwarder(swarm[1], source=ATTACKER)  # h2load cannot choose its source address
+    port = forwarder.port
     cmd = ["h2load", "-c", "64", "-m", "100", "-D", "6", "-d", str(body), "-H", "content-type: application/grpc",
            "-H", "te: trailers", f"https://127.0.0.1:{port}{HEALTH}"]
     flood = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -394,8 +354,7 @@ def test_a_flood_of_cheap_calls_from_one_source_does_not_stop_a_generation(swarm
         if flood.poll() is None:
             flood.kill()
             flood.communicate()
-        stop.set()
-        listener.close()
+        forwarder.close()
 
 
 def _connections_from(source: str, port: int) -> int:
