@@ -1,0 +1,98 @@
+"""A userspace link with delay, as its own process (these kernels have no netem).
+
+    python bench/_delay_forwarder.py DELAY_MS
+
+Commands on stdin, one per line: ``listen`` opens a forwarding port on
+127.0.0.1 and prints it; ``target PORT HOST:PORT`` sets where that port's
+connections go (a peer's port is known only once it listens, and it must
+announce the forwarder's port before that). Each chunk read in either
+direction is written DELAY_MS after it was read, in order, so a crossing
+costs DELAY_MS (plus this process's ~0.1-0.7 ms) and bandwidth is not
+throttled. Bytes pass as they are: TLS runs end to end through it.
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+import sys
+import threading
+import time
+
+DELAY = float(sys.argv[1]) / 1000
+targets: dict[int, tuple[str, int]] = {}
+
+
+def pump(src: socket.socket, dst: socket.socket) -> None:
+    """Read chunks as they come; a writer sends each DELAY after it was read."""
+    queue: collections.deque = collections.deque()
+    ready = threading.Condition()
+
+    def writer() -> None:
+        while True:
+            with ready:
+                while not queue:
+                    ready.wait()
+                due, data = queue.popleft()
+            wait = due - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)  # the link's delay itself
+            if data is None:
+                break
+            try:
+                dst.sendall(data)
+            except OSError:
+                break
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    threading.Thread(target=writer, daemon=True).start()
+    while True:
+        try:
+            data = src.recv(1 << 16)
+        except OSError:
+            data = b""
+        with ready:
+            queue.append((time.monotonic() + DELAY, data or None))
+            ready.notify()
+        if not data:
+            return
+
+
+def serve(listener: socket.socket) -> None:
+    port = listener.getsockname()[1]
+    while True:
+        inner, _ = listener.accept()
+        target = targets.get(port)
+        if target is None:
+            inner.close()
+            continue
+        try:
+            outer = socket.create_connection(target, timeout=10)
+        except OSError:
+            inner.close()
+            continue
+        for s in (inner, outer):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for a, b in ((inner, outer), (outer, inner)):
+            threading.Thread(target=pump, args=(a, b), daemon=True).start()
+
+
+def main() -> None:
+    for line in sys.stdin:
+        cmd = line.split()
+        if cmd[:1] == ["listen"]:
+            listener = socket.create_server(("127.0.0.1", 0))
+            threading.Thread(target=serve, args=(listener,), daemon=True).start()
+            print(listener.getsockname()[1], flush=True)
+        elif cmd[:1] == ["target"] and len(cmd) == 3:
+            host, _, port = cmd[2].rpartition(":")
+            targets[int(cmd[1])] = (host, int(port))
+            print("ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()

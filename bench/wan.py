@@ -1,0 +1,139 @@
+"""A 3-peer route over links with delay, against its ring and star limits, in one run.
+
+    python bench/wan.py [--delays 0,2,5] [--tokens 48] [--reps 3] [--json]
+
+For each D: a bootstrap peer and three `meshnet-peer join` processes (0:10,
+10:20, 20:30), each reached only through its own userspace forwarder that
+delays every chunk by D in each direction (bench/_delay_forwarder.py, its
+own process: these kernels have no netem), which the peer announces with
+`--announce`. The client (this process) generates greedily; between its
+generations the whole model runs in this process, giving t, the whole
+model's time per token. Reports decode tokens/s, the ring limit
+1 / (t + k*D) (one crossing per hop, k = 3) and the star limit
+1 / (t + 2k*D) (the client carries every hidden state: two crossings per
+hop, today's route), and the ratios to each. Target (issue 14): at least
+0.85x the ring limit at D = 5 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+from meshnet_p2p.client import Client
+from meshnet_p2p.engine.contract import SamplingParams
+from meshnet_p2p.engine.cut import sha256_file
+from meshnet_p2p.engine.tokenizer import Tokenizer
+from meshnet_p2p.local import LocalRoute
+from meshnet_p2p.models import default_model_path
+from meshnet_p2p.multiaddr import Multiaddr
+from meshnet_p2p.peer_process import PeerProcess, Swarm
+
+from _report import print_report  # bench/ is on sys.path when a bench runs
+
+PROMPT = ("The history of clockmaking is a story of patience. Early water clocks measured hours by the flow "
+          "of water through a small opening, while mechanical clocks in medieval towers used weights and gears.")
+SPANS = ("0:10", "10:20", "20:30")
+
+
+class Links:
+    """The forwarder process: one delayed port per peer."""
+
+    def __init__(self, delay_ms: float) -> None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        self.p = subprocess.Popen([sys.executable, os.path.join(here, "_delay_forwarder.py"), str(delay_ms)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def _ask(self, line: str) -> str:
+        self.p.stdin.write(line + "\n")
+        self.p.stdin.flush()
+        return self.p.stdout.readline().strip()
+
+    def listen(self) -> int:
+        return int(self._ask("listen"))
+
+    def target(self, port: int, host: str, target_port: int) -> None:
+        assert self._ask(f"target {port} {host}:{target_port}") == "ok"
+
+    def close(self) -> None:
+        self.p.stdin.close()
+        self.p.terminate()
+        self.p.wait(timeout=30)
+
+
+def run_delay(delay_ms: float, args, whole: LocalRoute, prompt_ids: list[int]) -> dict:
+    links = Links(delay_ms)
+    swarm = Swarm((), timeout=300)  # the bootstrap peer; the joins, each behind its own link, below
+    try:
+        for span in SPANS:
+            port = links.listen()
+            join = PeerProcess("join", "--layers", span, "--bootstrap", swarm.addr, "--threads", str(args.threads),
+                               "--announce", f"/ip4/127.0.0.1/tcp/{port}")
+            swarm.joins.append(join)
+            listening = Multiaddr.parse(join.address(300))
+            links.target(port, listening.host, listening.port)
+        swarm.certify()
+        client = Client([swarm.addr], step_timeout=60.0)
+        greedy = SamplingParams()
+        client.generate(PROMPT, 4, greedy, stop_at_eog=False)  # warm-up both
+        whole.generate(prompt_ids, 4, greedy, stop_at_eog=False)
+        swarm_runs, whole_runs = [], []
+        for _ in range(args.reps):
+            swarm_runs.append(client.generate(PROMPT, args.tokens, greedy, stop_at_eog=False))
+            whole_runs.append(whole.generate(prompt_ids, args.tokens, greedy, stop_at_eog=False))
+    finally:
+        swarm.stop()
+        links.close()
+    tok_s = statistics.median(r.decode_tokens_per_s for r in swarm_runs)
+    t = 1 / statistics.median(r.decode_tokens_per_s for r in whole_runs)  # the whole model's seconds per token
+    k, d = len(SPANS), delay_ms / 1000
+    ring, star = 1 / (t + k * d), 1 / (t + 2 * k * d)
+    return {
+        "decode_tok_s": round(tok_s, 2),
+        "whole_ms_per_token": round(t * 1000, 2),
+        "ring_limit_tok_s": round(ring, 2),
+        "star_limit_tok_s": round(star, 2),
+        "vs_ring": round(tok_s / ring, 3),
+        "vs_star": round(tok_s / star, 3),
+        "identical_tokens": all(s.token_ids == w.token_ids for s, w in zip(swarm_runs, whole_runs, strict=True)),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--delays", default="0,2,5", help="one-way delay per link, ms, comma-separated")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads per peer and for the whole model")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    model = default_model_path()
+    whole = LocalRoute.from_model(model, [(0, 30)], source_sha256=sha256_file(model), n_threads=args.threads,
+                                  max_sessions=1)
+    prompt_ids = Tokenizer(model).encode(PROMPT)
+    doc: dict = {"date": time.strftime("%Y-%m-%d"), "tokens": args.tokens, "reps": args.reps, "threads": args.threads}
+    try:
+        for d in (float(x) for x in args.delays.split(",")):
+            doc[f"d{d:g}ms"] = run_delay(d, args, whole, prompt_ids)
+    finally:
+        whole.close()
+    ok = all(v["identical_tokens"] for v in doc.values() if isinstance(v, dict))
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        for k, v in doc.items():
+            if isinstance(v, dict):
+                print(k)
+                print_report(v, False)
+            else:
+                print(f"{k} {v}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
