@@ -38,7 +38,8 @@ from .certification import (
     index_key,
     sign_index,
 )
-from .client import RouteSession, drive
+from .client import RouteSession
+from .generation import generate
 from .engine.contract import SamplingParams
 from .engine.recipe import explain_mismatch
 from .errors import unwrap_errors
@@ -87,7 +88,7 @@ def run_route(spans: list[Span], n_layer: int, prompt: list[int], max_tokens: in
                            step_timeout=step_timeout, max_failovers=0, on_event=log,
                            planner=certification_planner(set(exclude)), attest=True)
     try:
-        run = drive(session, prompt, max_tokens, stop_at_eog=False)
+        run = generate(session, prompt, max_tokens, stop_at_eog=False)
         return RouteRun(run.steps, run.token_ids, session.attestations(), session.session_id)
     finally:
         session.close()

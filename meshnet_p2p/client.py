@@ -42,7 +42,7 @@ from .engine.contract import SamplingParams, TensorBundle
 from .errors import MeshnetError, sanitize
 from .identity import Identity, PeerId
 from .multiaddr import Multiaddr
-from .local import Generation, prefill_chunks
+from .generation import Generation, generate
 from .placement import NoRoute, Span, plan_route
 from .swarm_view import routable_spans, survey
 
@@ -460,45 +460,6 @@ def _route_fingerprint(report: dict) -> pb.Fingerprint:
                           recipe_axes={k: str(v) for k, v in (report.get("recipe") or {}).items()})
 
 
-@dataclass
-class Drive:
-    """What one generation did: its tokens, and its steps as (position, rows, tail token)."""
-
-    token_ids: list[int]
-    steps: list[tuple[int, int, int]]
-    stopped: str
-    ttft_ms: float
-    decode_ms: float
-
-
-def drive(session: RouteSession, ids: Sequence[int], max_tokens: int, *, on_token: Callable[[int], None] | None = None,
-          stop_at_eog: bool = True) -> Drive:
-    """Prefill ``ids`` through the route in whole micro-batches, then decode up to ``max_tokens``."""
-    out: list[int] = []
-    steps: list[tuple[int, int, int]] = []
-    stopped = "length"
-    t0 = time.perf_counter()
-    reply = None
-    for start, end in prefill_chunks(len(ids), session.n_ubatch):
-        reply = session.step(start, ids[start:end], decode=False)
-        steps.append((start, end - start, reply.token_id))
-    t1 = time.perf_counter()
-    position = len(ids)
-    while True:
-        if reply.is_eog and stop_at_eog:
-            stopped = "eog"
-            break
-        out.append(reply.token_id)
-        if on_token:
-            on_token(reply.token_id)
-        if len(out) >= max_tokens:
-            break
-        reply = session.step(position, [reply.token_id], decode=True)
-        steps.append((position, 1, reply.token_id))
-        position += 1
-    return Drive(out, steps, stopped, (t1 - t0) * 1000, (time.perf_counter() - t1) * 1000)
-
-
 class Client:
     """Generates through the swarm, on recipes this client holds certified only.
 
@@ -564,12 +525,13 @@ class Client:
                                  f"({len(ids) + max_tokens} positions in all): {e}") from None
         decoder = self.tokenizer.stream_decoder()
         try:
-            run = drive(session, ids, max_tokens, stop_at_eog=stop_at_eog,
-                        on_token=(lambda tok: on_token(decoder.feed(tok))) if on_token else None)
+            run = generate(session, ids, max_tokens, stop_at_eog=stop_at_eog,
+                           on_token=(lambda tok: on_token(decoder.feed(tok))) if on_token else None)
             if on_token:
                 on_token(decoder.flush())
             return GenerationResult(prompt_tokens=len(ids), token_ids=run.token_ids, ttft_ms=run.ttft_ms,
-                                    decode_ms=run.decode_ms, stopped=run.stopped, text=self.tokenizer.decode(run.token_ids),
+                                    decode_ms=run.decode_ms, stopped=run.stopped, steps=run.steps,
+                                    text=self.tokenizer.decode(run.token_ids),
                                     route=session.route(), failovers=session.failovers)
         finally:
             session.close()

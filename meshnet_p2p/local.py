@@ -7,9 +7,7 @@ drives each engine through the same ShardEngine calls a network hop makes.
 
 from __future__ import annotations
 
-import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from .engine.contract import (
@@ -21,14 +19,13 @@ from .engine.contract import (
     SamplingParams,
     ShardEngine,
     StepResult,
+    TokenOutput,
 )
 from .engine.cut import LayerRangeError
 from .engine.llama_engine import LlamaCppShardEngine
 from .errors import MeshnetError
+from .generation import PREFILL_STEP_UBATCHES, Generation, generate, prefill_chunks  # noqa: F401 (re-exported)
 from .models import ensure_shard
-
-PREFILL_STEP_UBATCHES = 4  # a prefill step carries at most this many micro-batches
-
 
 class RouteError(MeshnetError):
     pass
@@ -45,27 +42,6 @@ def parse_split(text: str, n_layer: int) -> list[tuple[int, int]]:
     if any(b <= a for a, b in zip(bounds, bounds[1:], strict=False)):
         raise LayerRangeError(f"split {text!r} must be strictly increasing layer numbers between 1 and {n_layer - 1}")
     return list(zip(bounds, bounds[1:], strict=False))
-
-
-def prefill_chunks(n_tokens: int, n_ubatch: int) -> list[tuple[int, int]]:
-    """A prompt's prefill steps: whole micro-batches (the last may be short), so
-    every shard splits the prompt at the boundaries the whole model would."""
-    step = n_ubatch * PREFILL_STEP_UBATCHES
-    return [(start, min(start + step, n_tokens)) for start in range(0, n_tokens, step)]
-
-
-@dataclass
-class Generation:
-    prompt_tokens: int
-    token_ids: list[int] = field(default_factory=list)
-    ttft_ms: float = 0.0  # prompt in, first token out
-    decode_ms: float = 0.0  # every later token
-    stopped: str = "length"  # "length" or "eog"
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        n = len(self.token_ids) - 1
-        return n / (self.decode_ms / 1000) if n > 0 and self.decode_ms > 0 else 0.0
 
 
 class LocalRoute:
@@ -139,33 +115,15 @@ class LocalRoute:
         on_token: Callable[[int], None] | None = None,
     ) -> Generation:
         """Generate up to ``max_tokens`` tokens after ``prompt`` (stopping early at an
-        end-of-generation token, which is not included)."""
+        end-of-generation token, which is not included): the one loop every route
+        runs (generation.py), here over this chain of engines."""
         if not prompt:
             raise RouteError("the prompt is empty")
         if max_tokens < 1:
             raise RouteError("max_tokens must be at least 1")
         sid = self.open(len(prompt) + max_tokens, sampling)
         try:
-            gen = Generation(prompt_tokens=len(prompt))
-            t0 = time.perf_counter()
-            token = self.prefill(sid, prompt).token
-            t1 = time.perf_counter()
-            gen.ttft_ms = (t1 - t0) * 1000
-            position = len(prompt)
-            while True:
-                if token.is_eog and stop_at_eog:
-                    gen.stopped = "eog"
-                    break
-                gen.token_ids.append(token.token_id)
-                if on_token:
-                    on_token(token.token_id)
-                if len(gen.token_ids) >= max_tokens:
-                    break
-                result = self.step(sid, position, (token.token_id,), decode=True)
-                token = result.token
-                position += 1
-            gen.decode_ms = (time.perf_counter() - t1) * 1000
-            return gen
+            return generate(LocalSession(self, sid), prompt, max_tokens, stop_at_eog=stop_at_eog, on_token=on_token)
         finally:
             self.release(sid)
 
@@ -210,3 +168,15 @@ class LocalRoute:
                 raise EngineError(result.status)
             hidden = result.hidden
         return result
+
+
+class LocalSession:
+    """One open session of a :class:`LocalRoute`, as generation.py steps a route."""
+
+    def __init__(self, route: LocalRoute, session_id: str) -> None:
+        self.route = route
+        self.session_id = session_id
+        self.n_ubatch = route.n_ubatch
+
+    def step(self, position: int, token_ids: Sequence[int], decode: bool) -> TokenOutput:
+        return self.route.step(self.session_id, position, token_ids, decode=decode).token

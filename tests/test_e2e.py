@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 
 import pytest
 
@@ -40,6 +41,39 @@ def test_three_joined_peers_generate_exactly_the_whole_model(tmp_path, reference
     finally:
         codes = [j.stop() for j in joins] + [boot.stop()]
     assert codes == [0, 0, 0, 0]  # SIGTERM: depart, drain, exit 0
+
+
+CLIENT_ONLY = """
+import json, sys
+from meshnet_p2p.client import Client
+r = Client([sys.argv[1]]).generate(sys.argv[2], 24, stop_at_eog=False)
+print(json.dumps({"steps": r.steps, "engines": sorted(m for m in sys.modules if m.startswith("meshnet_p2p.engine."))}))
+"""
+
+
+def test_the_network_route_and_the_local_chain_run_one_loop(tmp_path, model_path, model_digest):
+    """The same steps in the same order (positions, rows, tokens) through the
+    swarm and through the whole model here; and a client process loads no
+    llama.cpp engine: it only tokenizes."""
+    from meshnet_p2p.local import LocalRoute
+
+    boot, addr, joins = start_swarm(tmp_path, ["0:15", "15:30"])
+    try:
+        r = subprocess.run([sys.executable, "-c", CLIENT_ONLY, addr, PROMPT], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)
+    finally:
+        for p in joins + [boot]:
+            p.stop()
+    assert "meshnet_p2p.engine.llama_engine" not in doc["engines"], doc["engines"]
+    local = LocalRoute.from_model(model_path, [(0, 15), (15, 30)], source_sha256=model_digest, n_threads=1)
+    try:
+        ids = Tokenizer(model_path).encode(PROMPT)
+        mine = local.generate(ids, 24, stop_at_eog=False)
+    finally:
+        local.close()
+    assert [list(s) for s in mine.steps] == doc["steps"]
+    assert len(mine.steps) == 1 + 23  # one prefill step (the prompt fits four micro-batches), then a token each
 
 
 @pytest.mark.parametrize("fault", ["kill", "freeze"])

@@ -559,7 +559,8 @@ def test_a_stranger_who_knows_every_session_id_cannot_cancel_a_generation(tmp_pa
     head learns only its own) and sends Cancel and Release for each from its own
     connection, mid-generation. Before sessions belonged to their connection,
     the tail cancelled and the client failed over (and banned an honest peer)."""
-    from meshnet_p2p.client import RouteSession, connect, drive
+    from meshnet_p2p.client import RouteSession, connect
+    from meshnet_p2p.generation import generate
     from meshnet_p2p.dataplane.tls import make_client_credentials
     from meshnet_p2p.engine.contract import SamplingParams
 
@@ -583,7 +584,7 @@ def test_a_stranger_who_knows_every_session_id_cannot_cancel_a_generation(tmp_pa
 
         try:
             assert len({hop.stream.session_id for hop in session.hops}) == 3  # each hop its own ID
-            run = drive(session, ids, 16, on_token=on_token, stop_at_eog=False)
+            run = generate(session, ids, 16, on_token=on_token, stop_at_eog=False)
         finally:
             session.close()
         assert answers == [(False, False)] * 3
