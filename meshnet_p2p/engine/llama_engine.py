@@ -379,28 +379,38 @@ class LlamaCppShardEngine(ShardEngine):
     # --- the compute thread ------------------------------------------------------
 
     def _compute_loop(self) -> None:
-        """Rounds of passes (batching.plan_round) over the steps that wait, until close."""
+        """Rounds of passes (batching.plan_round) over the steps that wait, until
+        close. A round holds _step_lock (rollback and release wait at most a
+        round: every waiting row and one micro-batch)."""
         while True:
             with self._table_lock:
                 while not self._work and not self._stopping:
                     self._wake.wait()
-            with self._step_lock, self._table_lock:  # (the order rollback and release take them in)
-                if self._stopping:
-                    for w in list(self._work.values()):
-                        self._finish_locked(w, Status(StatusCode.NOT_LOADED, "engine is closing"))
-                    return
-                self._drop_dead_locked()
-                plan = plan_round([Waiting(w.key, w.session.seq_id, w.n, w.done) for w in self._work.values()],
-                                  self._n_ubatch)
-            for p in plan:
-                try:
-                    self._run_pass(p)
-                except Exception as e:  # a bug or native failure fails its steps, never the thread
-                    with self._table_lock:
-                        for key, _, _ in p.parts:
-                            w = self._work.get(key)
-                            if w is not None:
-                                self._finish_locked(w, Status(StatusCode.INTERNAL, f"step failed: {type(e).__name__}: {e}"))
+            with self._step_lock:
+                with self._table_lock:  # (the order rollback and release take them in)
+                    if self._stopping:
+                        for w in list(self._work.values()):
+                            self._finish_locked(w, Status(StatusCode.NOT_LOADED, "engine is closing"))
+                        return
+                    self._drop_dead_locked()
+                    works = list(self._work.values())
+                    if len(works) == 1:  # one step alone (a lone user): its next micro-batch, no planning
+                        w = works[0]
+                        plan = [Pass(((w.key, w.done, min(self._n_ubatch, w.n - w.done)),))]
+                    else:
+                        plan = plan_round([Waiting(w.key, w.session.seq_id, w.n, w.done) for w in works],
+                                          self._n_ubatch)
+                for p in plan:
+                    try:
+                        self._run_pass_locked(p)
+                    except Exception as e:  # a bug or native failure fails its steps, never the thread
+                        with self._table_lock:
+                            self._running = None
+                            for key, _, _ in p.parts:
+                                w = self._work.get(key)
+                                if w is not None:
+                                    self._finish_locked(w, Status(StatusCode.INTERNAL, f"step failed: {type(e).__name__}: {e}"),
+                                                        undo=True)
 
     def _drop_dead_locked(self) -> None:
         """Steps whose session was released, replaced or cancelled meanwhile end now,
@@ -420,36 +430,36 @@ class LlamaCppShardEngine(ShardEngine):
         self._work.pop(w.key, None)
         w.finished.set()
 
-    def _run_pass(self, p: Pass) -> None:
-        with self._step_lock:
-            with self._table_lock:
-                live = [(w, start, m) for key, start, m in p.parts
-                        if (w := self._work.get(key)) is not None and not w.cancelled and not w.session.cancelled
-                        and self._table.sessions.get(w.session.session_id) is w.session]
-                if not live:
-                    return
-                self._running = live[0][0].session.session_id if len(live) == 1 else None
-                self._capture.abort = 0
-            rc = self._decode(live)
-            with self._table_lock:
-                self._running = None
-                aborted = self._capture.abort
-                self._capture.abort = 0
-                self._m["passes"] += 1
-                if len(live) > 1:
-                    self._m["shared_passes"] += 1
-                end = 0  # each step's rows end here in the pass (a tail's logits are its last row's)
-                for w, start, m in live:
-                    end += m
-                    if rc == 2 or aborted or w.cancelled:
-                        self._finish_locked(w, Status(StatusCode.CANCELLED, "step was cancelled"), undo=True)
-                    elif rc == _CAPTURE_MISSED:
-                        self._finish_locked(w, Status(StatusCode.INTERNAL, "hidden-state capture did not see the "
-                                                      "shard's last layer"), undo=True)
-                    elif rc != 0:
-                        self._finish_locked(w, Status(StatusCode.INTERNAL, f"llama_decode failed with code {rc}"), undo=True)
-                    else:
-                        self._complete_part_locked(w, start, m, end - 1 if self._info.is_tail else None)
+    def _run_pass_locked(self, p: Pass) -> None:
+        """One llama_decode of a planned pass (the caller holds _step_lock)."""
+        with self._table_lock:
+            live = [(w, start, m) for key, start, m in p.parts
+                    if (w := self._work.get(key)) is not None and not w.cancelled and not w.session.cancelled
+                    and self._table.sessions.get(w.session.session_id) is w.session]
+            if not live:
+                return
+            self._running = live[0][0].session.session_id if len(live) == 1 else None
+            self._capture.abort = 0
+        rc = self._decode(live)
+        with self._table_lock:
+            self._running = None
+            aborted = self._capture.abort
+            self._capture.abort = 0
+            self._m["passes"] += 1
+            if len(live) > 1:
+                self._m["shared_passes"] += 1
+            end = 0  # each step's rows end here in the pass (a tail's logits are its last row's)
+            for w, start, m in live:
+                end += m
+                if rc == 2 or aborted or w.cancelled:
+                    self._finish_locked(w, Status(StatusCode.CANCELLED, "step was cancelled"), undo=True)
+                elif rc == _CAPTURE_MISSED:
+                    self._finish_locked(w, Status(StatusCode.INTERNAL, "hidden-state capture did not see the "
+                                                  "shard's last layer"), undo=True)
+                elif rc != 0:
+                    self._finish_locked(w, Status(StatusCode.INTERNAL, f"llama_decode failed with code {rc}"), undo=True)
+                else:
+                    self._complete_part_locked(w, start, m, end - 1 if self._info.is_tail else None)
 
     def _decode(self, live: list[tuple["_Work", int, int]]) -> int:
         """One llama_decode of ``live``'s rows (at most n_ubatch, in pass order); a
