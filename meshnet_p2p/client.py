@@ -181,6 +181,7 @@ class RouteSession:
         tried: dict[str, str] = {}
         refused: dict[str, str] = {}  # the subset that refused the request itself
         full: dict[str, float] = {}  # the subset that was full: asked again after a wait (their hint, seconds)
+        busy: dict[str, str] = {}  # what full peers said, kept for the error once the deadline passes
         waits = 0
         contacts: dict[str, _Contact] = {}  # first contact made, no session yet
         opened: dict[str, _Hop] = {}
@@ -203,7 +204,7 @@ class RouteSession:
                     why = f"{self.open_timeout:g} s: the peers that serve them stayed busy ({waits} waits)" if waits \
                         else f"{len(tried)} tries"
                     raise GenerationError(f"could not open a route for layers {start}-{end - 1} in {why}"
-                                          + _tried_text(tried))
+                                          + _tried_text({**busy, **tried}))
                 try:
                     route = self._plan(start, end, self._banned_now() | set(tried))
                 except NoRoute as e:
@@ -215,13 +216,15 @@ class RouteSession:
                         pause = min(_backoff(waits, max(full.values())), max(0.0, deadline - time.monotonic()))
                         self.on_event(f"every peer that serves layers {start}-{end - 1} is busy "
                                       f"({len(full)} full); asking again in {pause:.1f} s")
-                        for hop in opened.values():  # a waiting client holds no session others could use
+                        # While it waits, this search holds no session it opened (a failover's other
+                        # hops stay open: their caches are this generation's; see docs/swarm.md)
+                        for hop in opened.values():
                             hop.close()
                         opened.clear()
                         time.sleep(pause)
                         waits += 1
                         for peer in full:
-                            tried.pop(peer, None)
+                            busy[peer] = tried.pop(peer, "busy")
                         full.clear()
                         rediscovered = False
                         continue

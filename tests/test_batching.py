@@ -167,3 +167,82 @@ def test_a_step_cancelled_while_it_waits_for_a_batch_ends_alone(shard_dir, load_
     assert engine.session_position("a") == 0 and engine.session_position("b") == 1
     # the cancelled session goes on from where it was
     assert engine.prefill(PrefillRequest("a", 0, token_ids=(prompts[0][0],))).status.ok
+
+
+class _GatedLock:
+    """A lock one named thread must be let through (review finding: a cancel
+    that waits for the step lock while the session is released and its
+    sequence id reused)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.gates: dict[str, threading.Event] = {}
+
+    def __enter__(self):
+        gate = self.gates.get(threading.current_thread().name)
+        if gate is not None:
+            assert gate.wait(timeout=60)
+        self._lock.acquire()
+
+    def __exit__(self, *exc):
+        self._lock.release()
+
+
+def test_a_late_cancel_never_touches_the_session_that_reused_its_sequence(model_path, load_engine):
+    engine = load_engine(model_path, max_sessions=2, n_ctx_per_session=256)
+    engine.keep_logits = True
+    gated = engine._step_lock = _GatedLock()
+    prompt = (1, 504, 3458, 314, 4649)
+    assert engine.open_session(OpenRequest("a", 64)).ok
+    assert engine.prefill(PrefillRequest("a", 0, token_ids=prompt)).status.ok
+    gate = gated.gates["canceller"] = threading.Event()
+    canceller = threading.Thread(target=engine.cancel, args=("a",), name="canceller")
+    canceller.start()
+    for _ in range(10_000_000):  # bounded: until the cancel has marked "a" and waits at the gate
+        if engine._table.sessions["a"].cancelled:
+            break
+    assert engine._table.sessions["a"].cancelled
+    assert engine.release("a").ok  # the stream's handler ends "a" meanwhile...
+    assert engine.open_session(OpenRequest("b", 64)).ok and engine._table.sessions["b"].seq_id == 0  # ...reused
+    assert engine.prefill(PrefillRequest("b", 0, token_ids=prompt)).status.ok
+    assert engine.decode(DecodeRequest("b", 5, token_id=28)).status.ok
+    reference = engine.last_logits["b"].copy()
+    assert engine.rollback("b", 5).ok
+    gate.set()
+    canceller.join(timeout=60)
+    assert not canceller.is_alive()
+    assert engine.decode(DecodeRequest("b", 5, token_id=28)).status.ok
+    assert engine.last_logits["b"].tobytes() == reference.tobytes()  # b's cache was left alone
+
+
+def test_a_cancel_between_plan_and_pass_spares_the_steps_beside_it(shard_dir, load_engine, prompts):
+    """Cancelling the middle step of a planned run of sequences 0, 1, 2 leaves 0
+    and 2, which llama.cpp would split: they run apart, and both succeed."""
+    engine = load_engine(shard_dir[(0, 10)], max_sessions=4)
+    for sid in "abc":
+        assert engine.open_session(OpenRequest(sid, 64)).ok
+        assert engine.prefill(PrefillRequest(sid, 0, token_ids=(prompts[0][0],))).status.ok
+    real = engine._run_pass_locked
+
+    def cancel_first(p):
+        if len(p.parts) == 3:
+            engine.cancel("b", keep_session=True)  # lands after planning, before the pass
+        return real(p)
+
+    engine._run_pass_locked = cancel_first
+    results = {}
+
+    def step(sid):
+        results[sid] = engine.decode(DecodeRequest(sid, 1, token_id=prompts[0][1]))
+
+    with engine._step_lock:
+        threads = [threading.Thread(target=step, args=(sid,)) for sid in "abc"]
+        for t in threads:
+            t.start()
+        with engine._wake:
+            assert engine._wake.wait_for(lambda: len(engine._work) == 3, timeout=60)
+    for t in threads:
+        t.join(timeout=60)
+    assert results["b"].status.code.name == "CANCELLED"
+    assert results["a"].status.ok and results["c"].status.ok, (results["a"].status, results["c"].status)
+    assert results["a"].hidden.tensors[0].data == results["c"].hidden.tensors[0].data  # same token, same position

@@ -83,10 +83,14 @@ def test_a_full_peer_makes_clients_wait_and_a_request_too_long_is_refused(tmp_pa
             with pytest.raises(GenerationError, match="busy"):
                 RouteSession(lambda: trio.run(spans), client.n_layer, max_tokens=64, sampling=SamplingParams(),
                              open_timeout=1.0)
+            # A prompt longer than any route holds is the request's error, naming both numbers, at
+            # once even while every peer is busy: no waiting for a turn that could never serve it.
+            with pytest.raises(RequestRefused) as e:
+                RouteSession(lambda: trio.run(spans), client.n_layer, max_tokens=40_000, sampling=SamplingParams(),
+                             open_timeout=600.0)
+            assert "holds at most 2048" in str(e.value), str(e.value)
         finally:
             holder.close()
-
-        # A prompt longer than any route holds is the request's error, naming both numbers.
         with pytest.raises(RequestRefused) as e:
             client.generate("hello " * 33_000, 8)
         text = str(e.value)

@@ -256,6 +256,9 @@ class ShardRuntimeServicer:
             if not reasons:
                 reasons.append("recipe_digest differs on an axis this peer does not know")
             return _error(E.FINGERPRINT_MISMATCH, "; ".join(reasons), terminal=True, mismatches=reasons), None
+        if msg.max_tokens > self.caps.n_ctx_per_session:  # the request's own error comes before "busy": never
+            return _error(E.CAPACITY, f"session asks for {msg.max_tokens} tokens; this shard holds at most "  # retried
+                          f"{self.caps.n_ctx_per_session} per session", terminal=True), None
         who = getattr(owner, "claimant", None) or IN_PROCESS
         reclaim = None
         with self._lock:

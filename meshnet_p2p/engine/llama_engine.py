@@ -86,6 +86,7 @@ class LlamaCppShardEngine(ShardEngine):
         self._wake = threading.Condition(self._table_lock)  # work arrived, or the engine closes
         self._keys = itertools.count()
         self._stopping = False
+        self._closed_loop = False  # the compute thread has ended the steps of a closing engine
         self._state = "not-loaded"
         self._detail = ""
         self._m = dict(steps=0, tokens_processed=0, tokens_sampled=0, refused=0, cancelled=0, failed_steps=0,
@@ -285,8 +286,12 @@ class LlamaCppShardEngine(ShardEngine):
             self._m["cancelled"] += 1
         if not keep_session:
             with self._step_lock:  # waits for the aborted step to unwind
-                llama_cpp.llama_memory_seq_rm(self._mem, s.seq_id, -1, -1)
-                s.position = 0
+                with self._table_lock:
+                    # released meanwhile: its sequence id may be another session's now, and its cache is gone anyway
+                    current = self._table.sessions.get(session_id) is s
+                if current:
+                    llama_cpp.llama_memory_seq_rm(self._mem, s.seq_id, -1, -1)
+                    s.position = 0
         return OK
 
     def release(self, session_id: str) -> Status:
@@ -326,14 +331,14 @@ class LlamaCppShardEngine(ShardEngine):
             return self._failed(err)
         with self._table_lock:
             if self._stopping:
-                return StepResult(Status(StatusCode.NOT_LOADED, "engine is closing"))
+                return self._failed_locked(Status(StatusCode.NOT_LOADED, "engine is closing"))
             status, s = self._table.lookup(session_id)
             if status.ok:
                 status = self._table.check_step(s, position, len(rows))
             if status.ok and any(w.session is s for w in self._work.values()):
                 status = Status(StatusCode.INVALID_ARGUMENT, f"session {session_id!r} has a step computing already")
             if not status.ok:
-                return self._failed(status)
+                return self._failed_locked(status)
             work = _Work(next(self._keys), s, rows, tokens is not None, len(rows))
             self._work[work.key] = work
             self._wake.notify_all()  # the compute thread (and a test that waits for a batch to gather)
@@ -346,7 +351,11 @@ class LlamaCppShardEngine(ShardEngine):
         return StepResult(OK, work.position, hidden=bundle)
 
     def _failed(self, status: Status) -> StepResult:
-        self._m["failed_steps"] += 1
+        with self._table_lock:
+            return self._failed_locked(status)
+
+    def _failed_locked(self, status: Status) -> StepResult:
+        self._m["failed_steps"] += 1  # (handler threads fail steps at once: counted under the lock)
         return StepResult(status)
 
     def _check_input(self, tokens: tuple[int, ...] | None, hidden: TensorBundle | None) -> tuple[object, Status | None]:
@@ -387,30 +396,44 @@ class LlamaCppShardEngine(ShardEngine):
                 while not self._work and not self._stopping:
                     self._wake.wait()
             with self._step_lock:
-                with self._table_lock:  # (the order rollback and release take them in)
-                    if self._stopping:
+                try:
+                    self._round_locked()
+                except Exception as e:  # a bug in planning fails what waits, never the thread (waiters would hang)
+                    with self._table_lock:
+                        self._running = None
                         for w in list(self._work.values()):
-                            self._finish_locked(w, Status(StatusCode.NOT_LOADED, "engine is closing"))
-                        return
-                    self._drop_dead_locked()
-                    works = list(self._work.values())
-                    if len(works) == 1:  # one step alone (a lone user): its next micro-batch, no planning
-                        w = works[0]
-                        plan = [Pass(((w.key, w.done, min(self._n_ubatch, w.n - w.done)),))]
-                    else:
-                        plan = plan_round([Waiting(w.key, w.session.seq_id, w.n, w.done) for w in works],
-                                          self._n_ubatch)
-                for p in plan:
-                    try:
-                        self._run_pass_locked(p)
-                    except Exception as e:  # a bug or native failure fails its steps, never the thread
-                        with self._table_lock:
-                            self._running = None
-                            for key, _, _ in p.parts:
-                                w = self._work.get(key)
-                                if w is not None:
-                                    self._finish_locked(w, Status(StatusCode.INTERNAL, f"step failed: {type(e).__name__}: {e}"),
-                                                        undo=True)
+                            self._finish_locked(w, Status(StatusCode.INTERNAL, f"step failed: {type(e).__name__}: {e}"),
+                                                undo=True)
+                if self._closed_loop:
+                    return
+
+    def _round_locked(self) -> None:
+        """One round, under _step_lock: plan what waits, run its passes."""
+        with self._table_lock:  # (the order rollback and release take them in)
+            if self._stopping:
+                for w in list(self._work.values()):
+                    self._finish_locked(w, Status(StatusCode.NOT_LOADED, "engine is closing"))
+                self._closed_loop = True
+                return
+            self._drop_dead_locked()
+            works = list(self._work.values())
+            if len(works) == 1:  # one step alone (a lone user): its next micro-batch, no planning
+                w = works[0]
+                plan = [Pass(((w.key, w.done, min(self._n_ubatch, w.n - w.done)),))]
+            else:
+                plan = plan_round([Waiting(w.key, w.session.seq_id, w.n, w.done) for w in works],
+                                  self._n_ubatch)
+        for p in plan:
+            try:
+                self._run_pass_locked(p)
+            except Exception as e:  # a bug or native failure fails its steps, never the thread
+                with self._table_lock:
+                    self._running = None
+                    for key, _, _ in p.parts:
+                        w = self._work.get(key)
+                        if w is not None:
+                            self._finish_locked(w, Status(StatusCode.INTERNAL, f"step failed: {type(e).__name__}: {e}"),
+                                                undo=True)
 
     def _drop_dead_locked(self) -> None:
         """Steps whose session was released, replaced or cancelled meanwhile end now,
@@ -424,7 +447,9 @@ class LlamaCppShardEngine(ShardEngine):
                 self._finish_locked(w, Status(StatusCode.CANCELLED, "step was cancelled"), undo=w.done > 0)
 
     def _finish_locked(self, w: "_Work", status: Status | None, *, undo: bool = False) -> None:
-        if undo:  # what part of the step reached the cache is forgotten (the caller holds _step_lock too)
+        # What part of the step reached the cache is forgotten (the caller holds _step_lock too),
+        # unless its session was released: its sequence id may be another session's by now.
+        if undo and self._table.sessions.get(w.session.session_id) is w.session:
             llama_cpp.llama_memory_seq_rm(self._mem, w.session.seq_id, w.session.position, -1)
         w.status = status
         self._work.pop(w.key, None)
@@ -438,6 +463,13 @@ class LlamaCppShardEngine(ShardEngine):
                     and self._table.sessions.get(w.session.session_id) is w.session]
             if not live:
                 return
+        # A step cancelled after planning leaves a gap in a run of sequence ids, which
+        # llama.cpp would split into micro-batches of its own: run each consecutive part alone.
+        for part in _consecutive(live):
+            self._run_part_locked(part)
+
+    def _run_part_locked(self, live: list[tuple["_Work", int, int]]) -> None:
+        with self._table_lock:
             self._running = live[0][0].session.session_id if len(live) == 1 else None
             self._capture.abort = 0
         rc = self._decode(live)
@@ -503,22 +535,23 @@ class LlamaCppShardEngine(ShardEngine):
         if w.done < w.n:
             return  # more micro-batches to come, in later rounds
         s = w.session
+        if row is not None:  # a tail: sample now, while llama.cpp's logits row is this pass's (before the
+            w.token = self._sample(s, self._logits_row(row), s.position + w.n)  # position moves: it may raise)
         s.position += w.n
         w.position = s.position
         self._m["steps"] += 1
         self._m["tokens_processed"] += w.n
-        if row is not None:  # a tail: sample now, while llama.cpp's logits row is this pass's
-            w.token = self._sample(s, self._logits_row(row))
         self._finish_locked(w, None)
 
     def _logits_row(self, i: int) -> np.ndarray:
         addr = ctypes.cast(llama_cpp.llama_get_logits_ith(self._ctx, i), ctypes.c_void_p).value
         return np.frombuffer((ctypes.c_float * self._n_vocab).from_address(addr), dtype=np.float32)
 
-    def _sample(self, s: Session, logits: np.ndarray) -> TokenOutput:
+    def _sample(self, s: Session, logits: np.ndarray, position: int) -> TokenOutput:
+        """The token after ``position`` rows; its random draw is a function of (seed, position)."""
         if self.keep_logits:
             self.last_logits[s.session_id] = logits.copy()
-        token = sample(logits, s.sampling, s.position)
+        token = sample(logits, s.sampling, position)
         self._m["tokens_sampled"] += 1
         return TokenOutput(token, bool(llama_cpp.llama_vocab_is_eog(self._vocab, token)))
 
@@ -559,6 +592,17 @@ class _Work:
     position: int = 0  # the session's position after it
     status: Status | None = None  # why it failed; None: it completed
     finished: threading.Event = field(default_factory=threading.Event)
+
+
+def _consecutive(parts: list[tuple["_Work", int, int]]) -> list[list[tuple["_Work", int, int]]]:
+    """``parts`` (in sequence-id order, as planned) cut where sequence ids stop running consecutively."""
+    runs: list[list] = []
+    for p in parts:
+        if runs and p[0].session.seq_id == runs[-1][-1][0].session.seq_id + 1:
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    return runs
 
 
 def kv_bytes_per_token(model) -> int:
