@@ -50,9 +50,9 @@ def test_chain_matches_whole_model_exactly(split, shard_dir, load_engine, refere
         step_logits = []
         orig = engines[-1]._sample
 
-        def spy(s, logits, _orig=orig, _out=step_logits):
+        def spy(s, logits, position, _orig=orig, _out=step_logits):
             _out.append(logits.copy())
-            return _orig(s, logits)
+            return _orig(s, logits, position)
 
         engines[-1]._sample = spy
         try:
