@@ -18,8 +18,10 @@ greedy sampling (or a seed) the output is the same as without the failure.
 
 from __future__ import annotations
 
+import functools
 import os
 import random
+import threading
 import time
 import uuid
 from concurrent import futures
@@ -70,6 +72,7 @@ def _is_full(e: Exception) -> bool:
         (isinstance(e, ShardConnectionError) and e.refused)
 
 
+SPANS_MAX_AGE_S = 5.0  # a generation may start from a survey this recent (a failover always surveys afresh)
 CONNECT_TIMEOUT_S = 3.0  # a candidate's first contact (TCP, TLS, GetCapability)
 PROBE_WIDTH = 16  # first contacts at once, once a search has met a failing candidate
 MAX_OPEN_TRIES = 1024  # candidates one route search may set aside (a refused dial costs ~1 ms; open_timeout bounds the rest)
@@ -493,15 +496,50 @@ class Client:
         self.measured_ms: dict[str, float] = {}  # peer -> measured ms per decode step, kept likewise
         # peers count this client's sessions under its identity (the process's own when none is given)
         self.client_creds = make_client_credentials(identity) if identity is not None else None
+        self._survey_lock = threading.Lock()  # the last survey, shared by generations that start together
+        self._survey: tuple[float, list[Span]] | None = None
+        self._surveying: threading.Event | None = None
 
-    async def spans(self) -> list[Span]:
-        """The spans of the certified recipe a route is planned over (RecipeNotCertified if none)."""
-        return routable_spans(await survey(self.bootstrap, self.model_digest, self.n_layer, self.trust), self.trust)
+    async def spans(self, *, max_age_s: float = 0.0) -> list[Span]:
+        """The spans of the certified recipe a route is planned over (RecipeNotCertified if none).
+        With ``max_age_s``, a survey that recent (or one under way) is shared: sixteen users
+        starting at once make one survey, not sixteen bursts at the bootstrap peers."""
+        while max_age_s > 0:
+            with self._survey_lock:
+                if self._survey is not None and time.monotonic() - self._survey[0] <= max_age_s:
+                    return self._survey[1]
+                under_way = self._surveying
+                if under_way is None:
+                    break
+            await trio.to_thread.run_sync(under_way.wait)  # then look again (it may have failed: survey then)
+        mine = threading.Event()
+        with self._survey_lock:
+            self._surveying = self._surveying or mine
+        try:
+            spans = routable_spans(await survey(self.bootstrap, self.model_digest, self.n_layer, self.trust), self.trust)
+            with self._survey_lock:
+                self._survey = (time.monotonic(), spans)
+            return spans
+        finally:
+            with self._survey_lock:
+                if self._surveying is mine:
+                    self._surveying = None
+            mine.set()
+
+    def _provider(self, run) -> Callable[[], list[Span]]:
+        """A route's spans: a recent survey at first, a fresh one each time it looks
+        again (after failures, the swarm may have changed)."""
+        first = [True]
+
+        def provide() -> list[Span]:
+            age, first[0] = (SPANS_MAX_AGE_S if first[0] else 0.0), False
+            return run(functools.partial(self.spans, max_age_s=age))
+        return provide
 
     def generate(self, prompt: str, max_tokens: int = 64, sampling: SamplingParams | None = None, *,
                  chat: bool = False, on_token: Callable[[str], None] | None = None, stop_at_eog: bool = True) -> GenerationResult:
         """From plain (non-trio) code."""
-        return self._generate(lambda: trio.run(self.spans), prompt, max_tokens, sampling or SamplingParams(),
+        return self._generate(self._provider(trio.run), prompt, max_tokens, sampling or SamplingParams(),
                               chat, on_token, stop_at_eog)
 
     async def agenerate(self, prompt: str, max_tokens: int = 64, sampling: SamplingParams | None = None, *,
@@ -509,7 +547,7 @@ class Client:
                         stop_at_eog: bool = True) -> GenerationResult:
         """From trio: the token loop runs in one worker thread (blocking gRPC), and
         route discovery comes back to this trio loop."""
-        provider = lambda: trio.from_thread.run(self.spans)  # noqa: E731
+        provider = self._provider(trio.from_thread.run)
         return await trio.to_thread.run_sync(self._generate, provider, prompt, max_tokens,
                                              sampling or SamplingParams(), chat, on_token, stop_at_eog)
 

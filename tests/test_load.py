@@ -99,3 +99,38 @@ def test_a_full_peer_makes_clients_wait_and_a_request_too_long_is_refused(tmp_pa
     finally:
         codes = [j.stop() for j in joins] + [boot.stop()]
     assert codes == [0] * 3
+
+
+def test_generations_that_start_together_share_one_survey(model_path, monkeypatch):
+    """Sixteen users starting at once made sixteen surveys of the DHT from one
+    address, and under that burst one came back empty (`no peer announces this
+    model`). A recent survey, or one under way, is shared; a failover surveys afresh."""
+    import functools
+
+    import trio
+
+    from meshnet_p2p import client as client_mod
+    from meshnet_p2p.placement import NoRoute
+
+    calls = []
+    outcomes = [NoRoute([(0, 30)], "no peer announces this model")]  # the first survey fails: never cached
+
+    async def fake_survey(*args):
+        calls.append(threading.get_ident())
+        await trio.sleep(0)
+        if outcomes:
+            raise outcomes.pop()
+        return "a view"
+
+    monkeypatch.setattr(client_mod, "survey", fake_survey)
+    monkeypatch.setattr(client_mod, "routable_spans", lambda view, trust: ["span"])
+    client = Client(["/ip4/127.0.0.1/udp/9/p2p/12D3KooWBtg3aaRMjxwedh83aGiUkwSxDwUZkzuJcfaqUmo7R3pq"], model_path=model_path)
+    with pytest.raises(NoRoute):
+        trio.run(functools.partial(client.spans, max_age_s=5.0))
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda _: trio.run(functools.partial(client.spans, max_age_s=5.0)), range(16)))
+    assert results == [["span"]] * 16
+    assert len(calls) == 2  # the failed one, then one for all sixteen
+    provide = client._provider(trio.run)
+    assert provide() == ["span"] and len(calls) == 2  # a route's first look: the shared survey
+    assert provide() == ["span"] and len(calls) == 3  # looking again (a failover): afresh
