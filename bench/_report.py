@@ -1,4 +1,5 @@
-"""How every bench prints its figures: one JSON object with --json, else aligned lines."""
+"""How every bench prints its figures: one JSON object with --json, else aligned
+lines (a nested object, such as one row per batch size or delay, as a titled section)."""
 
 import json
 
@@ -7,6 +8,12 @@ def print_report(doc: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(doc))
         return
-    width = max(map(len, doc)) + 2
+    flat = {k: v for k, v in doc.items() if not isinstance(v, dict)}
+    if flat:
+        width = max(map(len, flat)) + 2
+        for k, v in flat.items():
+            print(f"{k:{width}s} {v}")
     for k, v in doc.items():
-        print(f"{k:{width}s} {v}")
+        if isinstance(v, dict):
+            print(k)
+            print_report(v, False)

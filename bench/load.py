@@ -100,6 +100,17 @@ def _summary(results: list[tuple[list[int] | None, list[float], float]], expecte
     }
 
 
+def together(one, texts: list[str], start: threading.Barrier) -> tuple[list, float]:
+    """``one(text)`` for every text at once (each waits at ``start``), and the wall
+    time from when all are released to when the last ends."""
+    with ThreadPoolExecutor(len(texts)) as pool:
+        futures = [pool.submit(one, t) for t in texts]
+        start.wait()
+        t0 = time.perf_counter()
+        results = [f.result() for f in futures]
+    return results, time.perf_counter() - t0
+
+
 def through_client(client: Client, texts: list[str], tokens: int) -> tuple[list, float]:
     start = threading.Barrier(len(texts) + 1)
 
@@ -115,15 +126,10 @@ def through_client(client: Client, texts: list[str], tokens: int) -> tuple[list,
         gaps = [b - a for a, b in zip(stamps[:-2], stamps[1:-1], strict=False)]  # the last callback is the flush
         return r.token_ids, gaps, r.decode_tokens_per_s
 
-    with ThreadPoolExecutor(len(texts)) as pool:
-        futures = [pool.submit(one, t) for t in texts]
-        start.wait()
-        t0 = time.perf_counter()
-        results = [f.result() for f in futures]
-    return results, time.perf_counter() - t0
+    return together(one, texts, start)
 
 
-def through_api(url: str, model_name: str, texts: list[str], tokens: int, tokenizer: Tokenizer) -> tuple[list, float]:
+def through_api(url: str, model_name: str, texts: list[str], tokens: int) -> tuple[list, float]:
     start = threading.Barrier(len(texts) + 1)
 
     def one(text: str):
@@ -148,12 +154,7 @@ def through_api(url: str, model_name: str, texts: list[str], tokens: int, tokeni
         rate = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 and stamps[-1] > stamps[0] else 0.0
         return "".join(pieces), gaps, rate
 
-    with ThreadPoolExecutor(len(texts)) as pool:
-        futures = [pool.submit(one, t) for t in texts]
-        start.wait()
-        t0 = time.perf_counter()
-        results = [f.result() for f in futures]
-    return results, time.perf_counter() - t0
+    return together(one, texts, start)
 
 
 def main() -> int:
@@ -198,7 +199,7 @@ def main() -> int:
                        **_summary(results, want, wall, args.tokens)}
                 row["swarm_vs_ceiling"] = round(row["aggregate_tok_s"] / roof, 3)
                 row["swarm_vs_ceiling_peer_threads"] = round(row["aggregate_tok_s"] / same, 3)
-                api_results, api_wall = through_api(url, model_name, texts, args.tokens, tok)
+                api_results, api_wall = through_api(url, model_name, texts, args.tokens)
                 api_want = [tok.decode(w) for w in want]
                 api_row = _summary(api_results, api_want, api_wall, args.tokens)
                 row.update({f"api_{k}": v for k, v in api_row.items()})
@@ -207,15 +208,7 @@ def main() -> int:
         finally:
             api.stop()
     doc["all_identical"] = ok
-    if args.json:
-        print(json.dumps(doc))
-    else:
-        for k, v in doc.items():
-            if isinstance(v, dict):
-                print(k)
-                print_report(v, False)
-            else:
-                print(f"{k} {v}")
+    print_report(doc, args.json)
     return 0 if ok else 1
 
 

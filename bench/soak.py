@@ -16,7 +16,6 @@ warm-up.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import threading
@@ -125,10 +124,7 @@ def main() -> int:
         "fds_before": fd0, "fds_after": fd1, "rss_mb_before": rss0, "rss_mb_after": rss1,
         "fd_slack": FD_SLACK, "rss_slack_mb": RSS_SLACK_MB, "within_bounds": within,
     }
-    if args.json:
-        print(json.dumps(doc))
-    else:
-        print_report(doc, False)
+    print_report(doc, args.json)
     return 0 if within and doc["lost"] == 0 else 1
 
 

@@ -18,7 +18,6 @@ hop, today's route), and the ratios to each. Target (issue 14): at least
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -123,15 +122,7 @@ def main() -> int:
     finally:
         whole.close()
     ok = all(v["identical_tokens"] for v in doc.values() if isinstance(v, dict))
-    if args.json:
-        print(json.dumps(doc))
-    else:
-        for k, v in doc.items():
-            if isinstance(v, dict):
-                print(k)
-                print_report(v, False)
-            else:
-                print(f"{k} {v}")
+    print_report(doc, args.json)
     return 0 if ok else 1
 
 

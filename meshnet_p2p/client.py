@@ -19,6 +19,7 @@ greedy sampling (or a seed) the output is the same as without the failure.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import random
 import threading
@@ -234,8 +235,8 @@ class RouteSession:
                     if tried and len(refused) == len(tried):
                         raise RequestRefused(f"the request was refused by every peer that could serve layers "
                                              f"{start}-{end - 1}: {sanitize(next(iter(refused.values())))}") from None
-                    busy = f" after waiting {waits} times for busy peers" if waits else ""
-                    raise GenerationError(f"could not open a route for layers {start}-{end - 1}{busy}: {e}"
+                    waited = f" after waiting {waits} times for busy peers" if waits else ""
+                    raise GenerationError(f"could not open a route for layers {start}-{end - 1}{waited}: {e}"
                                           + _tried_text(tried)) from None
                 known = set(opened) | set(contacts)
                 if any(s.peer_id not in known for s in route):
@@ -529,11 +530,10 @@ class Client:
     def _provider(self, run) -> Callable[[], list[Span]]:
         """A route's spans: a recent survey at first, a fresh one each time it looks
         again (after failures, the swarm may have changed)."""
-        first = [True]
+        looks = itertools.count()
 
         def provide() -> list[Span]:
-            age, first[0] = (SPANS_MAX_AGE_S if first[0] else 0.0), False
-            return run(functools.partial(self.spans, max_age_s=age))
+            return run(functools.partial(self.spans, max_age_s=0.0 if next(looks) else SPANS_MAX_AGE_S))
         return provide
 
     def generate(self, prompt: str, max_tokens: int = 64, sampling: SamplingParams | None = None, *,

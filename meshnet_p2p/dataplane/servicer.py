@@ -37,6 +37,7 @@ from ..engine.contract import (
 )
 from ..certification import Attestation
 from ..engine.recipe import explain_mismatch
+from ..engine.sessions import context_refusal
 from ..identity import Identity
 from ..records import wall_ms
 from .admission import Claimant, Held, Reclaim, Refuse, decide
@@ -256,9 +257,9 @@ class ShardRuntimeServicer:
             if not reasons:
                 reasons.append("recipe_digest differs on an axis this peer does not know")
             return _error(E.FINGERPRINT_MISMATCH, "; ".join(reasons), terminal=True, mismatches=reasons), None
-        if msg.max_tokens > self.caps.n_ctx_per_session:  # the request's own error comes before "busy": never
-            return _error(E.CAPACITY, f"session asks for {msg.max_tokens} tokens; this shard holds at most "  # retried
-                          f"{self.caps.n_ctx_per_session} per session", terminal=True), None
+        too_long = context_refusal(msg.max_tokens, self.caps.n_ctx_per_session)
+        if too_long is not None:  # the request's own error comes before "busy", which a client would wait out
+            return _error(_ENGINE_CODES[too_long.code], too_long.message, terminal=True), None
         who = getattr(owner, "claimant", None) or IN_PROCESS
         reclaim = None
         with self._lock:

@@ -86,7 +86,6 @@ class LlamaCppShardEngine(ShardEngine):
         self._wake = threading.Condition(self._table_lock)  # work arrived, or the engine closes
         self._keys = itertools.count()
         self._stopping = False
-        self._closed_loop = False  # the compute thread has ended the steps of a closing engine
         self._state = "not-loaded"
         self._detail = ""
         self._m = dict(steps=0, tokens_processed=0, tokens_sampled=0, refused=0, cancelled=0, failed_steps=0,
@@ -186,8 +185,6 @@ class LlamaCppShardEngine(ShardEngine):
         self._batch = _BatchViews(request.n_ubatch, n_embd, embd_input=not info.is_head, all_outputs=not is_tail)
         if not is_tail:
             self._capture.buf = self._batch.capture.__array_interface__["data"][0]  # a fixed buffer for every step
-        self._logits_addr = 0
-        self._logits_view: np.ndarray | None = None
         self._native = native  # keep the callbacks alive as long as the context
         budget = request.kv_token_budget or max_sessions * request.n_ctx_per_session
         self._table = SessionTable(max_sessions, budget, request.n_ctx_per_session)
@@ -287,8 +284,7 @@ class LlamaCppShardEngine(ShardEngine):
         if not keep_session:
             with self._step_lock:  # waits for the aborted step to unwind
                 with self._table_lock:
-                    # released meanwhile: its sequence id may be another session's now, and its cache is gone anyway
-                    current = self._table.sessions.get(session_id) is s
+                    current = self._holds(s)  # released meanwhile: its cache is gone, its id maybe another's
                 if current:
                     llama_cpp.llama_memory_seq_rm(self._mem, s.seq_id, -1, -1)
                     s.position = 0
@@ -397,24 +393,18 @@ class LlamaCppShardEngine(ShardEngine):
                     self._wake.wait()
             with self._step_lock:
                 try:
-                    self._round_locked()
+                    if not self._round_locked():
+                        return
                 except Exception as e:  # a bug in planning fails what waits, never the thread (waiters would hang)
-                    with self._table_lock:
-                        self._running = None
-                        for w in list(self._work.values()):
-                            self._finish_locked(w, Status(StatusCode.INTERNAL, f"step failed: {type(e).__name__}: {e}"),
-                                                undo=True)
-                if self._closed_loop:
-                    return
+                    self._fail_on_bug_locked(None, e)
 
-    def _round_locked(self) -> None:
-        """One round, under _step_lock: plan what waits, run its passes."""
+    def _round_locked(self) -> bool:
+        """One round, under _step_lock: plan what waits, run its passes. False once closing."""
         with self._table_lock:  # (the order rollback and release take them in)
             if self._stopping:
                 for w in list(self._work.values()):
                     self._finish_locked(w, Status(StatusCode.NOT_LOADED, "engine is closing"))
-                self._closed_loop = True
-                return
+                return False
             self._drop_dead_locked()
             works = list(self._work.values())
             if len(works) == 1:  # one step alone (a lone user): its next micro-batch, no planning
@@ -427,20 +417,29 @@ class LlamaCppShardEngine(ShardEngine):
             try:
                 self._run_pass_locked(p)
             except Exception as e:  # a bug or native failure fails its steps, never the thread
-                with self._table_lock:
-                    self._running = None
-                    for key, _, _ in p.parts:
-                        w = self._work.get(key)
-                        if w is not None:
-                            self._finish_locked(w, Status(StatusCode.INTERNAL, f"step failed: {type(e).__name__}: {e}"),
-                                                undo=True)
+                self._fail_on_bug_locked([key for key, _, _ in p.parts], e)
+        return True
+
+    def _fail_on_bug_locked(self, keys: list[int] | None, e: Exception) -> None:
+        """Under _step_lock: the steps ``keys`` (None: every one waiting) end INTERNAL, their rows out of the cache."""
+        with self._table_lock:
+            self._running = None
+            for key in list(self._work) if keys is None else keys:
+                w = self._work.get(key)
+                if w is not None:
+                    self._finish_locked(w, Status(StatusCode.INTERNAL, f"step failed: {type(e).__name__}: {e}"),
+                                        undo=True)
+
+    def _holds(self, s: Session) -> bool:
+        """Whether ``s`` is still open: a released session's sequence id may be another's by now."""
+        return self._table.sessions.get(s.session_id) is s
 
     def _drop_dead_locked(self) -> None:
         """Steps whose session was released, replaced or cancelled meanwhile end now,
         so no two steps of one sequence ever wait together."""
         for w in list(self._work.values()):
             s = w.session
-            if self._table.sessions.get(s.session_id) is not s or s.cancelled:
+            if not self._holds(s) or s.cancelled:
                 # a released or cancelled session's cache is cleared by release/cancel itself
                 self._finish_locked(w, Status(StatusCode.CANCELLED, "step was cancelled"))
             elif w.cancelled:
@@ -449,7 +448,7 @@ class LlamaCppShardEngine(ShardEngine):
     def _finish_locked(self, w: "_Work", status: Status | None, *, undo: bool = False) -> None:
         # What part of the step reached the cache is forgotten (the caller holds _step_lock too),
         # unless its session was released: its sequence id may be another session's by now.
-        if undo and self._table.sessions.get(w.session.session_id) is w.session:
+        if undo and self._holds(w.session):
             llama_cpp.llama_memory_seq_rm(self._mem, w.session.seq_id, w.session.position, -1)
         w.status = status
         self._work.pop(w.key, None)
@@ -460,7 +459,7 @@ class LlamaCppShardEngine(ShardEngine):
         with self._table_lock:
             live = [(w, start, m) for key, start, m in p.parts
                     if (w := self._work.get(key)) is not None and not w.cancelled and not w.session.cancelled
-                    and self._table.sessions.get(w.session.session_id) is w.session]
+                    and self._holds(w.session)]
             if not live:
                 return
         # A step cancelled after planning leaves a gap in a run of sequence ids, which

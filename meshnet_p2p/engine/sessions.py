@@ -14,6 +14,14 @@ from dataclasses import dataclass, field
 from .contract import OK, SamplingParams, Status, StatusCode
 
 
+def context_refusal(max_tokens: int, n_ctx_per_session: int) -> Status | None:
+    """The refusal of a session longer than a shard holds: the request's own error, never retried."""
+    if max_tokens <= n_ctx_per_session:
+        return None
+    return Status(StatusCode.CAPACITY_EXHAUSTED,
+                  f"session asks for {max_tokens} tokens; this shard holds at most {n_ctx_per_session} per session")
+
+
 @dataclass
 class Session:
     session_id: str
@@ -47,14 +55,9 @@ class SessionTable:
     def admit(self, session_id: str, max_tokens: int, sampling: SamplingParams) -> tuple[Status, Session | None]:
         if session_id in self.sessions:
             return Status(StatusCode.SESSION_EXISTS, f"session {session_id!r} is already open"), None
-        if max_tokens > self.n_ctx_per_session:
-            return (
-                Status(
-                    StatusCode.CAPACITY_EXHAUSTED,
-                    f"session asks for {max_tokens} tokens; this shard holds at most {self.n_ctx_per_session} per session",
-                ),
-                None,
-            )
+        too_long = context_refusal(max_tokens, self.n_ctx_per_session)
+        if too_long is not None:
+            return too_long, None
         if not self._free_seq:
             return (
                 Status(StatusCode.CAPACITY_EXHAUSTED, f"all {self.max_sessions} session slots are in use", retryable=True),
