@@ -246,3 +246,21 @@ def test_a_cancel_between_plan_and_pass_spares_the_steps_beside_it(shard_dir, lo
     assert results["b"].status.code.name == "CANCELLED"
     assert results["a"].status.ok and results["c"].status.ok, (results["a"].status, results["c"].status)
     assert results["a"].hidden.tensors[0].data == results["c"].hidden.tensors[0].data  # same token, same position
+
+
+def test_a_second_step_of_a_session_while_its_first_computes_is_refused(shard_dir, load_engine, prompts):
+    """The engine never holds two steps of one sequence; the second is the
+    caller's error (typed), and the first still completes."""
+    engine = load_engine(shard_dir[(0, 10)], max_sessions=2)
+    assert engine.open_session(OpenRequest("a", 64)).ok
+    first = {}
+    with engine._step_lock:  # the first step waits for the compute thread
+        t = threading.Thread(target=lambda: first.setdefault("r", engine.prefill(
+            PrefillRequest("a", 0, token_ids=(prompts[0][0],)))))
+        t.start()
+        with engine._wake:
+            assert engine._wake.wait_for(lambda: len(engine._work) == 1, timeout=60)
+        second = engine.prefill(PrefillRequest("a", 0, token_ids=(prompts[0][0],)))
+        assert second.status.code.name == "INVALID_ARGUMENT" and "computing already" in second.status.message
+    t.join(timeout=60)
+    assert first["r"].status.ok and engine.session_position("a") == 1

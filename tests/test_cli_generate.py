@@ -51,3 +51,10 @@ def test_generate_bad_flags_are_clear_errors(args, needle):
     r = meshnet_peer("generate", "--local", "--prompt", "hi", *args)
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("command", ["serve", "join"])
+@pytest.mark.parametrize("value,needle", [("0", "must be at least 1"), ("abc", "not a whole number")])
+def test_a_bad_kv_memory_is_one_clear_error(command, value, needle):
+    r = meshnet_peer(command, "--layers", "0:10", "--kv-memory", value)
+    assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr

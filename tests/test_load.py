@@ -134,3 +134,13 @@ def test_generations_that_start_together_share_one_survey(model_path, monkeypatc
     provide = client._provider(trio.run)
     assert provide() == ["span"] and len(calls) == 2  # a route's first look: the shared survey
     assert provide() == ["span"] and len(calls) == 3  # looking again (a failover): afresh
+
+
+def test_a_busy_peers_hint_cannot_stall_a_client():
+    """retry_after_ms costs a peer nothing to inflate: the client waits at most
+    its own ceiling (4 s, +25% jitter), and backs off when the hint is small."""
+    from meshnet_p2p.client import BACKOFF_MAX_S, _backoff
+
+    assert max(_backoff(0, 10**6) for _ in range(100)) <= BACKOFF_MAX_S * 1.25
+    assert max(_backoff(0, 0.0) for _ in range(100)) <= 0.25 * 1.25
+    assert min(_backoff(10, 0.0) for _ in range(100)) >= BACKOFF_MAX_S * 0.75
