@@ -178,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--local", action="store_true", help="run the whole route in this process (no network)")
     _add_bootstrap(gen, "bootstrap peers to find the swarm (repeatable; default $MESHNET_BOOTSTRAP)")
     gen.add_argument("--step-timeout", type=float, default=10.0, help="seconds before a silent peer is failed over")
+    gen.add_argument("--star", action="store_true",
+                     help="carry every hop's hidden state through this client (two crossings a hop) instead of "
+                          "the ring, where peers forward to each other (docs/ring.md)")
     _add_trust(gen)
     gen.add_argument("--identity", help="this client's key file (its own certificates are trusted too)")
     gen.add_argument("--model", help="GGUF model (default: the embedded SmolLM2-135M-Instruct); "
@@ -517,7 +520,7 @@ def _generate_network(args: argparse.Namespace, sampling) -> int:
         model = _model_path(args.model)
     events = (lambda msg: print(f"[{sanitize(msg)}]", file=sys.stderr, flush=True))
     client = Client(seeds, model_path=model, model_digest=digest, step_timeout=args.step_timeout, on_event=events,
-                    trust=_trust(args, seeds))
+                    trust=_trust(args, seeds), ring=not args.star)
     on_token = None if args.json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     result = client.generate(args.prompt, args.max_tokens, sampling, chat=args.chat, on_token=on_token)
     if args.json:

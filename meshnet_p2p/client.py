@@ -9,11 +9,16 @@ for the model; only reports that agree on the recipe form a route (a peer on
 another recipe would compute other numbers). The route is the cheapest chain
 of peers covering every layer (:func:`meshnet_p2p.placement.plan_route`).
 
-The client drives every hop itself and keeps each hop's inputs. When a peer
-dies, stalls past the step deadline or answers with an error, the client bans
-it for a while, plans a replacement for just that span of layers, replays the
-span's inputs into the replacement (rebuilding its cache), and goes on. With
-greedy sampling (or a seed) the output is the same as without the failure.
+By default the route is a ring (docs/ring.md): each peer forwards its output
+to the next, the tail its token to the head, and every hop sends the client
+a copy, so a token costs one network crossing per hop. With ``ring=False``
+(a star) the client carries every hidden state itself, two crossings a hop.
+Either way the client keeps each hop's inputs. When a peer dies, stalls past
+the step deadline or answers with an error, the client bans it for a while,
+plans a replacement for just that span of layers, replays the span's inputs
+into the replacement (rebuilding its cache), rolls a ring's other hops back
+to the step that failed, and goes on. With greedy sampling (or a seed) the
+output is the same as without the failure.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from .dataplane.client import (
     ShardError,
     open_channel,
 )
+from .dataplane.pool import ChannelPool
+from .dataplane.ring import ATTACH_TOKEN_BYTES, LINK_TIMEOUT_S
 from .dataplane.tls import TlsCredentials, cert_identity, make_client_credentials
 from .engine.contract import SamplingParams, TensorBundle
 from .errors import MeshnetError, sanitize
@@ -122,6 +129,7 @@ class _Hop:
     stream: SessionStream
     n_ubatch: int  # the route's recipe: prefill steps must be whole micro-batches of it
     history: list[tuple[int, object, bool]] = field(default_factory=list)  # (position, input, decode)
+    attach_token: bytes = b""  # what the ring's previous hop attaches with (ring routes only)
     # what this hop was given and gave back, as the peer's attestation must state it
     inputs: RowDigest = field(default_factory=lambda: RowDigest(SEAM_DOMAIN))
     outputs: RowDigest = field(default_factory=lambda: RowDigest(SEAM_DOMAIN))
@@ -142,7 +150,14 @@ class RouteSession:
                  ban_seconds: float = 60.0, on_event: Callable[[str], None] | None = None,
                  latency_ms: dict[str, float] | None = None, measured_ms: dict[str, float] | None = None,
                  planner: Callable[..., list[Span]] = plan_route, open_timeout: float = 60.0,
-                 attest: bool = False, client_creds: TlsCredentials | None = None) -> None:
+                 attest: bool = False, client_creds: TlsCredentials | None = None, ring: bool = False,
+                 stop_at_eog: bool = True, pool: ChannelPool | None = None) -> None:
+        if ring and attest:
+            raise ValueError("a ring route does not attest: certification drives every hop itself")
+        self.ring = ring  # peers forward to each other (docs/ring.md); else the client carries every hop
+        self.pool = pool  # channels shared with the owner's other sessions (None: one connection per hop)
+        self.stop_at_eog = stop_at_eog  # where the ring's tail stops feeding the head, as generate() stops
+        self._ring_next: int | None = None  # the position the ring feeds the head itself next
         self.client_creds = client_creds  # the certificate presented to peers (default: this process's)
         self.open_timeout = open_timeout  # seconds to find and open a route, across candidates
         self.attest = attest  # keep each hop's digests, to check its attestation (certification only)
@@ -163,6 +178,8 @@ class RouteSession:
         self.n_layer = n_layer
         self.spans = spans_provider()
         self.hops = self._open_chain(0, n_layer)
+        if ring:
+            self._ring_recover(0, self._link_ring())
 
     # --- building the chain -------------------------------------------------------------------
 
@@ -303,7 +320,8 @@ class RouteSession:
         """Connect, and check the peer is what its report says (raises MeshnetError)."""
         c = span.record.content
         peer = PeerId.from_string(c["peer_id"])
-        client = connect(span, min(self.step_timeout, CONNECT_TIMEOUT_S), self.client_creds)  # first contact: a short bound
+        # first contact: a short bound
+        client = connect(span, min(self.step_timeout, CONNECT_TIMEOUT_S), self.client_creds, self.pool)
         try:
             cap = client.capability()  # also sets up the connection (TLS handshake)
             client.timeout = self.step_timeout
@@ -322,16 +340,18 @@ class RouteSession:
     def _start(self, contact: "_Contact") -> _Hop:
         """Open this route's session on a contacted peer."""
         c, client, s = contact.span.record.content, contact.client, self.sampling
+        token = os.urandom(ATTACH_TOKEN_BYTES) if self.ring else b""
         try:
             # open with the route's fingerprint, not the peer's: a peer of another recipe refuses, naming the axes
             # each hop its own random session ID: no peer on the route learns the ID another hop knows
             stream = client.session(_route_fingerprint(c), max_tokens=self.max_tokens, session_id=uuid.uuid4().hex,
                                     route_epoch=self.epoch, timeout=None,
-                                    sampling=pb.Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed))
+                                    sampling=pb.Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed),
+                                    attach_token=token)
         except BaseException:
             client.close()
             raise
-        return _Hop(contact.span, client, stream, _n_ubatch(c, contact.cap))
+        return _Hop(contact.span, client, stream, _n_ubatch(c, contact.cap), attach_token=token)
 
     # --- stepping -------------------------------------------------------------------------------
 
@@ -342,7 +362,9 @@ class RouteSession:
         hidden = isinstance(payload, TensorBundle)
         given = {"hidden": payload} if hidden else {"token_ids": payload}
         t0 = time.perf_counter()
-        reply = hop.stream.step(position, decode=decode, timeout=self.step_timeout, **given)
+        # a ring numbers steps by position, as its peers do when they feed each other
+        n = position + 1 if self.ring else None
+        reply = hop.stream.step(position, decode=decode, timeout=self.step_timeout, idempotency_step=n, **given)
         if decode:  # what this peer costs per token, measured: it replaces its advertised throughput
             ms = (time.perf_counter() - t0) * 1000
             old = self.measured_ms.get(hop.span.peer_id)
@@ -368,6 +390,8 @@ class RouteSession:
 
     def step(self, position: int, token_ids: Sequence[int], decode: bool):
         """One step through every hop; returns the tail's reply."""
+        if self.ring:
+            return self._ring_step(position, tuple(token_ids), decode)
         payload: object = tuple(token_ids)
         i = 0
         while i < len(self.hops):
@@ -396,6 +420,138 @@ class RouteSession:
             for hop in new_hops:
                 payload = self._through(hop, position, payload, decode)
         self.hops[index : index + 1] = new_hops
+
+    # --- the ring (docs/ring.md) -------------------------------------------------------------
+
+    @property
+    def _forward_until(self) -> int:
+        return self.max_tokens - 1  # generate()'s last decode step is at max_tokens - 2
+
+    def _link_ring(self) -> tuple[int, MeshnetError] | None:
+        """Tell every hop where its output goes: the next hop, the tail's to the head.
+        Returns the hop at fault and why, if a link could not be made."""
+        k = len(self.hops)
+        for i, hop in enumerate(self.hops):
+            nxt = self.hops[(i + 1) % k]
+            c = nxt.span.record.content
+            msg = pb.LinkSignal(route_epoch=self.epoch, peer_id=nxt.span.peer_id, tls_cert=c.get("tls_cert", "").encode(),
+                                session_id=nxt.stream.session_id, attach_token=nxt.attach_token,
+                                forward_until=self._forward_until, stop_at_eog=self.stop_at_eog)
+            if c.get("relay"):
+                msg.relay = c["relay"]
+            else:
+                msg.address = c["addrs"][0]
+            try:
+                # the peer dials within LINK_TIMEOUT_S: wait past that, so its verdict comes first
+                hop.stream.signal(pb.SessionRequest(link=msg), self.epoch, timeout=self.step_timeout + LINK_TIMEOUT_S)
+            except ShardError as e:  # it could not reach the next hop: the next hop's fault
+                return ((i + 1) % k if e.code_name == "LINK_FAILED" else i), e
+            except ShardConnectionError as e:
+                return i, e
+        return None
+
+    def _ring_step(self, position: int, token_ids: tuple[int, ...], decode: bool):
+        """One step of the ring: sent to the head unless the tail fed it already,
+        then every hop's copy read in route order (each the next one's input,
+        kept for failover). The first hop whose copy does not come is the one
+        that failed: it is replaced, the others rolled back to ``position``."""
+        for _ in range(self.max_failovers + 2):  # each pass either returns or spends a failover
+            fault = None
+            if self._ring_next != position:
+                try:
+                    self.hops[0].stream.send_step(position, token_ids=token_ids, decode=decode,
+                                                  idempotency_step=position + 1)
+                except ShardConnectionError as e:
+                    fault = (0, e)
+            if fault is None:
+                reply, fault = self._collect(position, token_ids, decode)
+            if fault is None:
+                nxt = position + 1
+                self._ring_next = nxt if decode and nxt < self._forward_until and \
+                    not (reply.is_eog and self.stop_at_eog) else None
+                return reply
+            self._ring_recover(position, fault)
+        raise GenerationError(f"gave up after {self.max_failovers} failovers")
+
+    def _collect(self, position: int, token_ids: tuple[int, ...], decode: bool):
+        """Each hop's result for the step at ``position``: (the tail's reply, None),
+        or (None, (index of the hop at fault, why))."""
+        rows = 1 if decode else len(token_ids)
+        payload: object = token_ids
+        reply = None
+        for i, hop in enumerate(self.hops):
+            try:
+                reply = hop.stream.next_result(self.epoch, timeout=self.step_timeout)
+                tail = hop.span.end == self.n_layer
+                if reply.position != position + rows:
+                    raise ShardConnectionError(f"{hop.span.peer_id} sent the result of another step "
+                                               f"(position {reply.position}, not {position + rows})")
+                if (reply.token_id is None) if tail else (reply.hidden is None):
+                    raise ShardConnectionError(f"{hop.span.peer_id} answered with the wrong kind of output for its layers")
+            except (ShardConnectionError, ShardError) as e:
+                return None, (i, e)
+            hop.history.append((position, payload, decode))  # what it computed: replayed on failover
+            payload = reply.hidden
+        return reply, None
+
+    def _ring_recover(self, position: int, fault: tuple[int, MeshnetError] | None) -> None:
+        """Replace the hop at fault (and any that fails meanwhile), roll the others
+        back to ``position`` on a new route epoch, and link the ring again. Steps
+        of the old route still on their way are refused (EPOCH_STALE) or passed over."""
+        failed: set[int] = set()  # indices into self.hops still to replace (closed already)
+        while fault is not None:
+            index, error = fault
+            self._fail(self.hops[index], error)
+            failed.add(index)
+            self.epoch += 1
+            self._ring_next = None
+            for hop in self.hops:  # what is past `position` is computed again, on the new route
+                hop.history = [h for h in hop.history if h[0] < position]
+            fault = self._rollback_others(failed, position) or self._replace_failed(failed) or self._link_ring()
+
+    def _fail(self, hop: _Hop, error: MeshnetError) -> None:
+        self.failovers += 1
+        if self.failovers > self.max_failovers:
+            raise GenerationError(f"gave up after {self.max_failovers} failovers; last: {error}")
+        if not _is_full(error):
+            self.banned[hop.span.peer_id] = time.monotonic() + self.ban_seconds
+        self.on_event(f"peer {hop.span.peer_id} failed on layers {hop.span.start}-{hop.span.end - 1} "
+                      f"({error}); rerouting the ring")
+        hop.close()
+
+    def _rollback_others(self, failed: set[int], position: int) -> tuple[int, MeshnetError] | None:
+        for j, hop in enumerate(self.hops):
+            if j in failed:
+                continue
+            hop.stream.route_epoch = self.epoch  # the client's own steps go out on the new route too
+            try:
+                hop.stream.signal(pb.SessionRequest(rollback=pb.RollbackSignal(position=position,
+                                                                               route_epoch=self.epoch)),
+                                  self.epoch, timeout=self.step_timeout)
+            except (ShardConnectionError, ShardError) as e:
+                return j, e
+        return None
+
+    def _replace_failed(self, failed: set[int]) -> tuple[int, MeshnetError] | None:
+        """Open a replacement for each failed hop and replay its inputs (from the
+        last, so earlier indices stay put when one span takes several hops)."""
+        for index in sorted(failed, reverse=True):
+            old = self.hops[index]
+            self.spans = self.spans_provider()
+            new_hops = self._open_chain(old.span.start, old.span.end)
+            try:
+                for pos, payload, decode in old.history:  # rebuild the replacement's caches
+                    for hop in new_hops:
+                        payload = self._through(hop, pos, payload, decode)
+            except (ShardConnectionError, ShardError) as e:  # a replacement failed too: another round
+                for hop in new_hops:
+                    if not _is_full(e):
+                        self.banned[hop.span.peer_id] = time.monotonic() + self.ban_seconds
+                    hop.close()
+                return index, e  # the failed hop stays in its place, its history with it
+            self.hops[index : index + 1] = new_hops
+            failed.discard(index)
+        return None
 
     def attestations(self) -> list[Attestation]:
         """Each hop's signed statement of what it computed, checked against what
@@ -428,10 +584,12 @@ class RouteSession:
             hop.client.close()
 
 
-def connect(span: Span, timeout: float, client_creds: TlsCredentials | None = None) -> ShardClient:
+def connect(span: Span, timeout: float, client_creds: TlsCredentials | None = None,
+            pool: ChannelPool | None = None) -> ShardClient:
     """A data-plane client for the peer of ``span``: direct, or through the relay
     its report names, with TLS pinned to the certificate its signed report carries,
-    presenting ``client_creds`` (default: this process's client certificate)."""
+    presenting ``client_creds`` (default: this process's client certificate).
+    With ``pool``, on a channel shared with other sessions to the same peer."""
     c = span.record.content
     cert = c.get("tls_cert", "").encode()
     peer = PeerId.from_string(c["peer_id"])
@@ -439,13 +597,18 @@ def connect(span: Span, timeout: float, client_creds: TlsCredentials | None = No
         raise MeshnetError(f"the TLS certificate in {peer}'s report belongs to another peer")
     if c.get("relay"):
         relay = Multiaddr.parse(c["relay"])
-        channel = open_channel(cert, relay=(relay.host, relay.port), peer_id=peer, client=client_creds)
+        key = (str(peer), cert, "relay", relay.host, relay.port, id(client_creds))
+        make = functools.partial(open_channel, cert, relay=(relay.host, relay.port), peer_id=peer, client=client_creds)
     else:
         addr = Multiaddr.parse(c["addrs"][0])
         if addr.peer_id != peer:
             raise MeshnetError(f"report of {peer} advertises an address of another peer")
-        channel = open_channel(cert, address=(addr.host, addr.port), client=client_creds)
-    return ShardClient(channel, timeout=timeout)
+        key = (str(peer), cert, "direct", addr.host, addr.port, id(client_creds))
+        make = functools.partial(open_channel, cert, address=(addr.host, addr.port), client=client_creds)
+    if pool is None:
+        return ShardClient(make(), timeout=timeout)
+    channel, release = pool.lease(key, make)
+    return ShardClient(channel, timeout=timeout, release=release)
 
 
 def _n_ubatch(report: dict, cap: pb.Capability) -> int:
@@ -476,7 +639,7 @@ class Client:
     def __init__(self, bootstrap: Sequence[str | Multiaddr], *, model_path: str | None = None,
                  model_digest: str | None = None, step_timeout: float = 10.0, max_failovers: int = 4,
                  on_event: Callable[[str], None] | None = None, trust: TrustPolicy | None = None,
-                 identity: Identity | None = None) -> None:
+                 identity: Identity | None = None, ring: bool = True) -> None:
         from .engine.cut import inspect_gguf
         from .engine.tokenizer import Tokenizer
         from .models import default_model_path
@@ -492,6 +655,8 @@ class Client:
         self.step_timeout = step_timeout
         self.max_failovers = max_failovers
         self.on_event = on_event
+        self.ring = ring  # peers forward hidden states to each other (docs/ring.md)
+        self.pool = ChannelPool()  # one connection per peer for all of this client's generations
         self.trust = trust if trust is not None else TrustPolicy.default(self.bootstrap, own=identity)
         self.latency_ms: dict[str, float] = {}  # peer -> measured round trip, kept across generations
         self.measured_ms: dict[str, float] = {}  # peer -> measured ms per decode step, kept likewise
@@ -500,6 +665,10 @@ class Client:
         self._survey_lock = threading.Lock()  # the last survey, shared by generations that start together
         self._survey: tuple[float, list[Span]] | None = None
         self._surveying: threading.Event | None = None
+
+    def close(self) -> None:
+        """Close the connections this client keeps to peers (generations under way fail)."""
+        self.pool.close()
 
     async def spans(self, *, max_age_s: float = 0.0) -> list[Span]:
         """The spans of the certified recipe a route is planned over (RecipeNotCertified if none).
@@ -560,7 +729,8 @@ class Client:
             session = RouteSession(provider, self.n_layer, max_tokens=len(ids) + max_tokens, sampling=sampling,
                                    step_timeout=self.step_timeout, max_failovers=self.max_failovers,
                                    on_event=self.on_event, latency_ms=self.latency_ms, measured_ms=self.measured_ms,
-                                   client_creds=self.client_creds)
+                                   client_creds=self.client_creds, ring=self.ring, stop_at_eog=stop_at_eog,
+                                   pool=self.pool)
         except RequestRefused as e:  # say what was asked, beside what the peers said they hold
             raise RequestRefused(f"the prompt has {len(ids)} tokens and max_tokens asks for {max_tokens} more "
                                  f"({len(ids) + max_tokens} positions in all): {e}") from None

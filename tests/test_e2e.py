@@ -246,3 +246,48 @@ def test_socket_errors_are_one_clear_line(command):
     # binding an address that is not this machine's, and a relay that refuses: no traceback
     r = meshnet_peer(*command, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("error:") and "Traceback" not in r.stderr
+
+
+RING_FAULTS = {  # spans of the swarm, and which span's serving peer fails (two peers serve it)
+    "head": (["0:10", "0:10", "10:20", "20:30"], "0:10"),
+    "middle": (["0:10", "10:20", "10:20", "20:30"], "10:20"),
+    "tail": (["0:10", "10:20", "20:30", "20:30"], "20:30"),
+}
+
+
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+@pytest.mark.parametrize("where", sorted(RING_FAULTS))
+def test_the_ring_survives_any_hop_failing(tmp_path, reference, model_path, where, fault):
+    """Peers forward to each other; one of the route's hops is killed or frozen
+    mid-generation: the client replaces it, rolls the others back, links the
+    ring again, and the tokens are the whole model's."""
+    spans, victim_span = RING_FAULTS[where]
+    boot, addr, joins = start_swarm(tmp_path, spans)
+    twins = [j for j, s in zip(joins, spans) if s == victim_span]
+    try:
+        events = []
+        client = Client([addr], model_path=model_path, step_timeout=3.0, on_event=events.append, ring=True)
+        count = {"n": 0, "victim": None}
+
+        def sessions(m) -> int:
+            return sum(line.startswith("session ") for line in m.lines)
+
+        before = [sessions(m) for m in twins]  # certifying the swarm opened sessions too
+
+        def on_token(_text):
+            count["n"] += 1
+            if count["n"] == 3:
+                serving = [m for m, n in zip(twins, before) if sessions(m) > n]
+                assert len(serving) == 1
+                count["victim"] = serving[0]
+                serving[0].p.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+
+        result = client.generate(PROMPT, 32, on_token=on_token, stop_at_eog=False)
+        assert result.token_ids == reference
+        assert result.failovers == 1, events
+        survivor = next(m for m in twins if m is not count["victim"])
+        assert survivor.peer_id in [h["peer_id"] for h in result.route]
+        assert any("rerouting the ring" in e for e in events)
+    finally:
+        for p in joins + [boot]:
+            p.stop()

@@ -648,10 +648,11 @@ hidden_st = st.one_of(st.builds(_hidden, st.integers(1, 4), st.integers(1, 64)),
                       st.lists(st.one_of(consistent_tensor(), wild_tensor), max_size=3).map(lambda ts: pb.TensorBundle(tensors=ts)))
 
 
-def _open(sid, epoch, fingerprint, credits, temperature, top_k, top_p, seed, max_tokens):
+def _open(sid, epoch, fingerprint, credits, temperature, top_k, top_p, seed, max_tokens, attach_token=b"t" * 32):
     return pb.SessionRequest(open=pb.SessionOpen(
         session_id=sid, route_epoch=epoch, fingerprint=fingerprint, proposed=pb.FlowControl(credits=credits),
-        sampling=pb.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed), max_tokens=max_tokens))
+        sampling=pb.Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed), max_tokens=max_tokens,
+        attach_token=attach_token))
 
 
 FINGERPRINT = pb.Fingerprint(model_digest=MODEL, recipe_digest=RECIPE, recipe_axes={k: str(v) for k, v in AXES.items()})
@@ -663,7 +664,7 @@ fingerprints = st.one_of(
 )
 floats32 = st.one_of(st.sampled_from([0.0, 0.7, 1.0]), st.floats(width=32))
 open_st = st.builds(_open, session_ids, small, fingerprints, small32, floats32, small32, floats32, small,
-                    st.one_of(st.integers(0, 80), st.integers(0, 2**32 - 1)))
+                    st.one_of(st.integers(0, 80), st.integers(0, 2**32 - 1)), st.binary(max_size=40))
 valid_open = st.builds(_open, st.just("s1"), st.integers(0, 2), st.just(FINGERPRINT),
                        st.integers(0, 3), st.just(0.0), st.just(0), st.just(0.0), st.just(0), st.integers(1, 64))
 
@@ -687,6 +688,16 @@ request_st = st.one_of(
     st.builds(lambda p, e: pb.SessionRequest(rollback=pb.RollbackSignal(position=p, route_epoch=e)), small, small),
     st.just(pb.SessionRequest(release=pb.ReleaseSignal())),
     st.just(pb.SessionRequest(attest=pb.AttestSignal())),
+    # the ring's messages: a link never dials here (no push sink: the host serves no ring), an attach
+    # names any session with any token
+    st.builds(lambda e, peer, addr, cert, sid, tok, until: pb.SessionRequest(link=pb.LinkSignal(
+        route_epoch=e, peer_id=peer, address=addr, tls_cert=cert, session_id=sid, attach_token=tok,
+        forward_until=until)), small, st.text(max_size=8), st.text(max_size=12), st.binary(max_size=16),
+        session_ids, st.binary(max_size=40), small),
+    st.builds(lambda sid, tok, e: pb.SessionRequest(attach=pb.AttachOpen(session_id=sid, attach_token=tok,
+                                                                         route_epoch=e)),
+              st.sampled_from(["s1", ""]) | session_ids, st.sampled_from([b"", b"t" * 32]) | st.binary(max_size=40),
+              small),
     st.just(pb.SessionRequest()),
 )
 
@@ -750,6 +761,73 @@ def test_any_request_sequence_gets_responses_and_frees_its_session(with_identity
     assert len(responses) <= len(requests)
     # the stream ended: its session is gone from the engine and the servicer alike
     assert engine.sessions == {} and servicer._states == {}
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.sampled_from(sorted(ROLES)), st.sampled_from([b"t" * 32, b"x" * 32, b""]), st.lists(request_st, max_size=12))
+def test_any_attach_stream_gets_responses_and_leaves_the_owners_session_whole(role, token, requests):
+    """A stream that attaches to an open session (the ring's previous hop) and
+    then sends anything: only steps (and credit) are taken, what it computes
+    reaches the owner as copies, and the owner's session ends as it would."""
+    engine = FakeEngine(*ROLES[role])
+    servicer = ShardRuntimeServicer(engine, peer_id="fake-peer", now_ms=lambda: NOW,
+                                    limits=Limits(max_credits=3, max_message_bytes=2048, max_prefill_tokens=4))
+    pushed = []
+    owner = servicer.Session(iter([_open("s1", 1, FINGERPRINT, 3, 0.0, 0, 0.0, 0, 64)]), None, push=pushed.append)
+    assert next(owner).HasField("accepted")
+    attach = pb.SessionRequest(attach=pb.AttachOpen(session_id="s1", attach_token=token, route_epoch=1))
+    wire = [pb.SessionRequest.FromString(r.SerializeToString()) for r in [attach, *requests]]
+    responses = list(servicer.Session(iter(wire), None))
+    assert responses[0].HasField("accepted") == (token == b"t" * 32)
+    for i, r in enumerate(responses):
+        assert r.WhichOneof("kind") is not None
+        if r.HasField("error") and r.error.terminal:
+            assert i == len(responses) - 1, "nothing follows a terminal response"
+    for m in pushed:  # the owner hears of its steps only: results, or why one failed
+        assert m.WhichOneof("kind") in ("result", "error")
+    assert "s1" in servicer._states  # an attach stream's end is not its session's
+    assert list(owner) == []  # the owner goes away...
+    assert engine.sessions == {} and servicer._states == {}  # ...and its session with it
+
+
+# --- a ring link's fields (meshnet_p2p/dataplane/ring.py), checked before any dial ------------------
+
+_RING_PEER = Identity.from_seed(b"\x52" * 32)
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(st.just(str(_RING_PEER.peer_id)), st.text(max_size=60)),
+       st.one_of(st.just(b"cert"), st.binary(max_size=300)), st.binary(max_size=40), st.text(max_size=140),
+       st.one_of(st.sampled_from(["/ip4/127.0.0.1/tcp/9", "/ip4/127.0.0.1/udp/9", "/dns/x/tcp/1",
+                                  f"/ip4/10.0.0.1/tcp/1/p2p/{_RING_PEER.peer_id}"]), st.text(max_size=60)))
+def test_a_ring_links_fields_are_refused_with_a_link_error_or_pass(peer_id, cert, token, session_id, address):
+    from meshnet_p2p.dataplane import ring
+    from meshnet_p2p.dataplane.tls import make_tls_credentials
+
+    if cert == b"cert":
+        cert = _RING_CERT.setdefault("pem", make_tls_credentials(_RING_PEER).cert_pem)
+    msg = pb.LinkSignal(peer_id=peer_id, tls_cert=cert, attach_token=token, session_id=session_id, address=address)
+    try:
+        peer = ring._checked_peer(msg)
+        addr = ring._parse_addr(msg.address, "address")
+    except ring.LinkError:
+        return
+    assert peer == _RING_PEER.peer_id and 0 < len(token) <= 32 and 0 < len(session_id) <= 128
+    assert addr.transport == "tcp" and addr.port is not None
+
+
+_RING_CERT: dict = {}
+
+
+def test_the_tail_forwards_decode_tokens_until_the_generation_ends():
+    from meshnet_p2p.dataplane.ring import forwards
+
+    base = dict(is_tail=True, decode=True, new_position=10, forward_until=20, is_eog=False, stop_at_eog=True)
+    assert forwards(**base)
+    assert not forwards(**{**base, "decode": False})  # a prefill's token: the client sends the first decode
+    assert not forwards(**{**base, "new_position": 20})  # generate() asks for no step there
+    assert not forwards(**{**base, "is_eog": True}) and forwards(**{**base, "is_eog": True, "stop_at_eog": False})
+    assert forwards(**{**base, "is_tail": False, "decode": False, "new_position": 99})  # the others: everything
 
 
 # --- the relay's handshake (meshnet_p2p/dataplane/relay.py) ------------------------------------------

@@ -28,7 +28,7 @@ def test_each_refusal_in_order_of_precedence():
     assert s.check_step("w", 2, 1, 0, 0) is Verdict.CANCELLED
     assert s.check_step("other", 2, 1, 0, 0) is Verdict.APPLY
     assert s.check_rollback(0) is Verdict.EPOCH_STALE and s.check_rollback(2) is Verdict.APPLY
-    s.rolled_back(2)
+    s.rolled_back(2, 5)
     assert s.check_step("other", 2, 1, 0, 0) is Verdict.EPOCH_STALE  # the rollback's newer route rules now
     s.cancel()
     assert s.check_rollback(2) is Verdict.CANCELLED and s.check_step("other", 2, 2, 0, 0) is Verdict.CANCELLED
@@ -47,7 +47,7 @@ _events = st.lists(st.one_of(
     st.tuples(st.just("step"), st.integers(0, 12), st.integers(0, 3), st.sampled_from(["a", "b"])),
     st.tuples(st.just("top_up"), st.integers(0, 5)),
     st.tuples(st.just("cancel"), st.sampled_from(["", "a", "b"])),
-    st.tuples(st.just("rollback"), st.integers(0, 3)),
+    st.tuples(st.just("rollback"), st.integers(0, 3), st.integers(0, 12)),
 ), max_size=40)
 
 
@@ -56,19 +56,24 @@ _events = st.lists(st.one_of(
 def test_no_step_is_applied_twice_and_credit_never_goes_negative(credits, events):
     s = opened(credits=credits)
     applied_steps = []
+    segments = [applied_steps]  # steps applied since the last rollback to a newer route
     for ev in events:
         if ev[0] == "step":
             _, n, epoch, work = ev
             verdict = s.check_step(work, n, epoch, 0, 0)
             if verdict is Verdict.APPLY:
-                assert n not in applied_steps and epoch >= s.epoch and not s.cancelled
-                applied_steps.append(n)
+                assert n not in segments[-1] and epoch >= s.epoch and not s.cancelled
+                segments[-1].append(n)
                 s.applied(n, epoch)
         elif ev[0] == "top_up":
             s.top_up(ev[1])
         elif ev[0] == "cancel":
             s.cancel(ev[1])
         elif ev[0] == "rollback" and s.check_rollback(ev[1]) is Verdict.APPLY:
-            s.rolled_back(ev[1])
+            newer = ev[1] > s.epoch
+            s.rolled_back(ev[1], ev[2])
+            if newer:  # a newer route's steps past the rollback point are new (a ring's failover)
+                segments.append([n for n in segments[-1] if n <= ev[2]])
         assert 0 <= s.credits <= s.max_credits
-    assert applied_steps == sorted(applied_steps)  # steps apply in increasing order: a replayed one is a duplicate
+    for seg in segments:  # within a route, steps apply in increasing order: a replayed one is a duplicate
+        assert seg == sorted(seg)

@@ -281,6 +281,18 @@ class CallStream:
             self._raise_if_ended()
             return None
 
+    def wait_readable(self, timeout: float) -> bool:
+        """Whether :meth:`recv` would return now (a message, or the call's end),
+        waiting up to ``timeout`` and reading the socket meanwhile. Unlike recv's
+        deadline, running out cancels nothing: a thread that only watches a call
+        (the ring's link) wakes this often to see whether it still should."""
+        inbox = self._inbox
+        try:
+            self._ch._wait(lambda: bool(inbox.messages) or inbox.ended is not None, time.monotonic() + timeout)
+        except ChannelError:
+            return False
+        return True
+
     def _raise_if_ended(self) -> None:
         ended = self._inbox.ended
         if ended is not None and ended.status != 0:
@@ -308,3 +320,6 @@ class CallStream:
                 ch.wire.reset_stream(self.id)
                 ch.write_quietly()
             inbox.messages.clear()  # credited once: a later recv must not credit them again
+            if inbox.ended is None:  # a thread still waiting in recv wakes, and finds the call over
+                inbox.ended = grpc_core.StreamEnded(self.id, grpc_core.CANCELLED, "the call was cancelled")
+                ch.cond.notify_all()

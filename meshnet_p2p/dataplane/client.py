@@ -89,9 +89,13 @@ def _parse(message_type, raw: bytes):
 
 
 class ShardClient:
-    def __init__(self, channel: Channel, *, timeout: float = 30.0) -> None:
+    """Calls to one peer. ``release``: given when the channel is a pool's lease
+    (pool.py), called on close instead of closing the shared channel."""
+
+    def __init__(self, channel: Channel, *, timeout: float = 30.0, release=None) -> None:
         self.channel = channel
         self.timeout = timeout
+        self._release = release
 
     def _unary(self, method: str, request, reply_type):
         try:
@@ -115,16 +119,35 @@ class ShardClient:
 
     def session(self, fingerprint: pb.Fingerprint, *, max_tokens: int, session_id: str | None = None,
                 route_epoch: int = 0, sampling: pb.Sampling | None = None, credits: int = 64,
-                timeout: float | None = -1.0, record: bool = False) -> "SessionStream":
+                timeout: float | None = -1.0, record: bool = False, attach_token: bytes = b"") -> "SessionStream":
         """A Session stream. ``timeout`` bounds the whole stream (default: the
         client's timeout); None means no bound (a long generation), in which
-        case the caller bounds each step (``step(timeout=...)``)."""
+        case the caller bounds each step (``step(timeout=...)``). ``attach_token``:
+        the secret the ring's previous hop will attach with (docs/ring.md)."""
         return SessionStream(self, fingerprint, max_tokens=max_tokens, session_id=session_id or uuid.uuid4().hex,
                              route_epoch=route_epoch, sampling=sampling or pb.Sampling(), credits=credits,
-                             timeout=self.timeout if timeout == -1.0 else timeout, record=record)
+                             timeout=self.timeout if timeout == -1.0 else timeout, record=record,
+                             attach_token=attach_token)
 
     def close(self) -> None:
-        self.channel.close()
+        if self._release is not None:
+            self._release()
+        else:
+            self.channel.close()
+
+
+MAX_STALE_SKIPPED = 4096  # results of an older route a reader passes over before it calls the peer broken
+
+
+def _reply(resp: pb.SessionResponse) -> "StepReply":
+    r = resp.result
+    try:
+        hidden_out = bundle_from_proto(r.hidden) if r.HasField("hidden") and r.hidden.tensors else None
+    except PayloadError as e:
+        raise ShardConnectionError(f"the peer sent a bad tensor: {e}") from None
+    if hidden_out is None and not r.has_token:
+        raise ShardConnectionError("the peer's step reply carries neither a hidden state nor a token")
+    return StepReply(r.position, hidden_out, r.token_id if r.has_token else None, r.is_eog, resp)
 
 
 @dataclass
@@ -143,7 +166,8 @@ class SessionStream:
     in-band before it runs out."""
 
     def __init__(self, client: ShardClient, fingerprint: pb.Fingerprint, *, max_tokens: int, session_id: str,
-                 route_epoch: int, sampling: pb.Sampling, credits: int, timeout: float | None, record: bool = False) -> None:
+                 route_epoch: int, sampling: pb.Sampling, credits: int, timeout: float | None, record: bool = False,
+                 attach_token: bytes = b"") -> None:
         self.session_id = session_id
         self.route_epoch = route_epoch
         self._steps = itertools.count(1)
@@ -155,7 +179,8 @@ class SessionStream:
             raise ShardConnectionError.of(e) from None
         accepted = self.request(pb.SessionRequest(open=pb.SessionOpen(
             session_id=session_id, route_epoch=route_epoch, fingerprint=fingerprint,
-            proposed=pb.FlowControl(credits=credits), sampling=sampling, max_tokens=max_tokens)))
+            proposed=pb.FlowControl(credits=credits), sampling=sampling, max_tokens=max_tokens,
+            attach_token=attach_token)))
         if accepted.WhichOneof("kind") != "accepted":
             self.close()
             raise ShardConnectionError(f"unexpected reply to SessionOpen: {accepted.WhichOneof('kind')}")
@@ -197,6 +222,52 @@ class SessionStream:
              deadline_ms: int = 0, timeout: float | None = None) -> StepReply:
         """``timeout``: seconds to wait for the reply (a frozen peer surfaces as
         ShardConnectionError); ``deadline_ms``: the wall-clock deadline the peer enforces."""
+        n, work_id = self.send_step(position, token_ids=token_ids, hidden=hidden, decode=decode, work_id=work_id,
+                                    idempotency_step=idempotency_step, deadline_ms=deadline_ms)
+        resp = self.receive(timeout)
+        # What a peer answers is checked like any network input: a reply that is
+        # not this step's is the peer's fault, a typed error failover handles.
+        kind = resp.WhichOneof("kind")
+        if kind == "ack":
+            if not (resp.ack.duplicate and resp.ack.idempotency_step == n):
+                raise ShardConnectionError("the peer acknowledged a step instead of answering it")
+            return StepReply(position, None, None, False, resp)  # a duplicate: acknowledged, not applied
+        if kind != "result":
+            raise ShardConnectionError(f"the peer answered a step with {kind or 'nothing'}")
+        r = resp.result
+        if r.idempotency_step not in (0, n) or (r.work_id and r.work_id != work_id):
+            raise ShardConnectionError("the peer answered another step than the one sent")
+        return _reply(resp)
+
+    def next_result(self, epoch: int, timeout: float | None = None) -> StepReply:
+        """The next step result of route ``epoch`` (a ring's copy, or the reply to
+        a step sent): results of an older route, still on their way, are passed over."""
+        for _ in range(MAX_STALE_SKIPPED):
+            resp = self.receive(timeout)
+            kind = resp.WhichOneof("kind")
+            if kind == "result" and resp.result.route_epoch >= epoch:
+                return _reply(resp)
+            if kind not in ("result", "ack"):
+                raise ShardConnectionError(f"the peer sent {kind or 'nothing'} where a step result belongs")
+        raise ShardConnectionError("the peer sent too many results of an older route")
+
+    def signal(self, request: pb.SessionRequest, epoch: int, timeout: float | None = None) -> pb.SessionResponse:
+        """Send a rollback or link and return its acknowledgement, passing over
+        the ring's copies of an older route still on their way."""
+        self.send(request)
+        for _ in range(MAX_STALE_SKIPPED):
+            resp = self.receive(timeout)
+            kind = resp.WhichOneof("kind")
+            if kind == "ack":
+                return resp
+            if kind != "result" or resp.result.route_epoch >= epoch:
+                raise ShardConnectionError(f"the peer answered a {request.WhichOneof('kind')} with {kind or 'nothing'}")
+        raise ShardConnectionError("the peer sent too many results of an older route")
+
+    def send_step(self, position: int, *, token_ids: Sequence[int] | None = None, hidden: TensorBundle | None = None,
+                  decode: bool = False, work_id: str = "", idempotency_step: int | None = None,
+                  deadline_ms: int = 0) -> tuple[int, str]:
+        """Send a step without waiting for its reply; returns its idempotency step and work id."""
         if self.credits <= self.granted.credits // 2:
             self.send(pb.SessionRequest(credit=pb.CreditTopUp(credits=self.granted.credits - self.credits)))
             self.credits = self.granted.credits
@@ -214,26 +285,8 @@ class SessionStream:
         if hidden is not None:
             bundle_to_proto(hidden, out=msg.hidden)
         self.credits -= 1
-        resp = self.request(request, timeout)
-        # What a peer answers is checked like any network input: a reply that is
-        # not this step's is the peer's fault, a typed error failover handles.
-        kind = resp.WhichOneof("kind")
-        if kind == "ack":
-            if not (resp.ack.duplicate and resp.ack.idempotency_step == n):
-                raise ShardConnectionError("the peer acknowledged a step instead of answering it")
-            return StepReply(position, None, None, False, resp)  # a duplicate: acknowledged, not applied
-        if kind != "result":
-            raise ShardConnectionError(f"the peer answered a step with {kind or 'nothing'}")
-        r = resp.result
-        if r.idempotency_step not in (0, n) or (r.work_id and r.work_id != msg.work_id):
-            raise ShardConnectionError("the peer answered another step than the one sent")
-        try:
-            hidden_out = bundle_from_proto(r.hidden) if r.HasField("hidden") and r.hidden.tensors else None
-        except PayloadError as e:
-            raise ShardConnectionError(f"the peer sent a bad tensor: {e}") from None
-        if hidden_out is None and not r.has_token:
-            raise ShardConnectionError("the peer's step reply carries neither a hidden state nor a token")
-        return StepReply(r.position, hidden_out, r.token_id if r.has_token else None, r.is_eog, resp)
+        self.send(request)
+        return n, msg.work_id
 
     def attest(self, timeout: float | None = None) -> pb.Attestation:
         """The peer's signed statement of what this session computed so far."""

@@ -362,7 +362,10 @@ class _Connection(Driver):
                     self.finish(call, grpc_core.INTERNAL, "a malformed SessionRequest")
                     return
 
-        for response in self.server.servicer.Session(requests(), self):
+        def push(response) -> None:  # the ring's copies, sent from the thread that computed them
+            self.send(call, response.SerializeToString())
+
+        for response in self.server.servicer.Session(requests(), self, push=push):
             self.send(call, response.SerializeToString())
         if silent:
             return self.finish(call, grpc_core.DEADLINE_EXCEEDED, f"no SessionOpen within {FIRST_MESSAGE_TIMEOUT:g} s")

@@ -22,8 +22,8 @@ too, at ~50-100 us per step; the out-of-band path keeps the hot path lean.)
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 from .._proto import shard_runtime_pb2 as pb
 from ..engine.contract import (
@@ -41,8 +41,11 @@ from ..engine.sessions import context_refusal
 from ..identity import Identity
 from ..records import wall_ms
 from .admission import Claimant, Held, Reclaim, Refuse, decide
+from .pool import ChannelPool
+from .ring import ATTACH_TOKEN_BYTES, MAX_LINKS_PER_SESSION, LinkError, RingLink, forwards, token_matches
 from .session_state import SessionState, Verdict
 from .tensors import PayloadError, bundle_from_proto, bundle_to_proto
+from .tls import make_client_credentials
 
 E = pb.ErrorCode
 
@@ -77,6 +80,29 @@ class Limits:
     max_prefill_tokens: int = 4096
     max_pending_cancels: int = 4096  # cancels remembered for sessions not open yet
     session_idle_ms: int = 120_000  # an open session with no request for this long is released
+
+
+@dataclass
+class _Ring:
+    """A session's part in a ring (docs/ring.md): who may feed it, where its output goes."""
+
+    attach_token: bytes = b""
+    push: Callable[[pb.SessionResponse], None] | None = None  # sends the owner's stream a message
+    link: RingLink | None = None
+    links: int = 0
+    # One step (or rollback) of the session at a time, whichever stream it came on: a rollback
+    # to a newer route must not slip between an older step's epoch check and its compute.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def unlink(self) -> None:
+        link, self.link = self.link, None
+        if link is not None:
+            link.close()
+
+
+def _unlink(state: SessionState | None) -> None:
+    if state is not None and state.ring is not None:
+        state.ring.unlink()
 
 
 IN_PROCESS = Claimant("in-process", "in-process")  # a caller with no connection (tests, embedding)
@@ -122,6 +148,7 @@ class ShardRuntimeServicer:
         self._states: dict[str, SessionState] = {}
         # sessions released for idling or reclaimed for a fair share (the newest 4096): why, as an error
         self._reaped: dict[str, pb.SessionResponse] = {}
+        self._link_pool = ChannelPool()  # the ring's connections to next hops, shared by sessions
 
     # --- unary ---------------------------------------------------------------------
 
@@ -148,7 +175,7 @@ class ShardRuntimeServicer:
             state = self._states.get(request.session_id)
             if state is None or not state.opened or state.owner is not context:
                 return pb.ReleaseResponse(released=False)
-            self._states.pop(request.session_id, None)
+            _unlink(self._states.pop(request.session_id, None))
         self.engine.release(request.session_id)
         return pb.ReleaseResponse(released=True)
 
@@ -185,8 +212,11 @@ class ShardRuntimeServicer:
 
     # --- the Session stream ----------------------------------------------------------------
 
-    def Session(self, request_iterator, context) -> Iterator[pb.SessionResponse]:
+    def Session(self, request_iterator, context, push=None) -> Iterator[pb.SessionResponse]:
+        """``push``: sends this stream a message from another thread (the ring's
+        copies); a host without one serves no ring."""
         opened_id = None
+        opened = None  # its state: still ours to unlink when the state was dropped meanwhile
         released = False
         try:
             for req in request_iterator:
@@ -194,11 +224,15 @@ class ShardRuntimeServicer:
                 if req.ByteSize() > self.limits.max_message_bytes:
                     yield _error(E.OVERSIZED, f"message of {req.ByteSize()} bytes exceeds {self.limits.max_message_bytes}")
                     continue
+                if kind == "attach" and opened_id is None:  # this stream feeds a session open on another
+                    yield from self._attached(req.attach, request_iterator)
+                    return
                 if kind == "open":
                     if opened_id is not None:
                         yield _error(E.PROTOCOL, "the session is already open on this stream")
                         continue
-                    reply, opened_id = self._open(req.open, context)
+                    reply, opened_id = self._open(req.open, context, push)
+                    opened = self._state(opened_id) if opened_id is not None else None
                     yield reply
                     if opened_id is None:
                         return
@@ -226,6 +260,8 @@ class ShardRuntimeServicer:
                     yield self._rollback(opened_id, state, req.rollback)
                 elif kind == "attest":
                     yield self._attest(opened_id, state)
+                elif kind == "link":
+                    yield self._link(state, req.link)
                 elif kind == "release":
                     self.engine.release(opened_id)
                     released = True
@@ -236,16 +272,21 @@ class ShardRuntimeServicer:
                     return
         finally:
             if opened_id is not None:
+                if opened is not None and opened.ring is not None:
+                    opened.ring.unlink()
                 if not released:
                     self.engine.release(opened_id)  # the client went away: free its capacity
                 self._forget(opened_id)
 
-    def _open(self, msg: pb.SessionOpen, owner: object = None) -> tuple[pb.SessionResponse, str | None]:
+    def _open(self, msg: pb.SessionOpen, owner: object = None, push=None) -> tuple[pb.SessionResponse, str | None]:
         sid = msg.session_id
         try:
             check_session_id(sid)
         except ValueError as e:
             return _error(E.INVALID_ARGUMENT, str(e), terminal=True), None
+        if len(msg.attach_token) > ATTACH_TOKEN_BYTES:
+            return _error(E.INVALID_ARGUMENT, f"an attach token is at most {ATTACH_TOKEN_BYTES} bytes",
+                          terminal=True), None
         if self.draining:
             return _error(E.CAPACITY, "this peer is leaving the network", retryable=True, terminal=True), None
         theirs = msg.fingerprint
@@ -277,7 +318,7 @@ class ShardRuntimeServicer:
                               retry_after_ms=FULL_RETRY_AFTER_MS), None
             if isinstance(decision, Reclaim):
                 reclaim = decision.session_id
-                self._states.pop(reclaim, None)
+                _unlink(self._states.pop(reclaim, None))
                 self._remember_reaped(reclaim, _error(
                     E.CAPACITY, "the session was reclaimed: this peer is full and shares its sessions fairly "
                     "between clients", retryable=True, terminal=True))
@@ -305,6 +346,7 @@ class ShardRuntimeServicer:
             return _error(_ENGINE_CODES[status.code], status.message, retryable=status.retryable, terminal=True,
                           retry_after_ms=FULL_RETRY_AFTER_MS if status.retryable else 0), None
         credits = min(msg.proposed.credits or self.limits.max_credits, self.limits.max_credits)
+        state.ring = _Ring(attach_token=msg.attach_token, push=push)
         state.open(msg.route_epoch, credits)
         state.last_active_ms = self.now_ms()
         if self.on_open is not None:
@@ -348,7 +390,7 @@ class ShardRuntimeServicer:
             idle = [sid for sid, st in self._states.items()
                     if st.opened and st.running is None and now - st.last_active_ms > bound]
             for sid in idle:
-                self._states.pop(sid)
+                _unlink(self._states.pop(sid))
                 self._remember_reaped(sid, _error(
                     E.UNKNOWN_SESSION, f"the session was released after {bound / 1000:g} s idle",
                     terminal=True))
@@ -361,17 +403,113 @@ class ShardRuntimeServicer:
             self._states.pop(sid, None)
 
     def _rollback(self, sid: str, state: SessionState, msg: pb.RollbackSignal) -> pb.SessionResponse:
-        verdict = state.check_rollback(msg.route_epoch)
-        if verdict is not Verdict.APPLY:
-            code, detail, retryable = _VERDICT_ERRORS[verdict]
-            return _error(code, f"rollback refused: {detail}", retryable=retryable)
-        status = self.engine.rollback(sid, msg.position)
-        if not status.ok:
-            return _error(_ENGINE_CODES[status.code], status.message)
-        state.rolled_back(msg.route_epoch)
-        state.inputs.rollback(msg.position)
-        state.outputs.rollback(msg.position)
+        with state.ring.lock:
+            verdict = state.check_rollback(msg.route_epoch)
+            if verdict is not Verdict.APPLY:
+                code, detail, retryable = _VERDICT_ERRORS[verdict]
+                return _error(code, f"rollback refused: {detail}", retryable=retryable)
+            if msg.route_epoch > state.epoch:  # a newer route: this hop forwards nothing more until relinked
+                state.ring.unlink()
+            status = self.engine.rollback(sid, msg.position)
+            if not status.ok:
+                return _error(_ENGINE_CODES[status.code], status.message)
+            state.rolled_back(msg.route_epoch, msg.position)
+            state.inputs.rollback(msg.position)
+            state.outputs.rollback(msg.position)
         return pb.SessionResponse(ack=pb.Ack())
+
+    # --- the ring ----------------------------------------------------------------------------
+
+    def _link(self, state: SessionState, msg: pb.LinkSignal) -> pb.SessionResponse:
+        """Dial the next hop and attach to its session: this hop's outputs go there from now on."""
+        ring = state.ring
+        if ring.push is None:
+            return _error(E.PROTOCOL, "this server cannot send a ring's copies: it serves no ring")
+        if msg.route_epoch < state.epoch:
+            return _error(E.EPOCH_STALE, "link refused: it carries a stale route epoch")
+        if ring.links >= MAX_LINKS_PER_SESSION:
+            return _error(E.INVALID_ARGUMENT, f"a session is linked at most {MAX_LINKS_PER_SESSION} times")
+        ring.links += 1  # a dial costs this peer, whatever comes of it: counted first
+        try:
+            link = RingLink(msg, self._dial_credentials(), self._link_pool)
+        except LinkError as e:
+            return _error(E.LINK_FAILED, str(e), retryable=True)
+        with ring.lock:
+            if msg.route_epoch < state.epoch:  # a rollback to a newer route came meanwhile
+                link.close()
+                return _error(E.EPOCH_STALE, "link refused: it carries a stale route epoch")
+            ring.unlink()
+            ring.link = link
+            state.epoch = msg.route_epoch
+        return pb.SessionResponse(ack=pb.Ack())
+
+    def _dial_credentials(self):
+        """This peer's identity as a client certificate, for the ring's next hop (None: the process's own)."""
+        if self.identity is None:
+            return None
+        with self._lock:
+            creds = getattr(self, "_client_creds", None)
+            if creds is None:
+                creds = self._client_creds = make_client_credentials(self.identity)
+            return creds
+
+    def _attached(self, msg: pb.AttachOpen, request_iterator) -> Iterator[pb.SessionResponse]:
+        """A stream that feeds an open session: steps only (and credit), answered only when they fail."""
+        sid = msg.session_id
+        state = self._state(sid)
+        if state is None or not state.opened or state.ring is None or \
+                not token_matches(state.ring.attach_token, msg.attach_token):
+            # one answer for a wrong token and an unknown session: it tells a stranger nothing
+            yield _error(E.UNKNOWN_SESSION, "no session here takes this attach", terminal=True)
+            return
+        if msg.route_epoch < state.epoch:
+            yield _error(E.EPOCH_STALE, "attach refused: it carries a stale route epoch", terminal=True)
+            return
+        granted = self._limits_proto()
+        granted.credits = state.max_credits
+        yield pb.SessionResponse(accepted=pb.SessionAccepted(session_id=sid, route_epoch=msg.route_epoch,
+                                                              granted=granted, layers=self._layers))
+        for req in request_iterator:
+            kind = req.WhichOneof("kind")
+            if req.ByteSize() > self.limits.max_message_bytes:
+                yield _error(E.OVERSIZED, f"message of {req.ByteSize()} bytes exceeds {self.limits.max_message_bytes}")
+                continue
+            if self._state(sid) is not state:  # released or reclaimed meanwhile
+                yield self._reaped.get(sid) or _error(E.UNKNOWN_SESSION, "the session has ended", terminal=True)
+                return
+            state.last_active_ms = self.now_ms()
+            if kind == "step":
+                reply = self._step(sid, state, req.step, attached=True)
+                if reply is not None:
+                    yield reply
+            elif kind == "credit":
+                state.top_up(req.credit.credits)
+            else:
+                yield _error(E.PROTOCOL, f"an attach stream carries steps, not {kind or 'an empty message'}",
+                             terminal=True)
+                return
+
+    def _after_step(self, state: SessionState, step: pb.Step, result, response: pb.SessionResponse,
+                    attached: bool) -> pb.SessionResponse | None:
+        """Under the ring lock: forward the output to the next hop (first: it is on the
+        token's path), then, for a step the ring fed, send the owner its copy."""
+        ring = state.ring
+        link = ring.link
+        if link is not None and link.epoch == step.route_epoch == state.epoch:
+            out = response.result
+            tail = result.token is not None
+            if forwards(is_tail=tail, decode=step.decode, new_position=result.position,
+                        forward_until=link.forward_until, is_eog=tail and result.token.is_eog,
+                        stop_at_eog=link.stop_at_eog):
+                if tail:
+                    link.forward(result.position, True, token_id=result.token.token_id)
+                else:
+                    link.forward(step.position, step.decode, hidden=out.hidden)
+        if not attached:
+            return response
+        if ring.push is not None:
+            ring.push(response)
+        return None
 
     def _attest(self, sid: str, state: SessionState) -> pb.SessionResponse:
         if self.identity is None:
@@ -384,7 +522,18 @@ class ShardRuntimeServicer:
             start=a.start, end=a.end, steps=a.steps, input_digest=a.input_digest, output_digest=a.output_digest,
             signature=a.signature))
 
-    def _step(self, sid: str, state: SessionState, step: pb.Step) -> pb.SessionResponse:
+    def _step(self, sid: str, state: SessionState, step: pb.Step, *, attached: bool = False) -> pb.SessionResponse | None:
+        """The reply to a step; for a step the ring fed (``attached``), None on
+        success (the owner got its copy) and the error otherwise, which the owner
+        gets too unless it is only an older route's step."""
+        with state.ring.lock:
+            reply = self._step_locked(sid, state, step, attached)
+        if attached and reply is not None and reply.HasField("error") and reply.error.code != E.EPOCH_STALE \
+                and state.ring.push is not None:
+            state.ring.push(reply)
+        return reply
+
+    def _step_locked(self, sid: str, state: SessionState, step: pb.Step, attached: bool) -> pb.SessionResponse | None:
         wid, n = step.work_id, step.idempotency_step
         verdict = state.check_step(wid, n, step.route_epoch, step.deadline_unix_ms, self.now_ms())
         if verdict is Verdict.DUPLICATE:
@@ -434,10 +583,11 @@ class ShardRuntimeServicer:
         out.work_id = wid
         out.idempotency_step = n
         out.position = result.position
+        out.route_epoch = step.route_epoch
         if result.token is not None:
             out.has_token = True
             out.token_id = result.token.token_id
             out.is_eog = result.token.is_eog
         else:
             bundle_to_proto(result.hidden, out=out.hidden)
-        return response
+        return self._after_step(state, step, result, response, attached)

@@ -47,6 +47,7 @@ class SessionState:
     owner: object = None
     last_active_ms: int = 0  # when it last sent anything (idle sessions are released)
     claimant: object = None  # admission.Claimant once admitted: whose share it counts in
+    ring: object = None  # the servicer's ring state of this session (its attach token, its link)
 
     def open(self, epoch: int, credits: int) -> None:
         self.opened = True
@@ -78,7 +79,11 @@ class SessionState:
             return Verdict.EPOCH_STALE
         return Verdict.APPLY
 
-    def rolled_back(self, epoch: int) -> None:
+    def rolled_back(self, epoch: int, position: int) -> None:
+        """A rollback from a newer route (a ring's failover) makes its steps new
+        again: ring steps are numbered by position (idempotency step = position + 1)."""
+        if epoch > self.epoch:
+            self.last_step = min(self.last_step, position)
         self.epoch = max(self.epoch, epoch)
 
     def applied(self, step: int, epoch: int) -> None:

@@ -1,0 +1,79 @@
+"""Channels shared between sessions (meshnet_p2p/dataplane/pool.py), with a
+stand-in for a channel: what the pool looks at is whether it is broken."""
+
+from meshnet_p2p.dataplane.pool import ChannelPool
+
+
+class _Wire:
+    goaway = None
+    closed = False
+
+
+class FakeChannel:
+    def __init__(self) -> None:
+        self.broken = None
+        self.wire = _Wire()
+        self.closed = 0
+
+    def close(self) -> None:
+        self.closed += 1
+        self.broken = "closed"
+
+
+def test_sessions_to_one_peer_share_a_channel_up_to_its_share_of_calls():
+    pool = ChannelPool(per_channel=2)
+    made = []
+
+    def make():
+        made.append(FakeChannel())
+        return made[-1]
+
+    a, ra = pool.lease("peer", make)
+    b, rb = pool.lease("peer", make)
+    c, rc = pool.lease("peer", make)  # the first carries two already: a second channel
+    other, ro = pool.lease("other peer", make)
+    assert a is b and c is not a and other not in (a, c) and len(made) == 3
+    ra()
+    ra()  # giving back twice counts once
+    d, rd = pool.lease("peer", make)
+    assert d is a  # room again on the first
+    for release in (rb, rc, rd, ro):
+        release()
+    e, re_ = pool.lease("peer", make)
+    assert e in (a, c) and not any(ch.closed for ch in made)  # idle ones are kept for reuse
+    re_()
+    pool.close()
+    assert all(ch.closed == 1 for ch in made)
+
+
+def test_a_broken_channel_is_never_handed_out_and_closed_once_idle():
+    pool = ChannelPool()
+    first, release = pool.lease("peer", FakeChannel)
+    first.broken = "the peer closed the connection"
+    second, release2 = pool.lease("peer", FakeChannel)
+    assert second is not first and first.closed == 0  # still leased: its user finds out for itself
+    release()
+    assert first.closed == 1
+    second.wire.goaway = object()  # the peer is going away: no new calls on it
+    third, release3 = pool.lease("peer", FakeChannel)
+    assert third not in (first, second)
+    release2()
+    release3()
+    pool.close()
+
+
+def test_an_idle_channel_old_enough_to_be_closing_is_not_reused():
+    pool = ChannelPool(reuse_idle_s=0.0)  # any idle time is too long
+    first, release = pool.lease("peer", FakeChannel)
+    release()
+    second, release2 = pool.lease("peer", FakeChannel)
+    assert second is not first and first.closed == 1
+    release2()
+    capped = ChannelPool(max_idle=1)
+    chans = [capped.lease(k, FakeChannel) for k in ("a", "b", "c")]
+    for _, r in chans:
+        r()
+    capped.lease("d", FakeChannel)  # a lease sweeps: only the newest idle one is kept
+    assert [ch.closed for ch, _ in chans] == [1, 1, 0]
+    pool.close()
+    capped.close()
