@@ -179,7 +179,11 @@ class RouteSession:
         self.spans = spans_provider()
         self.hops = self._open_chain(0, n_layer)
         if ring:
-            self._ring_recover(0, self._link_ring())
+            try:
+                self._ring_recover(0, self._link_ring())
+            except BaseException:  # no session is left open on any peer
+                self.close()
+                raise
 
     # --- building the chain -------------------------------------------------------------------
 
@@ -444,8 +448,8 @@ class RouteSession:
             try:
                 # the peer dials within LINK_TIMEOUT_S: wait past that, so its verdict comes first
                 hop.stream.signal(pb.SessionRequest(link=msg), self.epoch, timeout=self.step_timeout + LINK_TIMEOUT_S)
-            except ShardError as e:  # it could not reach the next hop: the next hop's fault
-                return ((i + 1) % k if e.code_name == "LINK_FAILED" else i), e
+            except ShardError as e:  # it could not reach the next hop (or found it full): the next hop's
+                return ((i + 1) % k if e.code_name in ("LINK_FAILED", "CAPACITY") else i), e
             except ShardConnectionError as e:
                 return i, e
         return None
@@ -524,12 +528,14 @@ class RouteSession:
             if j in failed:
                 continue
             hop.stream.route_epoch = self.epoch  # the client's own steps go out on the new route too
+            token = os.urandom(ATTACH_TOKEN_BYTES)  # the failed hop knew the old secret of the hop after it
             try:
-                hop.stream.signal(pb.SessionRequest(rollback=pb.RollbackSignal(position=position,
-                                                                               route_epoch=self.epoch)),
-                                  self.epoch, timeout=self.step_timeout)
+                hop.stream.signal(pb.SessionRequest(rollback=pb.RollbackSignal(
+                    position=position, route_epoch=self.epoch, attach_token=token)), self.epoch,
+                    timeout=self.step_timeout)
             except (ShardConnectionError, ShardError) as e:
                 return j, e
+            hop.attach_token = token
         return None
 
     def _replace_failed(self, failed: set[int]) -> tuple[int, MeshnetError] | None:

@@ -1173,3 +1173,53 @@ def test_any_der_bytes_as_a_client_certificate_raise_only_a_binding_error(junk, 
     except TlsBindingError:
         return
     assert peer == _CLIENT.peer_id
+
+
+# --- the ring's attach rules, on the servicer with a stand-in engine (review findings) -----------------
+
+def _ring_servicer(credits: int = 3):
+    engine = FakeEngine(*ROLES["middle"])
+    servicer = ShardRuntimeServicer(engine, peer_id="fake-peer", now_ms=lambda: NOW,
+                                    limits=Limits(max_credits=credits, max_message_bytes=4096, max_prefill_tokens=4))
+    pushed: list = []
+    owner = servicer.Session(iter([_open("s1", 0, FINGERPRINT, credits, 0.0, 0, 0.0, 0, 64)]), None,
+                             push=pushed.append)
+    assert next(owner).HasField("accepted")
+    return servicer, owner, pushed
+
+
+def _fed(position: int, epoch: int = 0) -> pb.SessionRequest:
+    return _step("", position + 1, epoch, position, True, [], _hidden(1, 64), 0)
+
+
+def _attach_stream(servicer, token: bytes, epoch: int, steps) -> list:
+    first = pb.SessionRequest(attach=pb.AttachOpen(session_id="s1", attach_token=token, route_epoch=epoch))
+    return list(servicer.Session(iter([first, *steps]), None))
+
+
+def test_a_new_feeder_gets_the_credit_the_last_one_spent():
+    """Each link counts its credit from the grant: a relink must not find the
+    session's credit spent by the link before it (it would fail honest steps)."""
+    servicer, owner, pushed = _ring_servicer(credits=3)
+    assert _attach_stream(servicer, b"t" * 32, 0, [_fed(0), _fed(1)])[0].HasField("accepted")
+    replies = _attach_stream(servicer, b"t" * 32, 0, [_fed(2), _fed(3), _fed(4)])
+    assert [r.WhichOneof("kind") for r in replies] == ["accepted"]  # three steps, no error: credit was given back
+    assert [m.result.position for m in pushed] == [1, 2, 3, 4, 5]
+    assert list(owner) == []
+
+
+def test_an_attach_feeds_only_the_current_route_with_the_current_secret():
+    servicer, owner, pushed = _ring_servicer()
+    newer = _attach_stream(servicer, b"t" * 32, 5, [_fed(0, 5)])  # a route no client announced
+    assert newer[0].error.code == pb.EPOCH_STALE and servicer._states["s1"].epoch == 0
+    mixed = _attach_stream(servicer, b"t" * 32, 0, [_fed(0, 0), _fed(1, 1)])  # attached for 0, feeds 1
+    assert mixed[0].HasField("accepted") and mixed[-1].error.code == pb.EPOCH_STALE and mixed[-1].error.terminal
+    assert servicer._states["s1"].epoch == 0 and [m.result.position for m in pushed] == [1]
+    # a failover: the client rolls the session back on a new route, with a new secret
+    rollback = pb.SessionRequest(rollback=pb.RollbackSignal(position=1, route_epoch=1, attach_token=b"n" * 32))
+    assert servicer._rollback("s1", servicer._states["s1"], rollback.rollback).HasField("ack")
+    old = _attach_stream(servicer, b"t" * 32, 1, [_fed(1, 1)])  # the replaced hop still knows the old one
+    assert old[0].error.code == pb.UNKNOWN_SESSION
+    assert _attach_stream(servicer, b"n" * 32, 1, [_fed(1, 1)])[0].HasField("accepted")
+    assert [m.result.position for m in pushed] == [1, 2]
+    assert list(owner) == []

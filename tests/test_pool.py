@@ -19,6 +19,9 @@ class FakeChannel:
         self.closed += 1
         self.broken = "closed"
 
+    def read_once(self, timeout, *, unless_waiters=False) -> None:
+        pass  # an idle channel is read before reuse: nothing came on this one
+
 
 def test_sessions_to_one_peer_share_a_channel_up_to_its_share_of_calls():
     pool = ChannelPool(per_channel=2)

@@ -245,8 +245,10 @@ class SessionStream:
         for _ in range(MAX_STALE_SKIPPED):
             resp = self.receive(timeout)
             kind = resp.WhichOneof("kind")
-            if kind == "result" and resp.result.route_epoch >= epoch:
+            if kind == "result" and resp.result.route_epoch == epoch:
                 return _reply(resp)
+            if kind == "result" and resp.result.route_epoch > epoch:
+                raise ShardConnectionError("the peer sent a result of a route this client never announced")
             if kind not in ("result", "ack"):
                 raise ShardConnectionError(f"the peer sent {kind or 'nothing'} where a step result belongs")
         raise ShardConnectionError("the peer sent too many results of an older route")

@@ -35,6 +35,17 @@ def _usable(ch: Channel) -> bool:
     return ch.broken is None and (wire is None or (wire.goaway is None and not wire.closed))
 
 
+def _fresh(ch: Channel) -> bool:
+    """Whether an idle channel still serves, after reading what already came on it
+    (nobody reads an idle channel: a GOAWAY or the peer's FIN may be waiting)."""
+    if ch.wire is not None and ch.broken is None:
+        try:
+            ch.read_once(0, unless_waiters=True)
+        except Exception:  # the read breaks the channel, saying why; it is simply not reused
+            pass
+    return _usable(ch)
+
+
 class ChannelPool:
     def __init__(self, *, per_channel: int = CALLS_PER_CHANNEL, reuse_idle_s: float = REUSE_IDLE_S,
                  max_idle: int = MAX_IDLE_CHANNELS) -> None:
@@ -55,7 +66,7 @@ class ChannelPool:
                     raise RuntimeError("the channel pool is closed")
                 doomed = self._sweep_locked(time.monotonic())
                 for e in self._entries.get(key, ()):
-                    if e.users < self.per_channel and _usable(e.channel):
+                    if e.users < self.per_channel and (_fresh(e.channel) if e.users == 0 else _usable(e.channel)):
                         e.users += 1
                         return e.channel, self._releaser(key, e)
                 e = _Entry(make(), users=1)  # opening a channel does no I/O: it connects on first use
@@ -66,14 +77,14 @@ class ChannelPool:
                 ch.close()
 
     def _releaser(self, key: Hashable, e: _Entry) -> Callable[[], None]:
-        done = threading.Event()
+        done = []
 
         def release() -> None:
-            if done.is_set():
-                return
-            done.set()
             close = False
-            with self._lock:
+            with self._lock:  # once, whoever calls it how often from where
+                if done:
+                    return
+                done.append(True)
                 e.users -= 1
                 if e.users == 0:
                     e.idle_since = time.monotonic()

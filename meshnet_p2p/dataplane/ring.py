@@ -37,10 +37,16 @@ ATTACH_TOKEN_BYTES = 32  # what a client draws per hop; longer ones are refused
 MAX_LINKS_PER_SESSION = 16  # dials one session may ask for (each failover relinks the ring once)
 LINK_TIMEOUT_S = 5.0  # dial, TLS and attach to the next hop
 DRAIN_WAKE_S = 1.0  # how often a link's reader looks whether the link was closed
+FORWARD_TIMEOUT_S = 2.0  # a next hop that grants no window this long is given up (the client fails it over)
 
 
 class LinkError(MeshnetError):
-    """The link names no reachable hop, or the next hop refused to attach."""
+    """The link names no reachable hop, or the next hop refused to attach.
+    ``full``: it turned the attach away for want of a worker (busy, not faulty)."""
+
+    def __init__(self, message: str, *, full: bool = False) -> None:
+        self.full = full
+        super().__init__(message)
 
 
 def token_matches(expected: bytes, given: bytes) -> bool:
@@ -95,7 +101,9 @@ class RingLink:
             reply = pb.SessionResponse.FromString(raw) if raw is not None else None
         except (ChannelError, ShardConnectionError) as e:
             self.close()
-            raise LinkError(f"cannot reach the next hop {self.peer}: {e}") from None
+            # the reason stays here: a client must not learn from a peer what answers at an address it chose
+            log.info("ring: cannot reach %s: %s", self.peer, e)
+            raise LinkError(f"cannot reach the next hop {self.peer}", full=getattr(e, "refused", False)) from None
         except Exception:  # a malformed reply
             self.close()
             raise LinkError(f"the next hop {self.peer} answered the attach with garbage") from None
@@ -130,7 +138,7 @@ class RingLink:
                         credits=self._granted - self._credits)).SerializeToString())
                     self._credits = self._granted
                 self._credits -= 1
-                self._call.send(request.SerializeToString())
+                self._call.send(request.SerializeToString(), deadline=time.monotonic() + FORWARD_TIMEOUT_S)
             except ChannelError as e:
                 self.error = f"forwarding to {self.peer} failed: {e}"
                 return False

@@ -58,7 +58,7 @@ async def start_data_plane(nursery: trio.Nursery, engine, identity: Identity, ho
     creds = make_tls_credentials(identity)
     servicer = ShardRuntimeServicer(engine, identity=identity, limits=limits, on_open=on_open)
     # a worker per session the engine admits, and room beside them for sessions being refused or reclaimed
-    server = ShardServer(servicer, creds, host=host, port=port, max_workers=max(32, engine.capabilities().max_sessions + 8))
+    server = ShardServer(servicer, creds, host=host, port=port, max_workers=max(32, 2 * engine.capabilities().max_sessions + 8))
     await nursery.start(server.serve)
     nursery.start_soon(_reap_idle_sessions, servicer)
     if relay is not None:

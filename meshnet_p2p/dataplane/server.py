@@ -595,6 +595,9 @@ class ShardServer:
             c.thread.join()
         for fd in (self._stop_r, self._stop_w):
             os.close(fd)
+        close = getattr(self.servicer, "close", None)
+        if close is not None:
+            close()  # the ring's connections to next hops
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled (from a trio nursery)."""

@@ -93,11 +93,19 @@ class _Ring:
     # One step (or rollback) of the session at a time, whichever stream it came on: a rollback
     # to a newer route must not slip between an older step's epoch check and its compute.
     lock: threading.Lock = field(default_factory=threading.Lock)
+    _swap: threading.Lock = field(default_factory=threading.Lock)  # (unlink comes from any thread)
 
     def unlink(self) -> None:
-        link, self.link = self.link, None
+        with self._swap:
+            link, self.link = self.link, None
         if link is not None:
             link.close()
+
+    def relink(self, link: RingLink) -> None:
+        with self._swap:
+            old, self.link = self.link, link
+        if old is not None:
+            old.close()
 
 
 def _unlink(state: SessionState | None) -> None:
@@ -150,6 +158,10 @@ class ShardRuntimeServicer:
         self._reaped: dict[str, pb.SessionResponse] = {}
         self._link_pool = ChannelPool()  # the ring's connections to next hops, shared by sessions
 
+    def close(self) -> None:
+        """Close the ring's connections to next hops (the server has stopped)."""
+        self._link_pool.close()
+
     # --- unary ---------------------------------------------------------------------
 
     def GetCapability(self, request, context):
@@ -175,7 +187,8 @@ class ShardRuntimeServicer:
             state = self._states.get(request.session_id)
             if state is None or not state.opened or state.owner is not context:
                 return pb.ReleaseResponse(released=False)
-            _unlink(self._states.pop(request.session_id, None))
+            self._states.pop(request.session_id, None)
+        _unlink(state)  # outside the lock: closing a link writes to the next hop
         self.engine.release(request.session_id)
         return pb.ReleaseResponse(released=True)
 
@@ -318,7 +331,7 @@ class ShardRuntimeServicer:
                               retry_after_ms=FULL_RETRY_AFTER_MS), None
             if isinstance(decision, Reclaim):
                 reclaim = decision.session_id
-                _unlink(self._states.pop(reclaim, None))
+                reclaimed = self._states.pop(reclaim, None)
                 self._remember_reaped(reclaim, _error(
                     E.CAPACITY, "the session was reclaimed: this peer is full and shares its sessions fairly "
                     "between clients", retryable=True, terminal=True))
@@ -327,6 +340,7 @@ class ShardRuntimeServicer:
             state.claimant = who
             state.last_active_ms = self.now_ms()  # admitted now: not idle, whatever a cancel before it did
         if reclaim is not None:
+            _unlink(reclaimed)
             self.engine.release(reclaim)  # aborts a step it may be running
         if msg.max_tokens <= 0:  # the KV positions to reserve: zero would be a session that can do nothing
             self._forget(sid)
@@ -389,11 +403,13 @@ class ShardRuntimeServicer:
         with self._lock:
             idle = [sid for sid, st in self._states.items()
                     if st.opened and st.running is None and now - st.last_active_ms > bound]
+            gone = [self._states.pop(sid) for sid in idle]
             for sid in idle:
-                _unlink(self._states.pop(sid))
                 self._remember_reaped(sid, _error(
                     E.UNKNOWN_SESSION, f"the session was released after {bound / 1000:g} s idle",
                     terminal=True))
+        for state in gone:
+            _unlink(state)
         for sid in idle:
             self.engine.release(sid)
         return idle
@@ -410,6 +426,10 @@ class ShardRuntimeServicer:
                 return _error(code, f"rollback refused: {detail}", retryable=retryable)
             if msg.route_epoch > state.epoch:  # a newer route: this hop forwards nothing more until relinked
                 state.ring.unlink()
+                if msg.attach_token:  # and only the new route's previous hop may feed it
+                    if len(msg.attach_token) > ATTACH_TOKEN_BYTES:
+                        return _error(E.INVALID_ARGUMENT, f"an attach token is at most {ATTACH_TOKEN_BYTES} bytes")
+                    state.ring.attach_token = msg.attach_token
             status = self.engine.rollback(sid, msg.position)
             if not status.ok:
                 return _error(_ENGINE_CODES[status.code], status.message)
@@ -433,13 +453,14 @@ class ShardRuntimeServicer:
         try:
             link = RingLink(msg, self._dial_credentials(), self._link_pool)
         except LinkError as e:
+            if e.full:  # the next hop has no worker to spare: busy, not faulty
+                return _error(E.CAPACITY, str(e), retryable=True, retry_after_ms=FULL_RETRY_AFTER_MS)
             return _error(E.LINK_FAILED, str(e), retryable=True)
         with ring.lock:
             if msg.route_epoch < state.epoch:  # a rollback to a newer route came meanwhile
                 link.close()
                 return _error(E.EPOCH_STALE, "link refused: it carries a stale route epoch")
-            ring.unlink()
-            ring.link = link
+            ring.relink(link)
             state.epoch = msg.route_epoch
         return pb.SessionResponse(ack=pb.Ack())
 
@@ -462,9 +483,12 @@ class ShardRuntimeServicer:
             # one answer for a wrong token and an unknown session: it tells a stranger nothing
             yield _error(E.UNKNOWN_SESSION, "no session here takes this attach", terminal=True)
             return
-        if msg.route_epoch < state.epoch:
-            yield _error(E.EPOCH_STALE, "attach refused: it carries a stale route epoch", terminal=True)
+        if msg.route_epoch != state.epoch:  # only the current route's previous hop (an older one is stale,
+            # and a newer one no client has announced: it would shut the real route out)
+            yield _error(E.EPOCH_STALE, "attach refused: it is not this route's epoch", terminal=True)
             return
+        epoch = msg.route_epoch
+        state.top_up(state.max_credits)  # a new feeder counts its credit from the grant: give back what the last spent
         granted = self._limits_proto()
         granted.credits = state.max_credits
         yield pb.SessionResponse(accepted=pb.SessionAccepted(session_id=sid, route_epoch=msg.route_epoch,
@@ -479,6 +503,9 @@ class ShardRuntimeServicer:
                 return
             state.last_active_ms = self.now_ms()
             if kind == "step":
+                if req.step.route_epoch != epoch:  # an attach stream feeds the route it attached for, only
+                    yield _error(E.EPOCH_STALE, "a step of another route than this attach's", terminal=True)
+                    return
                 reply = self._step(sid, state, req.step, attached=True)
                 if reply is not None:
                     yield reply
@@ -491,9 +518,12 @@ class ShardRuntimeServicer:
 
     def _after_step(self, state: SessionState, step: pb.Step, result, response: pb.SessionResponse,
                     attached: bool) -> pb.SessionResponse | None:
-        """Under the ring lock: forward the output to the next hop (first: it is on the
-        token's path), then, for a step the ring fed, send the owner its copy."""
+        """Under the ring lock: for a step the ring fed, send the owner its copy (first,
+        ~0.07 ms: a next hop that holds the forward back must not make the client blame
+        this one), then forward the output to the next hop, within a deadline."""
         ring = state.ring
+        if attached and ring.push is not None:
+            ring.push(response)
         link = ring.link
         if link is not None and link.epoch == step.route_epoch == state.epoch:
             out = response.result
@@ -505,11 +535,7 @@ class ShardRuntimeServicer:
                     link.forward(result.position, True, token_id=result.token.token_id)
                 else:
                     link.forward(step.position, step.decode, hidden=out.hidden)
-        if not attached:
-            return response
-        if ring.push is not None:
-            ring.push(response)
-        return None
+        return None if attached else response
 
     def _attest(self, sid: str, state: SessionState) -> pb.SessionResponse:
         if self.identity is None:
