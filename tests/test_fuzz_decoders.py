@@ -1223,3 +1223,17 @@ def test_an_attach_feeds_only_the_current_route_with_the_current_secret():
     assert _attach_stream(servicer, b"n" * 32, 1, [_fed(1, 1)])[0].HasField("accepted")
     assert [m.result.position for m in pushed] == [1, 2]
     assert list(owner) == []
+
+
+def test_the_rings_dial_certificate_is_renewed_before_it_expires(monkeypatch):
+    """A peer serving for days dials next hops with a client certificate that lasts 24 h."""
+    from meshnet_p2p.dataplane import servicer as servicer_mod
+    from meshnet_p2p.dataplane.tls import cert_identity
+
+    servicer = ShardRuntimeServicer(FakeEngine(*ROLES["middle"]), identity=CERTIFIER, now_ms=lambda: NOW)
+    first = servicer._dial_credentials()
+    assert servicer._dial_credentials() is first and cert_identity(first.cert_pem) == CERTIFIER.peer_id
+    later = servicer_mod.time.monotonic() + servicer_mod.DIAL_CERT_RENEW_S + 1
+    monkeypatch.setattr(servicer_mod.time, "monotonic", lambda: later)
+    renewed = servicer._dial_credentials()
+    assert renewed is not first and cert_identity(renewed.cert_pem) == CERTIFIER.peer_id

@@ -22,6 +22,7 @@ too, at ~50-100 us per step; the out-of-band path keeps the hot path lean.)
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -127,6 +128,7 @@ def _error(code: int, detail: str, *, work_id: str = "", step: int = 0, retryabl
 # A full peer's hint to ask again: sessions end as generations finish, seconds apart
 # under load. The client backs off from it (and may go elsewhere meanwhile).
 FULL_RETRY_AFTER_MS = 1000
+DIAL_CERT_RENEW_S = 12 * 3600  # the ring's dials present a client certificate this young at most (it lasts 24 h)
 
 
 class ShardRuntimeServicer:
@@ -469,9 +471,11 @@ class ShardRuntimeServicer:
         if self.identity is None:
             return None
         with self._lock:
-            creds = getattr(self, "_client_creds", None)
-            if creds is None:
-                creds = self._client_creds = make_client_credentials(self.identity)
+            made, creds = getattr(self, "_client_creds", (0.0, None))
+            # the certificate lasts 24 h: a peer serving for days makes a new one twice a day
+            if creds is None or time.monotonic() - made > DIAL_CERT_RENEW_S:
+                creds = make_client_credentials(self.identity)
+                self._client_creds = (time.monotonic(), creds)
             return creds
 
     def _attached(self, msg: pb.AttachOpen, request_iterator) -> Iterator[pb.SessionResponse]:
