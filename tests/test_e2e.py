@@ -38,6 +38,11 @@ def test_three_joined_peers_generate_exactly_the_whole_model(tmp_path, reference
         assert [h["peer_id"] for h in doc["route"]] == [j.peer_id for j in joins]
         assert doc["timing"]["ttft_ms"] > 0
         assert all(any(l.startswith("session ") for l in j.lines) for j in joins)  # a line per served session
+        # the star (the client carries every hop) gives the same tokens as the ring, the default
+        r = meshnet_peer("generate", "--bootstrap", addr, "--prompt", PROMPT, "--temperature", "0", "--max-tokens", "32",
+                         "--json", "--star")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["token_ids"] == reference
     finally:
         codes = [j.stop() for j in joins] + [boot.stop()]
     assert codes == [0, 0, 0, 0]  # SIGTERM: depart, drain, exit 0
@@ -288,6 +293,22 @@ def test_the_ring_survives_any_hop_failing(tmp_path, reference, model_path, wher
         survivor = next(m for m in twins if m is not count["victim"])
         assert survivor.peer_id in [h["peer_id"] for h in result.route]
         assert any("rerouting the ring" in e for e in events)
+    finally:
+        for p in joins + [boot]:
+            p.stop()
+
+
+def test_a_ring_of_one_peer_feeds_itself(tmp_path, reference, model_path):
+    """One peer serving every layer: the tail is the head, so it links to its own
+    session (through its own address) and generates the whole model's tokens."""
+    boot, addr, joins = start_swarm(tmp_path, ["0:15", "15:30", "0:30"])  # certification needs two peers...
+    try:
+        for j in joins[:2]:  # ...then only the whole-model peer is left
+            assert j.stop() == 0
+        events = []
+        result = Client([addr], model_path=model_path, on_event=events.append).generate(PROMPT, 32, stop_at_eog=False)
+        assert result.token_ids == reference
+        assert len(result.route) == 1 and result.failovers == 0, events
     finally:
         for p in joins + [boot]:
             p.stop()
