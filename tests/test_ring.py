@@ -157,3 +157,58 @@ def test_a_link_is_checked_before_any_dial_and_bounded(middle, other):
         assert e.value.code_name == "INVALID_ARGUMENT"
     finally:
         c.close()
+
+
+# --- whom a failed link blames (the client's side, with stand-in hops) ------------------------------------
+
+class _Stream:
+    def __init__(self, answer=None) -> None:
+        self.answer = answer  # what a link signal raises (None: it is acknowledged)
+        self.session_id = "s" * 32
+
+    def signal(self, request, epoch, timeout=None):
+        if self.answer is not None:
+            raise self.answer
+        return pb.SessionResponse(ack=pb.Ack())
+
+
+class _Peer:
+    def __init__(self, alive: bool) -> None:
+        self.alive = alive
+        self.timeout = 10.0
+
+    def health(self):
+        from meshnet_p2p.dataplane.client import ShardConnectionError
+
+        if not self.alive:
+            raise ShardConnectionError("DEADLINE_EXCEEDED: no answer before the deadline")
+        return pb.HealthReport(serving=True)
+
+
+def _route(hops):
+    from meshnet_p2p.client import RouteSession, _Hop
+    from meshnet_p2p.placement import Span
+
+    route = object.__new__(RouteSession)  # only what _link_ring reads
+    route.epoch, route.step_timeout, route.max_tokens, route.stop_at_eog = 0, 1.0, 64, True
+
+    class _Record:
+        content = {"tls_cert": "", "addrs": ["/ip4/127.0.0.1/tcp/1"]}
+
+    route.hops = [_Hop(Span(f"peer{i}", i * 10, i * 10 + 10, record=_Record()), _Peer(alive), stream, 64,
+                       attach_token=b"t" * 32) for i, (stream, alive) in enumerate(hops)]
+    return route
+
+
+def test_a_hop_that_cannot_reach_a_live_next_hop_is_the_one_at_fault():
+    """A link refused as LINK_FAILED blames the next hop only if this client cannot
+    reach it either: a hop that claims every successor unreachable (or whose own
+    network fails it) is replaced itself, instead of spending failovers on them."""
+    def link_failed():
+        return ShardError(pb.Error(code=pb.LINK_FAILED, detail="cannot reach the next hop"))
+
+    assert _route([(_Stream(link_failed()), True), (_Stream(), True)])._link_ring()[0] == 0  # next hop answers us
+    assert _route([(_Stream(link_failed()), True), (_Stream(), False)])._link_ring()[0] == 1  # it answers nobody
+    full = ShardError(pb.Error(code=pb.CAPACITY, detail="no worker", retryable=True))
+    assert _route([(_Stream(), True), (_Stream(full), True), (_Stream(), True)])._link_ring()[0] == 2  # busy next
+    assert _route([(_Stream(), True), (_Stream(), True)])._link_ring() is None
