@@ -451,24 +451,20 @@ class RouteSession:
             except ShardError as e:
                 if e.code_name == "CAPACITY":  # the next hop had no worker for the attach: busy, not faulty
                     return (i + 1) % k, e
-                if e.code_name == "LINK_FAILED":  # it could not reach the next hop: if this client can, the
-                    # fault is the linking hop's (its network, or a lie that would spend our failovers on
-                    # its successors one after another); else the next hop's
-                    return (i if self._answers(nxt) else (i + 1) % k), e
+                if e.code_name == "LINK_FAILED":  # it could not reach the next hop, or that one would not take
+                    # the attach: if it takes one from this client, the fault is the linking hop's (its
+                    # network, or a lie that would spend our failovers on its successors one after
+                    # another); else the next hop's (dead, or one that answers everything but attaches)
+                    return (i if self._takes_attach(nxt) else (i + 1) % k), e
                 return i, e
             except ShardConnectionError as e:
                 return i, e
         return None
 
-    def _answers(self, hop: _Hop) -> bool:
-        """Whether ``hop``'s peer answers this client now (a Health call, briefly bounded)."""
-        timeout, hop.client.timeout = hop.client.timeout, min(hop.client.timeout, CONNECT_TIMEOUT_S)
-        try:
-            return hop.client.health().serving
-        except MeshnetError:
-            return False
-        finally:
-            hop.client.timeout = timeout
+    def _takes_attach(self, hop: _Hop) -> bool:
+        """Whether ``hop``'s session takes, from this client, the attach its previous hop was asked to make."""
+        return hop.client.can_attach(hop.stream.session_id, hop.attach_token, self.epoch,
+                                     min(self.step_timeout, CONNECT_TIMEOUT_S))
 
     def _ring_step(self, position: int, token_ids: tuple[int, ...], decode: bool):
         """One step of the ring: sent to the head unless the tail fed it already,

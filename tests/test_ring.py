@@ -68,6 +68,10 @@ def test_an_attach_needs_the_sessions_secret_and_feeds_its_owner(middle):
                 assert first.error.code == pb.UNKNOWN_SESSION and first.error.terminal
                 assert first.error.detail == "no session here takes this attach"
                 a.close()
+            # what a client checks before it blames a next hop for a refused link
+            assert c.can_attach(owner.session_id, token, 0, timeout=10)
+            assert not c.can_attach(owner.session_id, os.urandom(32), 0, timeout=10)
+            assert not c.can_attach(owner.session_id, token, 1, timeout=10)  # not this route's epoch
             a, call, first = _attach(middle, owner.session_id, token)
             assert first.HasField("accepted")
             _send_step(call, 0, rows=3)  # the ring's previous hop feeds it...
@@ -174,15 +178,10 @@ class _Stream:
 
 class _Peer:
     def __init__(self, alive: bool) -> None:
-        self.alive = alive
-        self.timeout = 10.0
+        self.alive = alive  # whether its session takes an attach from the client
 
-    def health(self):
-        from meshnet_p2p.dataplane.client import ShardConnectionError
-
-        if not self.alive:
-            raise ShardConnectionError("DEADLINE_EXCEEDED: no answer before the deadline")
-        return pb.HealthReport(serving=True)
+    def can_attach(self, session_id, attach_token, route_epoch, timeout) -> bool:
+        return self.alive
 
 
 def _route(hops):
@@ -201,14 +200,16 @@ def _route(hops):
 
 
 def test_a_hop_that_cannot_reach_a_live_next_hop_is_the_one_at_fault():
-    """A link refused as LINK_FAILED blames the next hop only if this client cannot
-    reach it either: a hop that claims every successor unreachable (or whose own
-    network fails it) is replaced itself, instead of spending failovers on them."""
+    """A link refused as LINK_FAILED blames the next hop only if it will not take the
+    attach from this client either: a hop that claims every successor unreachable
+    (or whose own network fails it) is replaced itself, instead of spending
+    failovers on them; a next hop that answers but never attaches is the one at
+    fault (test_hostile's lying grpcio peer)."""
     def link_failed():
         return ShardError(pb.Error(code=pb.LINK_FAILED, detail="cannot reach the next hop"))
 
-    assert _route([(_Stream(link_failed()), True), (_Stream(), True)])._link_ring()[0] == 0  # next hop answers us
-    assert _route([(_Stream(link_failed()), True), (_Stream(), False)])._link_ring()[0] == 1  # it answers nobody
+    assert _route([(_Stream(link_failed()), True), (_Stream(), True)])._link_ring()[0] == 0  # next hop takes ours
+    assert _route([(_Stream(link_failed()), True), (_Stream(), False)])._link_ring()[0] == 1  # it takes nobody's
     full = ShardError(pb.Error(code=pb.CAPACITY, detail="no worker", retryable=True))
     assert _route([(_Stream(), True), (_Stream(full), True), (_Stream(), True)])._link_ring()[0] == 2  # busy next
     assert _route([(_Stream(), True), (_Stream(), True)])._link_ring() is None

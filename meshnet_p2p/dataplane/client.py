@@ -117,6 +117,23 @@ class ShardClient:
     def release(self, session_id: str) -> bool:
         return self._unary("Release", pb.ReleaseRequest(session_id=session_id), pb.ReleaseResponse).released
 
+    def can_attach(self, session_id: str, attach_token: bytes, route_epoch: int, timeout: float) -> bool:
+        """Whether the peer's session takes an attach with this secret now (the ring's
+        check of a link refused as unreachable); the probe stream is closed at once."""
+        try:
+            call = self.channel.stream(_path("Session"), timeout=timeout, with_first_message=True)
+        except ChannelError:
+            return False
+        try:
+            call.send(pb.SessionRequest(attach=pb.AttachOpen(session_id=session_id, attach_token=attach_token,
+                                                             route_epoch=route_epoch)).SerializeToString())
+            raw = call.recv(deadline=time.monotonic() + timeout)
+            return raw is not None and pb.SessionResponse.FromString(raw).HasField("accepted")
+        except (ChannelError, DecodeError):
+            return False
+        finally:
+            call.cancel()
+
     def session(self, fingerprint: pb.Fingerprint, *, max_tokens: int, session_id: str | None = None,
                 route_epoch: int = 0, sampling: pb.Sampling | None = None, credits: int = 64,
                 timeout: float | None = -1.0, record: bool = False, attach_token: bytes = b"") -> "SessionStream":
