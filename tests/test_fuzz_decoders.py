@@ -177,21 +177,21 @@ def mutate_tree(data, content: dict, edits: int) -> Any:
         paths = _paths(content)
         op = data.draw(st.sampled_from(["replace"] * 4 + ["copy"] * 2 + ["delete"] * 2 + ["add"] * 2 + ["root"]))
         if op == "root":
-            content = data.draw(record_values)
-            continue
+            content = copy.deepcopy(data.draw(record_values))  # (drawn values may be a strategy's own objects:
+            continue  # edited in place, they would change what later examples draw)
         path = data.draw(st.sampled_from(paths if op == "add" or len(paths) == 1 else paths[1:]))
         if op in ("replace", "copy") and path:
-            value = data.draw(record_values) if op == "replace" else copy.deepcopy(
-                _at(content, data.draw(st.sampled_from(paths))))
+            value = copy.deepcopy(data.draw(record_values) if op == "replace" else
+                                  _at(content, data.draw(st.sampled_from(paths))))
             _at(content, path[:-1])[path[-1]] = value
         elif op == "delete" and path:
             del _at(content, path[:-1])[path[-1]]
         elif op == "add":
             target = _at(content, path)
             if isinstance(target, dict):
-                target[data.draw(st.text(max_size=12))] = data.draw(record_values)
+                target[data.draw(st.text(max_size=12))] = copy.deepcopy(data.draw(record_values))
             elif isinstance(target, list):
-                target.insert(data.draw(st.integers(0, len(target))), data.draw(record_values))
+                target.insert(data.draw(st.integers(0, len(target))), copy.deepcopy(data.draw(record_values)))
     return content
 
 
