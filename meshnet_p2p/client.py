@@ -43,7 +43,7 @@ from .dataplane.client import (
     ShardClient,
     ShardConnectionError,
     ShardError,
-    open_channel,
+    lease_channel,
 )
 from .dataplane.pool import ChannelPool
 from .dataplane.ring import ATTACH_TOKEN_BYTES, LINK_TIMEOUT_S
@@ -373,8 +373,7 @@ class RouteSession:
             ms = (time.perf_counter() - t0) * 1000
             old = self.measured_ms.get(hop.span.peer_id)
             self.measured_ms[hop.span.peer_id] = ms if old is None else 0.8 * old + 0.2 * ms
-        if (reply.token_id is None) if hop.span.end == self.n_layer else (reply.hidden is None):
-            raise ShardConnectionError(f"{hop.span.peer_id} answered with the wrong kind of output for its layers")
+        self._check_kind(hop, reply)
         hop.history.append((position, payload, decode))  # only what it really computed is replayed
         if self.attest:
             if hidden:
@@ -419,11 +418,19 @@ class RouteSession:
         self.spans = self.spans_provider()
         self.epoch += 1
         new_hops = self._open_chain(failed.span.start, failed.span.end)
-        # Rebuild the replacement's caches: replay everything the failed hop was given.
-        for position, payload, decode in failed.history:
+        self._replay(failed.history, new_hops)
+        self.hops[index : index + 1] = new_hops
+
+    def _replay(self, history: list[tuple[int, object, bool]], new_hops: list[_Hop]) -> None:
+        """Rebuild a replacement's caches: every step the failed hop was given, through its new hops."""
+        for position, payload, decode in history:
             for hop in new_hops:
                 payload = self._through(hop, position, payload, decode)
-        self.hops[index : index + 1] = new_hops
+
+    def _check_kind(self, hop: _Hop, reply) -> None:
+        """A tail answers with a token, any other hop with a hidden state."""
+        if (reply.token_id is None) if hop.span.end == self.n_layer else (reply.hidden is None):
+            raise ShardConnectionError(f"{hop.span.peer_id} answered with the wrong kind of output for its layers")
 
     # --- the ring (docs/ring.md) -------------------------------------------------------------
 
@@ -498,12 +505,10 @@ class RouteSession:
         for i, hop in enumerate(self.hops):
             try:
                 reply = hop.stream.next_result(self.epoch, timeout=self.step_timeout)
-                tail = hop.span.end == self.n_layer
                 if reply.position != position + rows:
                     raise ShardConnectionError(f"{hop.span.peer_id} sent the result of another step "
                                                f"(position {reply.position}, not {position + rows})")
-                if (reply.token_id is None) if tail else (reply.hidden is None):
-                    raise ShardConnectionError(f"{hop.span.peer_id} answered with the wrong kind of output for its layers")
+                self._check_kind(hop, reply)
             except (ShardConnectionError, ShardError) as e:
                 return None, (i, e)
             hop.history.append((position, payload, decode))  # what it computed: replayed on failover
@@ -558,9 +563,7 @@ class RouteSession:
             self.spans = self.spans_provider()
             new_hops = self._open_chain(old.span.start, old.span.end)
             try:
-                for pos, payload, decode in old.history:  # rebuild the replacement's caches
-                    for hop in new_hops:
-                        payload = self._through(hop, pos, payload, decode)
+                self._replay(old.history, new_hops)
             except (ShardConnectionError, ShardError) as e:  # a replacement failed too: another round
                 for hop in new_hops:
                     if not _is_full(e):
@@ -615,17 +618,13 @@ def connect(span: Span, timeout: float, client_creds: TlsCredentials | None = No
         raise MeshnetError(f"the TLS certificate in {peer}'s report belongs to another peer")
     if c.get("relay"):
         relay = Multiaddr.parse(c["relay"])
-        key = (str(peer), cert, "relay", relay.host, relay.port, id(client_creds))
-        make = functools.partial(open_channel, cert, relay=(relay.host, relay.port), peer_id=peer, client=client_creds)
+        way = {"relay": (relay.host, relay.port)}
     else:
         addr = Multiaddr.parse(c["addrs"][0])
         if addr.peer_id != peer:
             raise MeshnetError(f"report of {peer} advertises an address of another peer")
-        key = (str(peer), cert, "direct", addr.host, addr.port, id(client_creds))
-        make = functools.partial(open_channel, cert, address=(addr.host, addr.port), client=client_creds)
-    if pool is None:
-        return ShardClient(make(), timeout=timeout)
-    channel, release = pool.lease(key, make)
+        way = {"address": (addr.host, addr.port)}
+    channel, release = lease_channel(pool, cert, peer_id=peer, client=client_creds, **way)
     return ShardClient(channel, timeout=timeout, release=release)
 
 

@@ -81,6 +81,27 @@ def test_the_network_route_and_the_local_chain_run_one_loop(tmp_path, model_path
     assert len(mine.steps) == 1 + 23  # one prefill step (the prompt fits four micro-batches), then a token each
 
 
+def fail_the_serving_one(twins, at: int, fault: str):
+    """An on_token callback that, at token ``at``, kills or freezes whichever of
+    ``twins`` serves this generation (the one with a session opened since this
+    call: certifying the swarm opened sessions too); and a dict that names it then."""
+    def sessions(m) -> int:
+        return sum(line.startswith("session ") for line in m.lines)
+
+    before = [sessions(m) for m in twins]
+    state = {"n": 0, "victim": None}
+
+    def on_token(_text):
+        state["n"] += 1
+        if state["n"] == at:
+            serving = [m for m, n in zip(twins, before) if sessions(m) > n]
+            assert len(serving) == 1
+            state["victim"] = serving[0]
+            serving[0].p.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+
+    return on_token, state
+
+
 @pytest.mark.parametrize("fault", ["kill", "freeze"])
 def test_generation_survives_a_middle_peer_failing(tmp_path, reference, model_path, fault):
     boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "10:20", "20:30"])
@@ -88,21 +109,7 @@ def test_generation_survives_a_middle_peer_failing(tmp_path, reference, model_pa
     try:
         events = []
         client = Client([addr], model_path=model_path, step_timeout=3.0, on_event=events.append)
-        count = {"n": 0, "victim": None}
-
-        def sessions(m) -> int:
-            return sum(line.startswith("session ") for line in m.lines)
-
-        before = [sessions(m) for m in middles]  # certifying the swarm opened sessions too
-
-        def on_token(_text):
-            count["n"] += 1
-            if count["n"] == 5:
-                serving = [m for m, n in zip(middles, before) if sessions(m) > n]
-                assert len(serving) == 1
-                count["victim"] = serving[0]
-                serving[0].p.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-
+        on_token, count = fail_the_serving_one(middles, 5, fault)
         result = client.generate(PROMPT, 32, on_token=on_token, stop_at_eog=False)
         assert result.token_ids == reference
         assert result.failovers == 1 and events
@@ -272,21 +279,7 @@ def test_the_ring_survives_any_hop_failing(tmp_path, reference, model_path, wher
     try:
         events = []
         client = Client([addr], model_path=model_path, step_timeout=3.0, on_event=events.append, ring=True)
-        count = {"n": 0, "victim": None}
-
-        def sessions(m) -> int:
-            return sum(line.startswith("session ") for line in m.lines)
-
-        before = [sessions(m) for m in twins]  # certifying the swarm opened sessions too
-
-        def on_token(_text):
-            count["n"] += 1
-            if count["n"] == 3:
-                serving = [m for m, n in zip(twins, before) if sessions(m) > n]
-                assert len(serving) == 1
-                count["victim"] = serving[0]
-                serving[0].p.send_signal(signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
-
+        on_token, count = fail_the_serving_one(twins, 3, fault)
         result = client.generate(PROMPT, 32, on_token=on_token, stop_at_eog=False)
         assert result.token_ids == reference
         assert result.failovers == 1, events

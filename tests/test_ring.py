@@ -3,6 +3,7 @@ need the session's secret, links checked before any dial, and steps of an
 older route that never reach the client. `meshnet-peer serve` processes with
 real llama.cpp shards; the ring's failover end to end is in test_e2e.py."""
 
+import contextlib
 import os
 import socket
 import time
@@ -10,7 +11,7 @@ import time
 import pytest
 
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
-from meshnet_p2p.dataplane.client import ShardError
+from meshnet_p2p.dataplane.client import ShardError, open_attach
 from meshnet_p2p.dataplane.ring import MAX_LINKS_PER_SESSION
 from meshnet_p2p.identity import Identity
 
@@ -34,11 +35,20 @@ def other(shard_dir):
 def _attach(served, session_id: str, token: bytes, epoch: int = 0):
     """A raw attach stream, as the ring's previous hop opens one; returns it and the first reply."""
     c = served.client(timeout=30)
-    call = c.channel.stream("/meshnet.shard.v1.ShardRuntime/Session", timeout=None, with_first_message=True)
-    call.send(pb.SessionRequest(attach=pb.AttachOpen(session_id=session_id, attach_token=token,
-                                                     route_epoch=epoch)).SerializeToString())
-    first = pb.SessionResponse.FromString(call.recv(deadline=time.monotonic() + 30))
+    call, first = open_attach(c.channel, session_id, token, epoch, 30)
     return c, call, first
+
+
+@contextlib.contextmanager
+def _owner(served):
+    """A client's session on ``served`` that a ring may attach to: (client, its stream, the secret)."""
+    c = served.client()
+    token = os.urandom(32)
+    try:
+        with c.session(c.capability().fingerprint, max_tokens=64, attach_token=token) as owner:
+            yield c, owner, token
+    finally:
+        c.close()
 
 
 def _send_step(call, position: int, epoch: int = 0, rows: int = 1) -> None:
@@ -57,63 +67,51 @@ def _link(served, **fields) -> pb.LinkSignal:
 
 
 def test_an_attach_needs_the_sessions_secret_and_feeds_its_owner(middle):
-    c = middle.client()
-    fp = c.capability().fingerprint
-    token = os.urandom(32)
-    try:
-        with c.session(fp, max_tokens=64, attach_token=token) as owner:
-            for sid, tok in [(owner.session_id, os.urandom(32)), (owner.session_id, b""), ("no-such-session", token)]:
-                a, _, first = _attach(middle, sid, tok)
-                # one answer for a wrong secret and an unknown session: it tells a stranger nothing
-                assert first.error.code == pb.UNKNOWN_SESSION and first.error.terminal
-                assert first.error.detail == "no session here takes this attach"
-                a.close()
-            # what a client checks before it blames a next hop for a refused link
-            assert c.can_attach(owner.session_id, token, 0, timeout=10)
-            assert not c.can_attach(owner.session_id, os.urandom(32), 0, timeout=10)
-            assert not c.can_attach(owner.session_id, token, 1, timeout=10)  # not this route's epoch
-            a, call, first = _attach(middle, owner.session_id, token)
-            assert first.HasField("accepted")
-            _send_step(call, 0, rows=3)  # the ring's previous hop feeds it...
-            copy = owner.next_result(0, timeout=30)  # ...and the owner gets the copy
-            assert copy.position == 3 and copy.hidden.tensors[0].shape == (3, 576)
-            assert copy.raw.result.route_epoch == 0
-            # an attach stream carries steps and credit only
-            call.send(pb.SessionRequest(release=pb.ReleaseSignal()).SerializeToString())
-            reply = pb.SessionResponse.FromString(call.recv(deadline=time.monotonic() + 30))
-            assert reply.error.code == pb.PROTOCOL and reply.error.terminal
+    with _owner(middle) as (c, owner, token):
+        for sid, tok in [(owner.session_id, os.urandom(32)), (owner.session_id, b""), ("no-such-session", token)]:
+            a, _, first = _attach(middle, sid, tok)
+            # one answer for a wrong secret and an unknown session: it tells a stranger nothing
+            assert first.error.code == pb.UNKNOWN_SESSION and first.error.terminal
+            assert first.error.detail == "no session here takes this attach"
             a.close()
-            # the owner's session is whole: it steps on from where the ring left it
-            # (a ring's steps are numbered by position, whoever feeds them)
-            assert owner.step(3, hidden=hidden(1), decode=True, idempotency_step=4).position == 4
-            owner.release()
-    finally:
-        c.close()
+        # what a client checks before it blames a next hop for a refused link
+        assert c.can_attach(owner.session_id, token, 0, timeout=10)
+        assert not c.can_attach(owner.session_id, os.urandom(32), 0, timeout=10)
+        assert not c.can_attach(owner.session_id, token, 1, timeout=10)  # not this route's epoch
+        a, call, first = _attach(middle, owner.session_id, token)
+        assert first.HasField("accepted")
+        _send_step(call, 0, rows=3)  # the ring's previous hop feeds it...
+        copy = owner.next_result(0, timeout=30)  # ...and the owner gets the copy
+        assert copy.position == 3 and copy.hidden.tensors[0].shape == (3, 576)
+        assert copy.raw.result.route_epoch == 0
+        # an attach stream carries steps and credit only
+        call.send(pb.SessionRequest(release=pb.ReleaseSignal()).SerializeToString())
+        reply = pb.SessionResponse.FromString(call.recv(deadline=time.monotonic() + 30))
+        assert reply.error.code == pb.PROTOCOL and reply.error.terminal
+        a.close()
+        # the owner's session is whole: it steps on from where the ring left it
+        # (a ring's steps are numbered by position, whoever feeds them)
+        assert owner.step(3, hidden=hidden(1), decode=True, idempotency_step=4).position == 4
+        owner.release()
 
 
 def test_a_step_of_an_older_route_is_refused_and_never_reaches_the_owner(middle):
-    c = middle.client()
-    fp = c.capability().fingerprint
-    token = os.urandom(32)
-    try:
-        with c.session(fp, max_tokens=64, attach_token=token) as owner:
-            a, call, first = _attach(middle, owner.session_id, token)
-            assert first.HasField("accepted")
-            _send_step(call, 0)
-            assert owner.next_result(0, timeout=30).position == 1
-            # the client fails over: a rollback on a newer route
-            owner.signal(pb.SessionRequest(rollback=pb.RollbackSignal(position=0, route_epoch=1)), 1, timeout=30)
-            _send_step(call, 0, epoch=0)  # the old route's step, still on its way
-            reply = pb.SessionResponse.FromString(call.recv(deadline=time.monotonic() + 30))
-            assert reply.error.code == pb.EPOCH_STALE
-            a.close()
-            owner.route_epoch = 1
-            # the owner's next message is the answer to its own next step: nothing of the old route came
-            r = owner.step(0, hidden=hidden(1), idempotency_step=1, decode=True, timeout=30)
-            assert r.position == 1 and r.raw.result.route_epoch == 1
-            owner.release()
-    finally:
-        c.close()
+    with _owner(middle) as (c, owner, token):
+        a, call, first = _attach(middle, owner.session_id, token)
+        assert first.HasField("accepted")
+        _send_step(call, 0)
+        assert owner.next_result(0, timeout=30).position == 1
+        # the client fails over: a rollback on a newer route
+        owner.signal(pb.SessionRequest(rollback=pb.RollbackSignal(position=0, route_epoch=1)), 1, timeout=30)
+        _send_step(call, 0, epoch=0)  # the old route's step, still on its way
+        reply = pb.SessionResponse.FromString(call.recv(deadline=time.monotonic() + 30))
+        assert reply.error.code == pb.EPOCH_STALE
+        a.close()
+        owner.route_epoch = 1
+        # the owner's next message is the answer to its own next step: nothing of the old route came
+        r = owner.step(0, hidden=hidden(1), idempotency_step=1, decode=True, timeout=30)
+        assert r.position == 1 and r.raw.result.route_epoch == 1
+        owner.release()
 
 
 def test_a_link_is_checked_before_any_dial_and_bounded(middle, other):

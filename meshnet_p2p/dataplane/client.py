@@ -9,11 +9,12 @@ use them from plain threads, or from trio through ``trio.to_thread.run_sync``
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from google.protobuf.message import DecodeError
 
@@ -22,6 +23,7 @@ from ..engine.contract import TensorBundle
 from ..errors import MeshnetError, sanitize
 from ..identity import PeerId
 from .channel import CallStream, Channel, ChannelError
+from .pool import ChannelPool
 from .relay import relay_target
 from .tensors import PayloadError, bundle_from_proto, bundle_to_proto
 from .tls import TLS_NAME, TlsCredentials, default_client_credentials
@@ -81,6 +83,34 @@ def open_channel(cert_pem: bytes, *, address: tuple[str, int] | None = None, rel
     return Channel(cert_pem, TLS_NAME, address=address, **extra)  # it refuses a missing address
 
 
+def lease_channel(pool: ChannelPool | None, cert_pem: bytes, *, peer_id: PeerId,
+                  address: tuple[str, int] | None = None, relay: tuple[str, int] | None = None,
+                  client: TlsCredentials | None = None) -> tuple[Channel, Callable[[], None] | None]:
+    """A channel as :func:`open_channel` opens it, from ``pool`` when given (one
+    connection per peer, way of reaching it and identity presented); and the
+    function that gives it back (None: the caller owns the channel and closes it)."""
+    make = functools.partial(open_channel, cert_pem, address=address, relay=relay, peer_id=peer_id, client=client)
+    if pool is None:
+        return make(), None
+    return pool.lease((str(peer_id), cert_pem, address, relay, id(client)), make)
+
+
+def open_attach(channel: Channel, session_id: str, attach_token: bytes, route_epoch: int, timeout: float, *,
+                call_timeout: float | None = None) -> tuple[CallStream, pb.SessionResponse | None]:
+    """A stream that attaches to the peer's open ``session_id`` (the ring), and its
+    first answer (None: the stream ended unanswered). Raises ChannelError, or
+    DecodeError for garbage; the caller ends the stream."""
+    call = channel.stream(_path("Session"), timeout=call_timeout, with_first_message=True)
+    try:
+        call.send(pb.SessionRequest(attach=pb.AttachOpen(session_id=session_id, attach_token=attach_token,
+                                                         route_epoch=route_epoch)).SerializeToString())
+        raw = call.recv(deadline=time.monotonic() + timeout)
+        return call, (pb.SessionResponse.FromString(raw) if raw is not None else None)
+    except BaseException:
+        call.cancel()
+        raise
+
+
 def _parse(message_type, raw: bytes):
     try:
         return message_type.FromString(raw)
@@ -121,18 +151,12 @@ class ShardClient:
         """Whether the peer's session takes an attach with this secret now (the ring's
         check of a link refused as unreachable); the probe stream is closed at once."""
         try:
-            call = self.channel.stream(_path("Session"), timeout=timeout, with_first_message=True)
-        except ChannelError:
-            return False
-        try:
-            call.send(pb.SessionRequest(attach=pb.AttachOpen(session_id=session_id, attach_token=attach_token,
-                                                             route_epoch=route_epoch)).SerializeToString())
-            raw = call.recv(deadline=time.monotonic() + timeout)
-            return raw is not None and pb.SessionResponse.FromString(raw).HasField("accepted")
+            call, first = open_attach(self.channel, session_id, attach_token, route_epoch, timeout,
+                                      call_timeout=timeout)
         except (ChannelError, DecodeError):
             return False
-        finally:
-            call.cancel()
+        call.cancel()
+        return first is not None and first.HasField("accepted")
 
     def session(self, fingerprint: pb.Fingerprint, *, max_tokens: int, session_id: str | None = None,
                 route_epoch: int = 0, sampling: pb.Sampling | None = None, credits: int = 64,
@@ -259,28 +283,32 @@ class SessionStream:
     def next_result(self, epoch: int, timeout: float | None = None) -> StepReply:
         """The next step result of route ``epoch`` (a ring's copy, or the reply to
         a step sent): results of an older route, still on their way, are passed over."""
-        for _ in range(MAX_STALE_SKIPPED):
-            resp = self.receive(timeout)
-            kind = resp.WhichOneof("kind")
-            if kind == "result" and resp.result.route_epoch == epoch:
-                return _reply(resp)
-            if kind == "result" and resp.result.route_epoch > epoch:
-                raise ShardConnectionError("the peer sent a result of a route this client never announced")
-            if kind not in ("result", "ack"):
-                raise ShardConnectionError(f"the peer sent {kind or 'nothing'} where a step result belongs")
-        raise ShardConnectionError("the peer sent too many results of an older route")
+        resp = self._skip_older(epoch, timeout, also="ack")
+        kind = resp.WhichOneof("kind")
+        if kind != "result":
+            raise ShardConnectionError(f"the peer sent {kind or 'nothing'} where a step result belongs")
+        if resp.result.route_epoch > epoch:
+            raise ShardConnectionError("the peer sent a result of a route this client never announced")
+        return _reply(resp)
 
     def signal(self, request: pb.SessionRequest, epoch: int, timeout: float | None = None) -> pb.SessionResponse:
         """Send a rollback or link and return its acknowledgement, passing over
         the ring's copies of an older route still on their way."""
         self.send(request)
+        resp = self._skip_older(epoch, timeout)
+        if resp.WhichOneof("kind") != "ack":
+            raise ShardConnectionError(f"the peer answered a {request.WhichOneof('kind')} with "
+                                       f"{resp.WhichOneof('kind') or 'nothing'}")
+        return resp
+
+    def _skip_older(self, epoch: int, timeout: float | None, also: str | None = None) -> pb.SessionResponse:
+        """The next response that is not a result of a route older than ``epoch``
+        (the ring's copies still on their way), nor of kind ``also``."""
         for _ in range(MAX_STALE_SKIPPED):
             resp = self.receive(timeout)
             kind = resp.WhichOneof("kind")
-            if kind == "ack":
+            if not (kind == "result" and resp.result.route_epoch < epoch or kind == also):
                 return resp
-            if kind != "result" or resp.result.route_epoch >= epoch:
-                raise ShardConnectionError(f"the peer answered a {request.WhichOneof('kind')} with {kind or 'nothing'}")
         raise ShardConnectionError("the peer sent too many results of an older route")
 
     def send_step(self, position: int, *, token_ids: Sequence[int] | None = None, hidden: TensorBundle | None = None,

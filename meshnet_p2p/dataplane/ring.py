@@ -16,7 +16,6 @@ module is the dialing and sending around it.
 
 from __future__ import annotations
 
-import functools
 import hmac
 import logging
 import threading
@@ -27,7 +26,7 @@ from ..errors import MeshnetError, sanitize
 from ..identity import PeerId
 from ..multiaddr import Multiaddr
 from .channel import ChannelError
-from .client import ShardConnectionError, open_channel
+from .client import lease_channel, open_attach
 from .pool import ChannelPool
 from .tls import TlsCredentials, cert_identity
 
@@ -75,35 +74,27 @@ class RingLink:
         self.peer = _checked_peer(msg)
         self.error: str | None = None  # why the link stopped, once it has
         self._lock = threading.Lock()  # forwards from several handler threads go out one at a time
-        # rings through the same next hop share one connection to it (pool.py)
         if msg.relay:
             relay = _parse_addr(msg.relay, "relay")
-            key = (str(self.peer), msg.tls_cert, "relay", relay.host, relay.port)
-            make = functools.partial(open_channel, msg.tls_cert, relay=(relay.host, relay.port), peer_id=self.peer,
-                                     client=creds)
+            way = {"relay": (relay.host, relay.port)}
         else:
             addr = _parse_addr(msg.address, "address")
             if addr.peer_id not in (None, self.peer):
                 raise LinkError("the link's address names another peer")
-            key = (str(self.peer), msg.tls_cert, "direct", addr.host, addr.port)
-            make = functools.partial(open_channel, msg.tls_cert, address=(addr.host, addr.port), client=creds)
-        channel, self._release = pool.lease(key, make)
+            way = {"address": (addr.host, addr.port)}
+        # rings through the same next hop share one connection to it (pool.py)
+        channel, self._release = lease_channel(pool, msg.tls_cert, peer_id=self.peer, client=creds, **way)
         channel.connect_timeout = LINK_TIMEOUT_S
         self._channel = channel
         self._call = None
         try:
-            self._call = channel.stream("/meshnet.shard.v1.ShardRuntime/Session", timeout=None,
-                                        with_first_message=True)
-            self._call.send(pb.SessionRequest(attach=pb.AttachOpen(
-                session_id=msg.session_id, attach_token=msg.attach_token, route_epoch=msg.route_epoch,
-            )).SerializeToString())
-            raw = self._call.recv(deadline=time.monotonic() + LINK_TIMEOUT_S)
-            reply = pb.SessionResponse.FromString(raw) if raw is not None else None
-        except (ChannelError, ShardConnectionError) as e:
+            self._call, reply = open_attach(channel, msg.session_id, msg.attach_token, msg.route_epoch,
+                                            LINK_TIMEOUT_S)
+        except ChannelError as e:
             self.close()
             # the reason stays here: a client must not learn from a peer what answers at an address it chose
             log.info("ring: cannot reach %s: %s", self.peer, e)
-            raise LinkError(f"cannot reach the next hop {self.peer}", full=getattr(e, "refused", False)) from None
+            raise LinkError(f"cannot reach the next hop {self.peer}", full=e.refused) from None
         except Exception:  # a malformed reply
             self.close()
             raise LinkError(f"the next hop {self.peer} answered the attach with garbage") from None

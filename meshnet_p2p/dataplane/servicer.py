@@ -159,6 +159,7 @@ class ShardRuntimeServicer:
         # sessions released for idling or reclaimed for a fair share (the newest 4096): why, as an error
         self._reaped: dict[str, pb.SessionResponse] = {}
         self._link_pool = ChannelPool()  # the ring's connections to next hops, shared by sessions
+        self._client_creds: tuple[float, object] = (0.0, None)  # (made at, the certificate the ring dials with)
 
     def close(self) -> None:
         """Close the ring's connections to next hops (the server has stopped)."""
@@ -471,7 +472,7 @@ class ShardRuntimeServicer:
         if self.identity is None:
             return None
         with self._lock:
-            made, creds = getattr(self, "_client_creds", (0.0, None))
+            made, creds = self._client_creds
             # the certificate lasts 24 h: a peer serving for days makes a new one twice a day
             if creds is None or time.monotonic() - made > DIAL_CERT_RENEW_S:
                 creds = make_client_credentials(self.identity)
