@@ -1215,6 +1215,13 @@ def test_an_attach_feeds_only_the_current_route_with_the_current_secret():
     mixed = _attach_stream(servicer, b"t" * 32, 0, [_fed(0, 0), _fed(1, 1)])  # attached for 0, feeds 1
     assert mixed[0].HasField("accepted") and mixed[-1].error.code == pb.EPOCH_STALE and mixed[-1].error.terminal
     assert servicer._states["s1"].epoch == 0 and [m.result.position for m in pushed] == [1]
+    # a secret too long is the request's error, and the session is as it was
+    linked = servicer._states["s1"].ring.link = mock.Mock()  # a link it has: kept
+    too_long = pb.RollbackSignal(position=1, route_epoch=1, attach_token=b"n" * 33)
+    assert servicer._rollback("s1", servicer._states["s1"], too_long).error.code == pb.INVALID_ARGUMENT
+    assert servicer._states["s1"].epoch == 0 and servicer._states["s1"].ring.attach_token == b"t" * 32
+    assert servicer._states["s1"].ring.link is linked and not linked.close.called
+    servicer._states["s1"].ring.link = None
     # a failover: the client rolls the session back on a new route, with a new secret
     rollback = pb.SessionRequest(rollback=pb.RollbackSignal(position=1, route_epoch=1, attach_token=b"n" * 32))
     assert servicer._rollback("s1", servicer._states["s1"], rollback.rollback).HasField("ack")

@@ -427,11 +427,11 @@ class ShardRuntimeServicer:
             if verdict is not Verdict.APPLY:
                 code, detail, retryable = _VERDICT_ERRORS[verdict]
                 return _error(code, f"rollback refused: {detail}", retryable=retryable)
+            if len(msg.attach_token) > ATTACH_TOKEN_BYTES:  # refused before anything changes
+                return _error(E.INVALID_ARGUMENT, f"an attach token is at most {ATTACH_TOKEN_BYTES} bytes")
             if msg.route_epoch > state.epoch:  # a newer route: this hop forwards nothing more until relinked
                 state.ring.unlink()
                 if msg.attach_token:  # and only the new route's previous hop may feed it
-                    if len(msg.attach_token) > ATTACH_TOKEN_BYTES:
-                        return _error(E.INVALID_ARGUMENT, f"an attach token is at most {ATTACH_TOKEN_BYTES} bytes")
                     state.ring.attach_token = msg.attach_token
             status = self.engine.rollback(sid, msg.position)
             if not status.ok:
