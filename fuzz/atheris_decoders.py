@@ -23,6 +23,7 @@ with atheris.instrument_imports(include=["meshnet_p2p", "h2", "hpack", "hyperfra
     from meshnet_p2p.dataplane.tensors import PayloadError, bundle_from_proto
     from meshnet_p2p.dataplane.tls import TlsBindingError, peer_of_der
     from meshnet_p2p.dht import wire
+    from meshnet_p2p.dialback import DialbackRejected, dial_target, verify_dial_result
     from meshnet_p2p.engine.gguf import GGUFFormatError, read_gguf
     from meshnet_p2p.identity import Identity
     from meshnet_p2p.records import RecordRejected, RecordVerifier
@@ -61,7 +62,8 @@ def _value(fdp, depth: int = 0):
     return {fdp.ConsumeUnicodeNoSurrogates(8): _value(fdp, depth + 1) for _ in range(fdp.ConsumeIntInRange(0, 4))}
 
 
-KINDS = ["ping", "find_node", "find_value", "store", "gossip_push", "gossip_pull", "cookie", "pong", "nodes", "values"]
+KINDS = ["ping", "find_node", "find_value", "store", "gossip_push", "gossip_pull", "cookie", "pong", "nodes", "values",
+         "dial_back", "dial_result"]
 
 
 def signed_datagram(data: bytes) -> None:
@@ -79,6 +81,41 @@ def signed_datagram(data: bytes) -> None:
         if "nodes" in msg.body:
             wire.decode_contacts(msg.body["nodes"], 20)
     except wire.BadDatagram:
+        pass
+
+
+def dial_back(data: bytes) -> None:
+    """A dial_back body built from the input (mostly of the right shape), in a
+    datagram ALICE signs, parsed as a dialer does: the body, then each address."""
+    fdp = atheris.FuzzedDataProvider(data)
+    if fdp.ConsumeBool():
+        body = {"addrs": [fdp.ConsumeUnicodeNoSurrogates(fdp.ConsumeIntInRange(0, 140))
+                          for _ in range(fdp.ConsumeIntInRange(0, 5))],
+                "nonce": fdp.ConsumeBytes(fdp.ConsumeIntInRange(15, 17))}
+    else:
+        body = {fdp.ConsumeUnicodeNoSurrogates(8): _value(fdp) for _ in range(fdp.ConsumeIntInRange(0, 4))}
+    try:
+        sealed = wire.encode(ALICE, "dial_back", b"\x00" * 8, body, NOW, to=ME)
+    except (TypeError, ValueError, OverflowError):
+        return
+    try:
+        msg = wire.decode(sealed, NOW, ME)
+        addrs, _ = wire.parse_dial_back(msg.body)
+        for a in addrs:
+            dial_target(a, ALICE.peer_id)
+    except wire.BadDatagram:
+        pass
+    try:
+        wire.parse_dial_result(body)
+    except wire.BadDatagram:
+        pass
+
+
+def dial_result(data: bytes) -> None:
+    """Raw bytes as the signed record of a dial_result, checked as an asker does."""
+    try:
+        verify_dial_result(data, dialer=ALICE.peer_id, subject=ME, nonce=bytes(16), addrs=[], now_ms=NOW)
+    except DialbackRejected:
         pass
 
 
@@ -123,7 +160,8 @@ def certificate(data: bytes) -> None:
         pass
 
 
-TARGETS = {f.__name__: f for f in (datagram, signed_datagram, record, bundle, gguf, http2, certificate)}
+TARGETS = {f.__name__: f for f in (datagram, signed_datagram, dial_back, dial_result, record, bundle, gguf, http2,
+                                    certificate)}
 
 
 def main(argv: list[str]) -> int:

@@ -496,3 +496,31 @@ async def test_replies_to_an_unproven_address_are_at_most_three_times_the_reques
         reader = nodes[4]
         assert len(await reader.get(KEY)) == 60
         nursery.cancel_scope.cancel()
+
+
+# --- partitions -------------------------------------------------------------------------------------
+
+
+async def test_a_node_cut_off_from_everyone_finds_the_swarm_again_through_its_seeds(autojump_clock):
+    """A partition long enough for a node to evict every contact (its lookups time
+    out) used to leave it alone for good: nothing put anyone back in its table.
+    It keeps its bootstrap contacts and pings them again until they answer."""
+    async with trio.open_nursery() as nursery:
+        network, nodes = await start_swarm(nursery, 8, TYPES, config=DHTConfig(refresh_interval=20.0))
+        lonely = nodes[-1]
+        network.freeze(lonely.addr)  # partitioned: nothing in or out
+        for seq in range(1, 4):  # lookups fail until every contact is evicted
+            await lonely.find_node(0)
+            await lonely.put(KEY, report(lonely.identity, seq=seq))
+            await trio.sleep(5)
+        assert len(lonely.table) == 0
+        for other in nodes[:-1]:  # and the others forgot it (their lookups time out on it just the same)
+            other.table.evict(lonely.node_id)
+        network.thaw(lonely.addr)  # the partition heals
+        await trio.sleep(30)  # maintenance rounds (every 5 s here) rejoin through the seed
+        assert len(lonely.table) > 1 and lonely.stats["rejoined"] >= 1
+        # and the DHT converges: what it publishes now, the others find
+        assert await lonely.put(KEY, report(lonely.identity, seq=9)) > 0
+        found = await nodes[1].get(KEY)
+        assert [r.seq for r in found if r.signer == lonely.peer_id] == [9]
+        nursery.cancel_scope.cancel()

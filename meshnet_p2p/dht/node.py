@@ -7,6 +7,12 @@ nursery owned by :meth:`DHTNode.run`.
 
 A node in *client mode* (behind NAT, unreachable from outside) asks and
 stores but says so in every request, so nobody adds it to a routing table.
+
+A node given a ``dial_back`` function (by its role: the DHT knows no TLS)
+answers ``dial_back`` requests, the dialer side of reachability checks
+(:mod:`meshnet_p2p.dialback`): it dials the asker's addresses back, only at the
+IP the request came from and only once that address has shown it receives,
+within bounds, and answers with a result it signs.
 """
 
 from __future__ import annotations
@@ -16,12 +22,13 @@ import hmac
 import logging
 import os
 import random
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 import trio
 
+from .. import dialback
 from ..errors import MeshnetError
 from ..identity import Identity, PeerId
 from ..records import MAX_RECORD_BYTES, PayloadType, Record, RecordRejected, RecordVerifier, keep_newest, peek, wall_ms
@@ -47,7 +54,16 @@ MAX_ADDRESSES = 16_384  # proven addresses and cookies kept
 MAX_SEEN_DATAGRAMS = 65_536
 MAX_VERIFYING = 64  # new (peer, address) pairs pinged at once
 MAX_PUSHES_IN_FLIGHT = 256  # gossip push tasks at once, whatever arrives
+MAX_SEEDS = 16  # bootstrap contacts kept for rejoining
 REPLY_BUDGET_BYTES = 40_000  # records per reply, so a reply stays one datagram (wire.MAX_DATAGRAM)
+# dial_back (the dialer side of reachability checks)
+MAX_DIALS_IN_FLIGHT = 8  # addresses being dialled at once, over every request
+DIAL_BACKS_PER_SOURCE = 4  # dial_back requests one source IP may have answered per window...
+DIAL_BACK_WINDOW_MS = 60_000  # ...of this long
+MAX_DIAL_BACK_SOURCES = 4096  # source IPs whose recent requests are remembered
+DIAL_TIMEOUT = 3.0  # one dial, connect and TLS handshake
+
+DialBack = Callable[[PeerId, str], Awaitable[tuple[bool, str]]]
 
 
 @dataclass
@@ -75,6 +91,7 @@ class DHTNode:
         config: DHTConfig | None = None,
         *,
         now_ms: Callable[[], int] = wall_ms,
+        dial_back: DialBack | None = None,
     ) -> None:
         self.identity = identity
         self.peer_id = identity.peer_id
@@ -97,6 +114,12 @@ class DHTNode:
         self._subscribers: dict[str, list[trio.MemorySendChannel]] = {}
         self._pushing = 0  # gossip pushes in flight (bounded: pulls spread what pushes skip)
         self._nursery: trio.Nursery | None = None
+        self._seeds: list[Contact] = []  # the bootstrap contacts, to find the swarm again through
+        # dial(requester, address) -> (answered with the requester's certificate?, why): the role's
+        # dialer (reachability.tls_dial_check); None: this node refuses dial_back ("not a dialer")
+        self.dial_back: DialBack | None = dial_back
+        self._dials_in_flight = 0
+        self._dial_back_sources: OrderedDict[str, deque[int]] = OrderedDict()  # source IP -> when it asked
 
     @property
     def addr(self) -> Addr:
@@ -122,11 +145,12 @@ class DHTNode:
 
     # --- requests out --------------------------------------------------------------------
 
-    async def request(self, contact: Contact | Addr, kind: str, body: dict[str, Any]) -> wire.Message | None:
-        """Send a request and wait (bounded by the request timeout) for its answer.
-        A contact's answer must come from that contact's key and address; None on
-        timeout. A node that asks us to prove we receive at our address (a
-        cookie) is asked again, once, with it."""
+    async def request(self, contact: Contact | Addr, kind: str, body: dict[str, Any], *,
+                      timeout: float | None = None) -> wire.Message | None:
+        """Send a request and wait (bounded by ``timeout``, by default the request
+        timeout) for its answer. A contact's answer must come from that contact's
+        key and address; None on timeout. A node that asks us to prove we receive
+        at our address (a cookie) is asked again, once, with it."""
         if isinstance(contact, Contact):
             addr, expect = contact.addr, contact.peer_id
         else:
@@ -135,7 +159,8 @@ class DHTNode:
             body = {**body, "client": True}
         for _ in range(2):
             cookie = self._cookies.get(addr)
-            reply = await self._request_once(addr, expect, kind, {**body, "cookie": cookie} if cookie else body)
+            reply = await self._request_once(addr, expect, kind, {**body, "cookie": cookie} if cookie else body,
+                                             timeout=timeout)
             if reply is None or reply.kind != "cookie":
                 return reply
             got = reply.body.get("cookie")
@@ -147,14 +172,15 @@ class DHTNode:
                 self._cookies.popitem(last=False)
         return None
 
-    async def _request_once(self, addr: Addr, expect: PeerId | None, kind: str, body: dict[str, Any]) -> wire.Message | None:
+    async def _request_once(self, addr: Addr, expect: PeerId | None, kind: str, body: dict[str, Any], *,
+                            timeout: float | None = None) -> wire.Message | None:
         rpc_id = wire.new_rpc_id()
         send, recv = trio.open_memory_channel[wire.Message](1)
         self._pending[rpc_id] = (expect, send, addr)
         try:
             self.stats["sent_" + kind] += 1
             await self.transport.send(wire.encode(self.identity, kind, rpc_id, body, self.now_ms(), to=expect), addr)
-            with trio.move_on_after(self.config.request_timeout):
+            with trio.move_on_after(self.config.request_timeout if timeout is None else timeout):
                 return await recv.receive()
             self.stats["timeouts"] += 1
             return None
@@ -201,18 +227,133 @@ class DHTNode:
             proven = self._receives(addr, msg.body.get("cookie"))
             self._heard_from(msg.sender, addr, client=bool(msg.body.get("client")))
             try:
-                kind, body = self._handle(msg, addr)
+                if msg.kind == "dial_back":  # dials take seconds: answered now (a refusal) or by a task
+                    answer = self._dial_back_in(msg, addr, len(data), proven)
+                    if answer is None:
+                        continue
+                    kind, body = answer
+                else:
+                    kind, body = self._handle(msg, addr)
             except wire.BadDatagram as e:
                 self.stats["bad_requests"] += 1
                 log.debug("bad %s from %s: %s", msg.kind, msg.sender, e)
                 continue
-            reply = wire.encode(self.identity, kind, msg.rpc_id, body, self.now_ms(), to=msg.sender)
-            if not proven and len(reply) > AMPLIFICATION * len(data):
-                # not yet shown to receive here (a spoofed source?): a small cookie, not the answer
-                self.stats["cookies_sent"] += 1
-                reply = wire.encode(self.identity, "cookie", msg.rpc_id, {"cookie": self._cookie(addr)},
-                                    self.now_ms(), to=msg.sender)
-            await self.transport.send(reply, addr)
+            await self._reply(msg, addr, kind, body, len(data), proven)
+
+    async def _reply(self, msg: wire.Message, addr: Addr, kind: str, body: dict[str, Any], request_bytes: int,
+                     proven: bool) -> None:
+        reply = wire.encode(self.identity, kind, msg.rpc_id, body, self.now_ms(), to=msg.sender)
+        if not proven and len(reply) > AMPLIFICATION * request_bytes:
+            # not yet shown to receive here (a spoofed source?): a small cookie, not the answer
+            self.stats["cookies_sent"] += 1
+            reply = wire.encode(self.identity, "cookie", msg.rpc_id, {"cookie": self._cookie(addr)},
+                                self.now_ms(), to=msg.sender)
+        await self.transport.send(reply, addr)
+
+    # --- dial_back: the dialer side of reachability checks -----------------------------------
+
+    def _dial_back_in(self, msg: wire.Message, addr: Addr, request_bytes: int,
+                      proven: bool) -> tuple[str, dict[str, Any]] | None:
+        """A dial_back request: BadDatagram if malformed; else the answer to send
+        now (a refusal, a cookie, or a result that needed no dial), or None when
+        a task dials and answers. In order: only a server-mode node with a dial
+        function dials; only an IP, tcp, a port, the asker's /p2p; only from an
+        address that has shown it receives (else a cookie: a spoofed source gets
+        nothing dialled); per source IP 4 requests a minute; 8 dials at once."""
+        addrs, nonce = wire.parse_dial_back(msg.body)
+        targets = []
+        for text in addrs:
+            target, why = dialback.dial_target(text, msg.sender)
+            if why == dialback.NOT_A_MULTIADDR:
+                raise wire.BadDatagram(f"addrs entry is not a multiaddr: {text[:80]!r}")
+            targets.append((target, why))
+        if self.dial_back is None or self.config.client_mode or self._nursery is None:
+            return self._refuse(dialback.NOT_A_DIALER)
+        refusal = next((why for _, why in targets if why is not None), None)
+        if refusal is not None:
+            return self._refuse(refusal)
+        if not proven:
+            self.stats["dial_back_cookies"] += 1
+            return "cookie", {"cookie": self._cookie(addr)}
+        if not self._dial_back_allowed(addr[0]):
+            return self._refuse(dialback.RATE_LIMITED)
+        # the anti-abuse rule (libp2p AutoNAT's): dial only the IP the request came from
+        dial = [dialback.same_ip(t.host, addr[0]) for t, _ in targets]
+        n = sum(dial)
+        if self._dials_in_flight + n > MAX_DIALS_IN_FLIGHT:
+            return self._refuse(dialback.BUSY)
+        self.stats["dial_back_accepted"] += 1
+        self.stats["dial_back_not_from_source"] += len(addrs) - n
+        if n == 0:  # nothing to dial: the answer is known now
+            results = [(a, False, dialback.NOT_FROM_SOURCE) for a in addrs]
+            self.stats["dial_back_served"] += 1
+            return "dial_result", {"result": self._dial_result_record(msg.sender, nonce, results, addr[0])}
+        self._dials_in_flight += n
+        self._nursery.start_soon(self._dial_back_job, msg, addr, addrs, nonce, dial, request_bytes)
+        return None
+
+    def _refuse(self, reason: str) -> tuple[str, dict[str, Any]]:
+        self.stats["dial_back_refused_" + reason.replace(" ", "_")] += 1
+        return "dial_result", {"refused": reason}
+
+    def _dial_back_allowed(self, source: str) -> bool:
+        """Count a request from ``source`` (an IP) unless it already made
+        DIAL_BACKS_PER_SOURCE in the last DIAL_BACK_WINDOW_MS."""
+        now = self.now_ms()
+        recent = self._dial_back_sources.get(source)
+        if recent is None:
+            while len(self._dial_back_sources) >= MAX_DIAL_BACK_SOURCES:  # the least recently asking go first
+                self._dial_back_sources.popitem(last=False)
+            recent = self._dial_back_sources[source] = deque()
+        self._dial_back_sources.move_to_end(source)
+        while recent and recent[0] <= now - DIAL_BACK_WINDOW_MS:
+            recent.popleft()
+        if len(recent) >= DIAL_BACKS_PER_SOURCE:
+            return False
+        recent.append(now)
+        return True
+
+    async def _dial_back_job(self, msg: wire.Message, addr: Addr, addrs: list[str], nonce: bytes, dial: list[bool],
+                             request_bytes: int) -> None:
+        results: list[tuple[str, bool, str]] = [(a, False, dialback.NOT_FROM_SOURCE) for a in addrs]
+        try:
+            async def one(i: int) -> None:
+                results[i] = (addrs[i], *await self._dial_one(msg.sender, addrs[i]))
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(addrs)):
+                    if dial[i]:
+                        nursery.start_soon(one, i)
+        finally:
+            self._dials_in_flight -= sum(dial)
+        try:
+            body = {"result": self._dial_result_record(msg.sender, nonce, results, addr[0])}
+        except Exception as e:  # a bug here must cost one answer, never the node
+            log.warning("cannot answer a dial_back from %s: %r", msg.sender, e)
+            return
+        self.stats["dial_back_served"] += 1
+        await self._reply(msg, addr, "dial_result", body, request_bytes, proven=True)  # proven before any dial
+
+    async def _dial_one(self, requester: PeerId, addr_text: str) -> tuple[bool, str]:
+        """One dial through the role's function, bounded; its failures are results."""
+        self.stats["dial_back_dials"] += 1
+        outcome: tuple[bool, str] = (False, "timeout")
+        with trio.move_on_after(DIAL_TIMEOUT):
+            try:
+                got = await self.dial_back(requester, addr_text)
+            except Exception as e:  # the role's dialer must not take the node down
+                log.warning("dial_back function failed on %s: %r", addr_text[:80], e)
+                got = (False, "dial failed")
+            if isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], bool) and isinstance(got[1], str):
+                outcome = (got[0], got[1][:dialback.MAX_REASON_CHARS])
+            else:
+                outcome = (False, "dial failed")
+        self.stats["dial_back_ok" if outcome[0] else "dial_back_failed"] += 1
+        return outcome
+
+    def _dial_result_record(self, subject: PeerId, nonce: bytes, results: list[tuple[str, bool, str]],
+                            observed: str) -> bytes:
+        return dialback.sign_dial_result(self.identity, subject, nonce, results, observed, now_ms=self.now_ms())
 
     # --- who may enter the table, and who has proved it receives ---------------------------
 
@@ -319,6 +460,9 @@ class DHTNode:
         if msg.kind == "gossip_pull":
             have = self.gossip.parse_digest(body.get("have"))
             return "gossip_records", {"records": [r.wire for r in self.gossip.missing_from(have, budget=REPLY_BUDGET_BYTES)]}
+        if msg.kind == "dial_back":  # the receive loop answers these (_dial_back_in): a dial takes seconds
+            wire.parse_dial_back(body)
+            raise wire.BadDatagram("dial_back is answered by the receive loop, not here")
         raise wire.BadDatagram(f"no handler for {msg.kind}")
 
     def _verify(self, wire_record: bytes) -> Record | None:
@@ -348,7 +492,10 @@ class DHTNode:
     # --- public API: DHT --------------------------------------------------------------------
 
     async def bootstrap(self, seeds: list[Contact]) -> int:
-        """Join through ``seeds`` (whose peer IDs are checked); returns how many answered."""
+        """Join through ``seeds`` (whose peer IDs are checked); returns how many answered.
+        The seeds are kept: a node cut off from them (a partition, their restart)
+        finds its way back through them (:meth:`rejoin`)."""
+        self._seeds = list(seeds)[:MAX_SEEDS]
         answered = 0
         async with trio.open_nursery() as nursery:
 
@@ -364,6 +511,32 @@ class DHTNode:
             for c in seeds:  # a client is in nobody's table, so it keeps its seeds in its own
                 self.table.add(c)
         await self.find_node(self.node_id)
+        return answered
+
+    async def rejoin(self) -> int:
+        """Ping the seeds missing from the table (evicted while unreachable, e.g.
+        during a partition), which puts those that answer back; if the table had
+        emptied, look itself up again through them. Without this a node that lost
+        every contact would never find the swarm again. Returns how many answered."""
+        missing = [c for c in self._seeds if not self._at_address(c)]
+        if not missing:
+            return 0
+        was_empty = len(self.table) == 0
+        answered = 0
+        async with trio.open_nursery() as nursery:
+            async def one(c: Contact) -> None:
+                nonlocal answered
+                if await self.ping(c) is not None:
+                    answered += 1
+                    if self.config.client_mode:
+                        self.table.add(c)
+
+            for c in missing:
+                nursery.start_soon(one, c)
+        if answered:
+            self.stats["rejoined"] += 1
+            if was_empty:
+                await self.find_node(self.node_id)
         return answered
 
     async def find_node(self, target: int) -> list[Contact]:
@@ -555,6 +728,7 @@ class DHTNode:
                 self._secrets = [os.urandom(32), self._secrets[0]]
             self.store.expire(self.now_ms())
             self.gossip.expire(self.now_ms())
+            await self.rejoin()
             if now - last_refresh >= self.config.refresh_interval:
                 last_refresh = now
                 await self.find_node(random.getrandbits(256))
