@@ -21,6 +21,7 @@ import time
 
 DELAY = float(sys.argv[1]) / 1000
 targets: dict[int, tuple[str, int]] = {}
+target_set = threading.Condition()
 
 
 def pump(src: socket.socket, dst: socket.socket) -> None:
@@ -66,19 +67,25 @@ def serve(listener: socket.socket) -> None:
     port = listener.getsockname()[1]
     while True:
         inner, _ = listener.accept()
+        threading.Thread(target=connect, args=(port, inner), daemon=True).start()
+
+
+def connect(port: int, inner: socket.socket) -> None:
+    # a connection before the target is known (a peer's reachability check) waits for it
+    with target_set:
+        target_set.wait_for(lambda: port in targets, timeout=10)
         target = targets.get(port)
+    try:
         if target is None:
-            inner.close()
-            continue
-        try:
-            outer = socket.create_connection(target, timeout=10)
-        except OSError:
-            inner.close()
-            continue
-        for s in (inner, outer):
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for a, b in ((inner, outer), (outer, inner)):
-            threading.Thread(target=pump, args=(a, b), daemon=True).start()
+            raise OSError("no target")
+        outer = socket.create_connection(target, timeout=10)
+    except OSError:
+        inner.close()
+        return
+    for s in (inner, outer):
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for a, b in ((inner, outer), (outer, inner)):
+        threading.Thread(target=pump, args=(a, b), daemon=True).start()
 
 
 def main() -> None:
@@ -90,7 +97,9 @@ def main() -> None:
             print(listener.getsockname()[1], flush=True)
         elif cmd[:1] == ["target"] and len(cmd) == 3:
             host, _, port = cmd[2].rpartition(":")
-            targets[int(cmd[1])] = (host, int(port))
+            with target_set:
+                targets[int(cmd[1])] = (host, int(port))
+                target_set.notify_all()
             print("ok", flush=True)
 
 

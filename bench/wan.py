@@ -75,8 +75,10 @@ def run_delay(delay_ms: float, args, whole: LocalRoute, prompt_ids: list[int]) -
             join = PeerProcess("join", "--layers", span, "--bootstrap", swarm.addr, "--threads", str(args.threads),
                                "--announce", f"/ip4/127.0.0.1/tcp/{port}")
             swarm.joins.append(join)
-            listening = Multiaddr.parse(join.address(300))
+            # its port is known once it serves; it checks it is reachable at the announced one before announcing
+            listening = Multiaddr.parse(join.wait_line("serving on ", 300).removeprefix("serving on "))
             links.target(port, listening.host, listening.port)
+            join.address(300)
         swarm.certify()
         clients = {"ring": Client([swarm.addr], step_timeout=60.0, ring=True),
                    "star": Client([swarm.addr], step_timeout=60.0, ring=False)}

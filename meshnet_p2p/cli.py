@@ -109,9 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bootstrap(relay, "also join the DHT through these peers (repeatable; default $MESHNET_BOOTSTRAP)")
     relay.add_argument("--announce", metavar="MULTIADDR", help="the address peers and clients reach this relay at, "
                        "when not where it listens (port forwarding, a proxy): /ip4/HOST/tcp/PORT")
-    relay.add_argument("--max-reservations", type=_positive, default=128)
-    relay.add_argument("--max-connections-per-peer", type=_positive, default=16)
-    relay.add_argument("--max-mbps-per-peer", type=float, default=512.0, help="bandwidth per peer, megabits/s")
+    relay.add_argument("--max-reservations", type=_positive, default=128, help="peers it keeps reachable at once")
+    relay.add_argument("--max-connections-per-peer", type=_positive, default=16,
+                       help="circuits (spliced connections) per reserved peer at once")
+    relay.add_argument("--max-mbps-per-peer", type=_positive_float, default=512.0,
+                       help="bandwidth per reserved peer, all its circuits together, megabits/s")
 
     serve = sub.add_parser("serve", help="serve one shard over the gRPC data plane (no DHT)")
     serve.add_argument("--shard", help="a cut shard GGUF (or use --model with --layers)")
@@ -335,6 +337,7 @@ def _bootstrap(args: argparse.Namespace) -> int:
     from .lifecycle import until_signalled
 
     from .network import bootstrap_addrs, node_multiaddr, parse_listen, start_node
+    from .reachability import tls_dial_check
 
     parse_listen(args.listen)  # a bad flag fails before anything starts
     identity = _load_or_create_identity(args.identity)
@@ -342,7 +345,9 @@ def _bootstrap(args: argparse.Namespace) -> int:
 
     async def serve() -> None:
         async with trio.open_nursery() as nursery:
-            node = await start_node(nursery, identity, listen=args.listen, bootstrap=seeds, require_bootstrap=False)
+            # it also tells joining peers whether their address answers (reachability.py)
+            node = await start_node(nursery, identity, listen=args.listen, bootstrap=seeds, require_bootstrap=False,
+                                    dial_back=tls_dial_check)
             _print_line(f"listening on {node_multiaddr(node)}")
             await until_signalled()
             nursery.cancel_scope.cancel()
@@ -358,20 +363,45 @@ def _relay(args: argparse.Namespace) -> int:
     from .dataplane.relay import Relay, RelayLimits
     from .multiaddr import Multiaddr, announced
     from .network import bootstrap_addrs, parse_listen, start_node
+    from .reachability import tls_dial_check
+    from .records import wall_ms
+    from .relays import RELAY_ANNOUNCE_INTERVAL_S, RELAYS_KEY, sign_relay_record
 
     host, port = parse_listen(args.listen)
     identity = _load_or_create_identity(args.identity)
     announce = announced(args.announce, identity.peer_id) if args.announce else None
     seeds = bootstrap_addrs(args.bootstrap)
+    if seeds and announce is None and host in ("0.0.0.0", "::"):
+        raise MeshnetError(f"--listen {args.listen} is every address: say which one peers reach this relay at, with --announce")
     limits = RelayLimits(max_reservations=args.max_reservations, max_connections_per_peer=args.max_connections_per_peer,
                          bytes_per_second_per_peer=args.max_mbps_per_peer * 1e6 / 8)
 
+    def splice_line(peer, moved: int, seconds: float) -> None:
+        _print_line(f"splice to {peer} closed: {moved} bytes in {seconds:.1f} s")
+
     async def run() -> None:
-        relay = Relay(identity, limits, on_splice=lambda peer: _print_line(f"splice to {peer}"))
+        relay = Relay(identity, limits, on_splice=splice_line)
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(relay.serve, host, port)
+            addr = announce or Multiaddr.for_socket(host, "tcp", bound, identity.peer_id)
             if seeds:
-                await start_node(nursery, identity, listen=f"{host}:0", bootstrap=seeds, require_bootstrap=False)
+                node = await start_node(nursery, identity, listen=f"{host}:0", bootstrap=seeds, require_bootstrap=False,
+                                        dial_back=tls_dial_check)
+
+                async def publish() -> None:  # peers behind NAT find this relay, its limits and load, here
+                    while True:
+                        record = sign_relay_record(identity, addr, {
+                            "max_reservations": limits.max_reservations,
+                            "max_connections_per_peer": limits.max_connections_per_peer,
+                            "bytes_per_second_per_peer": int(limits.bytes_per_second_per_peer)}, relay.load(),
+                            now_ms=wall_ms())
+                        try:
+                            await node.publish(RELAYS_KEY, record)
+                        except Exception as e:  # others' refusal is theirs: keep relaying, try again
+                            _print_line(f"announce failed, retrying: {e}")
+                        await trio.sleep(RELAY_ANNOUNCE_INTERVAL_S)
+
+                nursery.start_soon(publish)
             _print_line(f"listening on {Multiaddr.for_socket(host, 'tcp', bound, identity.peer_id)}")
             if announce is not None:
                 _print_line(f"announcing {announce}")

@@ -26,13 +26,15 @@ from .errors import MeshnetError
 from .identity import Identity
 from .multiaddr import Multiaddr, MultiaddrError
 from .records import PayloadType, Record, keep_newest
+from .relays import TYPES as RELAY_TYPES
 
 ENV_BOOTSTRAP = "MESHNET_BOOTSTRAP"
 DEFAULT_LIST = pathlib.Path(__file__).resolve().parent.parent / "bootstrap" / "peers.txt"
 
 
-# every record type a node accepts: capability reports, the model index, certificates
-TYPES: dict[str, PayloadType] = {**capability.TYPES, CERTIFICATE: CERTIFICATE_TYPE, CERT_INDEX: CERT_INDEX_TYPE}
+# every record type a node accepts: capability reports, the model index, certificates, relays
+TYPES: dict[str, PayloadType] = {**capability.TYPES, CERTIFICATE: CERTIFICATE_TYPE, CERT_INDEX: CERT_INDEX_TYPE,
+                                 **RELAY_TYPES}
 
 
 class BootstrapError(MeshnetError):
@@ -93,20 +95,27 @@ async def start_node(
     nursery: trio.Nursery,
     identity: Identity,
     *,
-    listen: str = "127.0.0.1:0",
+    listen: str | None = None,
     bootstrap: Iterable[str | Multiaddr] = (),
     client_mode: bool = False,
     types: Mapping[str, PayloadType] = TYPES,
     require_bootstrap: bool = True,
+    dial_back=None,
 ) -> DHTNode:
     """Bind, start and (if bootstrap peers are given) join. Raises
     :class:`BootstrapError` if none of the bootstrap peers answered with the key
-    its multiaddr names."""
+    its multiaddr names. Without ``listen``, the node binds every local address
+    (a client reaching bootstrap peers on other hosts; nobody dials a client).
+    ``dial_back``: how this node checks, for peers that ask, whether their
+    data-plane address answers (reachability.tls_dial_check), if it does."""
+    bootstrap = [a if isinstance(a, Multiaddr) else Multiaddr.parse(a) for a in bootstrap]
+    if listen is None:
+        listen = "[::]:0" if any(a.components[0][0] == "ip6" for a in bootstrap) else "0.0.0.0:0"
     host, port = parse_listen(listen)
     transport = await UdpTransport.bind(host, port)
-    node = DHTNode(identity, transport, types, DHTConfig(client_mode=client_mode))
+    node = DHTNode(identity, transport, types, DHTConfig(client_mode=client_mode), dial_back=dial_back)
     await nursery.start(node.run)
-    seeds = [contact_of(a if isinstance(a, Multiaddr) else Multiaddr.parse(a)) for a in bootstrap]
+    seeds = [contact_of(a) for a in bootstrap]
     seeds = [c for c in seeds if c.peer_id != identity.peer_id]
     if seeds:
         answered = await node.bootstrap(seeds)

@@ -30,7 +30,11 @@ from .models import ensure_shard
 from .multiaddr import Multiaddr
 from .network import peers_for_model, start_node
 from .placement import Span, choose_span
+from .dialback import UNKNOWN, UNREACHABLE, Reachability
+from .reachability import ReachabilityError, check_reachability, tls_dial_check
 from .records import wall_ms
+from .relay_keeper import RelayKeeper
+from .relays import circuit_addr
 
 ANNOUNCE_INTERVAL_S = 30.0
 DRAIN_GRACE_S = 30.0
@@ -52,6 +56,20 @@ class JoinOptions:
     public_name: str = ""
     progress: Callable | None = None
     limits: Limits = Limits()
+
+    @property
+    def bootstrap_peer_ids(self) -> set:
+        """Asked for a reachability check only when too few other peers are known."""
+        addrs = (Multiaddr.parse(b) if isinstance(b, str) else b for b in self.bootstrap)
+        return {a.peer_id for a in addrs if a.peer_id is not None}
+
+
+@dataclass
+class _Reach:
+    relay: Multiaddr | None = None  # the relay it is reachable through now
+    unreachable: bool = False  # others cannot dial it directly
+    plane: object = None  # its data plane (whose server adopts relayed connections)
+    announcing: bool = True  # its last announce was stored by some peer
 
 
 def measure_throughput(engine: LlamaCppShardEngine, steps: int = 8) -> float:
@@ -93,7 +111,8 @@ async def join(opts: JoinOptions, print_line: Callable[[str], None] = print) -> 
 
 async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> None:
     async with trio.open_nursery() as nursery:
-        node = await start_node(nursery, opts.identity, listen=f"{opts.listen_host}:0", bootstrap=opts.bootstrap)
+        node = await start_node(nursery, opts.identity, listen=f"{opts.listen_host}:0", bootstrap=opts.bootstrap,
+                                dial_back=tls_dial_check)  # it checks others' reachability, as they check its
         if opts.layers is None:
             reports = await peers_for_model(node, digest)
             num = opts.num_layers or max(1, info.source_layers // 3)
@@ -110,16 +129,21 @@ async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> Non
         plane = await start_data_plane(nursery, engine, opts.identity, opts.listen_host, opts.listen_port,
                                        relay=opts.relay, limits=opts.limits, on_open=lambda sid: print_line(f"session {sid[:12]} opened"))
         servicer, creds = plane.servicer, plane.creds
-        addr = str(opts.announce) if opts.announce is not None else plane.addr  # what the report tells others
+        addr = str(opts.announce) if opts.announce is not None else plane.addr  # where others dial it directly
         caps = engine.capabilities()
+        reach = _Reach(relay=opts.relay)  # the relay this peer is reachable through now, if any
+        reach.plane = plane
+        wake = [trio.Event()]  # set: announce now (a new relay), not at the next period
 
         def report(departing: bool = False) -> bytes:
             m = engine.metrics()
+            relay = reach.relay
             rep = CapabilityReport(
-                digest, caps.recipe_digest, (start, end), (addr,), throughput=round(throughput, 2),
+                digest, caps.recipe_digest, (start, end),
+                (circuit_addr(relay, opts.identity.peer_id),) if relay else (addr,), throughput=round(throughput, 2),
                 free_sessions=0 if departing else servicer.open_to_newcomers(),
                 kv_tokens_free=caps.kv_token_budget - m.kv_tokens_reserved,
-                relay=str(opts.relay) if opts.relay else None, tls_cert=creds.cert_pem.decode(),
+                relay=str(relay) if relay else None, tls_cert=creds.cert_pem.decode(),
                 public_name=opts.public_name, departing=departing,
                 recipe=caps.recipe, recipe_labels=getattr(caps, "recipe_labels", None) or {},
             )
@@ -129,22 +153,43 @@ async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> Non
         name = os.path.basename(opts.model_path).split(".")[0]
 
         async def publish_all() -> None:
+            if reach.unreachable and reach.relay is None:
+                return  # nobody could dial it: its report would only cost clients a timeout
             try:  # a refusal by other nodes is theirs to have; this peer keeps serving and tries again
-                await node.publish(key, report())
+                stored = await node.publish(key, report())
                 await node.publish(MODELS_KEY, sign_model_index(opts.identity, digest, name, info.source_layers,
                                                                 now_ms=wall_ms()))
             except MeshnetError as e:
                 print_line(f"announce failed, retrying in {ANNOUNCE_INTERVAL_S:g} s: {e}")
+                return
+            # say so when the swarm stops (or starts again) taking its report: a partition, a lost bootstrap
+            if (stored > 0) != reach.announcing:
+                reach.announcing = stored > 0
+                print_line(f"announce reaching peers again ({stored})" if stored else
+                           f"announce reached no peer; retrying every {ANNOUNCE_INTERVAL_S:g} s")
 
+        print_line(f"serving on {plane.addr}")  # (announced below, once others can reach it)
+        if opts.relay is None:
+            # Can others dial the address it would announce? Several peers try (reachability.py).
+            verdict = await _reachability(node, addr, opts)
+            print_line(f"reachability: {verdict.status} ({verdict.reason})")
+            if verdict.status == UNKNOWN:  # nobody could tell: announce it, and ask again in the background
+                nursery.start_soon(_recheck, node, addr, opts, print_line, reach, wake)
+            if verdict.status == UNREACHABLE:
+                await _go_relayed(nursery, node, opts, plane, reach, wake, print_line)
+        else:
+            print_line(f"reachable via {circuit_addr(opts.relay, opts.identity.peer_id)}")
         await publish_all()
         print_line(f"listening on {plane.addr}")
-        if addr != plane.addr:
+        if addr != plane.addr and not reach.unreachable:
             print_line(f"announcing {addr}")
         print_line(f"recipe {caps.recipe_digest}")
 
         async def announce() -> None:
             while True:
-                await trio.sleep(ANNOUNCE_INTERVAL_S)
+                with trio.move_on_after(ANNOUNCE_INTERVAL_S):
+                    await wake[0].wait()
+                wake[0] = trio.Event()
                 await publish_all()
 
         nursery.start_soon(announce)
@@ -158,3 +203,44 @@ async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> Non
                 await trio.to_thread.run_sync(servicer.reap_idle, DRAIN_IDLE_MS)  # generations finish; sessions that only sit hold nothing up
                 await trio.sleep(0.1)
         nursery.cancel_scope.cancel()
+
+
+RECHECK_S = 30.0  # after an undecided reachability check, ask again this often
+RECHECKS = 10
+
+
+async def _reachability(node, addr: str, opts: JoinOptions):
+    try:
+        return await check_reachability(node, [addr], avoid=opts.bootstrap_peer_ids)
+    except ReachabilityError as e:  # an address no dialer would dial (a DNS name): nobody can say
+        return Reachability(UNKNOWN, str(e), (), (), None, 0)
+
+
+async def _go_relayed(nursery, node, opts: JoinOptions, plane, reach: "_Reach", wake, print_line) -> None:
+    """Nobody can dial this peer: reachable through a relay it finds, from now on.
+    Returns once a relay holds a slot for it (until then it announces nothing)."""
+    reach.unreachable = True
+    node.config.client_mode = True  # an address others cannot reach must not enter their tables
+
+    def relay_changed(held) -> None:
+        reach.relay = held.relay if held is not None else None
+        if held is not None:
+            print_line(f"reachable via {circuit_addr(held.relay, opts.identity.peer_id)}")
+            wake[0].set()
+
+    await nursery.start(RelayKeeper(node, opts.identity, plane.server.adopt, on_change=relay_changed,
+                                    print_line=print_line).run)
+
+
+async def _recheck(node, addr: str, opts: JoinOptions, print_line, reach: "_Reach", wake) -> None:
+    """Ask again until the swarm can tell; if it is unreachable after all, go relayed."""
+    for _ in range(RECHECKS):
+        await trio.sleep(RECHECK_S)
+        verdict = await _reachability(node, addr, opts)
+        if verdict.status == UNKNOWN:
+            continue
+        print_line(f"reachability: {verdict.status} ({verdict.reason})")
+        if verdict.status == UNREACHABLE:
+            async with trio.open_nursery() as nursery:
+                await _go_relayed(nursery, node, opts, reach.plane, reach, wake, print_line)
+        return

@@ -15,9 +15,10 @@ from .errors import MeshnetError
 
 
 class PeerProcess:
-    def __init__(self, *args: str, env: dict | None = None, stderr=subprocess.DEVNULL) -> None:
+    def __init__(self, *args: str, env: dict | None = None, stderr=subprocess.DEVNULL, prefix: tuple[str, ...] = ()) -> None:
         self.args = args
-        self.p = subprocess.Popen([sys.executable, "-m", "meshnet_p2p", *args], stdout=subprocess.PIPE,
+        # prefix: how to run it elsewhere, e.g. ("ip", "netns", "exec", NS) for a simulated host
+        self.p = subprocess.Popen([*prefix, sys.executable, "-m", "meshnet_p2p", *args], stdout=subprocess.PIPE,
                                   stderr=stderr, text=True, env=env)
         self.lines: list[str] = []
         self.changed = threading.Condition()

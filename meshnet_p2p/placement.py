@@ -45,6 +45,7 @@ class Span:
     free_sessions: int = 1
     departing: bool = False
     record: Any = None  # the verified capability report it came from
+    relayed: bool = False  # reached through a relay: a round trip costs two crossings until measured
 
     @classmethod
     def from_report(cls, record) -> "Span":
@@ -53,7 +54,7 @@ class Span:
         c = record.content
         start, end = c["layers"]
         return cls(str(c["peer_id"]), int(start), int(end), float(c["throughput"]),
-                   int(c["free_sessions"]), c["departing"] is True, record)
+                   int(c["free_sessions"]), c["departing"] is True, record, c["direct"] is False)
 
 
 def coverage(spans: Iterable[Span], n_layer: int) -> list[float]:
@@ -116,15 +117,15 @@ def span_cost_ms(span: Span, latency_ms: dict[str, float] | None = None,
 
     ``measured_ms[peer]``, the per-token time the client measured for this
     peer (round trip plus compute of a decode step), replaces any estimate.
-    Otherwise: the round trip (``latency_ms[peer]`` or DEFAULT_HOP_MS) plus the
-    compute the report claims, never below MIN_UNMEASURED_MS_PER_TOKEN. A peer
+    Otherwise: the round trip (``latency_ms[peer]``, or DEFAULT_HOP_MS, twice
+    for a peer behind a relay: client to relay to peer) plus the compute the report claims, never below MIN_UNMEASURED_MS_PER_TOKEN. A peer
     with one free session left is nudged below one with room (it may be gone
     by the time we ask)."""
     crowding = 1.0 / max(1, span.free_sessions)
     measured = (measured_ms or {}).get(span.peer_id)
     if _finite_nonneg(measured):
         return float(measured) + crowding
-    hop = (latency_ms or {}).get(span.peer_id, DEFAULT_HOP_MS)
+    hop = (latency_ms or {}).get(span.peer_id, DEFAULT_HOP_MS * (2 if span.relayed else 1))
     if not _finite_nonneg(hop):
         hop = DEFAULT_HOP_MS
     tps = span.throughput if _finite_nonneg(span.throughput) and span.throughput > 0 else DEFAULT_TOKENS_PER_S

@@ -21,6 +21,7 @@ from .errors import MeshnetError, unwrap_errors
 from .identity import Identity
 from .placement import Span
 from .records import keep_newest
+from .relays import RELAYS_KEY
 from .swarm_view import RecipeView, SwarmView, build_view, fetch_records
 
 MAX_MODELS = 32
@@ -100,6 +101,7 @@ async def swarm_status(bootstrap: Sequence[Any], trust: TrustPolicy, models: Seq
                     votes.setdefault(c["model_digest"], Counter())[(c["name"], c["n_layer"])] += 1
                 ranked = sorted(votes.items(), key=lambda kv: -sum(kv[1].values()))[:MAX_MODELS]
                 wanted = [(digest, *count.most_common(1)[0][0]) for digest, count in ranked]
+            relays = keep_newest({r.signer.multihash: r for r in node.records(RELAYS_KEY)}, await node.get(RELAYS_KEY))
             views = []
             for digest, name, n_layer in wanted:
                 reports, certs = await fetch_records(node, digest, trust.certifiers)
@@ -115,6 +117,9 @@ async def swarm_status(bootstrap: Sequence[Any], trust: TrustPolicy, models: Seq
             for s in spans.values():
                 nursery.start_soon(one, s)
     return {
+        # each relay's own record: where it is, what it allows, what it carries now (its claim)
+        "relays": sorted(({"peer_id": r.content["peer_id"], "addr": r.content["addr"], "limits": dict(r.content["limits"]),
+                           "load": dict(r.content["load"])} for r in relays.values()), key=lambda d: d["peer_id"]),
         "trusted_certifiers": sorted(trust.certifiers),
         "models": [{"model_digest": v.model_digest, "name": name, "n_layer": v.n_layer,
                     "recipes": [recipe_doc(v, r, rtt) for r in v.recipes]} for name, v in views],
@@ -123,6 +128,11 @@ async def swarm_status(bootstrap: Sequence[Any], trust: TrustPolicy, models: Seq
 
 def format_status(doc: dict[str, Any]) -> str:
     lines = []
+    for r in doc.get("relays", []):
+        load, lim = r["load"], r["limits"]
+        lines.append(f"relay {r['peer_id']} {r['addr']}: {load['reservations_now']}/{lim['max_reservations']} "
+                     f"reservations, {load['circuits_now']} circuits now; {load['spliced']} spliced, "
+                     f"{load['bytes']} bytes, {load['refused']} refused since start")
     if not doc["models"]:
         lines.append("no models found in the swarm")
     for m in doc["models"]:

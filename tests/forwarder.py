@@ -1,7 +1,8 @@
 """A loopback TCP forwarder for multi-process tests: bytes spliced as they are
 (TLS runs end to end through it), outgoing connections from a chosen source
 address, the target settable after start (a peer's port is known only once it
-listens), and a count of the connections it carried."""
+listens: a connection that comes first waits for it, up to 10 s), and a count
+of the connections it carried."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import threading
 
 class Forwarder:
     def __init__(self, target: tuple[str, int] | None = None, *, source: str = "127.0.0.1") -> None:
+        self._target_set = threading.Event()
         self.target = target
         self.source = source
         self.carried = 0  # connections spliced to the target
@@ -19,6 +21,16 @@ class Forwarder:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._start(self._accept)
+
+    @property
+    def target(self) -> tuple[str, int] | None:
+        return self._target
+
+    @target.setter
+    def target(self, value: tuple[str, int] | None) -> None:
+        self._target = value
+        if value is not None:
+            self._target_set.set()
 
     def _start(self, fn, *args) -> None:
         t = threading.Thread(target=fn, args=args, daemon=True)
@@ -47,16 +59,19 @@ class Forwarder:
                 continue
             except OSError:
                 return
-            try:
-                if self.target is None:
-                    raise OSError("no target yet")
-                outer = socket.create_connection(self.target, timeout=10, source_address=(self.source, 0))
-            except OSError:
-                inner.close()
-                continue
-            self.carried += 1
-            for a, b in ((inner, outer), (outer, inner)):
-                self._start(self._pipe, a, b)
+            self._start(self._connect, inner)
+
+    def _connect(self, inner: socket.socket) -> None:
+        try:
+            if not self._target_set.wait(10):
+                raise OSError("no target")
+            outer = socket.create_connection(self.target, timeout=10, source_address=(self.source, 0))
+        except OSError:
+            inner.close()
+            return
+        self.carried += 1
+        for a, b in ((inner, outer), (outer, inner)):
+            self._start(self._pipe, a, b)
 
     def close(self) -> None:
         self._stop.set()

@@ -19,9 +19,9 @@ def meshnet_peer(*args: str, timeout: float = 300, env: dict | None = None, cwd=
 class Proc(PeerProcess):
     """A PeerProcess whose stderr is kept, and shown when an expected line never comes."""
 
-    def __init__(self, *args: str, env: dict | None = None) -> None:
+    def __init__(self, *args: str, env: dict | None = None, prefix: tuple[str, ...] = ()) -> None:
         self.stderr = tempfile.TemporaryFile(mode="w+")
-        super().__init__(*args, env=env, stderr=self.stderr)
+        super().__init__(*args, env=env, stderr=self.stderr, prefix=prefix)
 
     def missing(self, prefix: str) -> str:
         self.stderr.seek(0)

@@ -49,6 +49,16 @@ def test_a_real_report_is_valid_direct_and_relayed():
     assert RecordVerifier(TYPES).verify(wire, wall_ms()).content["throughput"] == 25.0
 
 
+def test_a_relayed_report_announces_its_circuit_address_through_that_relay_only():
+    circuit = f"{RELAY}/p2p-circuit/p2p/{IDENT.peer_id}"
+    assert _valid(report(relay=RELAY, addrs=(circuit,)).content(IDENT)) is None
+    other_relay = str(Multiaddr.for_socket("10.0.0.2", "tcp", 4002, OTHER.peer_id))
+    assert _valid(report(relay=RELAY, addrs=(f"{other_relay}/p2p-circuit/p2p/{IDENT.peer_id}",)).content(IDENT)) \
+        == "addrs entry must be a direct tcp address with host and port"
+    assert _valid(report(relay=RELAY, addrs=(f"{RELAY}/p2p-circuit/p2p/{OTHER.peer_id}",)).content(IDENT)) is not None
+    assert _valid(report(addrs=(circuit,)).content(IDENT)) is not None  # a circuit needs its relay named
+
+
 def test_payload_bound_allows_recipe_axes_but_stays_below_the_record_bound():
     assert CAPABILITY_TYPE.max_payload_bytes == 8192 < MAX_RECORD_BYTES
 

@@ -199,7 +199,8 @@ def test_a_peer_behind_a_relay_serves_through_it(tmp_path, reference):
         doc = json.loads(r.stdout)
         assert doc["token_ids"] == reference
         assert doc["route"][1]["peer_id"] == nat.peer_id
-        assert relay.wait_line("splice to ") == f"splice to {nat.peer_id}"  # it really went through the relay
+        # it really went through the relay, which says so in one line per splice
+        assert relay.wait_line("splice to ").startswith(f"splice to {nat.peer_id} closed: ")
     finally:
         codes = [p.stop() for p in [nat] + joins + [boot, relay]]
     assert codes == [0] * len(codes)
@@ -216,10 +217,12 @@ def test_a_peer_is_reached_at_the_address_it_announces(tmp_path, reference):
     behind = Proc("join", "--layers", "10:20", "--bootstrap", addr, "--threads", "1",
                   "--announce", f"/ip4/127.0.0.1/tcp/{forwarder.port}", env=env)
     try:
-        listening = Multiaddr.parse(behind.wait_line("listening on ").removeprefix("listening on "))
+        # like port forwarding set up for its port: the peer checks it is reachable there before announcing
+        listening = Multiaddr.parse(behind.wait_line("serving on ").removeprefix("serving on "))
+        forwarder.target = (listening.host, listening.port)
+        assert behind.wait_line("reachability: ").startswith("reachability: reachable")
         announced = behind.wait_line("announcing ").removeprefix("announcing ")
         assert announced == f"/ip4/127.0.0.1/tcp/{forwarder.port}/p2p/{listening.peer_id}"
-        forwarder.target = (listening.host, listening.port)
         certify_swarm(addr, boot.identity_path)
         r = meshnet_peer("generate", "--bootstrap", addr, "--prompt", PROMPT, "--max-tokens", "32", "--json")
         assert r.returncode == 0, r.stderr

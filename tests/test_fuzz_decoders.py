@@ -37,6 +37,7 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from meshnet_p2p.relays import RELAY, RELAYS_KEY
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
 from meshnet_p2p.capability import CAPABILITY, MODEL_INDEX, MODELS_KEY
 from meshnet_p2p.certification import (
@@ -356,6 +357,12 @@ def _contents() -> dict[str, tuple[Identity, dict]]:
         CERTIFICATE: (CERTIFIER, evidence.content(CERTIFIER.peer_id)),
         CERT_INDEX: (CERTIFIER, {"key": index_key(MODEL, str(CERTIFIER.peer_id)), "certifier": str(CERTIFIER.peer_id),
                                  "model_digest": MODEL, "recipes": [RECIPE]}),
+        RELAY: (ALICE, {"key": RELAYS_KEY, "peer_id": str(ALICE.peer_id),
+                        "addr": f"/ip4/10.0.0.1/tcp/4002/p2p/{ALICE.peer_id}",
+                        "limits": {"max_reservations": 128, "max_connections_per_peer": 16,
+                                   "bytes_per_second_per_peer": 64_000_000},
+                        "load": {"reservations_now": 3, "circuits_now": 2, "reservations": 9, "refused": 1, "spliced": 40,
+                                 "bytes": 123_456, "expired": 0}, "version": "0.1.0"}),
     }
 
 

@@ -21,10 +21,19 @@ Control protocol (one line each, ``\\n``-terminated):
     relay -> peer   OK | ERR <reason>
     relay -> peer   OPEN <token>                  (per client)
     peer -> relay   (new connection) MESHNET-ATTACH <token>
+    peer -> relay   PING <n>                      (every KEEPALIVE_S: renews the reservation)
+    relay -> peer   PONG <n>
+
+A reservation lasts while its peer keeps pinging: a relay ends one whose
+control connection stayed silent for ``reservation_idle_timeout`` (a peer
+that vanished without closing, or a NAT that dropped the mapping), and a
+peer gives up a relay that does not answer a ping within PONG_TIMEOUT_S (a
+frozen relay), so that it can reserve elsewhere.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import secrets
 import socket
@@ -41,6 +50,8 @@ PEER_DOMAIN = b"meshnet-relay-reserve-v1\0"
 PEER_HOST_SUFFIX = ".peer"  # a CONNECT target is <lowercase peer id>.peer:443
 RELAY_DOMAIN = b"meshnet-relay-accept-v1\0"
 MAX_LINE = 8192
+KEEPALIVE_S = 10.0  # a peer pings its relay this often
+PONG_TIMEOUT_S = 5.0  # and gives the relay up when a ping goes unanswered this long
 
 
 class RelayError(MeshnetError):
@@ -60,6 +71,7 @@ class RelayLimits:
     burst_bytes: float = 16e6
     handshake_timeout: float = 10.0
     attach_timeout: float = 10.0
+    reservation_idle_timeout: float = 4 * KEEPALIVE_S  # a silent peer's reservation ends
 
 
 class _LineReader:
@@ -73,7 +85,7 @@ class _LineReader:
                 raise RelayError("line too long")
             chunk = await self.stream.receive_some(4096)
             if not chunk:
-                raise RelayError("connection closed during the handshake")
+                raise RelayError("the connection closed")
             self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
         return line.rstrip(b"\r")
@@ -150,14 +162,21 @@ async def _splice(a: trio.abc.Stream, b: trio.abc.Stream, bucket: _TokenBucket |
 
 class Relay:
     def __init__(self, identity: Identity, limits: RelayLimits = RelayLimits(),
-                 on_splice: Callable[[PeerId], None] | None = None) -> None:
+                 on_splice: Callable[[PeerId, int, float], None] | None = None) -> None:
         self.identity = identity
-        self.on_splice = on_splice  # told of each client connection spliced to a peer
+        self.on_splice = on_splice  # told of each splice when it ends: (peer, bytes moved, seconds)
         self.limits = limits
         self.reservations: dict[str, _Reservation] = {}  # lowercased peer id -> reservation
         self._tokens: dict[str, _Reservation] = {}
         self.transform: Callable[[bytes, str], bytes] | None = None  # what a dishonest operator could do
-        self.stats = {"reservations": 0, "refused": 0, "spliced": 0, "bytes": 0}
+        # counters since start: reservations made, refusals (full, unproven, over a limit),
+        # splices made, bytes spliced, reservations ended for silence
+        self.stats = {"reservations": 0, "refused": 0, "spliced": 0, "bytes": 0, "expired": 0}
+
+    def load(self) -> dict[str, int]:
+        """What this relay carries now, and its counters: for its record and ``status``."""
+        return {"reservations_now": len(self.reservations),
+                "circuits_now": sum(r.connections for r in self.reservations.values()), **self.stats}
 
     async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(port, host=host)
@@ -211,9 +230,18 @@ class Relay:
         self.stats["reservations"] += 1
         await stream.send_all(b"OK\n")
         try:
-            while True:  # the peer sends nothing more; this only notices it going away
-                if not await stream.receive_some(1024):
+            while True:  # pings renew the reservation; silence or EOF ends it
+                line = None
+                with trio.move_on_after(self.limits.reservation_idle_timeout):
+                    line = await reader.line()
+                if line is None:
+                    self.stats["expired"] += 1
                     break
+                parts = line.split()
+                if len(parts) == 2 and parts[0] == b"PING" and len(parts[1]) <= 20:
+                    async with res.send_lock:
+                        await stream.send_all(b"PONG " + parts[1] + b"\n")
+                # anything else is ignored: the control connection carries nothing more
         finally:
             if self.reservations.get(key) is res:
                 del self.reservations[key]
@@ -249,15 +277,17 @@ class Relay:
                     await res.control.send_all(f"OPEN {token}\n".encode())
                 with trio.fail_after(self.limits.attach_timeout):
                     data_stream, data_reader, attached = await recv.receive()
+                started, moved = trio.current_time(), 0
                 try:
                     await stream.send_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
                     self.stats["spliced"] += 1
-                    if self.on_splice is not None:
-                        self.on_splice(res.peer_id)
-                    self.stats["bytes"] += await _splice(stream, data_stream, res.bucket, self.transform,
-                                                         first=(reader.buf, data_reader.buf))
+                    moved = await _splice(stream, data_stream, res.bucket, self.transform,
+                                          first=(reader.buf, data_reader.buf))
+                    self.stats["bytes"] += moved
                 finally:
                     attached.set()
+                    if self.on_splice is not None:
+                        self.on_splice(res.peer_id, moved, trio.current_time() - started)
         finally:
             res.scopes.discard(scope)
             res.pending.pop(token, None)
@@ -308,35 +338,92 @@ async def reserve(relay: Multiaddr, identity: Identity) -> tuple[trio.abc.Stream
         raise
 
 
-async def attach_to_relay(relay: Multiaddr, identity: Identity, local: tuple[str, int] | Callable[[socket.socket], None],
-                          *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    """Reserve a slot on ``relay`` and serve each client it announces over a fresh
+class Reservation:
+    """A reservation this peer holds on a relay (see :func:`hold_reservation`)."""
+
+    def __init__(self, relay: Multiaddr) -> None:
+        self.relay = relay
+        self.rtt_ms: float | None = None  # the last ping's round trip
+        self.opened = 0  # clients the relay handed over
+
+
+async def hold_reservation(relay: Multiaddr, identity: Identity, local: tuple[str, int] | Callable[[socket.socket], None],
+                           *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Reserve a slot on ``relay`` (started with the :class:`Reservation`, once
+    the relay said OK) and serve each client it announces over a fresh
     connection to the relay: handed to ``local`` if it is a callable that adopts
     connected sockets (this peer's own server: no splice, no loopback hop), or
-    spliced to ``local`` if it is an address. The first reservation must
-    succeed; later, a lost relay is retried with backoff."""
+    spliced to ``local`` if it is an address. Pings the relay every KEEPALIVE_S,
+    which renews the reservation. Returns only by raising :class:`RelayError`:
+    refused, the relay closed, or a ping went unanswered."""
     control, reader = await reserve(relay, identity)
-    task_status.started()
+    held = Reservation(relay)
+    pong = {"n": 0, "event": trio.Event()}
+    send_lock = trio.Lock()
+
+    async def pinger() -> None:
+        for n in itertools.count(1):
+            await trio.sleep(KEEPALIVE_S)
+            pong["event"] = trio.Event()
+            t0 = trio.current_time()
+            async with send_lock:
+                await control.send_all(f"PING {n}\n".encode())
+            with trio.move_on_after(PONG_TIMEOUT_S):
+                while pong["n"] < n:
+                    await pong["event"].wait()
+                    pong["event"] = trio.Event()
+                held.rtt_ms = (trio.current_time() - t0) * 1000
+                continue
+            raise RelayError(f"the relay {relay.peer_id} did not answer a ping within {PONG_TIMEOUT_S:g} s")
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pinger)
+            task_status.started(held)
+            while True:
+                line = (await reader.line()).decode(errors="replace").split()
+                if len(line) == 2 and line[0] == "OPEN":
+                    held.opened += 1
+                    nursery.start_soon(_serve_one, relay, line[1], local)
+                elif len(line) == 2 and line[0] == "PONG" and line[1].isdigit() and len(line[1]) <= 20:
+                    pong["n"] = max(pong["n"], int(line[1]))
+                    pong["event"].set()
+    except BaseExceptionGroup as group:  # one reason, not a tree: why the reservation ended
+        leaf = _first_error(group)
+        if isinstance(leaf, RelayError):
+            raise leaf from None
+        if isinstance(leaf, (OSError, trio.BrokenResourceError, trio.ClosedResourceError)):
+            raise RelayError(f"lost the relay {relay.peer_id}: {type(leaf).__name__}") from None
+        raise
+    finally:
+        await trio.aclose_forcefully(control)
+
+
+async def attach_to_relay(relay: Multiaddr, identity: Identity, local: tuple[str, int] | Callable[[socket.socket], None],
+                          *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Hold a reservation on this one relay for good (``--relay`` pins it): the
+    first must succeed; a lost one is reserved again, with backoff."""
     backoff = 0.5
+    first = True
     while True:
         try:
             async with trio.open_nursery() as nursery:
-                while True:
-                    line = (await reader.line()).decode(errors="replace").split()
-                    if len(line) == 2 and line[0] == "OPEN":
-                        nursery.start_soon(_serve_one, relay, line[1], local)
-        except (OSError, RelayError, trio.BrokenResourceError, ValueError, ExceptionGroup):
-            pass  # the relay went away (errors from the nursery arrive grouped)
-        await trio.aclose_forcefully(control)
-        while True:
-            await trio.sleep(backoff)
-            backoff = min(backoff * 2, 30.0)
-            try:
-                control, reader = await reserve(relay, identity)
+                await nursery.start(hold_reservation, relay, identity, local)
+                if first:
+                    task_status.started()
+                    first = False
                 backoff = 0.5
-                break
-            except (OSError, RelayError, trio.BrokenResourceError, ValueError):
-                continue
+        except* (OSError, RelayError, trio.BrokenResourceError, ValueError) as group:
+            if first:  # the first reservation must succeed: say why it did not
+                raise _first_error(group) from None
+        await trio.sleep(backoff)
+        backoff = min(backoff * 2, 30.0)
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    while isinstance(group, BaseExceptionGroup):
+        group = group.exceptions[0]
+    return group
 
 
 async def _serve_one(relay: Multiaddr, token: str, local: tuple[str, int] | Callable[[socket.socket], None]) -> None:

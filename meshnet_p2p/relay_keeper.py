@@ -1,0 +1,130 @@
+"""A peer that cannot be dialled keeps itself reachable through a relay it found
+in the DHT, and moves to another when that one dies or refuses.
+
+:class:`RelayKeeper` reads the relays' signed records (``relays.py``),
+measures its own round trip to each (a TCP connect: what a client's hop
+through that relay will pay on top), reserves on the best one
+(``dataplane/relay.py``: the reservation is renewed by a ping every
+KEEPALIVE_S), and tells its owner the relay it is reachable through, so the
+owner re-announces its circuit address at once. When the reservation ends
+(the relay died, froze, refused, or dropped it) that relay is set aside for a
+while and the next best is tried; when none is left it looks again, with
+backoff. No operator action at any step.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Callable
+
+import trio
+
+from .dataplane.relay import RelayError, Reservation, hold_reservation
+from .identity import Identity
+from .multiaddr import Multiaddr
+from .records import keep_newest
+from .relays import RELAYS_KEY, RelayOffer, rank_relays
+
+SET_ASIDE_S = 120.0  # a relay that failed us is not tried again this soon
+MAX_CANDIDATES = 32  # relays measured per search (a random sample of what the DHT holds)
+RTT_TIMEOUT_S = 2.0
+RTT_SAMPLES = 2
+
+
+async def measure_rtt(addr: Multiaddr, timeout: float = RTT_TIMEOUT_S, samples: int = RTT_SAMPLES) -> float | None:
+    """The best of ``samples`` TCP connects to ``addr``, in ms; None if it never answered."""
+    best = None
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        with trio.move_on_after(timeout):
+            try:
+                stream = await trio.open_tcp_stream(addr.host, addr.port)
+            except OSError:
+                return best
+            ms = (time.perf_counter() - t0) * 1000
+            await trio.aclose_forcefully(stream)
+            best = ms if best is None else min(best, ms)
+            continue
+        return best
+    return best
+
+
+class RelayKeeper:
+    def __init__(self, node, identity: Identity, local, *, on_change: Callable[[Reservation | None], None],
+                 print_line: Callable[[str], None] = print, measure=measure_rtt) -> None:
+        self.node = node
+        self.identity = identity
+        self.local = local  # what serves a relayed client: the server's adopt(), or an address
+        self.on_change = on_change  # told of each new reservation, and None when one is lost
+        self.print_line = print_line
+        self.measure = measure
+        self.current: Reservation | None = None
+        self.set_aside: dict[str, float] = {}  # relay peer id -> until (trio time)
+        self.searches = 0
+
+    async def offers(self) -> list[RelayOffer]:
+        """The relays the DHT knows, each with this peer's round trip to it."""
+        found = keep_newest({r.signer.multihash: r for r in self.node.records(RELAYS_KEY)},
+                            await self.node.get(RELAYS_KEY))
+        contents = [r.content for r in found.values() if r.content["peer_id"] != str(self.identity.peer_id)]
+        random.shuffle(contents)
+        contents = contents[:MAX_CANDIDATES]
+        rtts: dict[str, float | None] = {}
+        async with trio.open_nursery() as nursery:
+            async def one(c) -> None:
+                rtts[c["peer_id"]] = await self.measure(Multiaddr.parse(c["addr"]))
+
+            for c in contents:
+                nursery.start_soon(one, c)
+        return [RelayOffer.from_record(c, rtts.get(c["peer_id"])) for c in contents]
+
+    def _avoid(self) -> set[str]:
+        now = trio.current_time()
+        self.set_aside = {p: until for p, until in self.set_aside.items() if until > now}
+        return set(self.set_aside)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Keep a reservation for good. Started once the first one is held."""
+        started = False
+        backoff = 1.0
+        while True:
+            self.searches += 1
+            ranked = rank_relays(await self.offers(), me=str(self.identity.peer_id), avoid=self._avoid())
+            if not ranked:
+                self.print_line(f"no usable relay found; looking again in {backoff:g} s")
+                await trio.sleep(backoff * random.uniform(0.75, 1.25))
+                backoff = min(backoff * 2, 30.0)
+                continue
+            backoff = 1.0
+            for offer in ranked:
+                addr = Multiaddr.parse(offer.addr)
+                why = None
+                try:
+                    async with trio.open_nursery() as nursery:
+                        held = await nursery.start(hold_reservation, addr, self.identity, self.local)
+                        held.rtt_ms = offer.rtt_ms
+                        self.current = held
+                        self.print_line(f"reserved on relay {offer.peer_id} ({offer.rtt_ms:.1f} ms away)")
+                        self.on_change(held)
+                        if not started:
+                            task_status.started(held)
+                            started = True
+                except* (RelayError, OSError, trio.BrokenResourceError, ValueError) as group:
+                    why = _first(group)
+                self.set_aside[offer.peer_id] = trio.current_time() + SET_ASIDE_S
+                if self.current is not None:
+                    self.current = None
+                    self.on_change(None)
+                    self.print_line(f"lost relay {offer.peer_id}: {why}; finding another")
+                    break  # look again: the swarm may have changed since this search
+                self.print_line(f"relay {offer.peer_id} refused: {why}")
+
+
+def _first(group: BaseException) -> str:
+    while isinstance(group, BaseExceptionGroup):
+        group = group.exceptions[0]
+    return str(group) or type(group).__name__
+
+
+__all__ = ["RelayKeeper", "measure_rtt", "SET_ASIDE_S"]
