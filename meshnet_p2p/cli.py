@@ -104,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bootstrap(boot, "other bootstrap peers to join (repeatable; default $MESHNET_BOOTSTRAP)")
 
     relay = sub.add_parser("relay", help="run a relay for peers behind NAT (splices TLS it cannot read)")
-    relay.add_argument("--listen", default="127.0.0.1:4002", help="HOST:PORT for the TCP socket (port 0: any)")
+    relay.add_argument("--listen", default="0.0.0.0:4002", help="HOST:PORT for the TCP socket (port 0: any); on "
+                       "every address by default, announced at the one this machine reaches its bootstrap peers from")
     _add_identity(relay)
     _add_bootstrap(relay, "also join the DHT through these peers (repeatable; default $MESHNET_BOOTSTRAP)")
     relay.add_argument("--announce", metavar="MULTIADDR", help="the address peers and clients reach this relay at, "
@@ -129,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--model", help="GGUF model to serve (default: the embedded SmolLM2-135M-Instruct)")
     join.add_argument("--layers", default="auto", help="A:B, or auto: what the swarm most needs (default)")
     join.add_argument("--num-layers", type=_positive, help="with --layers auto: how many layers (default: a third)")
-    join.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT for the data plane (gRPC over TLS)")
+    join.add_argument("--listen", default="0.0.0.0:0", help="HOST:PORT for the data plane (gRPC over TLS); on every "
+                      "address by default, announced at the one this machine reaches its bootstrap peers from")
     _add_bootstrap(join, "bootstrap peers (repeatable; default $MESHNET_BOOTSTRAP, then bootstrap/peers.txt)")
     _add_identity(join)
     join.add_argument("--relay", metavar="MULTIADDR", help="be reachable through this relay (behind NAT)")
@@ -362,7 +364,7 @@ def _relay(args: argparse.Namespace) -> int:
 
     from .dataplane.relay import Relay, RelayLimits
     from .multiaddr import Multiaddr, announced
-    from .network import bootstrap_addrs, parse_listen, start_node
+    from .network import advertised_host, bootstrap_addrs, parse_listen, start_node
     from .reachability import tls_dial_check
     from .records import wall_ms
     from .relays import RELAY_ANNOUNCE_INTERVAL_S, RELAYS_KEY, sign_relay_record
@@ -371,8 +373,6 @@ def _relay(args: argparse.Namespace) -> int:
     identity = _load_or_create_identity(args.identity)
     announce = announced(args.announce, identity.peer_id) if args.announce else None
     seeds = bootstrap_addrs(args.bootstrap)
-    if seeds and announce is None and host in ("0.0.0.0", "::"):
-        raise MeshnetError(f"--listen {args.listen} is every address: say which one peers reach this relay at, with --announce")
     limits = RelayLimits(max_reservations=args.max_reservations, max_connections_per_peer=args.max_connections_per_peer,
                          bytes_per_second_per_peer=args.max_mbps_per_peer * 1e6 / 8)
 
@@ -383,7 +383,9 @@ def _relay(args: argparse.Namespace) -> int:
         relay = Relay(identity, limits, on_splice=splice_line)
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(relay.serve, host, port)
-            addr = announce or Multiaddr.for_socket(host, "tcp", bound, identity.peer_id)
+            # on every address: announced at the one this machine reaches its bootstrap peers from
+            here = Multiaddr.for_socket(advertised_host(host, seeds), "tcp", bound, identity.peer_id)
+            addr = announce or here
             if seeds:
                 node = await start_node(nursery, identity, listen=f"{host}:0", bootstrap=seeds, require_bootstrap=False,
                                         dial_back=tls_dial_check)
@@ -402,7 +404,7 @@ def _relay(args: argparse.Namespace) -> int:
                         await trio.sleep(RELAY_ANNOUNCE_INTERVAL_S)
 
                 nursery.start_soon(publish)
-            _print_line(f"listening on {Multiaddr.for_socket(host, 'tcp', bound, identity.peer_id)}")
+            _print_line(f"listening on {here}")
             if announce is not None:
                 _print_line(f"announcing {announce}")
             await until_signalled()

@@ -11,6 +11,7 @@ through bootstrap peers, publish and find capability reports.
 from __future__ import annotations
 
 import os
+import socket
 import pathlib
 from typing import Iterable, Mapping
 
@@ -24,7 +25,7 @@ from .dht.routing import Contact
 from .dht.transport import UdpTransport
 from .errors import MeshnetError
 from .identity import Identity
-from .multiaddr import Multiaddr, MultiaddrError
+from .multiaddr import Multiaddr, MultiaddrError, ip_of
 from .records import PayloadType, Record, keep_newest
 from .relays import TYPES as RELAY_TYPES
 
@@ -130,3 +131,23 @@ async def peers_for_model(node: DHTNode, model_digest: str) -> list[Record]:
     key = model_key(model_digest)
     found = keep_newest({r.signer.multihash: r for r in node.records(key)}, await node.get(key))
     return sorted(found.values(), key=lambda r: r.content["layers"][0])
+
+
+def advertised_host(listen_host: str, bootstrap) -> str:
+    """Where others dial a peer that listens on ``listen_host``: that host, or for a
+    wildcard the local address this machine reaches its bootstrap peers from (its
+    own public address, or its LAN address behind NAT: then dial-backs say so)."""
+    if listen_host not in ("0.0.0.0", "::", ""):
+        return listen_host
+    for b in bootstrap:
+        a = Multiaddr.parse(b) if isinstance(b, str) else b
+        if a.host is None or ip_of(a.host) is None:
+            continue
+        family = socket.AF_INET6 if ":" in a.host else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((a.host, a.port or 9))  # no datagram is sent: this only picks the route
+                return s.getsockname()[0]
+        except OSError:
+            continue
+    return "127.0.0.1"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from ipaddress import ip_address
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,8 +28,8 @@ from .errors import MeshnetError, unwrap_errors
 from .identity import Identity
 from .lifecycle import until_signalled
 from .models import ensure_shard
-from .multiaddr import Multiaddr
-from .network import peers_for_model, start_node
+from .multiaddr import Multiaddr, ip_of
+from .network import advertised_host, peers_for_model, start_node
 from .placement import Span, choose_span
 from .dialback import UNKNOWN, UNREACHABLE, Reachability
 from .reachability import ReachabilityError, check_reachability, tls_dial_check
@@ -129,7 +130,10 @@ async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> Non
         plane = await start_data_plane(nursery, engine, opts.identity, opts.listen_host, opts.listen_port,
                                        relay=opts.relay, limits=opts.limits, on_open=lambda sid: print_line(f"session {sid[:12]} opened"))
         servicer, creds = plane.servicer, plane.creds
-        addr = str(opts.announce) if opts.announce is not None else plane.addr  # where others dial it directly
+        # listening on every address: it is dialled at the one it reaches the swarm from
+        here = str(Multiaddr.for_socket(advertised_host(opts.listen_host, opts.bootstrap), "tcp", plane.server.port,
+                                        opts.identity.peer_id))
+        addr = str(opts.announce) if opts.announce is not None else here  # where others dial it directly
         caps = engine.capabilities()
         reach = _Reach(relay=opts.relay)  # the relay this peer is reachable through now, if any
         reach.plane = plane
@@ -168,7 +172,7 @@ async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> Non
                 print_line(f"announce reaching peers again ({stored})" if stored else
                            f"announce reached no peer; retrying every {ANNOUNCE_INTERVAL_S:g} s")
 
-        print_line(f"serving on {plane.addr}")  # (announced below, once others can reach it)
+        print_line(f"serving on {here}")  # (announced below, once others can reach it)
         if opts.relay is None:
             # Can others dial the address it would announce? Several peers try (reachability.py).
             verdict = await _reachability(node, addr, opts)
@@ -180,8 +184,8 @@ async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> Non
         else:
             print_line(f"reachable via {circuit_addr(opts.relay, opts.identity.peer_id)}")
         await publish_all()
-        print_line(f"listening on {plane.addr}")
-        if addr != plane.addr and not reach.unreachable:
+        print_line(f"listening on {here}")
+        if addr != here and not reach.unreachable:
             print_line(f"announcing {addr}")
         print_line(f"recipe {caps.recipe_digest}")
 
@@ -192,12 +196,21 @@ async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> Non
                 wake[0] = trio.Event()
                 await publish_all()
 
-        nursery.start_soon(announce)
+        announcing = trio.CancelScope()
+
+        async def announce_until_leaving() -> None:
+            with announcing:
+                await announce()
+
+        nursery.start_soon(announce_until_leaving)
         await until_signalled()
-        # Leave politely: say so, refuse newcomers, let open sessions finish.
+        # Leave politely: say so, refuse newcomers, let open sessions finish. No regular
+        # report may follow the departing one (it would say "come" again for 120 s).
+        announcing.cancel()
         servicer.draining = True
-        with trio.move_on_after(5):
-            await node.publish(key, report(departing=True))
+        if not (reach.unreachable and reach.relay is None):  # nobody could reach it: nothing to retract
+            with trio.move_on_after(5):
+                await node.publish(key, report(departing=True))
         with trio.move_on_after(DRAIN_GRACE_S):
             while engine.metrics().active_sessions:
                 await trio.to_thread.run_sync(servicer.reap_idle, DRAIN_IDLE_MS)  # generations finish; sessions that only sit hold nothing up
@@ -205,15 +218,16 @@ async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> Non
         nursery.cancel_scope.cancel()
 
 
-RECHECK_S = 30.0  # after an undecided reachability check, ask again this often
-RECHECKS = 10
+UNCHECKED = "unchecked"  # an address no dialer would dial (a DNS --announce): taken as given
+RECHECK_S = 30.0  # after an undecided reachability check, ask again after this, doubling...
+RECHECK_MAX_S = 600.0  # ...up to this
 
 
 async def _reachability(node, addr: str, opts: JoinOptions):
     try:
         return await check_reachability(node, [addr], avoid=opts.bootstrap_peer_ids)
-    except ReachabilityError as e:  # an address no dialer would dial (a DNS name): nobody can say
-        return Reachability(UNKNOWN, str(e), (), (), None, 0)
+    except ReachabilityError as e:  # an address no dialer would dial (a DNS name): announced as given
+        return Reachability(UNCHECKED, str(e), (), (), None, 0)
 
 
 async def _go_relayed(nursery, node, opts: JoinOptions, plane, reach: "_Reach", wake, print_line) -> None:
@@ -228,19 +242,26 @@ async def _go_relayed(nursery, node, opts: JoinOptions, plane, reach: "_Reach", 
             print_line(f"reachable via {circuit_addr(held.relay, opts.identity.peer_id)}")
             wake[0].set()
 
+    on_loopback = (ip_of(advertised_host(opts.listen_host, opts.bootstrap)) or ip_address("0.0.0.0")).is_loopback
     await nursery.start(RelayKeeper(node, opts.identity, plane.server.adopt, on_change=relay_changed,
-                                    print_line=print_line).run)
+                                    print_line=print_line, allow_loopback=on_loopback).run)
 
 
 async def _recheck(node, addr: str, opts: JoinOptions, print_line, reach: "_Reach", wake) -> None:
-    """Ask again until the swarm can tell; if it is unreachable after all, go relayed."""
-    for _ in range(RECHECKS):
-        await trio.sleep(RECHECK_S)
+    """Ask again until the swarm can tell (every RECHECK_S, then less often); if it
+    is unreachable after all, go relayed."""
+    wait = RECHECK_S
+    while True:
+        await trio.sleep(wait)
+        wait = min(wait * 2, RECHECK_MAX_S)
         verdict = await _reachability(node, addr, opts)
         if verdict.status == UNKNOWN:
             continue
+        if verdict.status == UNCHECKED:
+            return
         print_line(f"reachability: {verdict.status} ({verdict.reason})")
         if verdict.status == UNREACHABLE:
             async with trio.open_nursery() as nursery:
                 await _go_relayed(nursery, node, opts, reach.plane, reach, wake, print_line)
         return
+

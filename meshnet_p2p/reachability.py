@@ -31,6 +31,7 @@ from collections.abc import Iterable, Sequence
 
 import trio
 
+from .dataplane.relay import relay_target
 from .dataplane.tls import TLS_NAME, TlsBindingError, peer_of_der
 from .dht import wire
 from .dht.node import DHTNode
@@ -47,12 +48,15 @@ from .dialback import (
 )
 from .errors import MeshnetError
 from .identity import PeerId
+from .multiaddr import Multiaddr
 
 DEFAULT_DIALERS = 3
 CHECK_TIMEOUT = 5.0  # a dialer's dials take up to 3 s (dht.node.DIAL_TIMEOUT), then its answer travels
 DIAL_TIMEOUT = 3.0
+RELAY_DIAL_TIMEOUT = 5.0  # through a relay: its CONNECT, its OPEN to the peer, the peer's attach, then TLS
 
-__all__ = ["Reachability", "DialReport", "ReachabilityError", "check_reachability", "choose_dialers", "tls_dial_check"]
+__all__ = ["Reachability", "DialReport", "ReachabilityError", "check_reachability", "choose_dialers", "tls_dial_check",
+           "relay_dial_check"]
 
 
 class ReachabilityError(MeshnetError):
@@ -109,6 +113,44 @@ async def tls_dial_check(peer_id: PeerId, addr_text: str, timeout: float = DIAL_
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                 pass
         await trio.aclose_forcefully(stream.transport_stream)
+    return outcome
+
+
+async def relay_dial_check(peer_id: PeerId, relay: Multiaddr, timeout: float = RELAY_DIAL_TIMEOUT) -> tuple[bool, str]:
+    """Dial ``peer_id`` through ``relay`` as a client would (``CONNECT <peer>.peer:443``),
+    and check that whoever answers completes a TLS handshake with a certificate
+    bound to ``peer_id``: the relay really carries connections to it. A peer runs
+    this on itself, to catch a relay that takes a reservation and then forwards
+    nothing. Returns (True, "ok") or (False, a short reason). Never raises on
+    network errors."""
+    if relay.host is None or not relay.port:
+        return False, "bad address"
+    stream: trio.SSLStream | None = None
+    raw = None
+    outcome: tuple[bool, str] = (False, "timeout")
+    with trio.move_on_after(timeout):
+        try:
+            raw = await trio.open_tcp_stream(relay.host, relay.port)
+            target = relay_target(peer_id)
+            await raw.send_all(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+            head = b""
+            while b"\r\n\r\n" not in head:  # the relay's answer, up to the blank line (nothing follows it yet)
+                chunk = await raw.receive_some(1)
+                if not chunk or len(head) > 4096:
+                    raise trio.BrokenResourceError("the relay closed or rambled")
+                head += chunk
+            if not head.startswith(b"HTTP/1.1 200"):
+                outcome = (False, "the relay refused: " + head.split(b"\r\n", 1)[0].decode(errors="replace")[:40])
+            else:
+                stream = trio.SSLStream(raw, _client_context(), server_hostname=TLS_NAME)
+                await stream.do_handshake()
+                outcome = _identity_outcome(stream, peer_id)
+        except (trio.BrokenResourceError, ssl.SSLError):
+            outcome = (False, "tls failed" if stream is not None else "the relay closed")
+        except OSError:
+            outcome = (False, "unreachable")
+    if raw is not None:
+        await trio.aclose_forcefully(raw)
     return outcome
 
 

@@ -5,8 +5,10 @@ in the DHT, and moves to another when that one dies or refuses.
 measures its own round trip to each (a TCP connect: what a client's hop
 through that relay will pay on top), reserves on the best one
 (``dataplane/relay.py``: the reservation is renewed by a ping every
-KEEPALIVE_S), and tells its owner the relay it is reachable through, so the
-owner re-announces its circuit address at once. When the reservation ends
+KEEPALIVE_S), dials itself through the relay as a client would (a relay that
+takes reservations but carries nothing is passed over, and checked again
+every VERIFY_INTERVAL_S), and tells its owner the relay it is reachable
+through, so the owner re-announces its circuit address at once. When the reservation ends
 (the relay died, froze, refused, or dropped it) that relay is set aside for a
 while and the next best is tried; when none is left it looks again, with
 backoff. No operator action at any step.
@@ -20,16 +22,19 @@ from typing import Callable
 
 import trio
 
-from .dataplane.relay import RelayError, Reservation, hold_reservation
+from .dataplane.relay import KEEPALIVE_S, RelayError, Reservation, hold_reservation
 from .identity import Identity
 from .multiaddr import Multiaddr
+from .reachability import relay_dial_check
 from .records import keep_newest
-from .relays import RELAYS_KEY, RelayOffer, rank_relays
+from .relays import RELAYS_KEY, RelayOffer, one_per_network, rank_relays, usable_host
 
-SET_ASIDE_S = 120.0  # a relay that failed us is not tried again this soon
+SET_ASIDE_S = 120.0  # a relay that refused or failed at once goes to the back of the line this long
+LOST_SET_ASIDE_S = 10.0  # one lost after it worked a while (a restart, a blink): this long
 MAX_CANDIDATES = 32  # relays measured per search (a random sample of what the DHT holds)
 RTT_TIMEOUT_S = 2.0
 RTT_SAMPLES = 2
+VERIFY_INTERVAL_S = 60.0  # a reserved peer dials itself through its relay this often
 
 
 async def measure_rtt(addr: Multiaddr, timeout: float = RTT_TIMEOUT_S, samples: int = RTT_SAMPLES) -> float | None:
@@ -52,13 +57,17 @@ async def measure_rtt(addr: Multiaddr, timeout: float = RTT_TIMEOUT_S, samples: 
 
 class RelayKeeper:
     def __init__(self, node, identity: Identity, local, *, on_change: Callable[[Reservation | None], None],
-                 print_line: Callable[[str], None] = print, measure=measure_rtt) -> None:
+                 print_line: Callable[[str], None] = print, measure=measure_rtt, verify=relay_dial_check,
+                 allow_loopback: bool = False) -> None:
         self.node = node
         self.identity = identity
         self.local = local  # what serves a relayed client: the server's adopt(), or an address
         self.on_change = on_change  # told of each new reservation, and None when one is lost
         self.print_line = print_line
         self.measure = measure
+        # verify(peer_id, relay) -> (ok, why): a dial of this peer through the relay, as a client's
+        self.verify = verify
+        self.allow_loopback = allow_loopback  # relays on 127.0.0.1: only for a peer on loopback itself
         self.current: Reservation | None = None
         self.set_aside: dict[str, float] = {}  # relay peer id -> until (trio time)
         self.searches = 0
@@ -67,9 +76,9 @@ class RelayKeeper:
         """The relays the DHT knows, each with this peer's round trip to it."""
         found = keep_newest({r.signer.multihash: r for r in self.node.records(RELAYS_KEY)},
                             await self.node.get(RELAYS_KEY))
-        contents = [r.content for r in found.values() if r.content["peer_id"] != str(self.identity.peer_id)]
-        random.shuffle(contents)
-        contents = contents[:MAX_CANDIDATES]
+        contents = [r.content for r in found.values() if r.content["peer_id"] != str(self.identity.peer_id)
+                    and usable_host(Multiaddr.parse(r.content["addr"]).host, allow_loopback=self.allow_loopback)]
+        contents = one_per_network(contents, random)[:MAX_CANDIDATES]
         rtts: dict[str, float | None] = {}
         async with trio.open_nursery() as nursery:
             async def one(c) -> None:
@@ -96,14 +105,17 @@ class RelayKeeper:
                 await trio.sleep(backoff * random.uniform(0.75, 1.25))
                 backoff = min(backoff * 2, 30.0)
                 continue
-            backoff = 1.0
             for offer in ranked:
                 addr = Multiaddr.parse(offer.addr)
                 why = None
+                since = trio.current_time()
                 try:
                     async with trio.open_nursery() as nursery:
                         held = await nursery.start(hold_reservation, addr, self.identity, self.local)
                         held.rtt_ms = offer.rtt_ms
+                        # a relay that takes the reservation but carries nothing is no relay: try it first
+                        await self._check(addr)
+                        nursery.start_soon(self._watch, addr)
                         self.current = held
                         self.print_line(f"reserved on relay {offer.peer_id} ({offer.rtt_ms:.1f} ms away)")
                         self.on_change(held)
@@ -112,13 +124,38 @@ class RelayKeeper:
                             started = True
                 except* (RelayError, OSError, trio.BrokenResourceError, ValueError) as group:
                     why = _first(group)
-                self.set_aside[offer.peer_id] = trio.current_time() + SET_ASIDE_S
                 if self.current is not None:
+                    # it worked a while: a blink (a restart) is retried soon; one that drops at once is not
+                    held_for = trio.current_time() - since
+                    self.set_aside[offer.peer_id] = trio.current_time() + (
+                        LOST_SET_ASIDE_S if held_for > 4 * KEEPALIVE_S else SET_ASIDE_S)
                     self.current = None
                     self.on_change(None)
                     self.print_line(f"lost relay {offer.peer_id}: {why}; finding another")
+                    backoff = 1.0
                     break  # look again: the swarm may have changed since this search
+                self.set_aside[offer.peer_id] = trio.current_time() + SET_ASIDE_S
                 self.print_line(f"relay {offer.peer_id} refused: {why}")
+            else:  # every relay of this search failed: wait before the next
+                await trio.sleep(backoff * random.uniform(0.75, 1.25))
+                backoff = min(backoff * 2, 30.0)
+
+
+    async def _check(self, relay: Multiaddr) -> None:
+        ok, why = await self.verify(self.identity.peer_id, relay)
+        if not ok:
+            raise RelayError(f"a dial through it did not reach this peer ({why})")
+
+    async def _watch(self, relay: Multiaddr) -> None:
+        """Dial itself through the relay every VERIFY_INTERVAL_S; two failures in a
+        row end the reservation (one may be a busy moment)."""
+        failures = 0
+        while True:
+            await trio.sleep(VERIFY_INTERVAL_S)
+            ok, why = await self.verify(self.identity.peer_id, relay)
+            failures = 0 if ok else failures + 1
+            if failures >= 2:
+                raise RelayError(f"dials through it stopped reaching this peer ({why})")
 
 
 def _first(group: BaseException) -> str:

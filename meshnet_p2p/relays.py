@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from . import __version__
+from .dht.routing import ip_group
 from .identity import Identity
-from .multiaddr import Multiaddr, MultiaddrError
+from .multiaddr import Multiaddr, MultiaddrError, ip_of
 from .records import PayloadType, sign_record
 
 RELAY = "meshnet/relay/v1"
@@ -127,13 +128,42 @@ def relay_score(offer: RelayOffer) -> float:
     return offer.rtt_ms + LOAD_PENALTY_MS * load
 
 
+def usable_host(host: str | None, *, allow_loopback: bool = False) -> bool:
+    """Whether a relay record's host is worth dialling from here: never an
+    unspecified or link-local address (a record costs nothing and could aim a
+    peer's connects at its own machine), loopback only for a peer on loopback."""
+    ip = ip_of(host or "")
+    if ip is None:
+        return host is not None  # a DNS name: dialled like any address
+    if ip.is_unspecified or ip.is_link_local or ip.is_multicast:
+        return False
+    return allow_loopback or not ip.is_loopback
+
+
+def one_per_network(contents: Iterable[Mapping[str, Any]], rng) -> list[Mapping[str, Any]]:
+    """At most one relay record per public network (IPv4 /24, IPv6 /48), chosen at
+    random, then shuffled: one host minting identities counts once. Private and
+    loopback addresses are exempt (a LAN or a test swarm), as in the DHT's table."""
+    groups: dict[str, list] = {}
+    out = []
+    for c in contents:
+        group = ip_group(Multiaddr.parse(c["addr"]).host or "")
+        if group is None:
+            out.append(c)
+        else:
+            groups.setdefault(group, []).append(c)
+    out += [rng.choice(members) for members in groups.values()]
+    rng.shuffle(out)
+    return out
+
+
 def rank_relays(offers: Iterable[RelayOffer], *, me: str | None = None, avoid: Iterable[str] = ()) -> list[RelayOffer]:
-    """The relays worth trying, best first: reachable, not this peer, not set aside
-    (``avoid``: relays that refused or failed lately), not full; by :func:`relay_score`."""
+    """The relays worth trying, best first: reachable, not this peer, not full, by
+    :func:`relay_score`; those set aside (``avoid``: they failed lately) come
+    after every other, so a peer whose only relay blinked tries it again."""
     skip = set(avoid)
-    usable = [o for o in offers if o.peer_id != me and o.peer_id not in skip and not o.full
-              and math.isfinite(relay_score(o))]
-    return sorted(usable, key=lambda o: (relay_score(o), o.peer_id))
+    usable = [o for o in offers if o.peer_id != me and not o.full and math.isfinite(relay_score(o))]
+    return sorted(usable, key=lambda o: (o.peer_id in skip, relay_score(o), o.peer_id))
 
 
 def circuit_addr(relay: Multiaddr | str, peer_id: Any) -> str:

@@ -32,7 +32,9 @@ def main() -> None:
             print("paused", flush=True)
             sys.stdin.readline()
 
-    client = Client([boot], step_timeout=10.0, on_event=lambda e: print(f"event {e}", flush=True), ring=ring)
+    # peers here die by signal (noticed at once), not by freezing: a generous step timeout keeps a
+    # machine busy with a whole simulated swarm from passing a slow step for a dead peer
+    client = Client([boot], step_timeout=30.0, on_event=lambda e: print(f"event {e}", flush=True), ring=ring)
     r = client.generate(prompt, max_tokens, stop_at_eog=False, on_token=on_token)
     print("result " + json.dumps({"token_ids": r.token_ids, "route": r.route, "failovers": r.failovers}), flush=True)
 

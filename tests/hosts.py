@@ -136,6 +136,17 @@ class Net:
         host = self.hosts[name] = Host(self, name, ns, f"192.168.{k}.2", public_ip)
         return host
 
+    def forward_port(self, host: Host, port: int) -> None:
+        """Port forwarding on a NAT'd host's router, as a volunteer sets up at home:
+        TCP to the router's public address at ``port`` goes to the host's same port."""
+        if not host.behind_nat:
+            raise ValueError(f"{host.name} is not behind a NAT")
+        router = f"{host.ns}.nat"
+        self._iptables(router, "-t", "nat", "-A", "PREROUTING", "-i", "wan", "-p", "tcp", "--dport", str(port),
+                       "-j", "DNAT", "--to-destination", f"{host.ip}:{port}")
+        self._iptables(router, "-I", "FORWARD", "1", "-i", "wan", "-p", "tcp", "-d", host.ip, "--dport", str(port),
+                       "-j", "ACCEPT")
+
     # --- partitions -------------------------------------------------------------------------------
 
     def partition(self, group_a: list[Host], group_b: list[Host]) -> None:

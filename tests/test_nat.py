@@ -57,7 +57,9 @@ class World:
         self.client_host = net.public_host("client")
 
     def start(self, host: Host, *args: str) -> Proc:
-        return Proc(*args, env=self.env, prefix=(IP, "netns", "exec", host.ns))
+        p = Proc(*args, env=self.env, prefix=(IP, "netns", "exec", host.ns))
+        self.net.procs.append(p.p)  # SIGTERM, then SIGKILL, and reaped when the Net closes
+        return p
 
     def relay(self, name: str) -> Proc:
         host = self.net.public_host(name)
@@ -65,9 +67,9 @@ class World:
         p.address(60)
         return p
 
-    def join(self, host: Host, layers: str, *extra: str) -> Proc:
-        return self.start(host, "join", "--layers", layers, "--listen", f"{host.ip}:0", "--bootstrap", self.addr,
-                          "--threads", "1", *extra)
+    def join(self, host: Host, layers: str, *extra: str, listen: bool = True) -> Proc:
+        where = ("--listen", f"{host.ip}:0") if listen else ()  # without: every address, the default
+        return self.start(host, "join", "--layers", layers, *where, "--bootstrap", self.addr, "--threads", "1", *extra)
 
     def command(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         """A `meshnet-peer` command run to completion on the client's host."""
@@ -136,7 +138,7 @@ def test_a_volunteer_behind_nat_joins_with_no_flags_and_serves_through_a_relay_i
         head = w.join(net.public_host("a"), "0:10")
         tail = w.join(net.public_host("c"), "20:30")
         home = net.nat_host("home")
-        vol = w.join(home, "10:20")  # no --relay, no --announce
+        vol = w.join(home, "10:20", listen=False)  # nothing but where the swarm is: no --listen, --relay, --announce
         head.address(), tail.address()
         # several peers dialled its address back: it came from another (its router's) address
         assert vol.wait_line("reachability: ").startswith("reachability: unreachable")
@@ -158,6 +160,34 @@ def test_a_volunteer_behind_nat_joins_with_no_flags_and_serves_through_a_relay_i
         assert status["relays"][0]["limits"]["max_reservations"] == 128
         peers = {p["peer_id"]: p for m in status["models"] for rec in m["recipes"] for p in rec["peers"]}
         assert peers[vol_id]["reachability"] == f"relay {relay.address()}"
+
+
+def test_dialers_really_dial_a_volunteer_behind_nat_port_forwarded_or_not(tmp_path, cache_dir, reference):
+    """Two volunteers behind NAT both announce their router's public address
+    (--announce), which is where their packets come from, so the dialers do
+    dial: through the one router that forwards the port they reach the peer
+    (reachable: it is announced directly and serves so); the other router
+    drops them (unreachable: that one goes relayed)."""
+    require_hosts()
+    with Net() as net:
+        w = World(net, cache_dir, tmp_path)
+        relay = w.relay("relay")
+        head = w.join(net.public_host("a"), "0:10")
+        tail = w.join(net.public_host("c"), "20:30")
+        head.address(), tail.address()
+        forwarded, closed = net.nat_host("fwd"), net.nat_host("closed")
+        net.forward_port(forwarded, 5000)
+        good, bad = (w.join(h, "10:20", "--listen", "0.0.0.0:5000", "--announce", f"/ip4/{h.public_ip}/tcp/5000",
+                            listen=False) for h in (forwarded, closed))
+        assert good.wait_line("reachability: ").startswith("reachability: reachable")
+        assert good.wait_line("announcing ") == f"announcing /ip4/{forwarded.public_ip}/tcp/5000/p2p/{good.peer_id}"
+        assert bad.wait_line("reachability: ").startswith("reachability: unreachable")
+        assert bad.wait_line("reachable via ").startswith(f"reachable via {relay.address()}/p2p-circuit")
+        assert bad.wait_line("listening on ")
+        w.certify()
+        bad.stop()  # the forwarded one must carry the route
+        doc = w.generate()
+        assert doc["token_ids"] == reference and doc["route"][1]["peer_id"] == good.peer_id
 
 
 def test_a_volunteers_relay_dies_mid_generation_and_everyone_carries_on(tmp_path, cache_dir, reference):
@@ -217,7 +247,7 @@ def test_a_partition_heals_and_the_dht_converges_again(tmp_path, cache_dir, refe
         net.partition([b_host], [w.boot_host, a_host, w.client_host])
         _line_after(b, "announce reached no peer", seen)  # its next announce (within 30 s) reaches nobody
         r = w.command("generate", "--bootstrap", w.addr, "--prompt", PROMPT, "--max-tokens", "8", "--json")
-        assert r.returncode != 0 and "15" in r.stderr  # no route: layers 15-29 are out of reach
+        assert r.returncode != 0 and "layers 15-29" in r.stderr, r.stderr  # no route: they are out of reach
         seen = len(b.lines)
         net.heal()
         _line_after(b, "announce reaching peers again", seen)

@@ -4,6 +4,8 @@ when its own dies or refuses (relay_keeper.py)."""
 
 from __future__ import annotations
 
+import functools
+import random
 from unittest import mock
 
 import pytest
@@ -16,12 +18,16 @@ from meshnet_p2p.dataplane import relay as relay_mod
 from meshnet_p2p.dataplane.relay import (
     KEEPALIVE_S, PONG_TIMEOUT_S, Relay, RelayError, RelayLimits, hold_reservation,
 )
+from meshnet_p2p.dataplane.server import ShardServer
+from meshnet_p2p.dataplane.tls import make_tls_credentials
 from meshnet_p2p.identity import Identity
+from meshnet_p2p.reachability import relay_dial_check
 from meshnet_p2p.multiaddr import Multiaddr
 from meshnet_p2p.records import RecordVerifier, wall_ms
 from meshnet_p2p.relay_keeper import RelayKeeper
 from meshnet_p2p.relays import (
-    RELAYS_KEY, TYPES, RelayOffer, circuit_addr, rank_relays, relay_score, sign_relay_record, valid_relay_content,
+    RELAYS_KEY, TYPES, RelayOffer, circuit_addr, one_per_network, rank_relays, relay_score, sign_relay_record,
+    usable_host, valid_relay_content,
 )
 
 RELAY = Identity.from_seed(b"\x51" * 32)
@@ -62,9 +68,12 @@ def test_each_malformed_field_has_its_reason(field, value, reason):
     assert why is not None and why.startswith(reason), why
 
 
-json_like = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20) | st.binary(max_size=8),
-                         lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
-                         max_leaves=12)
+def _nest(inner):
+    return st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=10), inner, max_size=4))
+
+
+json_like = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=20),
+                                   st.binary(max_size=8)), _nest, max_leaves=12)
 
 
 @given(st.dictionaries(st.sampled_from(["key", "peer_id", "addr", "limits", "load", "version", "x"]), json_like, max_size=7),
@@ -89,9 +98,22 @@ def test_relays_rank_by_measured_round_trip_then_claimed_load():
     ranked = rank_relays([offer("slow", 30.0), offer("fast", 2.0), offer("busy-fast", 2.0, now=9),
                           offer("unreachable", None), offer("full", 1.0, now=10), offer("me", 0.5),
                           offer("failed", 0.5)], me="me", avoid={"failed"})
-    assert [o.peer_id for o in ranked] == ["fast", "busy-fast", "slow"]
+    # set aside ("failed" lately) ranks after every other, not out: a peer's only relay may have blinked
+    assert [o.peer_id for o in ranked] == ["fast", "busy-fast", "slow", "failed"]
     # a load claim tips close calls only: an idle relay 25 ms farther loses to a busy near one
     assert relay_score(offer("a", 2.0, now=9)) < relay_score(offer("b", 27.0, now=0))
+
+
+def test_records_cannot_aim_a_peer_at_its_own_machine_or_outnumber_others_from_one_network():
+    assert not usable_host("0.0.0.0") and not usable_host("::") and not usable_host("169.254.1.1")
+    assert not usable_host("127.0.0.1") and usable_host("127.0.0.1", allow_loopback=True)
+    assert usable_host("203.0.113.7") and usable_host("10.0.0.3") and usable_host("relay.example.org")
+    sybils = [{"addr": f"/ip4/1.2.3.{i}/tcp/4002/p2p/{RELAY.peer_id}"} for i in range(1, 200)]
+    honest = [{"addr": f"/ip4/9.9.9.9/tcp/4002/p2p/{PEER.peer_id}"}]
+    lan = [{"addr": f"/ip4/10.0.0.{i}/tcp/4002/p2p/{PEER.peer_id}"} for i in range(2, 5)]
+    picked = one_per_network(sybils + honest + lan, random.Random(1))
+    assert len(picked) == 1 + 1 + 3  # one of 199 from 1.2.3.0/24, the honest one, the LAN's (exempt)
+    assert honest[0] in picked
 
 
 # --- reservations: pings renew, silence ends ------------------------------------------------------
@@ -171,10 +193,51 @@ def test_a_peer_gives_up_a_relay_that_stops_answering_pings():
                 elapsed = trio.current_time() - t0
                 assert len(caught) == 1 and "did not answer a ping" in str(caught[0])
                 assert answered == [b"PING 1"] and held.rtt_ms is not None
-                assert 2 * KEEPALIVE_S <= elapsed <= 2 * KEEPALIVE_S + PONG_TIMEOUT_S + 1
+                assert elapsed == 2 * KEEPALIVE_S + PONG_TIMEOUT_S  # the virtual clock is exact
                 nursery.cancel_scope.cancel()
 
     _run(main)
+
+
+def test_a_relay_address_that_accepts_and_says_nothing_costs_a_bounded_wait():
+    """A record can point anywhere for free: a host that accepts the connection
+    and never answers must not hold a peer for ever (it then tries the next)."""
+
+    async def main():
+        ours, theirs = trio.testing.memory_stream_pair()
+
+        async def connect(host, port):
+            return ours
+
+        addr = Multiaddr.for_socket("10.0.0.1", "tcp", 4002, RELAY.peer_id)
+        with mock.patch.object(relay_mod.trio, "open_tcp_stream", connect):
+            t0 = trio.current_time()
+            with pytest.raises(RelayError, match="did not complete a reservation"):
+                await relay_mod.reserve(addr, PEER)  # nobody ever answers on `theirs`
+            assert trio.current_time() - t0 == relay_mod.RESERVE_TIMEOUT_S
+
+    _run(main)
+
+
+async def test_one_connection_that_breaks_the_handler_never_ends_the_relay(monkeypatch):
+    relay = Relay(RELAY)
+
+    async def broken(*args):
+        raise RuntimeError("a bug, or bytes nobody foresaw")
+
+    monkeypatch.setattr(relay, "_client", broken)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(relay.serve, "127.0.0.1", 0)
+        for _ in range(3):
+            s = await trio.open_tcp_stream("127.0.0.1", port)
+            await s.send_all(b"CONNECT x.peer:443 HTTP/1.1\r\n\r\n")
+            assert await s.receive_some(100) == b""  # that connection ends...
+            await s.aclose()
+        s = await trio.open_tcp_stream("127.0.0.1", port)  # ...and the relay still serves
+        await s.send_all(f"MESHNET-RESERVE {PEER.peer_id} {'11' * 32}\n".encode())
+        assert (await s.receive_some(1000)).startswith(b"CHALLENGE")
+        await s.aclose()
+        nursery.cancel_scope.cancel()
 
 
 # --- the keeper: find, reserve, move on --------------------------------------------------------------
@@ -193,9 +256,24 @@ class RecordsOnly:
         return []
 
 
-async def test_the_keeper_reserves_on_the_nearest_relay_and_moves_when_it_dies():
-    near_id, far_id = Identity.generate(), Identity.generate()
+@pytest.fixture
+def peer_server():
+    """A peer's real data-plane TLS listener (no engine: a dial only handshakes);
+    its adopt() is what a relayed connection is handed to."""
     peer = Identity.generate()
+    server = ShardServer(None, make_tls_credentials(peer)).start()
+    yield peer, server
+    server.stop(0)
+
+
+def _record(ident: Identity, port: int):
+    addr = Multiaddr.for_socket("127.0.0.1", "tcp", port, ident.peer_id)
+    return RecordVerifier(TYPES).verify(sign_relay_record(ident, addr, LIMITS, {}, now_ms=wall_ms()), wall_ms())
+
+
+async def test_the_keeper_reserves_on_the_nearest_relay_and_moves_when_it_dies(peer_server):
+    near_id, far_id = Identity.generate(), Identity.generate()
+    peer, server = peer_server
     changes: list = []
     changed = trio.Event()
     async with trio.open_nursery() as outer:
@@ -204,11 +282,7 @@ async def test_the_keeper_reserves_on_the_nearest_relay_and_moves_when_it_dies()
             near_port = await near_nursery.start(near.serve, "127.0.0.1", 0)
             far = Relay(far_id)
             far_port = await outer.start(far.serve, "127.0.0.1", 0)
-            records = []
-            for ident, port in ((near_id, near_port), (far_id, far_port)):
-                addr = Multiaddr.for_socket("127.0.0.1", "tcp", port, ident.peer_id)
-                records.append(RecordVerifier(TYPES).verify(
-                    sign_relay_record(ident, addr, LIMITS, {}, now_ms=wall_ms()), wall_ms()))
+            records = [_record(near_id, near_port), _record(far_id, far_port)]
             rtts = {str(near_id.peer_id): 1.0, str(far_id.peer_id): 9.0}
 
             async def measure(addr):
@@ -220,11 +294,12 @@ async def test_the_keeper_reserves_on_the_nearest_relay_and_moves_when_it_dies()
                 changed.set()
                 changed = trio.Event()
 
-            keeper = RelayKeeper(RecordsOnly(records), peer, ("127.0.0.1", 9), on_change=on_change,
-                                 print_line=lambda line: None, measure=measure)
+            keeper = RelayKeeper(RecordsOnly(records), peer, server.adopt, on_change=on_change,
+                                 print_line=lambda line: None, measure=measure, allow_loopback=True)
             held = await outer.start(keeper.run)
             assert str(held.relay.peer_id) == str(near_id.peer_id)
             assert list(near.reservations) == [str(peer.peer_id).lower()]
+            assert near.stats["spliced"] == 1  # it dialled itself through the relay before saying so
             waiting = changed
             near_nursery.cancel_scope.cancel()  # the near relay dies
         with trio.fail_after(30):
@@ -237,27 +312,37 @@ async def test_the_keeper_reserves_on_the_nearest_relay_and_moves_when_it_dies()
         outer.cancel_scope.cancel()
 
 
-async def test_the_keeper_passes_over_a_relay_that_refuses():
-    full_id, open_id = Identity.generate(), Identity.generate()
-    peer = Identity.generate()
+class BlackHole(Relay):
+    """Takes reservations, then carries nothing: a client's CONNECT is held, never spliced."""
+
+    async def _client(self, stream, reader, first) -> None:
+        await trio.sleep_forever()
+
+
+async def test_the_keeper_passes_over_a_relay_that_refuses_or_carries_nothing(peer_server):
+    full_id, hole_id, open_id = Identity.generate(), Identity.generate(), Identity.generate()
+    peer, server = peer_server
     async with trio.open_nursery() as nursery:
         full = Relay(full_id, RelayLimits(max_reservations=1))
         full.reservations["someone"] = object()  # full already
-        full_port = await nursery.start(full.serve, "127.0.0.1", 0)
+        hole = BlackHole(hole_id)
         other = Relay(open_id)
-        open_port = await nursery.start(other.serve, "127.0.0.1", 0)
-        records = [RecordVerifier(TYPES).verify(sign_relay_record(
-            ident, Multiaddr.for_socket("127.0.0.1", "tcp", port, ident.peer_id), LIMITS, {}, now_ms=wall_ms()), wall_ms())
-            for ident, port in ((full_id, full_port), (open_id, open_port))]
+        ports = [await nursery.start(r.serve, "127.0.0.1", 0) for r in (full, hole, other)]
+        records = [_record(i, p) for i, p in zip((full_id, hole_id, open_id), ports)]
         lines: list[str] = []
+        order = {full_id.peer_id: 1.0, hole_id.peer_id: 2.0, open_id.peer_id: 5.0}
 
-        async def measure(addr):  # the full one looks nearer: it is tried first
-            return 1.0 if addr.peer_id == full_id.peer_id else 5.0
+        async def measure(addr):  # the full one looks nearest, then the black hole: both are tried first
+            return order[addr.peer_id]
 
-        keeper = RelayKeeper(RecordsOnly(records), peer, ("127.0.0.1", 9), on_change=lambda held: None,
-                             print_line=lines.append, measure=measure)
+        keeper = RelayKeeper(RecordsOnly(records), peer, server.adopt, on_change=lambda held: None,
+                             print_line=lines.append, measure=measure, allow_loopback=True,
+                             verify=functools.partial(relay_dial_check, timeout=1.0))
         with trio.fail_after(30):
             held = await nursery.start(keeper.run)
         assert held.relay.peer_id == open_id.peer_id
         assert any(line.startswith(f"relay {full_id.peer_id} refused") and "relay full" in line for line in lines)
+        assert any(line.startswith(f"relay {hole_id.peer_id} refused") and "did not reach this peer" in line
+                   for line in lines), lines
+        assert not hole.reservations  # it let go of the black hole
         nursery.cancel_scope.cancel()

@@ -34,6 +34,7 @@ frozen relay), so that it can reserve elsewhere.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import secrets
 import socket
@@ -42,6 +43,7 @@ from typing import Callable
 
 import trio
 
+from ..dht.routing import ip_group
 from ..errors import MeshnetError
 from ..identity import Identity, IdentityError, PeerId
 from ..multiaddr import Multiaddr
@@ -49,9 +51,13 @@ from ..multiaddr import Multiaddr
 PEER_DOMAIN = b"meshnet-relay-reserve-v1\0"
 PEER_HOST_SUFFIX = ".peer"  # a CONNECT target is <lowercase peer id>.peer:443
 RELAY_DOMAIN = b"meshnet-relay-accept-v1\0"
+log = logging.getLogger(__name__)
 MAX_LINE = 8192
 KEEPALIVE_S = 10.0  # a peer pings its relay this often
 PONG_TIMEOUT_S = 5.0  # and gives the relay up when a ping goes unanswered this long
+RESERVE_TIMEOUT_S = 10.0  # connect, challenge, signature and verdict, all told
+MAX_ATTACHING = 64  # data connections a peer opens for its relay's clients at once
+MAX_RESERVATIONS_PER_GROUP = 8  # reservations from one source network (IPv4 /24, IPv6 /48): identities cost nothing
 
 
 class RelayError(MeshnetError):
@@ -123,6 +129,7 @@ class _Reservation:
     peer_id: PeerId
     control: trio.abc.Stream
     bucket: _TokenBucket
+    group: str | None = None  # the network it reserved from
     send_lock: trio.Lock = field(default_factory=trio.Lock)
     pending: dict[str, trio.MemorySendChannel] = field(default_factory=dict)
     scopes: set[trio.CancelScope] = field(default_factory=set)  # one per spliced connection
@@ -130,6 +137,15 @@ class _Reservation:
     @property
     def connections(self) -> int:
         return len(self.scopes)
+
+
+def _source_group(stream) -> str | None:
+    """The network (IPv4 /24, IPv6 /48) a connection comes from; None off a socket (tests)."""
+    try:
+        host = stream.socket.getpeername()[0]
+    except (AttributeError, OSError):
+        return None
+    return ip_group(host)
 
 
 async def _splice(a: trio.abc.Stream, b: trio.abc.Stream, bucket: _TokenBucket | None,
@@ -195,8 +211,11 @@ class Relay:
                 await self._reserve(stream, reader, first)
             elif first.startswith(b"MESHNET-ATTACH "):
                 await self._attach(stream, reader, first)
-        except (RelayError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError, IdentityError, ValueError):
+        except (RelayError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
+                trio.BusyResourceError, IdentityError, ValueError):
             pass
+        except Exception as e:  # one connection's bug or bytes must never end the relay
+            log.warning("relay connection ended by %r", e)
         finally:
             await trio.aclose_forcefully(stream)
 
@@ -223,12 +242,20 @@ class Relay:
             await stream.send_all(b"ERR relay full\n")
             self.stats["refused"] += 1
             return
+        group = _source_group(stream)
+        if old is None and group is not None and sum(
+                r.group == group for r in self.reservations.values()) >= MAX_RESERVATIONS_PER_GROUP:
+            await stream.send_all(b"ERR too many reservations from your network\n")
+            self.stats["refused"] += 1
+            return
         if old is not None:
             await trio.aclose_forcefully(old.control)  # the newest control connection wins
-        res = _Reservation(peer, stream, _TokenBucket(self.limits.bytes_per_second_per_peer, self.limits.burst_bytes))
+        res = _Reservation(peer, stream, _TokenBucket(self.limits.bytes_per_second_per_peer, self.limits.burst_bytes),
+                           group=group)
         self.reservations[key] = res
         self.stats["reservations"] += 1
-        await stream.send_all(b"OK\n")
+        async with res.send_lock:  # a client's OPEN may be sent on this stream from now on
+            await stream.send_all(b"OK\n")
         try:
             while True:  # pings renew the reservation; silence or EOF ends it
                 line = None
@@ -251,7 +278,8 @@ class Relay:
                 self._tokens.pop(token, None)
 
     async def _client(self, stream, reader: _LineReader, first: bytes) -> None:
-        await reader.http_head()
+        with trio.fail_after(self.limits.handshake_timeout):
+            await reader.http_head()
         parts = first.decode(errors="replace").split()
         target = parts[1] if len(parts) >= 2 else ""
         host = target.rsplit(":", 1)[0].lower()
@@ -317,6 +345,15 @@ async def reserve(relay: Multiaddr, identity: Identity) -> tuple[trio.abc.Stream
     relay_peer = relay.peer_id
     if relay_peer is None or relay.transport != "tcp":
         raise RelayError(f"relay address {relay} must be /ip4/<host>/tcp/<port>/p2p/<relay peer id>")
+    try:  # bounded: an address that accepts and then says nothing must not hold the peer for ever
+        with trio.fail_after(RESERVE_TIMEOUT_S):
+            return await _reserve_on(relay, relay_peer, identity)
+    except trio.TooSlowError:
+        raise RelayError(f"the relay at {relay.host}:{relay.port} did not complete a reservation "
+                         f"within {RESERVE_TIMEOUT_S:g} s") from None
+
+
+async def _reserve_on(relay: Multiaddr, relay_peer: PeerId, identity: Identity) -> tuple[trio.abc.Stream, _LineReader]:
     control = await trio.open_tcp_stream(relay.host, relay.port)
     try:
         reader = _LineReader(control)
@@ -359,13 +396,16 @@ async def hold_reservation(relay: Multiaddr, identity: Identity, local: tuple[st
     control, reader = await reserve(relay, identity)
     held = Reservation(relay)
     pong = {"n": 0, "event": trio.Event()}
+    sent = {"n": 0}  # the last ping sent: a pong for a later one is a lie
     send_lock = trio.Lock()
+    attaching = trio.CapacityLimiter(MAX_ATTACHING)
 
     async def pinger() -> None:
         for n in itertools.count(1):
             await trio.sleep(KEEPALIVE_S)
             pong["event"] = trio.Event()
             t0 = trio.current_time()
+            sent["n"] = n
             async with send_lock:
                 await control.send_all(f"PING {n}\n".encode())
             with trio.move_on_after(PONG_TIMEOUT_S):
@@ -383,12 +423,17 @@ async def hold_reservation(relay: Multiaddr, identity: Identity, local: tuple[st
             while True:
                 line = (await reader.line()).decode(errors="replace").split()
                 if len(line) == 2 and line[0] == "OPEN":
+                    if attaching.statistics().borrowed_tokens >= MAX_ATTACHING:
+                        continue  # a relay asking for more at once than any client needs: dropped
                     held.opened += 1
-                    nursery.start_soon(_serve_one, relay, line[1], local)
-                elif len(line) == 2 and line[0] == "PONG" and line[1].isdigit() and len(line[1]) <= 20:
+                    nursery.start_soon(_serve_one, relay, line[1], local, attaching)
+                elif len(line) == 2 and line[0] == "PONG" and line[1].isascii() and line[1].isdigit() \
+                        and len(line[1]) <= 20 and int(line[1]) <= sent["n"]:
                     pong["n"] = max(pong["n"], int(line[1]))
                     pong["event"].set()
     except BaseExceptionGroup as group:  # one reason, not a tree: why the reservation ended
+        if group.subgroup(trio.Cancelled) is not None:
+            raise  # being cancelled is not losing the relay
         leaf = _first_error(group)
         if isinstance(leaf, RelayError):
             raise leaf from None
@@ -406,16 +451,18 @@ async def attach_to_relay(relay: Multiaddr, identity: Identity, local: tuple[str
     backoff = 0.5
     first = True
     while True:
+        since = trio.current_time()
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(hold_reservation, relay, identity, local)
                 if first:
                     task_status.started()
                     first = False
-                backoff = 0.5
         except* (OSError, RelayError, trio.BrokenResourceError, ValueError) as group:
             if first:  # the first reservation must succeed: say why it did not
                 raise _first_error(group) from None
+        if trio.current_time() - since > 4 * KEEPALIVE_S:
+            backoff = 0.5  # it held a while: try again soon; one that drops at once waits longer each time
         await trio.sleep(backoff)
         backoff = min(backoff * 2, 30.0)
 
@@ -426,7 +473,21 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
     return group
 
 
-async def _serve_one(relay: Multiaddr, token: str, local: tuple[str, int] | Callable[[socket.socket], None]) -> None:
+async def _serve_one(relay: Multiaddr, token: str, local: tuple[str, int] | Callable[[socket.socket], None],
+                     limiter: trio.CapacityLimiter | None = None) -> None:
+    """One client's data connection: its failure is that client's, never the reservation's."""
+    if limiter is None:
+        limiter = trio.CapacityLimiter(1)
+    async with limiter:
+        try:
+            await _attach_one(relay, token, local)
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError):
+            pass
+        except Exception as e:  # e.g. the server could not take the socket: this client is lost, not the relay
+            log.warning("relayed connection for %s failed: %r", relay.peer_id, e)
+
+
+async def _attach_one(relay: Multiaddr, token: str, local: tuple[str, int] | Callable[[socket.socket], None]) -> None:
     try:
         data = await trio.open_tcp_stream(relay.host, relay.port)
         await data.send_all(f"MESHNET-ATTACH {token}\n".encode())

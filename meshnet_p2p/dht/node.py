@@ -35,7 +35,7 @@ from ..records import MAX_RECORD_BYTES, PayloadType, Record, RecordRejected, Rec
 from . import wire
 from .gossip import GossipState
 from .lookup import iterative_lookup
-from .routing import Contact, RoutingTable, key_id, node_id_of
+from .routing import Contact, RoutingTable, ip_group, key_id, node_id_of
 from .storage import ValueStore
 from .transport import Addr, DatagramTransport
 
@@ -55,6 +55,8 @@ MAX_SEEN_DATAGRAMS = 65_536
 MAX_VERIFYING = 64  # new (peer, address) pairs pinged at once
 MAX_PUSHES_IN_FLIGHT = 256  # gossip push tasks at once, whatever arrives
 MAX_SEEDS = 16  # bootstrap contacts kept for rejoining
+REJOIN_BELOW = 4  # a table this small (a partition emptied it) looks for its seeds again
+REJOIN_MAX_BACKOFF_S = 300.0
 REPLY_BUDGET_BYTES = 40_000  # records per reply, so a reply stays one datagram (wire.MAX_DATAGRAM)
 # dial_back (the dialer side of reachability checks)
 MAX_DIALS_IN_FLIGHT = 8  # addresses being dialled at once, over every request
@@ -115,6 +117,7 @@ class DHTNode:
         self._pushing = 0  # gossip pushes in flight (bounded: pulls spread what pushes skip)
         self._nursery: trio.Nursery | None = None
         self._seeds: list[Contact] = []  # the bootstrap contacts, to find the swarm again through
+        self._seed_retry: dict[Addr, tuple[float, float]] = {}  # seed address -> (next try, last wait)
         # dial(requester, address) -> (answered with the requester's certificate?, why): the role's
         # dialer (reachability.tls_dial_check); None: this node refuses dial_back ("not a dialer")
         self.dial_back: DialBack | None = dial_back
@@ -275,13 +278,14 @@ class DHTNode:
         if not proven:
             self.stats["dial_back_cookies"] += 1
             return "cookie", {"cookie": self._cookie(addr)}
-        if not self._dial_back_allowed(addr[0]):
-            return self._refuse(dialback.RATE_LIMITED)
         # the anti-abuse rule (libp2p AutoNAT's): dial only the IP the request came from
         dial = [dialback.same_ip(t.host, addr[0]) for t, _ in targets]
         n = sum(dial)
         if self._dials_in_flight + n > MAX_DIALS_IN_FLIGHT:
-            return self._refuse(dialback.BUSY)
+            return self._refuse(dialback.BUSY)  # (not counted against the source: it got nothing)
+        # per source network, not address: an IPv6 /64 or a /24 holds addresses by the thousand
+        if not self._dial_back_allowed(ip_group(addr[0]) or addr[0]):
+            return self._refuse(dialback.RATE_LIMITED)
         self.stats["dial_back_accepted"] += 1
         self.stats["dial_back_not_from_source"] += len(addrs) - n
         if n == 0:  # nothing to dial: the answer is known now
@@ -518,7 +522,10 @@ class DHTNode:
         during a partition), which puts those that answer back; if the table had
         emptied, look itself up again through them. Without this a node that lost
         every contact would never find the swarm again. Returns how many answered."""
-        missing = [c for c in self._seeds if not self._at_address(c)]
+        if len(self.table) >= REJOIN_BELOW:
+            return 0  # connected: a seed missing from a full bucket (or refused for diversity) is no loss
+        now = trio.current_time()
+        missing = [c for c in self._seeds if not self._at_address(c) and self._seed_retry.get(c.addr, (0.0, 0))[0] <= now]
         if not missing:
             return 0
         was_empty = len(self.table) == 0
@@ -528,8 +535,12 @@ class DHTNode:
                 nonlocal answered
                 if await self.ping(c) is not None:
                     answered += 1
+                    self._seed_retry.pop(c.addr, None)
                     if self.config.client_mode:
                         self.table.add(c)
+                else:  # a dead seed is asked less and less often (15 s doubling to 5 min)
+                    wait = min(REJOIN_MAX_BACKOFF_S, max(15.0, 2 * self._seed_retry.get(c.addr, (0.0, 7.5))[1]))
+                    self._seed_retry[c.addr] = (trio.current_time() + wait, wait)
 
             for c in missing:
                 nursery.start_soon(one, c)
