@@ -145,12 +145,29 @@ def _why(c: Mapping[str, Any]) -> str | None:
             matches = False
         if not matches:
             return "recipe axes do not hash to recipe_digest"
+    if "load" in c:
+        load = c["load"]
+        if not (isinstance(load, Mapping) and set(load) == set(_LOAD_FIELDS)
+                and _is_int(load["sessions"]) and 0 <= load["sessions"] <= MAX_FREE_SESSIONS
+                and all(_finite_in(load[k], 0.0, bound) for k, bound in _LOAD_BOUNDS.items())):
+            return (f"load must hold exactly {', '.join(_LOAD_FIELDS)}: sessions an int in [0, {MAX_FREE_SESSIONS}], "
+                    f"the others finite and in range")
     if "recipe_labels" in c:
         labels = c["recipe_labels"]
         if not (isinstance(labels, Mapping) and len(labels) <= MAX_RECIPE_LABELS and all(
                 _short_str(k, MAX_LABEL_CHARS) and _short_str(v, MAX_LABEL_CHARS) for k, v in labels.items())):
             return f"recipe_labels must map at most {MAX_RECIPE_LABELS} str to str, each <= {MAX_LABEL_CHARS} chars"
     return None
+
+
+# What a peer says of its recent work (since its last report), for monitors: the peer's own
+# claim, shown, never used to route. Optional: older reports have none.
+_LOAD_BOUNDS = {"rows_per_pass": 65536.0, "tokens_per_s": MAX_THROUGHPUT, "busy": 1.0}
+_LOAD_FIELDS = ("sessions", *_LOAD_BOUNDS)
+
+
+def _finite_in(x: Any, lo: float, hi: float) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and lo <= x <= hi
 
 
 def _valid(content: Mapping[str, Any]) -> str | None:
@@ -217,9 +234,14 @@ class CapabilityReport:
     departing: bool = False  # announced on shutdown: route around this peer
     recipe: Mapping[str, Any] | None = None  # every recipe axis, so a reader can name the ones that differ
     recipe_labels: Mapping[str, str] | None = None  # names beside the digest, not digested
+    # its recent work: {"sessions": open now, "rows_per_pass": batch occupancy, "tokens_per_s": rows
+    # computed per second, "busy": share of the time its engine computed}, since its last report
+    load: Mapping[str, Any] | None = None
 
     def content(self, identity: Identity) -> dict[str, Any]:
         extra = {} if self.recipe is None else {"recipe": dict(self.recipe), "recipe_labels": dict(self.recipe_labels or {})}
+        if self.load is not None:
+            extra["load"] = dict(self.load)
         return extra | {
             "key": model_key(self.model_digest),
             "peer_id": str(identity.peer_id),

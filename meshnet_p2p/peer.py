@@ -139,6 +139,18 @@ async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> Non
         reach.plane = plane
         wake = [trio.Event()]  # set: announce now (a new relay), not at the next period
 
+        last = {"at": time.monotonic(), "m": engine.metrics()}
+
+        def recent_load(m) -> dict:
+            """What it did since its last report: for monitors (a claim, never used to route)."""
+            now = time.monotonic()
+            dt, before = max(1e-3, now - last["at"]), last["m"]
+            passes, rows = m.passes - before.passes, m.rows - before.rows
+            last.update(at=now, m=m)
+            return {"sessions": min(m.active_sessions, 4096), "rows_per_pass": round(rows / passes, 3) if passes else 0.0,
+                    "tokens_per_s": round(min(rows / dt, 100_000.0), 3),
+                    "busy": round(min(1.0, max(0.0, (m.compute_seconds - before.compute_seconds) / dt)), 4)}
+
         def report(departing: bool = False) -> bytes:
             m = engine.metrics()
             relay = reach.relay
@@ -150,6 +162,7 @@ async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> Non
                 relay=str(relay) if relay else None, tls_cert=creds.cert_pem.decode(),
                 public_name=opts.public_name, departing=departing,
                 recipe=caps.recipe, recipe_labels=getattr(caps, "recipe_labels", None) or {},
+                load=recent_load(m),
             )
             now = wall_ms()
             return rep.sign(opts.identity, seq=now, now_ms=now, ttl_ms=10_000 if departing else CAPABILITY_TTL_MS)

@@ -59,13 +59,25 @@ def test_a_relayed_report_announces_its_circuit_address_through_that_relay_only(
     assert _valid(report(addrs=(circuit,)).content(IDENT)) is not None  # a circuit needs its relay named
 
 
+def test_a_report_may_say_what_its_peer_did_lately():
+    assert _valid(report(load=LOAD).content(IDENT)) is None
+    assert "load" not in valid_content()  # optional: older reports carry none
+
+
 def test_payload_bound_allows_recipe_axes_but_stays_below_the_record_bound():
     assert CAPABILITY_TYPE.max_payload_bytes == 8192 < MAX_RECORD_BYTES
 
 
+LOAD = {"sessions": 2, "rows_per_pass": 1.5, "tokens_per_s": 40.0, "busy": 0.25}
 ip6 = str(Multiaddr.for_socket("::1", "tcp", 4000, IDENT.peer_id))
 BAD = [
     # (field, bad value, words the reason must contain)
+    ("load", {**LOAD, "busy": 1.5}, "load must hold"),
+    ("load", {**LOAD, "tokens_per_s": math.inf}, "load must hold"),
+    ("load", {**LOAD, "sessions": -1}, "load must hold"),
+    ("load", {**LOAD, "sessions": True}, "load must hold"),
+    ("load", {"sessions": 2}, "load must hold"),
+    ("load", [1, 2], "load must hold"),
     ("throughput", math.nan, "throughput"),
     ("throughput", math.inf, "throughput"),
     ("throughput", -math.inf, "throughput"),

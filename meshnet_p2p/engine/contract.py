@@ -305,6 +305,8 @@ class MetricsResult:
     failed_steps: int = 0
     passes: int = 0  # llama_decode calls
     shared_passes: int = 0  # of them, those that carried steps of several sessions
+    rows: int = 0  # rows those calls carried (rows / passes: batch occupancy)
+    compute_seconds: float = 0.0  # time spent inside them
 
 
 class ShardEngine(abc.ABC):

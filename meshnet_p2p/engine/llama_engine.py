@@ -31,6 +31,7 @@ import itertools
 import math
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 import llama_cpp
@@ -89,7 +90,7 @@ class LlamaCppShardEngine(ShardEngine):
         self._state = "not-loaded"
         self._detail = ""
         self._m = dict(steps=0, tokens_processed=0, tokens_sampled=0, refused=0, cancelled=0, failed_steps=0,
-                       passes=0, shared_passes=0)
+                       passes=0, shared_passes=0, rows=0, compute_seconds=0.0)
         self.keep_logits = False  # tests: keep the tail's last logits per session
         self.last_logits: dict[str, np.ndarray] = {}
 
@@ -471,12 +472,16 @@ class LlamaCppShardEngine(ShardEngine):
         with self._table_lock:
             self._running = live[0][0].session.session_id if len(live) == 1 else None
             self._capture.abort = 0
+        t0 = time.perf_counter()
         rc = self._decode(live)
+        took = time.perf_counter() - t0
         with self._table_lock:
             self._running = None
             aborted = self._capture.abort
             self._capture.abort = 0
             self._m["passes"] += 1
+            self._m["rows"] += sum(m for _, _, m in live)
+            self._m["compute_seconds"] += took
             if len(live) > 1:
                 self._m["shared_passes"] += 1
             end = 0  # each step's rows end here in the pass (a tail's logits are its last row's)
