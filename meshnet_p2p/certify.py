@@ -106,16 +106,22 @@ def whole_model_reference(opts: CertifyOptions, view: RecipeView, source_sha256:
         return None, "the peers' reports do not state n_ubatch and seam_dtype"
     from .engine.cut import inspect_gguf
 
+    from .progress import TerminalProgress
+
     info = inspect_gguf(opts.model_path, source_sha256=source_sha256)
+    progress = TerminalProgress("the whole model")
     route = LocalRoute.from_model(opts.model_path, [(0, info.source_layers)], source_sha256=source_sha256,
                                   n_ubatch=n_ubatch, seam_dtype=seam, max_sessions=1,
-                                  n_ctx_per_session=len(prompt) + opts.max_tokens + 8, n_threads=opts.threads)
+                                  n_ctx_per_session=len(prompt) + opts.max_tokens + 8, n_threads=opts.threads,
+                                  progress=progress)
     try:
         mine = route.caps[0]
         if mine.recipe_digest != view.recipe_digest:
             axes = explain_mismatch(dict(mine.recipe), view.axes) or ["an axis this build does not know"]
             return None, "this machine runs another recipe: " + "; ".join(axes)
-        return route.generate(prompt, opts.max_tokens, SamplingParams(), stop_at_eog=False).token_ids, ""
+        done = iter(range(1, opts.max_tokens + 1))
+        return route.generate(prompt, opts.max_tokens, SamplingParams(), stop_at_eog=False,
+                              on_token=lambda _: progress("tokens", next(done), opts.max_tokens)).token_ids, ""
     finally:
         route.close()
 
@@ -141,8 +147,9 @@ async def certify(opts: CertifyOptions, log: Callable[[str], None] = print) -> d
     """Certify one recipe of the model in the swarm; returns a summary."""
     from .engine.cut import inspect_gguf, sha256_file
     from .engine.tokenizer import Tokenizer
+    from .progress import TerminalProgress
 
-    source_sha = await trio.to_thread.run_sync(sha256_file, opts.model_path)
+    source_sha = await trio.to_thread.run_sync(sha256_file, opts.model_path, TerminalProgress("the model"))
     info = await trio.to_thread.run_sync(lambda: inspect_gguf(opts.model_path, source_sha256=source_sha))
     n_layer, model = info.source_layers, info.model_digest
     prompt = Tokenizer(opts.model_path).encode(opts.prompt)

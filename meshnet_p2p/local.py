@@ -91,6 +91,7 @@ class LocalRoute:
                         seam_dtype=seam_dtype,
                         n_ubatch=n_ubatch,
                         source_sha256=source_sha256 if whole else None,
+                        progress=progress,
                     )
                 )
                 engines.append(engine)

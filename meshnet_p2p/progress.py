@@ -1,4 +1,7 @@
-"""Progress lines on a terminal, and silence everywhere else (pipes, logs, tests)."""
+"""Progress of long operations (hashing, cutting, loading a shard, certifying):
+a bar redrawn in place on a terminal, plain lines anywhere else (a pipe, a
+log file, a service manager's journal), so a log still says what happened
+and how long it took without filling up with carriage returns."""
 
 from __future__ import annotations
 
@@ -6,25 +9,58 @@ import sys
 import time
 from typing import TextIO
 
+PLAIN_EVERY_S = 10.0  # off a terminal, a line at each phase's start and end, and one this often between
+
 
 class TerminalProgress:
-    def __init__(self, label: str, stream: TextIO | None = None) -> None:
+    """A progress callback ``(phase, done, total)``; ``total`` in bytes (shown in
+    MB) or, for small totals such as a load's thousandths, shown as a percentage."""
+
+    def __init__(self, label: str, stream: TextIO | None = None, *, clock=time.monotonic) -> None:
         self.stream = stream or sys.stderr
-        self.enabled = self.stream.isatty()
+        self.tty = _isatty(self.stream)
         self.label = label
+        self.clock = clock
         self._last = 0.0
         self._phase = ""
+        self._started = 0.0
+        self._ended = ""  # the phase whose end was shown (callers may report the end twice)
 
     def __call__(self, phase: str, done: int, total: int) -> None:
-        if not self.enabled:
+        now = self.clock()
+        new_phase = phase != self._phase
+        if new_phase:
+            self._phase, self._started = phase, now
+        finished = done >= total
+        if finished and self._ended == phase and not new_phase:
             return
-        now = time.monotonic()
-        if phase == self._phase and done < total and now - self._last < 0.1:
-            return
-        self._phase, self._last = phase, now
-        pct = 100.0 * done / total if total else 100.0
-        bar = "#" * int(pct / 5)
-        self.stream.write(f"\r{self.label}: {phase:8s} [{bar:<20s}] {pct:5.1f}% of {total / 1e6:.0f} MB")
-        if done >= total:
-            self.stream.write("\n")
+        if finished:
+            self._ended = phase
+        if self.tty:
+            if not new_phase and not finished and now - self._last < 0.1:
+                return
+            self._last = now
+            pct = 100.0 * done / total if total else 100.0
+            bar = "#" * int(pct / 5)
+            self.stream.write(f"\r{self.label}: {phase:8s} [{bar:<20s}] {pct:5.1f}%{_size(total)}")
+            if finished:
+                self.stream.write("\n")
+        else:
+            if not (new_phase or finished or now - self._last >= PLAIN_EVERY_S):
+                return
+            self._last = now
+            pct = 100.0 * done / total if total else 100.0
+            took = f" in {now - self._started:.1f} s" if finished else ""
+            self.stream.write(f"{self.label}: {phase} {pct:.0f}%{_size(total)}{took}\n")
         self.stream.flush()
+
+
+def _size(total: int) -> str:
+    return f" of {total / 1e6:.0f} MB" if total >= 100_000 else ""
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False

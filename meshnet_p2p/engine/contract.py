@@ -22,9 +22,10 @@ import math
 import re
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Mapping
+from typing import Callable, Mapping
 
 from ..errors import MeshnetError
+from ..stats import HistogramSnapshot
 
 
 class StatusCode(str, Enum):
@@ -156,6 +157,8 @@ class LoadRequest:
     seam_dtype: str = "f32"
     n_ubatch: int = 64
     source_sha256: str | None = None  # for an uncut model file, skips hashing it again
+    # told ("loading", done, total) as llama.cpp reads the weights (done/total in thousandths)
+    progress: Callable[[str, int, int], None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if (self.max_sessions is not None and self.max_sessions < 1) or self.n_ctx_per_session < 1:
@@ -180,8 +183,9 @@ class EngineOptions:
     n_ubatch: int = LoadRequest.n_ubatch
     n_threads: int | None = LoadRequest.n_threads
 
-    def load_request(self, path: str, *, source_sha256: str | None = None) -> "LoadRequest":
-        return LoadRequest(path, source_sha256=source_sha256, **dataclasses.asdict(self))
+    def load_request(self, path: str, *, source_sha256: str | None = None,
+                     progress: Callable[[str, int, int], None] | None = None) -> "LoadRequest":
+        return LoadRequest(path, source_sha256=source_sha256, progress=progress, **dataclasses.asdict(self))
 
 
 @dataclass(frozen=True)
@@ -307,6 +311,7 @@ class MetricsResult:
     shared_passes: int = 0  # of them, those that carried steps of several sessions
     rows: int = 0  # rows those calls carried (rows / passes: batch occupancy)
     compute_seconds: float = 0.0  # time spent inside them
+    rows_per_pass: HistogramSnapshot | None = None  # how many rows each call carried (batch sizes)
 
 
 class ShardEngine(abc.ABC):

@@ -38,6 +38,7 @@ import llama_cpp
 import numpy as np
 
 from ..errors import MeshnetError
+from ..stats import BATCH_ROWS, Histogram
 from .contract import (
     HIDDEN,
     MAX_AUTO_SESSIONS,
@@ -91,6 +92,7 @@ class LlamaCppShardEngine(ShardEngine):
         self._detail = ""
         self._m = dict(steps=0, tokens_processed=0, tokens_sampled=0, refused=0, cancelled=0, failed_steps=0,
                        passes=0, shared_passes=0, rows=0, compute_seconds=0.0)
+        self._pass_rows = Histogram(BATCH_ROWS)  # rows per llama_decode: the batch sizes it achieved
         self.keep_logits = False  # tests: keep the tail's last logits per session
         self.last_logits: dict[str, np.ndarray] = {}
 
@@ -114,6 +116,9 @@ class LlamaCppShardEngine(ShardEngine):
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = 0
         mparams.use_extra_bufts = False  # AMX repacking crashes on these CPUs (see FACTS)
+        if request.progress is not None:  # kept alive for the call; llama.cpp asks it from this thread
+            progress_cb = llama_cpp.llama_progress_callback(_load_progress(request.progress))
+            mparams.progress_callback = progress_cb
         model = llama_cpp.llama_model_load_from_file(request.path.encode(), mparams)
         if not model:
             self._state = "failed"
@@ -481,6 +486,7 @@ class LlamaCppShardEngine(ShardEngine):
             self._capture.abort = 0
             self._m["passes"] += 1
             self._m["rows"] += sum(m for _, _, m in live)
+            self._pass_rows.observe(sum(m for _, _, m in live))
             self._m["compute_seconds"] += took
             if len(live) > 1:
                 self._m["shared_passes"] += 1
@@ -573,6 +579,7 @@ class LlamaCppShardEngine(ShardEngine):
                 kv_tokens_reserved=t.reserved if t else 0,
                 kv_tokens_used=t.used if t else 0,
                 **self._m,
+                rows_per_pass=self._pass_rows.snapshot(),
             )
 
     def session_position(self, session_id: str) -> int | None:
@@ -596,6 +603,18 @@ class _Work:
     position: int = 0  # the session's position after it
     status: Status | None = None  # why it failed; None: it completed
     finished: threading.Event = field(default_factory=threading.Event)
+
+
+def _load_progress(report):
+    """llama.cpp's load callback (a fraction, 0..1) as a progress report in thousandths;
+    it returns True (go on): a progress display must never abort a load."""
+    def cb(fraction: float, _user_data) -> bool:
+        try:
+            report("loading", int(max(0.0, min(1.0, fraction)) * 1000), 1000)
+        except Exception:
+            pass
+        return True
+    return cb
 
 
 def _consecutive(parts: list[tuple["_Work", int, int]]) -> list[list[tuple["_Work", int, int]]]:
