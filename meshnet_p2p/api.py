@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from .client import Client, GenerationError
+from .stats import Counters
 from .engine.contract import SamplingParams
 from .errors import MeshnetError
 from .lifecycle import until_signalled
@@ -169,6 +170,32 @@ def create_app(client: Client, model_name: str) -> FastAPI:
     return app
 
 
+ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions")  # any other path counts as "other"
+
+
+def count_requests(app, requests: Counters):
+    """``app`` counting each HTTP request by (endpoint, status): both from small sets,
+    so a scanner trying paths cannot grow the metrics (docs/metrics.md)."""
+
+    async def counted(scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await app(scope, receive, send)
+        endpoint = scope.get("path") if scope.get("path") in ENDPOINTS else "other"
+        status = []
+
+        async def sending(message) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        try:
+            await app(scope, receive, sending)
+        finally:  # nothing sent: the server answers 500
+            requests.add((endpoint, str(status[0] if status else 500)))
+
+    return counted
+
+
 def _finish(stopped: str | None) -> str | None:
     return None if stopped is None else ("stop" if stopped == "eog" else "length")
 
@@ -178,7 +205,9 @@ def _usage(result) -> dict[str, int]:
             "total_tokens": result.prompt_tokens + len(result.token_ids)}
 
 
-async def serve_api(client: Client, model_name: str, host: str, port: int, print_line=print) -> None:
+async def serve_api(client: Client, model_name: str, host: str, port: int, print_line=print,
+                    metrics: str | None = None) -> None:
+    """``metrics``: HOST:PORT to serve Prometheus metrics at (the client's and the requests')."""
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
@@ -186,10 +215,19 @@ async def serve_api(client: Client, model_name: str, host: str, port: int, print
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None
     config.errorlog = None
-    async with trio.open_nursery() as nursery:
-        stop = trio.Event()
-        bound = await nursery.start(lambda task_status: serve(create_app(client, model_name), config,
-                                                              shutdown_trigger=stop.wait, task_status=task_status))
-        print_line(f"listening on {bound[0]}")
-        await until_signalled()
-        stop.set()
+    requests = Counters()
+    app = count_requests(create_app(client, model_name), requests)
+    async with trio.open_nursery() as outer:  # the metrics outlive the API's graceful shutdown, then end
+        if metrics is not None:
+            from .metrics import ApiCollector, ClientCollector, metrics_url, serve_metrics
+
+            bound = await serve_metrics(outer, metrics, "api", ClientCollector(client), ApiCollector(requests))
+            print_line(f"metrics on {metrics_url(*bound)}")
+        async with trio.open_nursery() as nursery:
+            stop = trio.Event()
+            bound = await nursery.start(lambda task_status: serve(app, config, shutdown_trigger=stop.wait,
+                                                                  task_status=task_status))
+            print_line(f"listening on {bound[0]}")
+            await until_signalled()
+            stop.set()
+        outer.cancel_scope.cancel()

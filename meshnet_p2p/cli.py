@@ -69,6 +69,21 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="release a session that sends nothing for this long (default 120)")
 
 
+def _add_metrics(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics at http://HOST:PORT/metrics "
+                   "(port 0: any; docs/metrics.md)")
+
+
+def _metrics_listen(args: argparse.Namespace) -> str | None:
+    """--metrics, checked before anything starts (a bad value: one error line, exit 2)."""
+    if args.metrics is None:
+        return None
+    from .metrics import parse_metrics_listen
+
+    parse_metrics_listen(args.metrics)
+    return args.metrics
+
+
 def _add_trust(p: argparse.ArgumentParser) -> None:
     """Whose certificates count, beyond the bootstrap peers' keys (and --identity's)."""
     p.add_argument("--trust", action="append", default=[], metavar="PEER_ID",
@@ -102,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     boot.add_argument("--listen", default="127.0.0.1:4001", help="HOST:PORT for the UDP socket (port 0: any)")
     _add_identity(boot)
     _add_bootstrap(boot, "other bootstrap peers to join (repeatable; default $MESHNET_BOOTSTRAP)")
+    _add_metrics(boot)
 
     relay = sub.add_parser("relay", help="run a relay for peers behind NAT (splices TLS it cannot read)")
     relay.add_argument("--listen", default="0.0.0.0:4002", help="HOST:PORT for the TCP socket (port 0: any); on "
@@ -115,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="circuits (spliced connections) per reserved peer at once")
     relay.add_argument("--max-mbps-per-peer", type=_positive_float, default=512.0,
                        help="bandwidth per reserved peer, all its circuits together, megabits/s")
+    _add_metrics(relay)
 
     serve = sub.add_parser("serve", help="serve one shard over the gRPC data plane (no DHT)")
     serve.add_argument("--shard", help="a cut shard GGUF (or use --model with --layers)")
@@ -139,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "not where it listens (port forwarding, a proxy): /ip4/HOST/tcp/PORT")
     _add_engine_flags(join)
     join.add_argument("--public-name", default="", help="a name shown to clients")
+    _add_metrics(join)
 
     demo = sub.add_parser("demo", help="start a local swarm (bootstrap + 3 volunteers), generate, shut down")
     demo.add_argument("--prompt", default=None, help="what to ask (default: a short question)")
@@ -154,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--step-timeout", type=float, default=10.0)
     _add_trust(api)
     _add_identity(api)
+    _add_metrics(api)
 
     cert = sub.add_parser("certify", help="certify a dark recipe by a real distributed forward (signed evidence)")
     _add_bootstrap(cert, "bootstrap peers (repeatable; default $MESHNET_BOOTSTRAP)")
@@ -201,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--n-ubatch", type=_positive, default=64, help="micro-batch size (part of the recipe)")
     gen.add_argument("--seam-dtype", choices=("f32", "f16", "bf16"), default="f32")
     gen.add_argument("--threads", type=_positive, default=None)
+    from .monitor import add_parser as _add_monitor  # light: the role's imports load when it runs
+
+    _add_monitor(sub)
     return p
 
 
@@ -227,7 +249,7 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     handlers = {
         "shard": _shard, "identity": _identity, "generate": _generate, "demo": _demo, "join": _join,
         "bootstrap": _bootstrap, "relay": _relay, "serve": _serve, "api": _api,
-        "certify": _certify, "status": _status,
+        "certify": _certify, "status": _status, "monitor": _monitor,
     }
     handler = handlers.get(args.command)
     if handler is None:
@@ -342,6 +364,7 @@ def _bootstrap(args: argparse.Namespace) -> int:
     from .reachability import tls_dial_check
 
     parse_listen(args.listen)  # a bad flag fails before anything starts
+    metrics = _metrics_listen(args)
     identity = _load_or_create_identity(args.identity)
     seeds = bootstrap_addrs(args.bootstrap)
 
@@ -350,6 +373,10 @@ def _bootstrap(args: argparse.Namespace) -> int:
             # it also tells joining peers whether their address answers (reachability.py)
             node = await start_node(nursery, identity, listen=args.listen, bootstrap=seeds, require_bootstrap=False,
                                     dial_back=tls_dial_check)
+            if metrics is not None:
+                from .metrics import DhtCollector
+
+                await _serve_metrics(nursery, metrics, "bootstrap", DhtCollector(node))
             _print_line(f"listening on {node_multiaddr(node)}")
             await until_signalled()
             nursery.cancel_scope.cancel()
@@ -370,6 +397,7 @@ def _relay(args: argparse.Namespace) -> int:
     from .relays import RELAY_ANNOUNCE_INTERVAL_S, RELAYS_KEY, sign_relay_record
 
     host, port = parse_listen(args.listen)
+    metrics = _metrics_listen(args)
     identity = _load_or_create_identity(args.identity)
     announce = announced(args.announce, identity.peer_id) if args.announce else None
     seeds = bootstrap_addrs(args.bootstrap)
@@ -404,6 +432,11 @@ def _relay(args: argparse.Namespace) -> int:
                         await trio.sleep(RELAY_ANNOUNCE_INTERVAL_S)
 
                 nursery.start_soon(publish)
+            if metrics is not None:
+                from .metrics import DhtCollector, RelayCollector
+
+                await _serve_metrics(nursery, metrics, "relay", RelayCollector(relay),
+                                     *([DhtCollector(node)] if seeds else []))
             _print_line(f"listening on {here}")
             if announce is not None:
                 _print_line(f"announcing {announce}")
@@ -411,6 +444,18 @@ def _relay(args: argparse.Namespace) -> int:
             nursery.cancel_scope.cancel()
 
     return _run_listener(args.listen, run)
+
+
+async def _serve_metrics(nursery, listen: str, role: str, *collectors) -> None:
+    from .metrics import metrics_url, serve_metrics
+
+    _print_line(f"metrics on {metrics_url(*await serve_metrics(nursery, listen, role, *collectors))}")
+
+
+def _monitor(args: argparse.Namespace) -> int:
+    from .monitor import run
+
+    return run(args)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -509,10 +554,11 @@ def _api(args: argparse.Namespace) -> int:
     from .network import parse_listen
 
     host, port = parse_listen(args.listen)
+    metrics = _metrics_listen(args)
     seeds = _required_seeds(args)
     client = Client(seeds, model_path=_model_path(args.model) if args.model else None, step_timeout=args.step_timeout,
                     trust=_trust(args, seeds))
-    return _run_listener(args.listen, serve_api, client, client.model_name, host, port, _print_line)
+    return _run_listener(args.listen, serve_api, client, client.model_name, host, port, _print_line, metrics)
 
 
 def _join(args: argparse.Namespace) -> int:
@@ -524,6 +570,7 @@ def _join(args: argparse.Namespace) -> int:
     from .progress import TerminalProgress
 
     host, port = parse_listen(args.listen)
+    metrics = _metrics_listen(args)
     layers = None if args.layers == "auto" else parse_layer_range(args.layers)
     seeds = _required_seeds(args)
     identity = _load_or_create_identity(args.identity)
@@ -533,7 +580,7 @@ def _join(args: argparse.Namespace) -> int:
         relay=Multiaddr.parse(args.relay) if args.relay else None,
         announce=announced(args.announce, identity.peer_id) if args.announce else None, engine=_engine_options(args),
         public_name=args.public_name, progress=TerminalProgress("preparing the shard"),
-        limits=Limits(session_idle_ms=int(args.idle_timeout * 1000)),
+        limits=Limits(session_idle_ms=int(args.idle_timeout * 1000)), metrics=metrics,
     )
     return _run_listener(args.listen, join, opts, _print_line, doing="serve")
 

@@ -54,6 +54,7 @@ from .identity import Identity, PeerId
 from .multiaddr import Multiaddr
 from .generation import Generation, generate
 from .placement import NoRoute, Span, plan_route
+from .stats import ClientStats
 from .swarm_view import routable_spans, survey
 
 
@@ -682,6 +683,7 @@ class Client:
         self._survey_lock = threading.Lock()  # the last survey, shared by generations that start together
         self._survey: tuple[float, list[Span]] | None = None
         self._surveying: threading.Event | None = None
+        self.stats = ClientStats()  # generations, tokens, failovers: read by the api role's metrics
 
     def close(self) -> None:
         """Close the connections this client keeps to peers (generations under way fail)."""
@@ -737,7 +739,20 @@ class Client:
         return await trio.to_thread.run_sync(self._generate, provider, prompt, max_tokens,
                                              sampling or SamplingParams(), chat, on_token, stop_at_eog)
 
-    def _generate(self, provider, prompt, max_tokens, sampling, chat, on_token, stop_at_eog) -> GenerationResult:
+    def _generate(self, *args) -> GenerationResult:
+        try:
+            result = self._run(*args)
+        except Exception:
+            self.stats.generations.add("failed")
+            raise
+        s = self.stats
+        s.generations.add("completed")
+        s.tokens.add("prompt", result.prompt_tokens)
+        s.tokens.add("generated", len(result.token_ids))
+        s.first_token_seconds.observe(result.ttft_ms / 1000)
+        return result
+
+    def _run(self, provider, prompt, max_tokens, sampling, chat, on_token, stop_at_eog) -> GenerationResult:
         text = self.tokenizer.chat_prompt(prompt) if chat else prompt
         ids = self.tokenizer.encode(text)
         if not ids:
@@ -762,4 +777,5 @@ class Client:
                                     text=self.tokenizer.decode(run.token_ids),
                                     route=session.route(), failovers=session.failovers)
         finally:
+            self.stats.failovers.add("failovers", session.failovers)  # a failed generation's too
             session.close()

@@ -42,12 +42,12 @@ class BootstrapError(MeshnetError):
     pass
 
 
-def parse_listen(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` or ``[IPV6]:PORT``."""
+def parse_listen(text: str, flag: str = "--listen") -> tuple[str, int]:
+    """``HOST:PORT`` or ``[IPV6]:PORT`` (``flag``: the option named in the error)."""
     host, sep, port = text.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise BootstrapError(f"--listen {text!r} is not HOST:PORT (e.g. 127.0.0.1:0)")
+        raise BootstrapError(f"{flag} {text!r} is not HOST:PORT (e.g. 127.0.0.1:0)")
     return host, int(port)
 
 

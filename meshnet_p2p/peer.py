@@ -33,6 +33,7 @@ from .network import advertised_host, peers_for_model, start_node
 from .placement import Span, choose_span
 from .dialback import UNKNOWN, UNREACHABLE, Reachability
 from .reachability import ReachabilityError, check_reachability, tls_dial_check
+from .progress import StatusLine
 from .records import wall_ms
 from .relay_keeper import RelayKeeper
 from .relays import circuit_addr
@@ -57,6 +58,7 @@ class JoinOptions:
     public_name: str = ""
     progress: Callable | None = None
     limits: Limits = Limits()
+    metrics: str | None = None  # HOST:PORT to serve Prometheus metrics at (metrics.py)
 
     @property
     def bootstrap_peer_ids(self) -> set:
@@ -111,6 +113,8 @@ async def join(opts: JoinOptions, print_line: Callable[[str], None] = print) -> 
 
 
 async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> None:
+    status = StatusLine()  # on a terminal: one line redrawn in place, the others printed above it
+    print_line = status.wrap(print_line)
     async with trio.open_nursery() as nursery:
         node = await start_node(nursery, opts.identity, listen=f"{opts.listen_host}:0", bootstrap=opts.bootstrap,
                                 dial_back=tls_dial_check)  # it checks others' reachability, as they check its
@@ -124,12 +128,19 @@ async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> Non
             lambda: ensure_shard(opts.model_path, start, end, source_sha, opts.progress))
         whole = shard == opts.model_path
         load = await trio.to_thread.run_sync(
-            lambda: engine.load(opts.engine.load_request(shard, source_sha256=source_sha if whole else None)))
+            lambda: engine.load(opts.engine.load_request(shard, source_sha256=source_sha if whole else None,
+                                                         progress=opts.progress)))
         load.status.raise_for_status()
         throughput = await trio.to_thread.run_sync(measure_throughput, engine)
         plane = await start_data_plane(nursery, engine, opts.identity, opts.listen_host, opts.listen_port,
                                        relay=opts.relay, limits=opts.limits, on_open=lambda sid: print_line(f"session {sid[:12]} opened"))
         servicer, creds = plane.servicer, plane.creds
+        if opts.metrics is not None:
+            from .metrics import DataPlaneCollector, DhtCollector, EngineCollector, metrics_url, serve_metrics
+
+            bound = await serve_metrics(nursery, opts.metrics, "join", EngineCollector(engine),
+                                        DataPlaneCollector(servicer, plane.server), DhtCollector(node))
+            print_line(f"metrics on {metrics_url(*bound)}")
         # listening on every address: it is dialled at the one it reaches the swarm from
         here = str(Multiaddr.for_socket(advertised_host(opts.listen_host, opts.bootstrap), "tcp", plane.server.port,
                                         opts.identity.peer_id))
@@ -216,6 +227,8 @@ async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> Non
                 await announce()
 
         nursery.start_soon(announce_until_leaving)
+        if status.enabled:
+            nursery.start_soon(_status_line, status, engine, node, (start, end), reach)
         await until_signalled()
         # Leave politely: say so, refuse newcomers, let open sessions finish. No regular
         # report may follow the departing one (it would say "come" again for 120 s).
@@ -278,3 +291,21 @@ async def _recheck(node, addr: str, opts: JoinOptions, print_line, reach: "_Reac
                 await _go_relayed(nursery, node, opts, reach.plane, reach, wake, print_line)
         return
 
+
+
+STATUS_EVERY_S = 1.0
+
+
+async def _status_line(status: StatusLine, engine, node, span: tuple[int, int], reach: "_Reach") -> None:
+    """``join``'s line on a terminal: what it serves, its sessions, the rows it
+    computes per second, the peers its DHT node knows, how it is reached."""
+    before, at = engine.metrics(), time.monotonic()
+    while True:
+        await trio.sleep(STATUS_EVERY_S)
+        m, now = engine.metrics(), time.monotonic()
+        rate = (m.rows - before.rows) / max(1e-3, now - at)
+        before, at = m, now
+        how = f"via relay {str(reach.relay.peer_id)[-8:]}" if reach.relay else (
+            "unreachable, finding a relay" if reach.unreachable else "direct")
+        status.update(f"layers {span[0]}-{span[1] - 1} | {m.active_sessions} sessions | {rate:.1f} tok/s | "
+                      f"{len(node.table)} peers seen | {how}")

@@ -63,7 +63,7 @@ class Swarm:
     ``with Swarm(...) as swarm`` stops them all (joins first) however it ends."""
 
     def __init__(self, spans, *join_args: str, env: dict | None = None, process=PeerProcess, timeout: float = 300,
-                 boot_identity: str | None = None) -> None:
+                 boot_identity: str | None = None, boot_args: tuple[str, ...] = ()) -> None:
         # The bootstrap peer runs with a key file, so its operator can certify the
         # swarm's recipe with it (clients trust their bootstrap peers' keys).
         self._keys = None
@@ -71,7 +71,7 @@ class Swarm:
             self._keys = tempfile.TemporaryDirectory(prefix="meshnet-swarm-")
             boot_identity = os.path.join(self._keys.name, "bootstrap.key")
         self.boot_identity = boot_identity
-        self.boot = process("bootstrap", "--listen", "127.0.0.1:0", "--identity", boot_identity, env=env)
+        self.boot = process("bootstrap", "--listen", "127.0.0.1:0", "--identity", boot_identity, *boot_args, env=env)
         self.joins: list[PeerProcess] = []
         try:
             self.addr = self.boot.address(timeout)

@@ -1,7 +1,8 @@
 """Progress of long operations (hashing, cutting, loading a shard, certifying):
 a bar redrawn in place on a terminal, plain lines anywhere else (a pipe, a
-log file, a service manager's journal), so a log still says what happened
-and how long it took without filling up with carriage returns."""
+log file, a service manager's journal): one when a phase ends, saying how long
+it took, and one every PLAIN_EVERY_S while it lasts, so a log says what
+happened without filling up with carriage returns."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 import time
 from typing import TextIO
 
-PLAIN_EVERY_S = 10.0  # off a terminal, a line at each phase's start and end, and one this often between
+PLAIN_EVERY_S = 10.0  # off a terminal, a line when a phase ends, and one this often while it lasts
 
 
 class TerminalProgress:
@@ -46,7 +47,9 @@ class TerminalProgress:
             if finished:
                 self.stream.write("\n")
         else:
-            if not (new_phase or finished or now - self._last >= PLAIN_EVERY_S):
+            if new_phase:
+                self._last = now  # a short phase says only that it ended, and how long it took
+            if not (finished or now - self._last >= PLAIN_EVERY_S):
                 return
             self._last = now
             pct = 100.0 * done / total if total else 100.0
@@ -64,3 +67,35 @@ def _isatty(stream: TextIO) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+class StatusLine:
+    """One line kept at the bottom of a terminal and redrawn in place (``join``'s
+    sessions, tokens/s and peers), with other output printed above it. Off a
+    terminal it is silent: logs get the ordinary lines only."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream or sys.stderr
+        self.enabled = _isatty(self.stream)
+        self.text = ""
+
+    def update(self, text: str) -> None:
+        if not self.enabled:
+            return
+        self.text = text
+        self.stream.write("\r\x1b[K" + text)
+        self.stream.flush()
+
+    def wrap(self, print_line):
+        """``print_line``, clearing the status line first and redrawing it after."""
+        if not self.enabled:
+            return print_line
+
+        def printed(line: str) -> None:
+            self.stream.write("\r\x1b[K")
+            self.stream.flush()
+            print_line(line)
+            if self.text:
+                self.stream.write(self.text)
+                self.stream.flush()
+        return printed

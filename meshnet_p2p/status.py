@@ -5,22 +5,26 @@ this node's trust policy decides), the layers each recipe covers with its
 holes named, and its peers with their range, reachability (direct, or through
 which relay), load and throughput (each peer's own measure, and a round trip
 this command measures itself unless ``--no-probe``).
+
+The survey (:func:`survey_node`, through any running DHT node) is shared with
+``meshnet-peer monitor``, which keeps one node and surveys again and again.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import trio
 
-from .capability import MODELS_KEY
+from .capability import MODELS_KEY, model_key
 from .certification import TrustPolicy
 from .errors import MeshnetError, unwrap_errors
 from .identity import Identity
 from .placement import Span
-from .records import keep_newest
+from .records import Record, keep_newest
 from .relays import RELAYS_KEY
 from .swarm_view import RecipeView, SwarmView, build_view, fetch_records
 
@@ -83,6 +87,75 @@ def recipe_doc(view: SwarmView, r: RecipeView, rtt: dict[str, float | None]) -> 
     }
 
 
+@dataclass
+class Survey:
+    """What one survey of the swarm found: the relays' records, and per model its name and view."""
+
+    relays: list[Record]
+    models: list[tuple[str, SwarmView]]
+
+
+async def indexed_models(node) -> list[tuple[str, str, int]]:
+    """(digest, name, n_layer) of every model the swarm's index names, most announced first."""
+    index = keep_newest({r.signer.multihash: r for r in node.records(MODELS_KEY)}, await node.get(MODELS_KEY))
+    # the index is anyone's claim: a model's name and layer count are what most entries say
+    votes: dict[str, Counter] = {}
+    for rec in index.values():
+        c = rec.content
+        votes.setdefault(c["model_digest"], Counter())[(c["name"], c["n_layer"])] += 1
+    ranked = sorted(votes.items(), key=lambda kv: -sum(kv[1].values()))[:MAX_MODELS]
+    return [(digest, *count.most_common(1)[0][0]) for digest, count in ranked]
+
+
+class _OneLookupPerKey:
+    """A node whose ``get`` asks the network once per key: a survey that reads a
+    model's reports itself, departing ones kept, lets :func:`fetch_records` reuse that answer."""
+
+    def __init__(self, node) -> None:
+        self._node, self._got = node, {}
+
+    def records(self, key: str) -> list[Record]:
+        return self._node.records(key)
+
+    async def get(self, key: str) -> list[Record]:
+        if key not in self._got:
+            self._got[key] = await self._node.get(key)
+        return self._got[key]
+
+
+async def survey_node(node, trust: TrustPolicy, models: Sequence[tuple[str, str, int]] = (), *,
+                      keep_departing: bool = False) -> Survey:
+    """One survey through a running DHT node. ``keep_departing``: also the peers that
+    announced their departure (a monitor shows them leave; routing and ``status`` do not)."""
+    wanted = list(models) or await indexed_models(node)
+    relays = keep_newest({r.signer.multihash: r for r in node.records(RELAYS_KEY)}, await node.get(RELAYS_KEY))
+    views = []
+    for digest, name, n_layer in wanted:
+        once = _OneLookupPerKey(node)
+        reports, certs = await fetch_records(once, digest, trust.certifiers)
+        if keep_departing:
+            key = model_key(digest)
+            found = keep_newest({r.signer.multihash: r for r in once.records(key)}, await once.get(key))
+            reports = sorted(found.values(), key=lambda r: r.content["layers"][0])
+        views.append((name, build_view(digest, n_layer or None, reports, certs, trust)))
+    return Survey(list(relays.values()), views)
+
+
+def relay_doc(rec: Record) -> dict[str, Any]:
+    """A relay's own record: where it is, what it allows, what it carries now (its claim)."""
+    c = rec.content
+    return {"peer_id": c["peer_id"], "addr": c["addr"], "limits": dict(c["limits"]), "load": dict(c["load"])}
+
+
+def status_doc(survey: Survey, trust: TrustPolicy, rtt: dict[str, float | None]) -> dict[str, Any]:
+    return {
+        "relays": sorted((relay_doc(r) for r in survey.relays), key=lambda d: d["peer_id"]),
+        "trusted_certifiers": sorted(trust.certifiers),
+        "models": [{"model_digest": v.model_digest, "name": name, "n_layer": v.n_layer,
+                    "recipes": [recipe_doc(v, r, rtt) for r in v.recipes]} for name, v in survey.models],
+    }
+
+
 async def swarm_status(bootstrap: Sequence[Any], trust: TrustPolicy, models: Sequence[tuple[str, str, int]] = (),
                        *, probe_peers: bool = True) -> dict[str, Any]:
     """``models``: (digest, name, n_layer) to show; default: every model the swarm's index names."""
@@ -91,39 +164,18 @@ async def swarm_status(bootstrap: Sequence[Any], trust: TrustPolicy, models: Seq
     with unwrap_errors():
         async with trio.open_nursery() as nursery:
             node = await start_node(nursery, Identity.generate(), bootstrap=bootstrap, client_mode=True)
-            wanted = list(models)
-            if not wanted:
-                index = keep_newest({r.signer.multihash: r for r in node.records(MODELS_KEY)}, await node.get(MODELS_KEY))
-                # the index is anyone's claim: a model's name and layer count are what most entries say
-                votes: dict[str, Counter] = {}
-                for rec in index.values():
-                    c = rec.content
-                    votes.setdefault(c["model_digest"], Counter())[(c["name"], c["n_layer"])] += 1
-                ranked = sorted(votes.items(), key=lambda kv: -sum(kv[1].values()))[:MAX_MODELS]
-                wanted = [(digest, *count.most_common(1)[0][0]) for digest, count in ranked]
-            relays = keep_newest({r.signer.multihash: r for r in node.records(RELAYS_KEY)}, await node.get(RELAYS_KEY))
-            views = []
-            for digest, name, n_layer in wanted:
-                reports, certs = await fetch_records(node, digest, trust.certifiers)
-                views.append((name, build_view(digest, n_layer or None, reports, certs, trust)))
+            survey = await survey_node(node, trust, models)
             nursery.cancel_scope.cancel()
     rtt: dict[str, float | None] = {}
     if probe_peers:
-        spans = {s.peer_id: s for _, v in views for r in v.recipes for s in r.spans}
+        spans = {s.peer_id: s for _, v in survey.models for r in v.recipes for s in r.spans}
         async with trio.open_nursery() as nursery:
             async def one(s: Span) -> None:
                 rtt[s.peer_id] = await trio.to_thread.run_sync(probe, s)
 
             for s in spans.values():
                 nursery.start_soon(one, s)
-    return {
-        # each relay's own record: where it is, what it allows, what it carries now (its claim)
-        "relays": sorted(({"peer_id": r.content["peer_id"], "addr": r.content["addr"], "limits": dict(r.content["limits"]),
-                           "load": dict(r.content["load"])} for r in relays.values()), key=lambda d: d["peer_id"]),
-        "trusted_certifiers": sorted(trust.certifiers),
-        "models": [{"model_digest": v.model_digest, "name": name, "n_layer": v.n_layer,
-                    "recipes": [recipe_doc(v, r, rtt) for r in v.recipes]} for name, v in views],
-    }
+    return status_doc(survey, trust, rtt)
 
 
 def format_status(doc: dict[str, Any]) -> str:

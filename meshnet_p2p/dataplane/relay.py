@@ -38,6 +38,7 @@ import logging
 import os
 import secrets
 import socket
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -149,8 +150,10 @@ def _source_group(stream) -> str | None:
 
 
 async def _splice(a: trio.abc.Stream, b: trio.abc.Stream, bucket: _TokenBucket | None,
-                  transform: Callable[[bytes, str], bytes] | None = None, first: tuple[bytes, bytes] = (b"", b"")) -> int:
-    """Copy bytes both ways until either side closes; returns bytes moved."""
+                  transform: Callable[[bytes, str], bytes] | None = None, first: tuple[bytes, bytes] = (b"", b""),
+                  count: Callable[[str, int], None] | None = None) -> int:
+    """Copy bytes both ways until either side closes; returns bytes moved.
+    ``count(direction, n)`` is told of each chunk as it goes (for metrics)."""
     moved = 0
 
     async def pump(src, dst, leftover: bytes, direction: str, nursery: trio.Nursery) -> None:
@@ -166,6 +169,8 @@ async def _splice(a: trio.abc.Stream, b: trio.abc.Stream, bucket: _TokenBucket |
                     await bucket.take(len(data))
                 await dst.send_all(transform(data, direction) if transform else data)
                 moved += len(data)
+                if count is not None:
+                    count(direction, len(data))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         nursery.cancel_scope.cancel()  # one side ended: end the splice
@@ -188,11 +193,22 @@ class Relay:
         # counters since start: reservations made, refusals (full, unproven, over a limit),
         # splices made, bytes spliced, reservations ended for silence
         self.stats = {"reservations": 0, "refused": 0, "spliced": 0, "bytes": 0, "expired": 0}
+        # for metrics: refusals by reason (a fixed set, see _refuse), and bytes as they are spliced
+        # (stats["bytes"] counts a splice's bytes once it ends), a->b being client to peer
+        self.refusals: Counter[str] = Counter()
+        self.spliced_bytes = {"a->b": 0, "b->a": 0}
 
     def load(self) -> dict[str, int]:
         """What this relay carries now, and its counters: for its record and ``status``."""
         return {"reservations_now": len(self.reservations),
                 "circuits_now": sum(r.connections for r in self.reservations.values()), **self.stats}
+
+    def _refuse(self, reason: str) -> None:
+        self.stats["refused"] += 1
+        self.refusals[reason] += 1
+
+    def _count_bytes(self, direction: str, n: int) -> None:
+        self.spliced_bytes[direction] += n
 
     async def serve(self, host: str, port: int, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(port, host=host)
@@ -234,19 +250,19 @@ class Relay:
             reply = (await reader.line()).decode(errors="replace").split()
         if len(reply) != 2 or reply[0] != "SIG" or not peer.verify(bytes.fromhex(reply[1]), PEER_DOMAIN + nonce + self.identity.peer_id.multihash):
             await stream.send_all(b"ERR identity not proven\n")
-            self.stats["refused"] += 1
+            self._refuse("unproven")
             return
         key = str(peer).lower()
         old = self.reservations.get(key)
         if old is None and len(self.reservations) >= self.limits.max_reservations:
             await stream.send_all(b"ERR relay full\n")
-            self.stats["refused"] += 1
+            self._refuse("full")
             return
         group = _source_group(stream)
         if old is None and group is not None and sum(
                 r.group == group for r in self.reservations.values()) >= MAX_RESERVATIONS_PER_GROUP:
             await stream.send_all(b"ERR too many reservations from your network\n")
-            self.stats["refused"] += 1
+            self._refuse("network_limit")
             return
         if old is not None:
             await trio.aclose_forcefully(old.control)  # the newest control connection wins
@@ -285,14 +301,16 @@ class Relay:
         host = target.rsplit(":", 1)[0].lower()
         if not host.endswith(PEER_HOST_SUFFIX):
             await stream.send_all(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+            self.refusals["bad_target"] += 1  # (a client's mistake: not among stats["refused"])
             return
         res = self.reservations.get(host[: -len(PEER_HOST_SUFFIX)])
         if res is None:
             await stream.send_all(b"HTTP/1.1 404 Not Found\r\n\r\n")
+            self.refusals["no_reservation"] += 1
             return
         if res.connections >= self.limits.max_connections_per_peer:
             await stream.send_all(b"HTTP/1.1 429 Too Many Requests\r\n\r\n")
-            self.stats["refused"] += 1
+            self._refuse("circuit_limit")
             return
         token = secrets.token_hex(16)
         send, recv = trio.open_memory_channel(1)
@@ -310,7 +328,7 @@ class Relay:
                     await stream.send_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
                     self.stats["spliced"] += 1
                     moved = await _splice(stream, data_stream, res.bucket, self.transform,
-                                          first=(reader.buf, data_reader.buf))
+                                          first=(reader.buf, data_reader.buf), count=self._count_bytes)
                     self.stats["bytes"] += moved
                 finally:
                     attached.set()

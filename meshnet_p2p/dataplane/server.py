@@ -32,6 +32,7 @@ from concurrent import futures
 import trio
 
 from .._proto import shard_runtime_pb2 as pb
+from ..stats import Counters
 from . import grpc_core
 from .driver import Driver
 from .fair_pool import FairPool
@@ -154,7 +155,17 @@ class _Connection(Driver):
         data = self.recv_by(deadline)
         if data is None:
             raise _Closed()
+        self.server.stats.add("bytes_in", len(data))
         return data
+
+    # What crosses this connection's socket (TLS records, the handshake's too), for metrics.
+    def send_raw(self, data: bytes) -> None:
+        super().send_raw(data)
+        self.server.stats.add("bytes_out", len(data))
+
+    def feed_locked(self, data: bytes) -> None:
+        self.server.stats.add("bytes_in", len(data))
+        super().feed_locked(data)
 
     def dispatch_locked(self, events: list) -> None:
         """Hand each call what arrived for it (under the lock)."""
@@ -438,6 +449,8 @@ class ShardServer:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._conns: set[_Connection] = set()
+        # bytes read and written on client connections, connections served: read by metrics
+        self.stats = Counters(("bytes_in", "bytes_out", "connections"))
         self._call_budgets: dict[str, grpc_core.Budget] = {}  # per source (charge_call)
         self._budget_lock = threading.Lock()
         self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -490,6 +503,7 @@ class ShardServer:
                 sock.close()
                 return
             self._conns.add(conn)
+            self.stats.add("connections")
             conn.thread.start()  # under the lock: stop() never sees a connection whose thread has not started
 
     def _make_room(self, host: str):
@@ -550,6 +564,10 @@ class ShardServer:
         with self._budget_lock:
             budget = self._call_budgets.get(host)
             return 0.0 if budget is None else budget.debt_s(time.monotonic())
+
+    def open_connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
 
     def take_session_slot(self) -> bool:
         return self._session_slots.acquire(blocking=False)

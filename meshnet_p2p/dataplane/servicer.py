@@ -41,6 +41,7 @@ from ..engine.recipe import explain_mismatch
 from ..engine.sessions import context_refusal
 from ..identity import Identity
 from ..records import wall_ms
+from ..stats import ServingStats
 from .admission import Claimant, Held, Reclaim, Refuse, decide
 from .pool import ChannelPool
 from .ring import ATTACH_TOKEN_BYTES, MAX_LINKS_PER_SESSION, LinkError, RingLink, forwards, token_matches
@@ -160,6 +161,7 @@ class ShardRuntimeServicer:
         self._reaped: dict[str, pb.SessionResponse] = {}
         self._link_pool = ChannelPool()  # the ring's connections to next hops, shared by sessions
         self._client_creds: tuple[float, object] = (0.0, None)  # (made at, the certificate the ring dials with)
+        self.stats = ServingStats()  # read by the role's metrics (metrics.py)
 
     def close(self) -> None:
         """Close the ring's connections to next hops (the server has stopped)."""
@@ -249,6 +251,8 @@ class ShardRuntimeServicer:
                         continue
                     reply, opened_id = self._open(req.open, context, push)
                     opened = self._state(opened_id) if opened_id is not None else None
+                    if opened_id is None and reply.HasField("error"):
+                        self.stats.refused.add(E.Name(reply.error.code))
                     yield reply
                     if opened_id is None:
                         return
@@ -263,7 +267,11 @@ class ShardRuntimeServicer:
                     return
                 state.last_active_ms = self.now_ms()
                 if kind == "step":
-                    yield self._step(opened_id, state, req.step)
+                    t0 = time.perf_counter()
+                    reply = self._step(opened_id, state, req.step)
+                    yield reply
+                    if reply.HasField("result"):  # resumed once the server has written the reply
+                        self.stats.step_seconds["total"].observe(time.perf_counter() - t0)
                 elif kind == "credit":
                     state.top_up(req.credit.credits)
                 elif kind == "cancel":
@@ -333,6 +341,7 @@ class ShardRuntimeServicer:
                 return _error(E.CAPACITY, decision.reason, retryable=True, terminal=True,
                               retry_after_ms=FULL_RETRY_AFTER_MS), None
             if isinstance(decision, Reclaim):
+                self.stats.sessions.add("reclaimed")
                 reclaim = decision.session_id
                 reclaimed = self._states.pop(reclaim, None)
                 self._remember_reaped(reclaim, _error(
@@ -366,6 +375,7 @@ class ShardRuntimeServicer:
         state.ring = _Ring(attach_token=msg.attach_token, push=push)
         state.open(msg.route_epoch, credits)
         state.last_active_ms = self.now_ms()
+        self.stats.sessions.add("opened")
         if self.on_open is not None:
             self.on_open(sid)
         granted = self._limits_proto()
@@ -415,6 +425,8 @@ class ShardRuntimeServicer:
             _unlink(state)
         for sid in idle:
             self.engine.release(sid)
+        if idle:
+            self.stats.sessions.add("released_idle", len(idle))
         return idle
 
     def _forget(self, sid: str) -> None:
@@ -511,8 +523,11 @@ class ShardRuntimeServicer:
                 if req.step.route_epoch != epoch:  # an attach stream feeds the route it attached for, only
                     yield _error(E.EPOCH_STALE, "a step of another route than this attach's", terminal=True)
                     return
+                t0 = time.perf_counter()
                 reply = self._step(sid, state, req.step, attached=True)
-                if reply is not None:
+                if reply is None:  # computed: the owner has its copy and the next hop its input
+                    self.stats.step_seconds["total"].observe(time.perf_counter() - t0)
+                else:
                     yield reply
             elif kind == "credit":
                 state.top_up(req.credit.credits)
@@ -557,14 +572,18 @@ class ShardRuntimeServicer:
         """The reply to a step; for a step the ring fed (``attached``), None on
         success (the owner got its copy) and the error otherwise, which the owner
         gets too unless it is only an older route's step."""
+        t0 = time.perf_counter()
         with state.ring.lock:
-            reply = self._step_locked(sid, state, step, attached)
+            reply = self._step_locked(sid, state, step, attached, t0)
+        if reply is not None and reply.HasField("error"):
+            self.stats.step_errors.add(E.Name(reply.error.code))
         if attached and reply is not None and reply.HasField("error") and reply.error.code != E.EPOCH_STALE \
                 and state.ring.push is not None:
             state.ring.push(reply)
         return reply
 
-    def _step_locked(self, sid: str, state: SessionState, step: pb.Step, attached: bool) -> pb.SessionResponse | None:
+    def _step_locked(self, sid: str, state: SessionState, step: pb.Step, attached: bool,
+                     t0: float) -> pb.SessionResponse | None:
         wid, n = step.work_id, step.idempotency_step
         verdict = state.check_step(wid, n, step.route_epoch, step.deadline_unix_ms, self.now_ms())
         if verdict is Verdict.DUPLICATE:
@@ -592,10 +611,12 @@ class ShardRuntimeServicer:
             return _error(E.INVALID_ARGUMENT, str(e), work_id=wid, step=n)
         state.applied(n, step.route_epoch)
         state.running = wid
+        t1 = time.perf_counter()
         try:
             result = self.engine.decode(request) if step.decode else self.engine.prefill(request)
         finally:
             state.running = None
+        t2 = time.perf_counter()
         if not result.status.ok:
             s = result.status
             return _error(_ENGINE_CODES[s.code], s.message, work_id=wid, step=n, retryable=s.retryable)
@@ -621,4 +642,14 @@ class ShardRuntimeServicer:
             out.is_eog = result.token.is_eog
         else:
             bundle_to_proto(result.hidden, out=out.hidden)
-        return self._after_step(state, step, result, response, attached)
+        reply = self._after_step(state, step, result, response, attached)
+        self._count_step(step.decode, result.position - step.position, t0, t1, t2)
+        return reply
+
+    def _count_step(self, decode: bool, rows: int, t0: float, t1: float, t2: float) -> None:
+        s, kind = self.stats, "decode" if decode else "prefill"
+        s.steps.add(kind)
+        s.tokens.add(kind, rows)
+        s.step_seconds["queue"].observe(t1 - t0)
+        s.step_seconds["compute"].observe(t2 - t1)
+        s.step_seconds["reply"].observe(time.perf_counter() - t2)

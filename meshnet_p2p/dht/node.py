@@ -32,6 +32,7 @@ from .. import dialback
 from ..errors import MeshnetError
 from ..identity import Identity, PeerId
 from ..records import MAX_RECORD_BYTES, PayloadType, Record, RecordRejected, RecordVerifier, keep_newest, peek, wall_ms
+from ..stats import LOOKUP_SECONDS, Histogram
 from . import wire
 from .gossip import GossipState
 from .lookup import iterative_lookup
@@ -66,6 +67,7 @@ MAX_DIAL_BACK_SOURCES = 4096  # source IPs whose recent requests are remembered
 DIAL_TIMEOUT = 3.0  # one dial, connect and TLS handshake
 
 DialBack = Callable[[PeerId, str], Awaitable[tuple[bool, str]]]
+LOOKUP_OPS = ("find_node", "get", "put")
 
 
 @dataclass
@@ -106,6 +108,9 @@ class DHTNode:
         self.verifier = RecordVerifier(types)
         self.gossip = GossipState()
         self.stats: Counter[str] = Counter()
+        # lookups by operation: how long they took, and those no remote node answered (metrics.py reads them)
+        self.lookup_seconds = {op: Histogram(LOOKUP_SECONDS) for op in LOOKUP_OPS}
+        self.lookup_failures: Counter[str] = Counter()
         self._pending: dict[bytes, tuple[PeerId | None, trio.MemorySendChannel, Addr]] = {}
         self._seen: OrderedDict[tuple, int] = OrderedDict()  # datagrams seen, for replays
         self._verifying: set[tuple] = set()  # (peer, address) pairs being pinged before they enter the table
@@ -227,6 +232,7 @@ class DHTNode:
                 except trio.WouldBlock:
                     pass
                 continue
+            self.stats["received_" + msg.kind] += 1  # a request (wire.REQUESTS: a fixed set)
             proven = self._receives(addr, msg.body.get("cookie"))
             self._heard_from(msg.sender, addr, client=bool(msg.body.get("client")))
             try:
@@ -557,7 +563,15 @@ class DHTNode:
                 return None
             return None, self._contacts(reply.body.get("nodes"))
 
-        return (await self._lookup(target, call)).closest
+        t0 = trio.current_time()
+        closest = (await self._lookup(target, call)).closest
+        self._lookup_done("find_node", t0, bool(closest))
+        return closest
+
+    def _lookup_done(self, op: str, started: float, answered: bool) -> None:
+        self.lookup_seconds[op].observe(trio.current_time() - started)
+        if not answered:  # no remote node answered (or, for a put, took the record)
+            self.lookup_failures[op] += 1
 
     async def put(self, key: str, record_wire: bytes) -> int:
         """Store a record under ``key`` on the k nodes closest to it (and here).
@@ -568,6 +582,7 @@ class DHTNode:
         if not ok:
             raise DHTError(f"cannot store under {key!r}: {reason}")
         self._gossip_in(record_wire, from_peer=None, record=record)
+        t0 = trio.current_time()
         closest = await self.find_node(key_id(key.encode()))
         stored = 0
         async with trio.open_nursery() as nursery:
@@ -580,6 +595,7 @@ class DHTNode:
 
             for c in closest:
                 nursery.start_soon(one, c)
+        self._lookup_done("put", t0, stored > 0)
         return stored
 
     async def get(self, key: str) -> list[Record]:
@@ -617,7 +633,9 @@ class DHTNode:
         def enough(responses: dict[int, list[Record]]) -> bool:
             return sum(1 for recs in responses.values() if recs) >= self.config.get_quorum
 
+        t0 = trio.current_time()
         result = await self._lookup(target, call, done=enough)
+        self._lookup_done("get", t0, bool(result.responses))
         for recs in result.responses.values():
             keep_newest(found, recs)
         now = self.now_ms()

@@ -485,8 +485,9 @@ class LlamaCppShardEngine(ShardEngine):
             aborted = self._capture.abort
             self._capture.abort = 0
             self._m["passes"] += 1
-            self._m["rows"] += sum(m for _, _, m in live)
-            self._pass_rows.observe(sum(m for _, _, m in live))
+            rows = sum(m for _, _, m in live)
+            self._m["rows"] += rows
+            self._pass_rows.observe(rows)
             self._m["compute_seconds"] += took
             if len(live) > 1:
                 self._m["shared_passes"] += 1
