@@ -50,6 +50,7 @@ NOT_TCP = "not a direct tcp address"
 PORT_ZERO = "port 0"
 ANOTHER_PEER = "another peer's address"
 NOT_A_MULTIADDR = "not a multiaddr"  # the dialer drops such a request as malformed (BadDatagram)
+KNOWN_REFUSALS = frozenset({NOT_A_DIALER, BUSY, RATE_LIMITED, DNS_NAME, NOT_TCP, PORT_ZERO, ANOTHER_PEER})
 
 REACHABLE, UNREACHABLE, UNKNOWN = "reachable", "unreachable", "unknown"
 

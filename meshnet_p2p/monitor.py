@@ -31,6 +31,12 @@ if TYPE_CHECKING:  # cli.py imports this module to build its parser: the rest lo
     from .status import Survey
 
 MAX_EVENTS = 200
+# What one survey may put on the page: a report costs nothing to forge, so the doc
+# is bounded whatever the DHT holds (the coverage counts still count every peer).
+MAX_RECIPES_SHOWN = 16  # per model: certified first, then by live peers
+MAX_PEERS_SHOWN = 500  # per recipe: live first; the rest counted in peers_omitted
+MAX_RELAYS_SHOWN = 64
+MAX_EVENTS_OF_A_KIND = 20  # per survey: beyond, one summary event (identities churned by the thousand)
 SURVEY_TIMEOUT_S = 60.0  # a survey that takes longer counts as failed; the page keeps the last one
 DEFAULT_LISTEN = "127.0.0.1:8080"
 
@@ -80,6 +86,14 @@ def monitor_doc(survey: Survey, trust: TrustPolicy, *, now_ms: int) -> dict[str,
                 departing += p["departing"]
                 live += not p["departing"]
             rd["layer_counts"] = layer_counts(r.spans, view.n_layer)
+            rd["peers_omitted"] = max(0, len(rd["peers"]) - MAX_PEERS_SHOWN)
+            rd["peers"] = sorted(rd["peers"], key=lambda p: (p["departing"], p["layers"][0], p["peer_id"]))[:MAX_PEERS_SHOWN]
+        m["recipes_omitted"] = max(0, len(m["recipes"]) - MAX_RECIPES_SHOWN)
+        m["recipes"] = sorted(m["recipes"], key=lambda r: (r["state"] != "certified",
+                                                           -sum(not p["departing"] for p in r["peers"]),
+                                                           r["recipe_digest"]))[:MAX_RECIPES_SHOWN]
+    doc["relays_omitted"] = max(0, len(doc["relays"]) - MAX_RELAYS_SHOWN)
+    doc["relays"] = doc["relays"][:MAX_RELAYS_SHOWN]
     doc["generated_at_ms"] = now_ms
     doc["totals"] = {"models": len(doc["models"]), "recipes": sum(len(m["recipes"]) for m in doc["models"]),
                      "peers": len(peers), "live": live, "departing": departing, "relays": len(doc["relays"])}
@@ -181,7 +195,23 @@ def diff_events(old: Mapping[str, Any] | None, new: Mapping[str, Any], now_ms: i
         out.append(event(now_ms, "relay-appeared", f"relay {pid[-8:]} appeared at {new_relays[pid]['addr']}", pid))
     for pid in sorted(old_relays.keys() - new_relays.keys()):
         out.append(event(now_ms, "relay-gone", f"relay {pid[-8:]} at {old_relays[pid]['addr']} vanished", pid))
-    return out
+    return _collapse(out, now_ms)
+
+
+def _collapse(events: list[dict[str, Any]], now_ms: int) -> list[dict[str, Any]]:
+    """At most MAX_EVENTS_OF_A_KIND events of one kind from one survey; the rest become
+    one summary, so a burst of forged identities cannot flush the log."""
+    kept, extra = [], {}
+    seen: dict[str, int] = {}
+    for e in events:
+        seen[e["kind"]] = seen.get(e["kind"], 0) + 1
+        if seen[e["kind"]] <= MAX_EVENTS_OF_A_KIND:
+            kept.append(e)
+        else:
+            extra[e["kind"]] = extra.get(e["kind"], 0) + 1
+    for kind, n in extra.items():
+        kept.append(event(now_ms, kind, f"and {n} more {kind} events in this survey"))
+    return kept
 
 
 # --- the survey loop ---------------------------------------------------------------------------
@@ -213,7 +243,11 @@ class Monitor:
                 self.events.append(event(now, "survey-failed", f"survey failed: {error}"))
             self.status.update(ok=False, error=error)
             return
-        doc = monitor_doc(survey, self.trust, now_ms=now)
+        try:
+            doc = monitor_doc(survey, self.trust, now_ms=now)
+        except Exception as e:  # a doc that cannot be built is a failed survey, never the end of the role
+            self.record(None, f"cannot show this survey: {type(e).__name__}", started_ms)
+            return
         if self.status["ok"] is False:
             self.events.append(event(now, "survey-recovered", "survey works again"))
         self.events.extend(diff_events(self.doc, doc, now))

@@ -50,6 +50,7 @@ article.recipe { background: var(--card); border: 1px solid var(--line); border-
 .c4 { background: #3f9a48; color: #fff; }
 .axis { position: relative; height: 13px; color: var(--muted); font-size: 10px; margin-bottom: 3px; }
 .axis span { position: absolute; transform: translateX(-50%); }
+.lanes { overflow: hidden; }
 .lane { position: relative; height: 15px; margin-bottom: 2px; }
 .span { position: absolute; top: 0; bottom: 0; background: #dce7f7; border: 1px solid #9db6dc; border-radius: 3px;
         font-size: 10px; line-height: 13px; padding: 0 3px; overflow: hidden; white-space: nowrap;
@@ -182,7 +183,8 @@ function fillTable(card) {
     return ((x < y ? -1 : x > y ? 1 : 0) * ui.dir) || (a.peer_id < b.peer_id ? -1 : 1);
   });
   card.querySelector("tbody").replaceChildren(...rows.map(peerRow));
-  card.querySelector(".shown").textContent = `${rows.length} of ${peers.length} peers`;
+  const omitted = card.omitted ? ` (and ${card.omitted} more not listed: the bar counts them)` : "";
+  card.querySelector(".shown").textContent = `${rows.length} of ${peers.length} peers${omitted}`;
   for (const th of card.querySelectorAll("table.peers th")) {
     th.dataset.dir = th.dataset.key === ui.sort ? String(ui.dir) : "";
   }
@@ -194,7 +196,7 @@ function makeCard(id, m, r) {
                              "aria-label": "filter peers"});
   const head = el("tr", {}, COLUMNS.map((c) => el("th", {"data-key": c.key, title: c.title || null,
                                                         class: c.num ? "num" : null}, c.label)));
-  const bar = `coverage-${m.model_digest.slice(0, 8)}-${r.recipe_digest.slice(0, 12)}`;
+  const bar = `coverage-${m.model_digest}-${r.recipe_digest}`;  // full digests: a prefix costs nothing to copy
   const card = el("article", {class: "recipe", id, "data-model": m.model_digest, "data-recipe": r.recipe_digest},
     el("div", {class: "rhead"}),
     el("div", {class: "bar", role: "img", id: bar}),
@@ -249,6 +251,7 @@ function drawLanes(card, m, r) {
   let hidden = 0;
   const spans = [...r.peers].sort((a, b) => a.layers[0] - b.layers[0] || b.layers[1] - a.layers[1]);
   for (const p of spans) {  // first fit: each lane holds spans that do not overlap
+    if (!(Math.min(n, p.layers[1]) > Math.max(0, p.layers[0]))) continue;  // nothing of it on this model's layers
     let lane = lanes.find((l) => l.end <= p.layers[0]);
     if (!lane) {
       if (lanes.length >= MAX_LANES) { hidden++; continue; }
@@ -257,7 +260,7 @@ function drawLanes(card, m, r) {
     lane.end = p.layers[1]; lane.items.push(p);
   }
   const rows = lanes.map((l) => el("div", {class: "lane"}, l.items.map((p) => {
-    const a = Math.max(0, p.layers[0]), b = Math.min(n, p.layers[1]);
+    const a = Math.min(n, Math.max(0, p.layers[0])), b = Math.min(n, Math.max(a, p.layers[1]));
     const cls = "span" + (p.departing ? " departing" : "") + (p.reachability !== "direct" ? " relayed" : "");
     const what = `${label(p)} ${p.peer_id}: layers ${layers(p)}, ${p.reachability}${p.departing ? ", departing" : ""}`;
     const s = el("div", {class: cls, "data-span-peer": p.peer_id, title: what}, label(p));
@@ -294,6 +297,7 @@ function updateCard(card, m, r) {
   drawBar(card, m, r);
   drawLanes(card, m, r);
   card.peers = r.peers;
+  card.omitted = r.peers_omitted || 0;
   fillTable(card);
 }
 
@@ -305,7 +309,7 @@ function renderModels(doc) {
     return;
   }
   doc.models.forEach((m, i) => {
-    const id = "model-" + m.model_digest.slice(0, 12);
+    const id = "model-" + m.model_digest;
     const sec = document.getElementById(id) ||
                 el("section", {class: "model", id, "data-model": m.model_digest}, el("h2"));
     const recipes = `${m.recipes.length} recipe${m.recipes.length === 1 ? "" : "s"}`;
@@ -317,7 +321,7 @@ function renderModels(doc) {
       return;
     }
     m.recipes.forEach((r, j) => {
-      const cid = `recipe-${m.model_digest.slice(0, 8)}-${r.recipe_digest.slice(0, 12)}`;
+      const cid = `recipe-${m.model_digest}-${r.recipe_digest}`;
       const card = document.getElementById(cid) || makeCard(cid, m, r);
       place(sec, card, j + 1);
       updateCard(card, m, r);
@@ -389,8 +393,11 @@ async function tick() {
     const r = await fetch("api/swarm", {cache: "no-store", signal: ctl.signal});
     if (!r.ok) throw new Error(`HTTP ${r.status}`);
     const doc = await r.json();
+    const fresh = !state.doc || doc.generated_at_ms !== state.doc.generated_at_ms || doc.events.length !==
+                  state.doc.events.length || doc.survey.ok !== state.doc.survey.ok;
     state.doc = doc; state.fetchedAt = Date.now(); state.fetchError = null; state.updates++;
-    render(doc);
+    if (fresh) render(doc);  // the same survey again: nothing to redraw (the freshness pill still moves)
+    else document.body.dataset.updates = String(state.updates);
   } catch (e) {
     state.fetchError = e && e.name === "AbortError" ? `no answer in ${FETCH_TIMEOUT_MS / 1000} s`
                                                     : String((e && e.message) || e);

@@ -115,6 +115,13 @@ async def join(opts: JoinOptions, print_line: Callable[[str], None] = print) -> 
 async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> None:
     status = StatusLine()  # on a terminal: one line redrawn in place, the others printed above it
     print_line = status.wrap(print_line)
+    try:
+        await _serving(opts, engine, info, source_sha, digest, key, print_line, status)
+    finally:
+        status.close()
+
+
+async def _serving(opts, engine, info, source_sha, digest, key, print_line, status: StatusLine) -> None:
     async with trio.open_nursery() as nursery:
         node = await start_node(nursery, opts.identity, listen=f"{opts.listen_host}:0", bootstrap=opts.bootstrap,
                                 dial_back=tls_dial_check)  # it checks others' reachability, as they check its

@@ -80,19 +80,16 @@ def choose_span(spans: Iterable[Span], n_layer: int, num_layers: int) -> tuple[i
 
 
 def missing_layers(spans: Iterable[Span], start: int, end: int) -> list[tuple[int, int]]:
-    covered = [False] * (end - start)
-    for s in spans:
-        for layer in range(max(start, s.start), min(end, s.end)):
-            covered[layer - start] = True
-    out, run = [], None
-    for i, c in enumerate(covered):
-        if not c and run is None:
-            run = start + i
-        elif c and run is not None:
-            out.append((run, start + i))
-            run = None
-    if run is not None:
-        out.append((run, end))
+    """The runs of layers in [start, end) no span covers. A sweep over the spans'
+    ends, so its cost follows the number of spans, never the layer count a
+    report (anyone's claim) may name."""
+    out, at = [], start
+    for a, b in sorted((max(start, s.start), min(end, s.end)) for s in spans if s.start < end and s.end > start):
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    if at < end:
+        out.append((at, end))
     return out
 
 

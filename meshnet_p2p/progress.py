@@ -6,7 +6,9 @@ happened without filling up with carriage returns."""
 
 from __future__ import annotations
 
+import shutil
 import sys
+import threading
 import time
 from typing import TextIO
 
@@ -35,6 +37,8 @@ class TerminalProgress:
         finished = done >= total
         if finished and self._ended == phase and not new_phase:
             return
+        if not finished and self._ended == phase:  # the same phase again (a second shard's load): a new run
+            self._ended, self._started, new_phase = "", now, True
         if finished:
             self._ended = phase
         if self.tty:
@@ -72,19 +76,37 @@ def _isatty(stream: TextIO) -> bool:
 class StatusLine:
     """One line kept at the bottom of a terminal and redrawn in place (``join``'s
     sessions, tokens/s and peers), with other output printed above it. Off a
-    terminal it is silent: logs get the ordinary lines only."""
+    terminal it is silent: logs get the ordinary lines only. Threads print
+    through it (a data plane's handlers say when a session opens), so each
+    write is whole under a lock; a terminal that went away turns it off."""
 
     def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream or sys.stderr
         self.enabled = _isatty(self.stream)
         self.text = ""
+        self._lock = threading.Lock()
+
+    def _write(self, data: str) -> None:
+        try:
+            self.stream.write(data)
+            self.stream.flush()
+        except (OSError, ValueError):  # the terminal closed: the peer serves on, quietly
+            self.enabled = False
 
     def update(self, text: str) -> None:
         if not self.enabled:
             return
-        self.text = text
-        self.stream.write("\r\x1b[K" + text)
-        self.stream.flush()
+        width = shutil.get_terminal_size((120, 24)).columns
+        with self._lock:
+            self.text = text[: max(10, width - 1)]  # one line: a wrapped one would leave stale copies above
+            self._write("\r\x1b[K" + self.text)
+
+    def close(self) -> None:
+        """Clear the line, so what is printed next (an error, the shell's prompt) starts clean."""
+        if self.enabled:
+            with self._lock:
+                self._write("\r\x1b[K")
+                self.text = ""
 
     def wrap(self, print_line):
         """``print_line``, clearing the status line first and redrawing it after."""
@@ -92,10 +114,12 @@ class StatusLine:
             return print_line
 
         def printed(line: str) -> None:
-            self.stream.write("\r\x1b[K")
-            self.stream.flush()
-            print_line(line)
-            if self.text:
-                self.stream.write(self.text)
-                self.stream.flush()
+            with self._lock:
+                if not self.enabled:
+                    print_line(line)
+                    return
+                self._write("\r\x1b[K")
+                print_line(line)
+                if self.text:
+                    self._write(self.text)
         return printed

@@ -37,6 +37,7 @@ from .dht import wire
 from .dht.node import DHTNode
 from .dht.routing import Contact, ip_group
 from .dialback import (
+    KNOWN_REFUSALS,
     MAX_ADDRS,
     NONCE_BYTES,
     DialbackRejected,
@@ -244,7 +245,8 @@ async def check_reachability(node: DHTNode, addrs: Sequence[str], *, want: int =
             _count(node, "reachability_discarded_malformed")
             return
         if why is not None:
-            _count(node, "reachability_refused_" + why[:64])
+            # a dialer's own words: counted under a fixed set of names, never as a new key per text
+            _count(node, "reachability_refused_" + (why if why in KNOWN_REFUSALS else "other"))
             refused[i] = (c.peer_id, why)
             return
         try:

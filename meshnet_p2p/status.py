@@ -127,6 +127,7 @@ async def survey_node(node, trust: TrustPolicy, models: Sequence[tuple[str, str,
                       keep_departing: bool = False) -> Survey:
     """One survey through a running DHT node. ``keep_departing``: also the peers that
     announced their departure (a monitor shows them leave; routing and ``status`` do not)."""
+    answered = node.stats["responses"]
     wanted = list(models) or await indexed_models(node)
     relays = keep_newest({r.signer.multihash: r for r in node.records(RELAYS_KEY)}, await node.get(RELAYS_KEY))
     views = []
@@ -138,6 +139,8 @@ async def survey_node(node, trust: TrustPolicy, models: Sequence[tuple[str, str,
             found = keep_newest({r.signer.multihash: r for r in once.records(key)}, await once.get(key))
             reports = sorted(found.values(), key=lambda r: r.content["layers"][0])
         views.append((name, build_view(digest, n_layer or None, reports, certs, trust)))
+    if node.stats["responses"] == answered:  # no DHT node answered: cut off (a partition), not an empty swarm
+        raise MeshnetError("no DHT peer answered the survey: this node is cut off from the swarm")
     return Survey(list(relays.values()), views)
 
 

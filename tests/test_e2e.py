@@ -149,9 +149,19 @@ def test_demo_runs_a_swarm_and_cleans_up(tmp_path):
     assert len(doc["token_ids"]) >= 1 and doc["text"]
     assert [h["layers"] for h in doc["route"]] == [[0, 10], [10, 20], [20, 30]]
     assert "shutting the swarm down" in r.stderr
-    # every process the demo started is gone (tests run one at a time, so any would be its own)
-    left = subprocess.run(["pgrep", "-f", "meshnet_p2p (join|bootstrap)"], capture_output=True, text=True).stdout
-    assert not left.strip()
+    # every process the demo started is gone: its own are those with this test's cache dir in their
+    # environment (other swarms may run on this machine meanwhile)
+    pids = subprocess.run(["pgrep", "-f", "meshnet_p2p (join|bootstrap)"], capture_output=True, text=True).stdout.split()
+    mark = f"MESHNET_CACHE_DIR={tmp_path}".encode()
+
+    def ours(pid: str) -> bool:
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                return mark in f.read().split(b"\0")
+        except OSError:  # gone meanwhile
+            return False
+
+    assert [p for p in pids if ours(p)] == []
 
 
 def test_auto_layers_cover_what_is_missing(tmp_path, reference):

@@ -51,12 +51,12 @@ LIMITS = {"max_reservations": 128, "max_connections_per_peer": 16, "bytes_per_se
 
 
 def signed_report(ident: Identity, layers, *, recipe=GOOD, axes=AXES, name="", relay=None, departing=False,
-                  load=None, now_ms=None):
+                  load=None, now_ms=None, model=MODEL):
     """A capability report signed by ``ident`` and verified as a node verifies it."""
     now = now_ms or wall_ms()
     addr = (circuit_addr(relay, ident.peer_id) if relay else
             str(Multiaddr.for_socket("127.0.0.1", "tcp", 7000, ident.peer_id)))
-    rep = CapabilityReport(MODEL, recipe, tuple(layers), (addr,), throughput=42.5, free_sessions=3,
+    rep = CapabilityReport(model, recipe, tuple(layers), (addr,), throughput=42.5, free_sessions=3,
                            kv_tokens_free=8192, relay=relay, tls_cert=FAKE_CERT_PEM, public_name=name,
                            departing=departing, recipe=axes, recipe_labels={"recipe_name": "default"}, load=load)
     return RecordVerifier(TYPES).verify(rep.sign(ident, seq=now, now_ms=now), now)
@@ -289,7 +289,7 @@ def no_page_errors(driver) -> None:
 
 
 def bar_id(doc, recipe=GOOD) -> str:
-    return f"coverage-{doc['models'][0]['model_digest'][:8]}-{recipe[:12]}"
+    return f"coverage-{doc['models'][0]['model_digest']}-{recipe}"
 
 
 def synthetic_swarm(n: int):
@@ -365,6 +365,57 @@ async def test_the_page_shows_300_peers_readably(tmp_path):
         shot = await trio.to_thread.run_sync(browse)
         nursery.cancel_scope.cancel()
     assert shot.stat().st_size > 10_000
+
+
+async def test_what_forged_reports_can_name_cannot_take_over_the_page(tmp_path):
+    """Reports cost nothing to sign: markup in a name stays text, a model whose
+    digest shares the real one's first characters gets its own section, and a
+    span claimed far beyond the model's layers stays inside the bar."""
+    require_browser()
+    twin = MODEL[:24] + "cd" * 20  # the same first 24 characters as the real model's digest
+    markup = '<img src=x onerror="document.title=1">'
+    real = [signed_report(Identity.from_seed(bytes([i + 1]) * 32), (a, b), name="honest")
+            for i, (a, b) in enumerate(((0, 10), (10, 20), (20, 30)))]
+    forged = [signed_report(Identity.from_seed(b"\x61" * 32), (0, 30), name=markup, model=twin),
+              signed_report(Identity.from_seed(b"\x62" * 32), (99_990, 100_000), name="far away")]
+
+    async def survey():
+        good = survey_of(real + forged[1:])
+        return Survey(good.relays, [*good.models, ("twin", build_view(twin, N_LAYER, forged[:1], [], TRUST))])
+
+    monitor = Monitor(survey, TRUST, interval_s=0.5)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(monitor.run)
+        url = await serve_app(nursery, create_app(monitor.current), "127.0.0.1", 0)
+
+        def browse():
+            with browser() as d:
+                d.get(f"{url}/")
+                wait_for(d, lambda d: len(rows(d)) == 5, "every peer of both models")
+                assert count(d, "section.model") == 2 and count(d, "article.recipe") == 2
+                assert count(d, "img") == 0 and d.title == "meshnet monitor"  # the markup is text
+                assert markup in d.find_element("css selector", "body").text
+                assert d.execute_script("return document.documentElement.scrollWidth") <= 1280
+                doc = json.loads(urllib.request.urlopen(f"{url}/api/swarm", timeout=30).read())
+                assert bar(d, bar_id(doc))["holes"] == "0"  # the real model's bar is its own, whole
+                screenshot(d, "monitor-forged.png")
+                no_page_errors(d)
+
+        await trio.to_thread.run_sync(browse)
+        nursery.cancel_scope.cancel()
+
+
+def test_a_survey_shows_a_bounded_page_whatever_the_dht_holds():
+    from meshnet_p2p.monitor import MAX_EVENTS_OF_A_KIND, MAX_PEERS_SHOWN
+
+    many = [signed_report(Identity.from_seed(i.to_bytes(4, "big") * 8), (0, 30)) for i in range(MAX_PEERS_SHOWN + 40)]
+    doc = doc_of(many)
+    [recipe] = doc["models"][0]["recipes"]
+    assert len(recipe["peers"]) == MAX_PEERS_SHOWN and recipe["peers_omitted"] == 40
+    assert recipe["layer_counts"] == [[0, N_LAYER, MAX_PEERS_SHOWN + 40]]  # the bar counts them all
+    events = diff_events(doc_of(many[:1]), doc, 5)  # hundreds appear at once: the log keeps its head
+    appeared = [e for e in events if e["kind"] == "peer-appeared"]
+    assert len(appeared) == MAX_EVENTS_OF_A_KIND + 1 and appeared[-1]["text"].startswith("and ")
 
 
 async def test_the_page_and_json_carry_no_outside_references():
@@ -482,3 +533,24 @@ def test_the_page_follows_a_real_swarm_as_a_peer_leaves(tmp_path):
         finally:
             code = monitor.stop()
         assert code == 0
+
+
+async def test_a_survey_no_dht_node_answered_is_a_failed_survey_not_an_empty_swarm():
+    """Cut off (a partition), a node's lookups come back empty without an error:
+    the monitor must say its survey fails, not that every peer vanished."""
+    from collections import Counter
+
+    from meshnet_p2p.errors import MeshnetError
+    from meshnet_p2p.status import survey_node
+
+    class CutOff:
+        stats = Counter()
+
+        def records(self, key):
+            return []
+
+        async def get(self, key):
+            return []  # every contact timed out
+
+    with pytest.raises(MeshnetError, match="cut off"):
+        await survey_node(CutOff(), TRUST)

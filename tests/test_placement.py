@@ -110,3 +110,17 @@ def test_an_implausible_unmeasured_claim_is_tried_after_measured_honest_peers():
     near = Span("near", 0, 30, 1000.0 / 7.6, 4096)
     assert span_cost_ms(near, None, measured, 0.5) < IMPLAUSIBLE_PENALTY_MS
     assert [s.peer_id for s in plan_route(honest + [near], 0, 30, measured_ms=measured)] == ["near"]
+
+
+def test_missing_layers_costs_what_the_spans_cost_not_what_a_claim_of_layers_costs():
+    from meshnet_p2p.placement import missing_layers
+
+    # a per-layer walk could not even allocate this range; a sweep over the spans does not care
+    huge = 10**15
+    spans = [Span(f"p{i}", 0, huge // 2) for i in range(2000)] + [Span("q", huge - 10, huge)]
+    assert missing_layers(spans, 0, huge) == [(huge // 2, huge - 10)]
+    # the rules of old, on small cases
+    assert missing_layers([Span("a", 0, 3), Span("b", 5, 8)], 0, 10) == [(3, 5), (8, 10)]
+    assert missing_layers([Span("a", 2, 4), Span("b", 3, 6)], 0, 6) == [(0, 2)]
+    assert missing_layers([], 4, 9) == [(4, 9)]
+    assert missing_layers([Span("a", 0, 10)], 2, 5) == []

@@ -101,13 +101,80 @@ def test_join_on_a_terminal_shows_its_progress_and_a_live_status_line(tmp_path):
         assert "preparing the shard: writing" in text and "preparing the shard: loading" in text  # bars...
         assert "\rpreparing the shard" in text  # ...redrawn in place
         assert "listening on " in text  # the ordinary lines still print, above the status line
+        join.send_signal(signal.SIGTERM)  # it leaves as usual, the pty read all the while
+        deadline = time.monotonic() + 60
+        while join.poll() is None and time.monotonic() < deadline:
+            if select.select([master], [], [], 0.5)[0]:
+                try:
+                    seen += os.read(master, 65536)
+                except OSError:
+                    break
+        assert join.wait(timeout=30) == 0
+        assert seen.endswith(b"\r\x1b[K") or b"\r\x1b[K" in seen[-200:]  # it cleared its line as it left
     finally:
-        if join is not None:
-            join.send_signal(signal.SIGTERM)
-            try:
-                join.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                join.kill()
-                join.wait(timeout=30)
+        if join is not None and join.poll() is None:
+            join.kill()
+            join.wait(timeout=30)
         os.close(master)
         boot.stop()
+
+
+def test_the_same_phase_twice_is_two_runs():
+    """Loading three shards through one progress: each load says it ended."""
+    out, clock = io.StringIO(), Clock()
+    p = TerminalProgress("preparing shards", out, clock=clock)
+    for _ in range(3):
+        for i in range(0, 1001, 250):
+            clock.t += 0.5
+            p("loading", i, 1000)
+    assert out.getvalue().splitlines() == ["preparing shards: loading 100% in 2.0 s"] * 3
+
+
+def test_the_status_line_is_whole_under_threads_and_quiet_once_the_terminal_goes():
+    import threading
+
+    from meshnet_p2p.progress import StatusLine
+
+    class Terminal(Tty):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gone = False
+
+        def write(self, data):
+            if self.gone:
+                raise OSError(5, "Input/output error")
+            for ch in data:  # one character at a time: an unlocked writer would interleave
+                super().write(ch)
+            return len(data)
+
+    out = Terminal()
+    status = StatusLine(out)
+    say = status.wrap(lambda line: out.write(line + "\n"))
+    status.update("STATUS")
+
+    def printer(n):
+        for i in range(50):
+            say(f"line {n}-{i}")
+
+    import sys
+
+    threads = [threading.Thread(target=printer, args=(n,)) for n in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch between any two characters, as they may on a busy machine
+    try:
+        for t in threads:
+            t.start()
+        for _ in range(50):
+            status.update("STATUS")
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        sys.setswitchinterval(interval)
+    # every printed line is whole, on its own line, after a clear: no status text glued to it
+    # what a terminal shows of each line: the text after its last clear
+    printed = [l.split("\r\x1b[K")[-1] for l in out.getvalue().split("\n") if "line " in l]
+    assert sorted(printed) == sorted(f"line {n}-{i}" for n in range(4) for i in range(50))
+    out.gone = True  # the terminal went away: no exception, and nothing more is tried
+    status.update("STATUS")
+    status.close()
+    assert status.enabled is False and status.wrap(print) is print

@@ -135,6 +135,8 @@ class _Connection(Driver):
         if client is not None:
             self.claimant = Claimant(self.claimant.host, str(client))
         with self.lock:
+            if self.broken is not None:  # closed meanwhile (the server stopping): its HTTP/2 is already shut
+                raise _Closed()
             self.wire.initiate()
             # What came in the same read as the handshake's end (the client's preface,
             # SETTINGS, even a first call) is already in the TLS buffer: handle it now.

@@ -225,6 +225,7 @@ class DHTNode:
                     continue
                 # an answer from where we asked: a round trip to that address
                 self._proven(addr)
+                self.stats["responses"] += 1  # (a survey that got none was cut off, not empty)
                 if msg.kind != "cookie":
                     self._heard_from(msg.sender, addr, client=False, round_trip=True)
                 try:
