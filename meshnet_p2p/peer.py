@@ -72,6 +72,7 @@ class _Reach:
     relay: Multiaddr | None = None  # the relay it is reachable through now
     unreachable: bool = False  # others cannot dial it directly
     plane: object = None  # its data plane (whose server adopts relayed connections)
+    here: str = ""  # where it listens, as others would dial it directly
     announcing: bool = True  # its last announce was stored by some peer
 
 
@@ -153,8 +154,7 @@ async def _serving(opts, engine, info, source_sha, digest, key, print_line, stat
                                         opts.identity.peer_id))
         addr = str(opts.announce) if opts.announce is not None else here  # where others dial it directly
         caps = engine.capabilities()
-        reach = _Reach(relay=opts.relay)  # the relay this peer is reachable through now, if any
-        reach.plane = plane
+        reach = _Reach(relay=opts.relay, plane=plane, here=here)  # the relay it is reachable through now, if any
         wake = [trio.Event()]  # set: announce now (a new relay), not at the next period
 
         last = {"at": time.monotonic(), "m": engine.metrics()}
@@ -211,7 +211,7 @@ async def _serving(opts, engine, info, source_sha, digest, key, print_line, stat
             if verdict.status == UNKNOWN:  # nobody could tell: announce it, and ask again in the background
                 nursery.start_soon(_recheck, node, addr, opts, print_line, reach, wake)
             if verdict.status == UNREACHABLE:
-                await _go_relayed(nursery, node, opts, plane, reach, wake, print_line)
+                await _go_relayed(nursery, node, opts, reach, wake, print_line)
         else:
             print_line(f"reachable via {circuit_addr(opts.relay, opts.identity.peer_id)}")
         await publish_all()
@@ -263,7 +263,7 @@ async def _reachability(node, addr: str, opts: JoinOptions):
         return Reachability(UNCHECKED, str(e), (), (), None, 0)
 
 
-async def _go_relayed(nursery, node, opts: JoinOptions, plane, reach: "_Reach", wake, print_line) -> None:
+async def _go_relayed(nursery, node, opts: JoinOptions, reach: "_Reach", wake, print_line) -> None:
     """Nobody can dial this peer: reachable through a relay it finds, from now on.
     Returns once a relay holds a slot for it (until then it announces nothing)."""
     reach.unreachable = True
@@ -275,8 +275,8 @@ async def _go_relayed(nursery, node, opts: JoinOptions, plane, reach: "_Reach", 
             print_line(f"reachable via {circuit_addr(held.relay, opts.identity.peer_id)}")
             wake[0].set()
 
-    on_loopback = (ip_of(advertised_host(opts.listen_host, opts.bootstrap)) or ip_address("0.0.0.0")).is_loopback
-    await nursery.start(RelayKeeper(node, opts.identity, plane.server.adopt, on_change=relay_changed,
+    on_loopback = (ip_of(Multiaddr.parse(reach.here).host) or ip_address("0.0.0.0")).is_loopback
+    await nursery.start(RelayKeeper(node, opts.identity, reach.plane.server.adopt, on_change=relay_changed,
                                     print_line=print_line, allow_loopback=on_loopback).run)
 
 
@@ -295,7 +295,7 @@ async def _recheck(node, addr: str, opts: JoinOptions, print_line, reach: "_Reac
         print_line(f"reachability: {verdict.status} ({verdict.reason})")
         if verdict.status == UNREACHABLE:
             async with trio.open_nursery() as nursery:
-                await _go_relayed(nursery, node, opts, reach.plane, reach, wake, print_line)
+                await _go_relayed(nursery, node, opts, reach, wake, print_line)
         return
 
 

@@ -14,13 +14,13 @@ import threading
 from .errors import MeshnetError
 
 
-class PeerProcess:
-    def __init__(self, *args: str, env: dict | None = None, stderr=subprocess.DEVNULL, prefix: tuple[str, ...] = ()) -> None:
-        self.args = args
-        # prefix: how to run it elsewhere, e.g. ("ip", "netns", "exec", NS) for a simulated host
-        self.p = subprocess.Popen([*prefix, sys.executable, "-m", "meshnet_p2p", *args], stdout=subprocess.PIPE,
-                                  stderr=stderr, text=True, env=env)
+class OutputLines:
+    """A running process's output lines (its stdout, a text pipe), collected as they come."""
+
+    def __init__(self, p: subprocess.Popen) -> None:
+        self.p = p
         self.lines: list[str] = []
+        self.ended = False  # its output ended (it exited, or closed stdout): every line is in
         self.changed = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -29,15 +29,30 @@ class PeerProcess:
             with self.changed:
                 self.lines.append(line.strip())
                 self.changed.notify_all()
-
-    def wait_line(self, prefix: str, timeout: float = 120) -> str:
-        """The first line starting with ``prefix``, waiting for it while the process runs."""
         with self.changed:
-            self.changed.wait_for(lambda: any(l.startswith(prefix) for l in self.lines) or self.p.poll() is not None, timeout)
-            found = [l for l in self.lines if l.startswith(prefix)]
+            self.ended = True
+            self.changed.notify_all()
+
+    def wait_line(self, prefix: str, timeout: float = 120, *, after: int = 0) -> str:
+        """The first line starting with ``prefix`` (among those printed after the first
+        ``after``), waiting for it while the process writes."""
+        with self.changed:
+            self.changed.wait_for(lambda: any(l.startswith(prefix) for l in self.lines[after:]) or self.ended, timeout)
+            found = [l for l in self.lines[after:] if l.startswith(prefix)]
         if not found:
             raise MeshnetError(self.missing(prefix))
         return found[0]
+
+    def missing(self, prefix: str) -> str:
+        return f"{self.p.args!r} printed no {prefix!r} line (its output: {self.lines[-5:]})"
+
+
+class PeerProcess(OutputLines):
+    def __init__(self, *args: str, env: dict | None = None, stderr=subprocess.DEVNULL, prefix: tuple[str, ...] = ()) -> None:
+        self.args = args
+        # prefix: how to run it elsewhere, e.g. ("ip", "netns", "exec", NS) for a simulated host
+        super().__init__(subprocess.Popen([*prefix, sys.executable, "-m", "meshnet_p2p", *args], stdout=subprocess.PIPE,
+                                          stderr=stderr, text=True, env=env))
 
     def missing(self, prefix: str) -> str:
         return f"`meshnet-peer {' '.join(self.args[:2])}` printed no {prefix!r} line (its output: {self.lines[-5:]})"

@@ -64,6 +64,19 @@ class RecordRejected(MeshnetError):
         super().__init__(f"record rejected ({reason.value}): {detail}")
 
 
+def never_raising(why: Callable[[Mapping[str, Any]], str | None]) -> Callable[[Mapping[str, Any]], str | None]:
+    """A content check (``why``: a short reason naming the field, or None) that never
+    raises whatever a signer put in the content: a type no check foresaw is a reason
+    too, never an escape. Every payload type's ``validate`` is one of these."""
+    def valid(content: Mapping[str, Any]) -> str | None:
+        try:
+            return why(content)
+        except Exception as e:
+            return f"unreadable content ({type(e).__name__})"
+    valid.__doc__ = why.__doc__
+    return valid
+
+
 @dataclass(frozen=True)
 class PayloadType:
     """A kind of record: its name, size bound, and the payload field (if any)

@@ -22,7 +22,7 @@ from typing import Callable
 
 import trio
 
-from .dataplane.relay import KEEPALIVE_S, RelayError, Reservation, hold_reservation
+from .dataplane.relay import KEEPALIVE_S, RelayError, Reservation, first_error, hold_reservation
 from .identity import Identity
 from .multiaddr import Multiaddr
 from .reachability import relay_dial_check
@@ -123,7 +123,8 @@ class RelayKeeper:
                             task_status.started(held)
                             started = True
                 except* (RelayError, OSError, trio.BrokenResourceError, ValueError) as group:
-                    why = _first(group)
+                    leaf = first_error(group)
+                    why = str(leaf) or type(leaf).__name__
                 if self.current is not None:
                     # it worked a while: a blink (a restart) is retried soon; one that drops at once is not
                     held_for = trio.current_time() - since
@@ -156,12 +157,6 @@ class RelayKeeper:
             failures = 0 if ok else failures + 1
             if failures >= 2:
                 raise RelayError(f"dials through it stopped reaching this peer ({why})")
-
-
-def _first(group: BaseException) -> str:
-    while isinstance(group, BaseExceptionGroup):
-        group = group.exceptions[0]
-    return str(group) or type(group).__name__
 
 
 __all__ = ["RelayKeeper", "measure_rtt", "SET_ASIDE_S"]

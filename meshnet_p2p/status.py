@@ -19,7 +19,7 @@ from typing import Any, Sequence
 
 import trio
 
-from .capability import MODELS_KEY, model_key
+from .capability import MODELS_KEY
 from .certification import TrustPolicy
 from .errors import MeshnetError, unwrap_errors
 from .identity import Identity
@@ -107,22 +107,6 @@ async def indexed_models(node) -> list[tuple[str, str, int]]:
     return [(digest, *count.most_common(1)[0][0]) for digest, count in ranked]
 
 
-class _OneLookupPerKey:
-    """A node whose ``get`` asks the network once per key: a survey that reads a
-    model's reports itself, departing ones kept, lets :func:`fetch_records` reuse that answer."""
-
-    def __init__(self, node) -> None:
-        self._node, self._got = node, {}
-
-    def records(self, key: str) -> list[Record]:
-        return self._node.records(key)
-
-    async def get(self, key: str) -> list[Record]:
-        if key not in self._got:
-            self._got[key] = await self._node.get(key)
-        return self._got[key]
-
-
 async def survey_node(node, trust: TrustPolicy, models: Sequence[tuple[str, str, int]] = (), *,
                       keep_departing: bool = False) -> Survey:
     """One survey through a running DHT node. ``keep_departing``: also the peers that
@@ -132,12 +116,7 @@ async def survey_node(node, trust: TrustPolicy, models: Sequence[tuple[str, str,
     relays = keep_newest({r.signer.multihash: r for r in node.records(RELAYS_KEY)}, await node.get(RELAYS_KEY))
     views = []
     for digest, name, n_layer in wanted:
-        once = _OneLookupPerKey(node)
-        reports, certs = await fetch_records(once, digest, trust.certifiers)
-        if keep_departing:
-            key = model_key(digest)
-            found = keep_newest({r.signer.multihash: r for r in once.records(key)}, await once.get(key))
-            reports = sorted(found.values(), key=lambda r: r.content["layers"][0])
+        reports, certs = await fetch_records(node, digest, trust.certifiers, keep_departing=keep_departing)
         views.append((name, build_view(digest, n_layer or None, reports, certs, trust)))
     if node.stats["responses"] == answered:  # no DHT node answered: cut off (a partition), not an empty swarm
         raise MeshnetError("no DHT peer answered the survey: this node is cut off from the swarm")

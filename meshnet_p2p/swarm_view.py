@@ -156,17 +156,21 @@ async def newest_signed_by(node, key: str, signer: str) -> Record | None:
     return max(got, key=lambda r: r.seq, default=None)
 
 
-async def fetch_records(node, model_digest: str, certifiers: Iterable[str]) -> tuple[list[Record], list[Record]]:
+async def fetch_records(node, model_digest: str, certifiers: Iterable[str], *,
+                        keep_departing: bool = False) -> tuple[list[Record], list[Record]]:
     """Capability reports of a model and the certificates that ``certifiers`` signed
     for the recipes its peers serve, from a running DHT node (gossip, then lookups).
+    Departing peers' reports are left out unless ``keep_departing`` (a monitor
+    shows them leave); their recipes' certificates are not looked up either way.
 
     Each certifier has its own keys (its index of certified recipes, then one key
     per recipe), which only it can sign for: strangers can neither crowd them out
     nor make a reader check their evidence."""
     key = model_key(model_digest)
     found = keep_newest({r.signer.multihash: r for r in node.records(key)}, await node.get(key))
-    reports = [r for r in found.values() if not r.content.get("departing")]
-    served = {r.content["recipe_digest"] for r in reports}
+    staying = [r for r in found.values() if not r.content.get("departing")]
+    reports = list(found.values()) if keep_departing else staying
+    served = {r.content["recipe_digest"] for r in staying}
     certs: list[Record] = []
 
     async def one(certifier: str) -> None:

@@ -18,7 +18,6 @@ cryptography's own exceptions) are fixed; their tests stay as regressions.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import itertools
 import json
@@ -26,7 +25,6 @@ import math
 import pathlib
 import time
 import tracemalloc
-from typing import Any
 from unittest import mock
 
 import msgpack
@@ -37,7 +35,6 @@ from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from meshnet_p2p.relays import RELAY, RELAYS_KEY
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
 from meshnet_p2p.capability import CAPABILITY, MODEL_INDEX, MODELS_KEY
 from meshnet_p2p.certification import (
@@ -101,7 +98,10 @@ from meshnet_p2p.records import (
     seal,
     sign_record,
 )
+from meshnet_p2p.relays import RELAY, RELAYS_KEY
 from meshnet_p2p.testing import FakeNetwork, sample_report
+
+from .mutations import mutate_bytes, mutate_tree
 
 NOW = 1_700_000_000_000  # a fixed wall clock (ms): every example replays exactly
 ALICE = Identity.from_seed(b"\x31" * 32)  # sends datagrams, signs capability reports and model index entries
@@ -131,69 +131,6 @@ plausible = st.one_of(
 )
 record_values = st.one_of(plausible, st.recursive(mp_scalars, lambda kids: st.one_of(
     st.lists(kids, max_size=4), st.dictionaries(st.text(max_size=8), kids, max_size=4)), max_leaves=8))
-
-
-def mutate_bytes(data, buf: bytes) -> bytes:
-    """Up to four byte-level edits: flips, overwrites, insertions, deletions, a truncation."""
-    b = bytearray(buf)
-    for _ in range(data.draw(st.integers(1, 4))):
-        op = data.draw(st.sampled_from(["flip", "set", "insert", "delete", "truncate"]))
-        i = data.draw(st.integers(0, max(len(b) - 1, 0)))
-        if op == "flip" and b:
-            b[i] ^= data.draw(st.integers(1, 255))
-        elif op == "set" and b:
-            b[i] = data.draw(st.sampled_from([0x00, 0x7F, 0x80, 0xC0, 0xC1, 0xC4, 0xD4, 0xDC, 0xDD, 0xDE, 0xDF, 0xFF]))
-        elif op == "insert":
-            b[i:i] = data.draw(st.binary(min_size=1, max_size=8))
-        elif op == "delete" and b:
-            del b[i:i + data.draw(st.integers(1, 8))]
-        elif op == "truncate":
-            del b[i:]
-    return bytes(b)
-
-
-def _paths(obj: Any, prefix: tuple = ()) -> list[tuple]:
-    out = [prefix]
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out += _paths(v, prefix + (k,))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            out += _paths(v, prefix + (i,))
-    return out
-
-
-def _at(obj: Any, path: tuple) -> Any:
-    for p in path:
-        obj = obj[p]
-    return obj
-
-
-def mutate_tree(data, content: dict, edits: int) -> Any:
-    """``edits`` structural edits anywhere in a nested record: replace a value (with
-    junk, a near-valid value or a copy of another part of the record), delete a
-    key or item, add one, or (rarely) replace the whole record."""
-    content = copy.deepcopy(content)
-    for _ in range(edits):
-        paths = _paths(content)
-        op = data.draw(st.sampled_from(["replace"] * 4 + ["copy"] * 2 + ["delete"] * 2 + ["add"] * 2 + ["root"]))
-        if op == "root":
-            content = copy.deepcopy(data.draw(record_values))  # (drawn values may be a strategy's own objects:
-            continue  # edited in place, they would change what later examples draw)
-        path = data.draw(st.sampled_from(paths if op == "add" or len(paths) == 1 else paths[1:]))
-        if op in ("replace", "copy") and path:
-            value = copy.deepcopy(data.draw(record_values) if op == "replace" else
-                                  _at(content, data.draw(st.sampled_from(paths))))
-            _at(content, path[:-1])[path[-1]] = value
-        elif op == "delete" and path:
-            del _at(content, path[:-1])[path[-1]]
-        elif op == "add":
-            target = _at(content, path)
-            if isinstance(target, dict):
-                target[data.draw(st.text(max_size=12))] = copy.deepcopy(data.draw(record_values))
-            elif isinstance(target, list):
-                target.insert(data.draw(st.integers(0, len(target))), copy.deepcopy(data.draw(record_values)))
-    return content
 
 
 # --- DHT datagrams (meshnet_p2p/dht/wire.py) ----------------------------------------------------
@@ -396,7 +333,7 @@ def test_re_signed_edits_of_every_type_are_accepted_only_if_valid(data, name):
     own = data.draw(st.integers(0, 5), label="other type or signer") > 0  # mostly its own type and signer
     ptype = name.split("+")[0] if own else data.draw(st.sampled_from(sorted(TYPES)))
     signer = ident if own else data.draw(st.sampled_from([ident, STRANGER]))
-    edited = mutate_tree(data, content, data.draw(st.integers(0, 3), label="edits"))
+    edited = mutate_tree(data, content, data.draw(st.integers(0, 3), label="edits"), record_values)
     try:
         record = sign_record(signer, ptype, edited, seq=data.draw(st.integers(0, 2**63 - 1)), now_ms=NOW,
                              ttl_ms=60_000 if own else data.draw(st.sampled_from([60_000, 1, 25 * 3600 * 1000])))

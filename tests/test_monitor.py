@@ -4,13 +4,9 @@ with 300 peers in headless Chromium, and the page following a real swarm."""
 import json
 import os
 import pathlib
-import queue
 import shutil
 import subprocess
-import sys
 import tempfile
-import threading
-import time
 import urllib.request
 from contextlib import contextmanager
 
@@ -312,6 +308,18 @@ def synthetic_swarm(n: int):
     return reports, [signed_relay(r, 4002 + i, 3 + i) for i, r in enumerate(relays)]
 
 
+async def browse_monitor(survey, browse):
+    """The real monitor (doc, events, app, page) over ``survey`` (the network survey
+    replaced), served on loopback; ``browse(url)`` runs in a thread; what it returns."""
+    monitor = Monitor(survey, TRUST, interval_s=0.5)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(monitor.run)
+        url = await serve_app(nursery, create_app(monitor.current), "127.0.0.1", 0)
+        result = await trio.to_thread.run_sync(browse, url)
+        nursery.cancel_scope.cancel()
+    return result
+
+
 async def test_the_page_shows_300_peers_readably(tmp_path):
     require_browser()
     reports, relays = synthetic_swarm(300)
@@ -320,50 +328,44 @@ async def test_the_page_shows_300_peers_readably(tmp_path):
     async def survey():  # the network survey replaced: the rest (doc, events, app, page) is the real thing
         return survey_of(current["reports"], relays)
 
-    monitor = Monitor(survey, TRUST, interval_s=0.5)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(monitor.run)
-        url = await serve_app(nursery, create_app(monitor.current), "127.0.0.1", 0)
+    def browse(url):
+        with browser() as d:
+            d.get(f"{url}/")
+            wait_for(d, lambda d: len(rows(d)) == 300, "300 peer rows")
+            doc = json.loads(urllib.request.urlopen(f"{url}/api/swarm", timeout=30).read())
+            assert {p for p, _ in rows(d)} == set(peers_of(doc)) and len(peers_of(doc)) == 300
+            good, dark = bar(d, bar_id(doc)), bar(d, bar_id(doc, DARK))
+            assert len(good["counts"]) == N_LAYER and "0" not in good["counts"] and good["holes"] == "0"
+            assert dark["holes"] == "4" and dark["uncovered"] == "26-29" and dark["counts"][26:] == ["0"] * 4
+            assert count(d, "tr[data-state=departing]") == 5
+            assert attrs(d, "[data-state=certified]", "data-certifier") == [str(CERTIFIER.peer_id)]
+            assert count(d, "[data-relay-id]") == 2
+            # readable: the page is not a giant list of lanes; the tables scroll inside themselves
+            assert d.execute_script("return document.documentElement.scrollHeight") < 2000
+            assert d.execute_script("return document.documentElement.scrollWidth") <= 1280
+            assert count(d, ".lane") <= 12
+            wait_for(d, lambda d: attrs(d, "#freshness", "data-state") == ["ok"], "a fresh update")
+            shot = screenshot(d, "monitor-300.png")
+            # the filter narrows the table, and survives the next updates
+            box = d.find_element("css selector", f"#{bar_id(doc).replace('coverage', 'recipe')} input")
+            box.send_keys("volunteer-00")
+            wait_for(d, lambda d: len(rows(d)) == 5 + 20, "the filtered rows")  # 001..009 odd, and the dark 20
+            seen = int(d.find_element("tag name", "body").get_attribute("data-updates"))
+            wait_for(d, lambda d: int(d.find_element("tag name", "body").get_attribute("data-updates")) > seen + 1,
+                     "two more updates")
+            assert len(rows(d)) == 25 and box.get_attribute("value") == "volunteer-00"
+            box.clear()
+            box.send_keys(" ")  # (clear() sends no input event)
+            # a peer leaves the next survey: the page follows without a reload
+            gone = reports[1].content["peer_id"]
+            current["reports"] = [r for r in reports if r.content["peer_id"] != gone]
+            wait_for(d, lambda d: gone not in {p for p, _ in rows(d)} and len(rows(d)) == 299, "the peer gone")
+            wait_for(d, lambda d: gone in attrs(d, "#events li[data-kind=peer-gone]", "data-subject"),
+                     "the peer-gone event")
+            no_page_errors(d)
+            return shot
 
-        def browse():
-            with browser() as d:
-                d.get(f"{url}/")
-                wait_for(d, lambda d: len(rows(d)) == 300, "300 peer rows")
-                doc = json.loads(urllib.request.urlopen(f"{url}/api/swarm", timeout=30).read())
-                assert {p for p, _ in rows(d)} == set(peers_of(doc)) and len(peers_of(doc)) == 300
-                good, dark = bar(d, bar_id(doc)), bar(d, bar_id(doc, DARK))
-                assert len(good["counts"]) == N_LAYER and "0" not in good["counts"] and good["holes"] == "0"
-                assert dark["holes"] == "4" and dark["uncovered"] == "26-29" and dark["counts"][26:] == ["0"] * 4
-                assert count(d, "tr[data-state=departing]") == 5
-                assert attrs(d, "[data-state=certified]", "data-certifier") == [str(CERTIFIER.peer_id)]
-                assert count(d, "[data-relay-id]") == 2
-                # readable: the page is not a giant list of lanes; the tables scroll inside themselves
-                assert d.execute_script("return document.documentElement.scrollHeight") < 2000
-                assert d.execute_script("return document.documentElement.scrollWidth") <= 1280
-                assert count(d, ".lane") <= 12
-                wait_for(d, lambda d: attrs(d, "#freshness", "data-state") == ["ok"], "a fresh update")
-                shot = screenshot(d, "monitor-300.png")
-                # the filter narrows the table, and survives the next updates
-                box = d.find_element("css selector", f"#{bar_id(doc).replace('coverage', 'recipe')} input")
-                box.send_keys("volunteer-00")
-                wait_for(d, lambda d: len(rows(d)) == 5 + 20, "the filtered rows")  # 001..009 odd, and the dark 20
-                seen = int(d.find_element("tag name", "body").get_attribute("data-updates"))
-                wait_for(d, lambda d: int(d.find_element("tag name", "body").get_attribute("data-updates")) > seen + 1,
-                         "two more updates")
-                assert len(rows(d)) == 25 and box.get_attribute("value") == "volunteer-00"
-                box.clear()
-                box.send_keys(" ")  # (clear() sends no input event)
-                # a peer leaves the next survey: the page follows without a reload
-                gone = reports[1].content["peer_id"]
-                current["reports"] = [r for r in reports if r.content["peer_id"] != gone]
-                wait_for(d, lambda d: gone not in {p for p, _ in rows(d)} and len(rows(d)) == 299, "the peer gone")
-                wait_for(d, lambda d: gone in attrs(d, "#events li[data-kind=peer-gone]", "data-subject"),
-                         "the peer-gone event")
-                no_page_errors(d)
-                return shot
-
-        shot = await trio.to_thread.run_sync(browse)
-        nursery.cancel_scope.cancel()
+    shot = await browse_monitor(survey, browse)
     assert shot.stat().st_size > 10_000
 
 
@@ -383,26 +385,20 @@ async def test_what_forged_reports_can_name_cannot_take_over_the_page(tmp_path):
         good = survey_of(real + forged[1:])
         return Survey(good.relays, [*good.models, ("twin", build_view(twin, N_LAYER, forged[:1], [], TRUST))])
 
-    monitor = Monitor(survey, TRUST, interval_s=0.5)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(monitor.run)
-        url = await serve_app(nursery, create_app(monitor.current), "127.0.0.1", 0)
+    def browse(url):
+        with browser() as d:
+            d.get(f"{url}/")
+            wait_for(d, lambda d: len(rows(d)) == 5, "every peer of both models")
+            assert count(d, "section.model") == 2 and count(d, "article.recipe") == 2
+            assert count(d, "img") == 0 and d.title == "meshnet monitor"  # the markup is text
+            assert markup in d.find_element("css selector", "body").text
+            assert d.execute_script("return document.documentElement.scrollWidth") <= 1280
+            doc = json.loads(urllib.request.urlopen(f"{url}/api/swarm", timeout=30).read())
+            assert bar(d, bar_id(doc))["holes"] == "0"  # the real model's bar is its own, whole
+            screenshot(d, "monitor-forged.png")
+            no_page_errors(d)
 
-        def browse():
-            with browser() as d:
-                d.get(f"{url}/")
-                wait_for(d, lambda d: len(rows(d)) == 5, "every peer of both models")
-                assert count(d, "section.model") == 2 and count(d, "article.recipe") == 2
-                assert count(d, "img") == 0 and d.title == "meshnet monitor"  # the markup is text
-                assert markup in d.find_element("css selector", "body").text
-                assert d.execute_script("return document.documentElement.scrollWidth") <= 1280
-                doc = json.loads(urllib.request.urlopen(f"{url}/api/swarm", timeout=30).read())
-                assert bar(d, bar_id(doc))["holes"] == "0"  # the real model's bar is its own, whole
-                screenshot(d, "monitor-forged.png")
-                no_page_errors(d)
-
-        await trio.to_thread.run_sync(browse)
-        nursery.cancel_scope.cancel()
+    await browse_monitor(survey, browse)
 
 
 def test_a_survey_shows_a_bounded_page_whatever_the_dht_holds():
@@ -445,42 +441,6 @@ async def test_the_page_and_json_carry_no_outside_references():
 # --- end to end: a real swarm, the monitor as its own process ------------------------------------
 
 
-class MonitorProcess:
-    """``meshnet-peer monitor``, its output lines queued."""
-
-    def __init__(self, *args: str) -> None:
-        self.stderr = tempfile.TemporaryFile(mode="w+")
-        self.p = subprocess.Popen([sys.executable, "-m", "meshnet_p2p", "monitor", *args], stdout=subprocess.PIPE,
-                                  stderr=self.stderr, text=True)
-        self.lines: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [self.lines.put(line.strip()) for line in self.p.stdout], daemon=True).start()
-
-    def line(self, prefix: str, timeout: float = 60) -> str:
-        """What follows ``prefix`` on the next line that starts with it."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.p.poll() is None:
-            try:
-                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if line.startswith(prefix):
-                return line.removeprefix(prefix)
-        self.stderr.seek(0)
-        raise AssertionError(f"the monitor printed no {prefix!r} line; stderr: {self.stderr.read()[-2000:]}")
-
-    def url(self, timeout: float = 60) -> str:
-        return self.line("monitor on ", timeout)
-
-    def stop(self) -> int:
-        if self.p.poll() is None:
-            self.p.terminate()
-            try:
-                return self.p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-        return self.p.wait(timeout=30)
-
-
 def test_the_page_follows_a_real_swarm_as_a_peer_leaves(tmp_path):
     require_browser()
     env = {**os.environ, "MESHNET_CACHE_DIR": str(tmp_path)}  # shards cut for this test only
@@ -488,11 +448,11 @@ def test_the_page_follows_a_real_swarm_as_a_peer_leaves(tmp_path):
                boot_identity=str(tmp_path / "bootstrap.key")) as swarm:
         swarm.certify()
         ids = [j.peer_id for j in swarm.joins]
-        monitor = MonitorProcess("--bootstrap", swarm.addr, "--listen", "127.0.0.1:0", "--interval", "1",
-                                 "--metrics", "127.0.0.1:0")
+        monitor = Proc("monitor", "--bootstrap", swarm.addr, "--listen", "127.0.0.1:0", "--interval", "1",
+                       "--metrics", "127.0.0.1:0")
         try:
-            url = monitor.url()
-            metrics = monitor.line("metrics on ")
+            url = monitor.wait_line("monitor on ", 60).removeprefix("monitor on ")
+            metrics = monitor.wait_line("metrics on ", 60).removeprefix("metrics on ")
             with browser() as d:
                 d.get(url)
 

@@ -19,11 +19,11 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
 from meshnet_p2p.engine.tokenizer import Tokenizer
+from meshnet_p2p.peer_process import OutputLines
 
 from .hosts import IP, Host, Net, require_hosts
 from .reference import reference_generate
@@ -71,6 +71,10 @@ class World:
         where = ("--listen", f"{host.ip}:0") if listen else ()  # without: every address, the default
         return self.start(host, "join", "--layers", layers, *where, "--bootstrap", self.addr, "--threads", "1", *extra)
 
+    def ends(self) -> tuple[Proc, Proc]:
+        """The head (0:10) and the tail (20:30), each on a public host of its own, starting."""
+        return self.join(self.net.public_host("a"), "0:10"), self.join(self.net.public_host("c"), "20:30")
+
     def command(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
         """A `meshnet-peer` command run to completion on the client's host."""
         return self.client_host.run([sys.executable, "-m", "meshnet_p2p", *args], capture_output=True, text=True,
@@ -93,41 +97,14 @@ class World:
         return Lines(p)
 
 
-class Lines:
-    """A process's output lines as they come, waited for with a bound."""
-
-    def __init__(self, p: subprocess.Popen) -> None:
-        self.p, self.lines, self.changed = p, [], threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.p.stdout:
-            with self.changed:
-                self.lines.append(line.strip())
-                self.changed.notify_all()
-        with self.changed:
-            self.lines.append(None)  # EOF
-            self.changed.notify_all()
-
-    def wait(self, prefix: str, timeout: float = 300) -> str:
-        with self.changed:
-            self.changed.wait_for(lambda: any(l is None or l.startswith(prefix) for l in self.lines), timeout)
-            found = [l for l in self.lines if l is not None and l.startswith(prefix)]
-        assert found, f"no {prefix!r} line; got {self.lines[-8:]}; stderr: {self.p.stderr.read()[-2000:] if self.p.poll() is not None else ''}"
-        return found[0]
+class Lines(OutputLines):
+    """The host client's output (tests/host_client.py): its ``result`` line, parsed."""
 
     def result(self, timeout: float = 300) -> dict:
-        return json.loads(self.wait("result ", timeout).removeprefix("result "))
+        return json.loads(self.wait_line("result ", timeout).removeprefix("result "))
 
-
-def _line_after(proc: Proc, prefix: str, after: int, timeout: float = 120) -> str:
-    """The first line starting with ``prefix`` among those printed after the first ``after``."""
-    with proc.changed:
-        proc.changed.wait_for(lambda: any(l.startswith(prefix) for l in proc.lines[after:]) or proc.p.poll() is not None,
-                              timeout)
-        found = [l for l in proc.lines[after:] if l.startswith(prefix)]
-    assert found, proc.missing(prefix)
-    return found[0]
+    def missing(self, prefix: str) -> str:
+        return f"{super().missing(prefix)}; stderr: {self.p.stderr.read()[-2000:] if self.ended else ''}"
 
 
 def test_a_volunteer_behind_nat_joins_with_no_flags_and_serves_through_a_relay_it_found(tmp_path, cache_dir, reference):
@@ -135,8 +112,7 @@ def test_a_volunteer_behind_nat_joins_with_no_flags_and_serves_through_a_relay_i
     with Net() as net:
         w = World(net, cache_dir, tmp_path)
         relay = w.relay("relay")
-        head = w.join(net.public_host("a"), "0:10")
-        tail = w.join(net.public_host("c"), "20:30")
+        head, tail = w.ends()
         home = net.nat_host("home")
         vol = w.join(home, "10:20", listen=False)  # nothing but where the swarm is: no --listen, --relay, --announce
         head.address(), tail.address()
@@ -172,8 +148,7 @@ def test_dialers_really_dial_a_volunteer_behind_nat_port_forwarded_or_not(tmp_pa
     with Net() as net:
         w = World(net, cache_dir, tmp_path)
         relay = w.relay("relay")
-        head = w.join(net.public_host("a"), "0:10")
-        tail = w.join(net.public_host("c"), "20:30")
+        head, tail = w.ends()
         head.address(), tail.address()
         forwarded, closed = net.nat_host("fwd"), net.nat_host("closed")
         net.forward_port(forwarded, 5000)
@@ -199,8 +174,7 @@ def test_a_volunteers_relay_dies_mid_generation_and_everyone_carries_on(tmp_path
     with Net() as net:
         w = World(net, cache_dir, tmp_path)
         relays = {p.peer_id: p for p in (w.relay("relay1"), w.relay("relay2"))}
-        head = w.join(net.public_host("a"), "0:10")
-        tail = w.join(net.public_host("c"), "20:30")
+        head, tail = w.ends()
         vol = w.join(net.nat_host("home"), "10:20")
         head.address(), tail.address()
         vol_id = vol.peer_id
@@ -209,14 +183,14 @@ def test_a_volunteers_relay_dies_mid_generation_and_everyone_carries_on(tmp_path
         other = next(p for p in relays.values() if p is not used)
         w.certify()
         client = w.client(40, pause_at=4, star=True)
-        client.wait("paused")
+        client.wait_line("paused", 300)
         # a second peer for the volunteer's layers, reachable directly, joins while the client waits
         backup = w.join(net.public_host("b"), "10:20")
         backup.address()
         seen = len(vol.lines)
         used.p.send_signal(signal.SIGKILL)  # the volunteer's relay dies
-        assert _line_after(vol, "lost relay ", seen).startswith(f"lost relay {used.peer_id}")
-        assert _line_after(vol, "reachable via ", seen) == f"reachable via {other.address()}/p2p-circuit/p2p/{vol_id}"
+        assert vol.wait_line("lost relay ", after=seen).startswith(f"lost relay {used.peer_id}")
+        assert vol.wait_line("reachable via ", after=seen) == f"reachable via {other.address()}/p2p-circuit/p2p/{vol_id}"
         client.p.stdin.write("go\n")
         client.p.stdin.flush()
         result = client.result()
@@ -245,12 +219,12 @@ def test_a_partition_heals_and_the_dht_converges_again(tmp_path, cache_dir, refe
         assert w.generate()["token_ids"] == reference
         seen = len(b.lines)
         net.partition([b_host], [w.boot_host, a_host, w.client_host])
-        _line_after(b, "announce reached no peer", seen)  # its next announce (within 30 s) reaches nobody
+        b.wait_line("announce reached no peer", after=seen)  # its next announce (within 30 s) reaches nobody
         r = w.command("generate", "--bootstrap", w.addr, "--prompt", PROMPT, "--max-tokens", "8", "--json")
         assert r.returncode != 0 and "layers 15-29" in r.stderr, r.stderr  # no route: they are out of reach
         seen = len(b.lines)
         net.heal()
-        _line_after(b, "announce reaching peers again", seen)
+        b.wait_line("announce reaching peers again", after=seen)
         assert w.generate()["token_ids"] == reference
 
 

@@ -12,7 +12,6 @@ fuzz/atheris_decoders.py explores the same decoders from raw bytes
 
 from __future__ import annotations
 
-import copy
 
 import msgpack
 import trio
@@ -29,6 +28,8 @@ from meshnet_p2p.multiaddr import Multiaddr, ip_of
 from meshnet_p2p.records import DOMAIN as RECORD_DOMAIN
 from meshnet_p2p.records import canonical, seal
 from meshnet_p2p.testing import FakeNetwork
+
+from .mutations import mutate_bytes, mutate_tree
 
 NOW = 1_700_000_000_000
 ALICE = Identity.from_seed(b"\x71" * 32)  # asks
@@ -117,24 +118,6 @@ def test_the_valid_record_here_is_believed():
     assert believe(VALID).results == tuple(RESULTS)
 
 
-def mutate_bytes(data, buf: bytes) -> bytes:
-    b = bytearray(buf)
-    for _ in range(data.draw(st.integers(1, 4))):
-        op = data.draw(st.sampled_from(["flip", "set", "insert", "delete", "truncate"]))
-        i = data.draw(st.integers(0, max(len(b) - 1, 0)))
-        if op == "flip" and b:
-            b[i] ^= data.draw(st.integers(1, 255))
-        elif op == "set" and b:
-            b[i] = data.draw(st.sampled_from([0x00, 0x7F, 0x80, 0xC0, 0xC2, 0xC4, 0xD4, 0xDC, 0xDE, 0xFF]))
-        elif op == "insert":
-            b[i:i] = data.draw(st.binary(min_size=1, max_size=8))
-        elif op == "delete" and b:
-            del b[i:i + data.draw(st.integers(1, 8))]
-        elif op == "truncate":
-            del b[i:]
-    return bytes(b)
-
-
 @given(st.data())
 def test_damaged_records_are_discarded_or_unchanged(data):
     try:
@@ -153,46 +136,12 @@ record_values = st.one_of(
 )
 
 
-def _paths(obj, prefix=()):
-    out = [prefix]
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            out += _paths(v, prefix + (k,))
-    elif isinstance(obj, list):
-        for i, v in enumerate(obj):
-            out += _paths(v, prefix + (i,))
-    return out
-
-
-def _at(obj, path):
-    for p in path:
-        obj = obj[p]
-    return obj
-
-
 @given(st.data(), st.integers(0, 3), st.sampled_from([BOB, BOB, BOB, STRANGER]),
        st.sampled_from([60_000, 60_000, 1, 6 * 60_000]))
 def test_re_signed_edits_are_believed_only_if_valid_and_matching(data, edits, signer, ttl):
     """A dialer can sign any content: the validator and the asker's checks refuse
     what is wrong with DialbackRejected, never an exception."""
-    content = copy.deepcopy(CONTENT)
-    for _ in range(edits):
-        paths = _paths(content)
-        op = data.draw(st.sampled_from(["replace", "replace", "delete", "add", "root"]))
-        if op == "root":
-            content = copy.deepcopy(data.draw(record_values))
-            continue
-        path = data.draw(st.sampled_from(paths))
-        if op == "replace" and path:
-            _at(content, path[:-1])[path[-1]] = copy.deepcopy(data.draw(record_values))
-        elif op == "delete" and path:
-            del _at(content, path[:-1])[path[-1]]
-        elif op == "add":
-            target = _at(content, path)
-            if isinstance(target, dict):
-                target[data.draw(st.text(max_size=10))] = copy.deepcopy(data.draw(record_values))
-            elif isinstance(target, list):
-                target.insert(data.draw(st.integers(0, len(target))), copy.deepcopy(data.draw(record_values)))
+    content = mutate_tree(data, CONTENT, edits, record_values)
     try:
         payload = canonical(content)  # what sign_record signs
     except TypeError:  # a map with keys that are not str: signed raw, as a hostile dialer would

@@ -191,17 +191,18 @@ class Relay:
         self._tokens: dict[str, _Reservation] = {}
         self.transform: Callable[[bytes, str], bytes] | None = None  # what a dishonest operator could do
         # counters since start: reservations made, refusals (full, unproven, over a limit),
-        # splices made, bytes spliced, reservations ended for silence
-        self.stats = {"reservations": 0, "refused": 0, "spliced": 0, "bytes": 0, "expired": 0}
-        # for metrics: refusals by reason (a fixed set, see _refuse), and bytes as they are spliced
-        # (stats["bytes"] counts a splice's bytes once it ends), a->b being client to peer
+        # splices made, reservations ended for silence
+        self.stats = {"reservations": 0, "refused": 0, "spliced": 0, "expired": 0}
+        # refusals by reason (a fixed set, see _refuse), and bytes as they are spliced, a->b
+        # being client to peer
         self.refusals: Counter[str] = Counter()
         self.spliced_bytes = {"a->b": 0, "b->a": 0}
 
     def load(self) -> dict[str, int]:
         """What this relay carries now, and its counters: for its record and ``status``."""
         return {"reservations_now": len(self.reservations),
-                "circuits_now": sum(r.connections for r in self.reservations.values()), **self.stats}
+                "circuits_now": sum(r.connections for r in self.reservations.values()),
+                "bytes": sum(self.spliced_bytes.values()), **self.stats}
 
     def _refuse(self, reason: str) -> None:
         self.stats["refused"] += 1
@@ -329,7 +330,6 @@ class Relay:
                     self.stats["spliced"] += 1
                     moved = await _splice(stream, data_stream, res.bucket, self.transform,
                                           first=(reader.buf, data_reader.buf), count=self._count_bytes)
-                    self.stats["bytes"] += moved
                 finally:
                     attached.set()
                     if self.on_splice is not None:
@@ -452,7 +452,7 @@ async def hold_reservation(relay: Multiaddr, identity: Identity, local: tuple[st
     except BaseExceptionGroup as group:  # one reason, not a tree: why the reservation ended
         if group.subgroup(trio.Cancelled) is not None:
             raise  # being cancelled is not losing the relay
-        leaf = _first_error(group)
+        leaf = first_error(group)
         if isinstance(leaf, RelayError):
             raise leaf from None
         if isinstance(leaf, (OSError, trio.BrokenResourceError, trio.ClosedResourceError)):
@@ -478,14 +478,15 @@ async def attach_to_relay(relay: Multiaddr, identity: Identity, local: tuple[str
                     first = False
         except* (OSError, RelayError, trio.BrokenResourceError, ValueError) as group:
             if first:  # the first reservation must succeed: say why it did not
-                raise _first_error(group) from None
+                raise first_error(group) from None
         if trio.current_time() - since > 4 * KEEPALIVE_S:
             backoff = 0.5  # it held a while: try again soon; one that drops at once waits longer each time
         await trio.sleep(backoff)
         backoff = min(backoff * 2, 30.0)
 
 
-def _first_error(group: BaseExceptionGroup) -> BaseException:
+def first_error(group: BaseException) -> BaseException:
+    """The first leaf of an exception group (an exception that is no group: itself)."""
     while isinstance(group, BaseExceptionGroup):
         group = group.exceptions[0]
     return group
