@@ -83,6 +83,9 @@ def bootstrap_addrs(flags: Iterable[str] | None, env: Mapping[str, str] | None =
     return addrs
 
 
+BOOTSTRAP_RETRY_TIMEOUTS_S = (1.0, 2.0)  # pings again, waiting longer, before none answered is believed
+
+
 def contact_of(addr: Multiaddr) -> Contact:
     return Contact.of(addr.peer_id, addr.host, addr.port)
 
@@ -120,6 +123,10 @@ async def start_node(
     seeds = [c for c in seeds if c.peer_id != identity.peer_id]
     if seeds:
         answered = await node.bootstrap(seeds)
+        for timeout in BOOTSTRAP_RETRY_TIMEOUTS_S:  # a loaded bootstrap host answers late, not never
+            if answered:
+                break
+            answered = await node.bootstrap(seeds, timeout=timeout)
         if answered == 0 and require_bootstrap:
             node.stop()
             raise BootstrapError(f"none of the {len(seeds)} bootstrap peers answered (or they answered with another key)")

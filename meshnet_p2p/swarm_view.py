@@ -9,6 +9,7 @@ Routing for user traffic takes only certified recipes
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -23,6 +24,11 @@ from .placement import NoRoute, Span, missing_layers, plan_route
 from .records import Record, keep_newest
 
 MAX_CERTIFIERS = 16  # trusted certifiers whose certificates a survey looks up
+# A survey that finds no report, or no trusted certificate for what is served, asks
+# again: answers lost on a loaded host (sixteen clients starting at once) are not an
+# empty swarm. Waits between tries (jittered) and the request timeout of each retry:
+SURVEY_RETRY_WAITS_S = (0.25, 0.5, 1.0)
+SURVEY_MAX_REQUEST_TIMEOUT_S = 2.0
 CERTIFY_HINT = "meshnet-peer certify --bootstrap MULTIADDR --identity KEY_FILE_OF_A_TRUSTED_CERTIFIER"
 
 
@@ -191,6 +197,41 @@ async def fetch_records(node, model_digest: str, certifiers: Iterable[str], *,
     return sorted(reports, key=lambda r: r.content["layers"][0]), certs
 
 
+def worth_asking_again(reports: list[Record], certs: list[Record], trust: TrustPolicy, n_layer: int = 0) -> bool:
+    """Did a survey come back too thin to believe at once: no report, reports that
+    leave some of the model's ``n_layer`` layers unserved, or no certificate from
+    any trusted certifier? Each is what lost answers look like; asked again, a live
+    swarm answers."""
+    spans = [Span.from_report(r) for r in reports if not r.content.get("departing")]
+    return not spans or bool(missing_layers(spans, 0, n_layer)) or (bool(trust.certifiers) and not certs)
+
+
+async def fetch_believable(node, model_digest: str, trust: TrustPolicy,
+                           n_layer: int = 0) -> tuple[list[Record], list[Record]]:
+    """:func:`fetch_records`, asked again (bounded, jittered, with a longer request
+    timeout each time) while the answer is :func:`worth_asking_again`."""
+    reports, certs = await fetch_records(node, model_digest, trust.certifiers)
+    for wait in SURVEY_RETRY_WAITS_S:
+        if not worth_asking_again(reports, certs, trust, n_layer):
+            break
+        await trio.sleep(wait * (0.5 + random.random()))  # sixteen clients do not retry in step
+        node.config.request_timeout = min(2 * node.config.request_timeout, SURVEY_MAX_REQUEST_TIMEOUT_S)
+        more_reports, more_certs = await fetch_records(node, model_digest, trust.certifiers)
+        reports = sorted(_merged(reports, more_reports), key=lambda r: r.content["layers"][0])
+        certs = _merged(certs, more_certs)
+    return reports, certs
+
+
+def _merged(a: Iterable[Record], b: Iterable[Record]) -> list[Record]:
+    """The newest record of each (signer, key) in ``a`` and ``b``."""
+    newest: dict[tuple, Record] = {}
+    for r in [*a, *b]:
+        at = (r.signer.multihash, r.content.get("key"))
+        if at not in newest or r.seq > newest[at].seq:
+            newest[at] = r
+    return list(newest.values())
+
+
 async def survey(bootstrap: Sequence[Any], model_digest: str, n_layer: int, trust: TrustPolicy) -> SwarmView:
     """A SwarmView from a short-lived client-mode DHT node."""
     from .network import start_node
@@ -198,6 +239,6 @@ async def survey(bootstrap: Sequence[Any], model_digest: str, n_layer: int, trus
     with unwrap_errors():
         async with trio.open_nursery() as nursery:
             node = await start_node(nursery, Identity.generate(), bootstrap=bootstrap, client_mode=True)
-            reports, certs = await fetch_records(node, model_digest, trust.certifiers)
+            reports, certs = await fetch_believable(node, model_digest, trust, n_layer)
             nursery.cancel_scope.cancel()
     return build_view(model_digest, n_layer, reports, certs, trust)

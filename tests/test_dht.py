@@ -90,6 +90,30 @@ async def test_frozen_peers_cost_one_timeout_each_and_never_stall_the_lookup(aut
     assert result.queried <= 8 * 20
 
 
+async def test_a_slow_answer_is_awaited_when_it_is_the_only_one(autojump_clock):
+    """A loaded host (sixteen clients starting at once) answers after slow_after: when
+    no other node answered, a lookup waits for it up to the timeout instead of giving
+    up with nothing (a survey that then says `no peer announces this model`)."""
+    seed, others = contact(1), [contact(i) for i in range(2, 6)]
+    target = contact(500).node_id
+
+    async def call(c):
+        await trio.sleep(0.3 if c == seed else 0.001)  # past slow_after (0.1 s), within the timeout
+        return c.port, others if c == seed else []
+
+    result = await iterative_lookup(target, [seed], call, k=20, alpha=3, timeout=1.0)
+    assert set(result.responses.values()) == {c.port for c in [seed, *others]}
+
+    async def frozen_beside_a_live_one(c):  # ... but a frozen peer still costs nothing once another answered
+        if c == seed:
+            await trio.sleep_forever()
+        return c.port, []
+
+    start = trio.current_time()
+    result = await iterative_lookup(target, [seed, others[0]], frozen_beside_a_live_one, k=20, alpha=3, timeout=1.0)
+    assert set(result.responses.values()) == {others[0].port} and trio.current_time() - start < 0.5
+
+
 # --- the swarm ---------------------------------------------------------------------------
 
 
@@ -104,6 +128,24 @@ async def test_put_and_get_across_a_swarm(autojump_clock):
             got = await reader.get(KEY)
             assert sorted(r.content["layers"][0] for r in got) == [0, 1, 2, 3, 4]
             assert {r.signer for r in got} == {p.peer_id for p in publishers}
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_client_whose_table_timeouts_emptied_still_looks_up_through_its_seeds(autojump_clock):
+    """A short-lived client node (a survey) holds only its bootstrap peers; a loaded
+    host that answered late got them evicted. Its lookups start from its seeds again,
+    instead of finding nothing (a survey's `no peer announces this model`)."""
+    async with trio.open_nursery() as nursery:
+        network, nodes = await start_swarm(nursery, 6, TYPES)
+        await nodes[2].put(KEY, report(nodes[2].identity))
+        client = DHTNode(swarm_identity(99), network.endpoint(), TYPES, DHTConfig(client_mode=True))
+        await nursery.start(client.run)
+        await client.bootstrap([nodes[0].contact()])
+        for c in client.table.contacts():  # what two timeouts each did on the loaded host
+            client.table.evict(c.node_id)
+        assert len(client.table) == 0
+        got = await client.get(KEY)
+        assert [r.signer for r in got] == [nodes[2].peer_id]
         nursery.cancel_scope.cancel()
 
 

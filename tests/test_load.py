@@ -4,6 +4,10 @@ no route can hold is the request's error."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -144,3 +148,34 @@ def test_a_busy_peers_hint_cannot_stall_a_client():
     assert max(_backoff(0, 10**6) for _ in range(100)) <= BACKOFF_MAX_S * 1.25
     assert max(_backoff(0, 0.0) for _ in range(100)) <= 0.25 * 1.25
     assert min(_backoff(10, 0.0) for _ in range(100)) >= BACKOFF_MAX_S * 0.75
+
+
+def test_sixteen_cli_clients_from_one_host_all_generate_exactly(tmp_path, model_path, references):
+    """Sixteen `meshnet-peer generate` processes started at once from one host (a lab,
+    an office, a NAT): each surveys the DHT with its own short-lived node, all from one
+    address. Limits that stop an attacker must not turn them away, and a survey that
+    comes back empty while the swarm is alive is asked again, never a `no route`."""
+    boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"])
+    procs = []
+    try:
+        for p in PROMPTS:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "meshnet_p2p", "generate", "--bootstrap", addr, "--prompt", p,
+                 "--max-tokens", str(TOKENS), "--json"],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                env={**os.environ, "MESHNET_CACHE_DIR": str(tmp_path)}))
+        results = [proc.communicate(timeout=600) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        codes = [j.stop() for j in joins] + [boot.stop()]
+    failed = [(p, proc.returncode, err[-500:]) for p, proc, (_, err) in zip(PROMPTS, procs, results)
+              if proc.returncode != 0]
+    assert failed == []
+    tok = Tokenizer(model_path)
+    for p, (out, _) in zip(PROMPTS, results):
+        got = json.loads(out)["token_ids"]  # the reference runs past an end of generation; the CLI stops before it
+        assert got == references[p][:len(got)] and (len(got) == TOKENS or tok.is_eog(references[p][len(got)])), p
+    assert codes == [0] * 4

@@ -1,23 +1,34 @@
 """Which recipes a node may route user traffic over, and what it says when
 none: pure functions of verified records and a trust policy."""
 
+import dataclasses
 import json
 import pathlib
 
 import pytest
+import trio
+import trio.testing
 
+from meshnet_p2p.capability import model_key
 from meshnet_p2p.certification import Certificate, TrustPolicy
+from meshnet_p2p.dht.node import DHTConfig
 from meshnet_p2p.engine.recipe import recipe_digest
 from meshnet_p2p.identity import Identity
 from meshnet_p2p.placement import NoRoute
 from meshnet_p2p.records import Record
-from meshnet_p2p.swarm_view import CERTIFY_HINT, RecipeNotCertified, build_view, routable_spans
+from meshnet_p2p.swarm_view import (CERTIFY_HINT, SURVEY_RETRY_WAITS_S, RecipeNotCertified, build_view,
+                                    fetch_believable, routable_spans)
 from meshnet_p2p.testing import sample_report
 
 AXES = json.loads((pathlib.Path(__file__).parent / "data" / "recipe_vectors.json").read_text())["recipes"][0]["axes"]
 ODD = {**AXES, "n_ubatch": 32}
 GOOD, DARK = recipe_digest(AXES), recipe_digest(ODD)
 MODEL = "ab" * 32
+
+
+@pytest.fixture
+def autojump_clock():
+    return trio.testing.MockClock(autojump_threshold=0)
 
 
 def record(layers, recipe=GOOD, axes=AXES, free=2) -> Record:
@@ -76,3 +87,52 @@ def test_a_certified_recipe_whose_peers_are_all_full_says_so():
 def test_no_peer_at_all():
     with pytest.raises(NoRoute, match="no peer announces"):
         routable_spans(view([]), TrustPolicy())
+
+
+class _LossyNode:
+    """A DHT node double whose lookups of a key come back empty ``lost`` times (answers
+    lost on a loaded host), then with what the swarm holds."""
+
+    def __init__(self, held: list[Record], lost: int) -> None:
+        self.held, self.lost, self.asked = held, lost, 0
+        self.config = DHTConfig()
+
+    def records(self, key):
+        return []
+
+    async def get(self, key):
+        self.asked += 1
+        return [] if self.asked <= self.lost else [r for r in self.held if r.content.get("key") == key]
+
+
+def keyed(rec: Record) -> Record:
+    return dataclasses.replace(rec, content={**rec.content, "key": model_key(MODEL)})
+
+
+async def test_an_empty_survey_is_asked_again_before_it_is_believed(autojump_clock):
+    held = [keyed(record((0, 30)))]
+    node = _LossyNode(held, lost=2)
+    reports, _ = await fetch_believable(node, MODEL, TrustPolicy())
+    assert reports == held and node.asked == 3
+    assert node.config.request_timeout > DHTConfig().request_timeout  # each retry waits longer for answers
+
+
+async def test_a_swarm_that_is_really_empty_is_asked_a_bounded_number_of_times(autojump_clock):
+    node = _LossyNode([], lost=0)
+    start = trio.current_time()
+    reports, certs = await fetch_believable(node, MODEL, TrustPolicy())
+    assert reports == certs == [] and node.asked == 1 + len(SURVEY_RETRY_WAITS_S)
+    assert trio.current_time() - start <= 1.5 * sum(SURVEY_RETRY_WAITS_S)
+
+
+async def test_a_survey_that_leaves_layers_unserved_is_asked_again(autojump_clock):
+    held = [keyed(record((0, 10))), keyed(record((10, 30)))]
+
+    class Partial(_LossyNode):
+        async def get(self, key):
+            self.asked += 1
+            return self.held[:1] if self.asked == 1 else self.held  # one report's store was lost at first
+
+    node = Partial(held, lost=0)
+    reports, _ = await fetch_believable(node, MODEL, TrustPolicy(), 30)
+    assert {r.signer for r in reports} == {r.signer for r in held} and node.asked == 2

@@ -564,9 +564,11 @@ class GrpcConnection:
             for st in list(self._streams.values()):
                 self._drop(st.id)
                 if self.client_side:
-                    why = "the peer went away before taking this call" if st.id > self.goaway.last_stream_id \
+                    # above last_stream_id: never processed, so safe to retry elsewhere or later (as gRPC's)
+                    untaken = st.id > self.goaway.last_stream_id
+                    why = "the peer went away before taking this call" if untaken \
                         else f"the peer closed the connection ({self.goaway.detail})"
-                    events.append(StreamEnded(st.id, UNAVAILABLE, why))
+                    events.append(StreamEnded(st.id, UNAVAILABLE, why, refused=untaken))
                 else:
                     events.append(StreamReset(st.id, CANCEL))
             return

@@ -51,7 +51,10 @@ MAX_CALLS = 32  # concurrent calls per connection (a route opens one Session per
 MAX_WAITING_CALLS = 4  # calls per connection whose first message has not come yet (they hold no worker)
 FIRST_MESSAGE_TIMEOUT = 10.0  # a call that sends nothing (no SessionOpen, no unary request) this long is ended
 SEND_TIMEOUT = 30.0  # a reply the client's flow-control window never lets out ends the call
-MAX_CONNECTIONS_PER_SOURCE = 16  # per host_group (an IPv4 address, an IPv6 /64); relayed ones share the relay's
+# per host_group (an IPv4 address, an IPv6 /64); relayed ones share the relay's. Half of the
+# default max_connections: a crowd behind one NAT (sixteen users, each a connection, plus a
+# ring link) fits, and one source never holds every connection.
+MAX_CONNECTIONS_PER_SOURCE = 32
 IDLE_CONNECTION_S = 60.0  # a connection with no call for this long is closed (GOAWAY)
 KEEPALIVE_S = 20.0  # a connection with calls but nothing heard for this long is sent a PING...
 KEEPALIVE_TIMEOUT_S = 10.0  # ...and closed if the answer takes longer (a client that vanished)
@@ -145,6 +148,12 @@ class _Connection(Driver):
     def close(self, why: str = "closed") -> None:
         with self.cond:
             self.break_locked(why)
+
+    def give_way(self) -> None:
+        """Closed to make room: a GOAWAY first, so a call the client sent meanwhile is
+        known never processed (safe to retry), not a broken peer."""
+        with self.cond:
+            self.goaway_locked("gave way to a newer connection (a connection limit)")
 
     def on_broken_locked(self) -> None:
         for call in self.calls.values():
@@ -496,7 +505,7 @@ class ShardServer:
                 sock.close()
                 return
             if victim is not True:
-                victim.close()  # an idle connection gives way (its thread ends it; no call is lost)
+                victim.give_way()  # an idle connection gives way (its thread ends it; no call is lost)
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_TIMEOUT), 0))

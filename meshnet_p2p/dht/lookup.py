@@ -52,7 +52,9 @@ async def iterative_lookup(
     closest, so a frozen peer delays nothing; if it answers before the lookup
     ends its answer is still used, and if it times out it is reported failed.
     The lookup ends when no request is in flight except slow ones and nothing
-    closer is left to ask; slow requests are then abandoned.
+    closer is left to ask; slow requests are then abandoned, unless nobody has
+    answered yet: then they are awaited until their timeout (a loaded host
+    answers late; giving up would report an empty key).
     """
     max_queries = max_queries or 8 * k
     slow_after = timeout / 10 if slow_after is None else slow_after
@@ -84,9 +86,11 @@ async def iterative_lookup(
                 started[c.node_id] = trio.current_time()
                 result.queried += 1
                 nursery.start_soon(query, c)
-            if not started:
+            if not started and (result.responses or "slow" not in state.values()):
                 break
-            with trio.move_on_at(min(started.values()) + slow_after):
+            # with nobody answered yet, the slow requests are all there is (a loaded host, not a
+            # frozen one): wait for them, each bounded by its own timeout
+            with trio.move_on_at(min(started.values()) + slow_after if started else math.inf):
                 c, answer = await recv.receive()
                 started.pop(c.node_id, None)
                 if answer is None:

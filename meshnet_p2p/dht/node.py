@@ -195,8 +195,8 @@ class DHTNode:
         finally:
             del self._pending[rpc_id]
 
-    async def ping(self, contact: Contact | Addr) -> wire.Message | None:
-        return await self.request(contact, "ping", {})
+    async def ping(self, contact: Contact | Addr, *, timeout: float | None = None) -> wire.Message | None:
+        return await self.request(contact, "ping", {}, timeout=timeout)
 
     # --- requests in -----------------------------------------------------------------------
 
@@ -502,7 +502,7 @@ class DHTNode:
 
     # --- public API: DHT --------------------------------------------------------------------
 
-    async def bootstrap(self, seeds: list[Contact]) -> int:
+    async def bootstrap(self, seeds: list[Contact], *, timeout: float | None = None) -> int:
         """Join through ``seeds`` (whose peer IDs are checked); returns how many answered.
         The seeds are kept: a node cut off from them (a partition, their restart)
         finds its way back through them (:meth:`rejoin`)."""
@@ -512,7 +512,7 @@ class DHTNode:
 
             async def one(c: Contact) -> None:
                 nonlocal answered
-                reply = await self.ping(c)
+                reply = await self.ping(c, timeout=timeout)
                 if reply is not None:
                     answered += 1
 
@@ -643,8 +643,10 @@ class DHTNode:
         return sorted((r for r in found.values() if r.expires_at_ms > now), key=lambda r: r.signer.multihash)
 
     async def _lookup(self, target: int, call, **kw):
+        # a table that timeouts emptied (a loaded host answers late) still has its seeds to start from
+        seeds = self.table.nearest(target) or list(self._seeds)
         return await iterative_lookup(
-            target, self.table.nearest(target), call, k=self.config.k, alpha=self.config.alpha,
+            target, seeds, call, k=self.config.k, alpha=self.config.alpha,
             timeout=self.config.request_timeout * 2, on_fail=self._lookup_failed, on_abandon=self._suspect, **kw,
         )
 
