@@ -11,7 +11,10 @@ and compares the route's tokens with
 
 Only identical tokens certify. The evidence (see :mod:`certification`) is
 signed with the certifier's key and stored under ``cert/<model>/<recipe>`` in
-the DHT, from where gossip spreads it. The DHT node that carries it uses a
+the DHT, from where gossip spreads it: on the nodes closest to the key along
+every disjoint lookup path and, directly, on the certifier's homes (its
+bootstrap peers, its own node), where readers also ask; it reports how many
+networks took it and warns when too few did. The DHT node that carries it uses a
 fresh identity: the certifier's key may be a running bootstrap peer's, and two
 DHT nodes must not share a peer ID.
 """
