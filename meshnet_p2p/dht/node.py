@@ -80,8 +80,8 @@ class DHTConfig:
     republish_interval: float = 300.0
     gossip_fanout: int = 6
     gossip_pull_interval: float = 1.0
-    # a get stops once this many of the closest nodes answered with values; keys hold
-    # many values (one per signer) spread unevenly, so by default ask all k closest
+    # a get's lookup path stops once this many of its closest nodes answered with values; keys
+    # hold many values (one per signer) spread unevenly, so by default ask all k closest
     get_quorum: int = 20
     max_pages: int = 16
     # disjoint lookup paths (S/Kademlia): one colluding group captures at most the paths it meets
