@@ -11,7 +11,10 @@ and compares the route's tokens with
 
 Only identical tokens certify. The evidence (see :mod:`certification`) is
 signed with the certifier's key and stored under ``cert/<model>/<recipe>`` in
-the DHT, from where gossip spreads it. The DHT node that carries it uses a
+the DHT, from where gossip spreads it: on the nodes closest to the key along
+every disjoint lookup path and, directly, on the certifier's homes (its
+bootstrap peers, its own node), where readers also ask; it reports how many
+networks took it and warns when too few did. The DHT node that carries it uses a
 fresh identity: the certifier's key may be a running bootstrap peer's, and two
 DHT nodes must not share a peer ID.
 """
@@ -43,7 +46,9 @@ from .generation import generate
 from .engine.contract import SamplingParams
 from .engine.recipe import explain_mismatch
 from .errors import unwrap_errors
-from .identity import Identity
+from .dht.node import Stored
+from .dht.routing import networks, node_id_of
+from .identity import Identity, PeerId
 from .network import start_node
 from .placement import NoRoute, Span, plan_route
 from .records import wall_ms
@@ -168,16 +173,54 @@ async def certify(opts: CertifyOptions, log: Callable[[str], None] = print) -> d
             summary = await _certify_recipe(opts, view, info, source_sha, prompt, log)
             wire = summary.pop("evidence")
             me = str(opts.identity.peer_id)
-            stored = await node.publish(cert_key(model, view.recipe_digest, me), wire)
+            homes = await certifier_homes(node, opts.identity.peer_id)
+            stored = await node.publish(cert_key(model, view.recipe_digest, me), wire, also=homes)
             # this certifier's index of the model's recipes it certified: this one first
             index = await newest_signed_by(node, index_key(model, me), me)
             before = index.content["recipes"] if index else []
-            await node.publish(index_key(model, me), sign_index(opts.identity, model, [view.recipe_digest, *before],
-                                                                now_ms=wall_ms()))
+            indexed = await node.publish(index_key(model, me), sign_index(opts.identity, model,
+                                                                         [view.recipe_digest, *before], now_ms=wall_ms()),
+                                         also=homes)
+            visible = networks([*node.table.contacts(), *homes])
             nursery.cancel_scope.cancel()
-    summary["stored_on"] = stored
-    log(f"certified recipe {view.recipe_digest[:12]} by {summary['method']}; evidence stored on {stored} nodes")
+    held = Stored(min(stored.nodes, indexed.nodes), min(stored.networks, indexed.networks))  # both must reach readers
+    summary["stored_on"] = held.nodes
+    summary["stored_networks"] = held.networks
+    problem = storage_problem(held, visible)
+    if held.nodes == 0:
+        raise CertificationError(f"recipe {view.recipe_digest[:12]} passed, but {problem}; run certify again")
+    log(f"certified recipe {view.recipe_digest[:12]} by {summary['method']}; evidence stored on {held.nodes} nodes "
+        f"in {held.networks} network{'s' if held.networks != 1 else ''}")
+    if problem:
+        summary["warning"] = problem
+        log(f"warning: {problem}")
     return summary
+
+
+MIN_NETWORKS = 3  # distinct networks that should hold a certifier's records
+
+
+async def certifier_homes(node, certifier: PeerId) -> list:
+    """Where the certifier's records are stored besides the nodes closest to
+    their keys: the bootstrap peers, and the certifier's own node if it runs
+    one (a bootstrap operator certifies with the bootstrap's key), found by a
+    lookup of its ID. Readers ask the same places (swarm_view.newest_signed_by)."""
+    await node.find_node(node_id_of(certifier))  # a node that answers under that ID enters the table
+    return node.homes_of(certifier)
+
+
+def storage_problem(held: Stored, visible_networks: int) -> str:
+    """Why the records may not reach readers ("" if held widely enough): nodes
+    in one network, one operator's, may all be one colluding group. The bar is
+    what this node can see: a swarm on one LAN or one host has one network."""
+    if held.nodes == 0:
+        return "no node took the evidence"
+    want = min(MIN_NETWORKS, max(1, visible_networks))
+    if held.networks >= want:
+        return ""
+    return (f"only {held.networks} network{'s' if held.networks != 1 else ''} of the {visible_networks} this node "
+            f"sees hold the evidence ({held.nodes} nodes): one operator there could hide it from readers; run "
+            f"certify again later, or add bootstrap peers on other networks")
 
 
 async def _certify_recipe(opts: CertifyOptions, view: RecipeView, info, source_sha: str, prompt: list[int],

@@ -19,7 +19,7 @@ from .capability import model_key
 from .certification import Certificate, EvidenceRefused, TrustPolicy, cert_key, certified, index_key
 from .engine.recipe import explain_mismatch
 from .errors import MeshnetError, unwrap_errors
-from .identity import Identity
+from .identity import Identity, IdentityError, PeerId
 from .placement import NoRoute, Span, missing_layers, plan_route
 from .records import Record, keep_newest
 
@@ -157,8 +157,15 @@ def routable_spans(view: SwarmView, trust: TrustPolicy) -> list[Span]:
 
 
 async def newest_signed_by(node, key: str, signer: str) -> Record | None:
-    """The newest record under ``key`` that ``signer`` signed (gossip, then a lookup)."""
-    got = [r for r in [*node.records(key), *await node.get(key)] if str(r.signer) == signer]
+    """The newest record under ``key`` that ``signer`` signed (gossip, then a
+    lookup that also asks where the signer keeps its records: this node's
+    bootstrap peers and the signer's own node, so nodes ground close to the key
+    cannot hide it)."""
+    try:
+        homes = node.homes_of(PeerId.from_string(signer))
+    except (IdentityError, ValueError):  # not a peer ID: no home to ask
+        homes = []
+    got = [r for r in [*node.records(key), *await node.get(key, also_ask=homes)] if str(r.signer) == signer]
     return max(got, key=lambda r: r.seq, default=None)
 
 

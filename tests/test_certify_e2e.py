@@ -62,6 +62,9 @@ def test_a_fresh_swarm_is_dark_until_a_trusted_certifier_certifies_it(tmp_path, 
         summary = certify_swarm(addr, str(outsider))
         assert summary["method"] == "whole-model" and summary["token_ids"] == reference
         assert len({h["peer_id"] for h in summary["routes"][0]}) == 3
+        # stored on the bootstrap (a home) and the nodes closest along every path: one host, one network,
+        # all this certifier can see, so no warning
+        assert summary["stored_on"] >= 1 and summary["stored_networks"] == 1 and "warning" not in summary
         r = generate(addr)
         assert r.returncode == 2 and "is dark" in r.stderr, r.stderr
         trusted = generate(addr, "--trust", summary["certifier"])

@@ -6,26 +6,68 @@ Each request has its own timeout, so a silent (frozen) peer costs one timeout
 on one of the alpha slots while the others go on, and it is reported through
 ``on_fail`` so the routing table evicts it. A node is asked at most once per
 lookup, and the number of requests is bounded.
+
+Against one colluding group (S/Kademlia, and the IPFS DHT's diversity filter):
+
+- **Disjoint paths.** With ``paths=d`` the seeds are dealt into d paths that
+  run at once, each as above, and a node is asked by at most one path. A group
+  that one path meets answers only with its own members, and captures that
+  path; the others still reach the honest nodes near the target. ``responses``
+  merges every path's answers; ``reached`` is the union of every path's
+  closest (where a put stores).
+- **Network diversity.** From one answer a path takes at most ``per_answer``
+  contacts of one network (:func:`routing.ip_group`: an IPv4 /24, an IPv6
+  /48), and a path's k closest hold at most ``per_path`` of one network, so
+  identities minted on one host cannot push every honest node out of a path.
+  Loopback, private and link-local addresses are exempt, as in the table.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, Generic, TypeVar
+from typing import Awaitable, Callable, Generic, Iterable, Sequence, TypeVar
 
 import trio
 
-from .routing import Contact
+from .routing import MAX_PER_GROUP, MAX_PER_GROUP_IN_BUCKET, Contact, ip_group
 
 R = TypeVar("R")
+PER_ANSWER = MAX_PER_GROUP_IN_BUCKET  # contacts of one network taken from one answer
+PER_PATH = MAX_PER_GROUP  # members of one network among a path's k closest
 
 
 @dataclass
 class LookupResult(Generic[R]):
-    closest: list[Contact]  # the k closest nodes that answered
+    closest: list[Contact]  # the k closest nodes that answered (over every path)
     responses: dict[int, R] = field(default_factory=dict)  # node id -> its answer
     queried: int = 0
+    paths: list[list[Contact]] = field(default_factory=list)  # each path's k closest that answered
+    target: int = 0
+
+    @property
+    def reached(self) -> list[Contact]:
+        """Every path's k closest, nearest first: where a put stores."""
+        union = {c.node_id: c for closest in self.paths for c in closest} or {c.node_id: c for c in self.closest}
+        return sorted(union.values(), key=lambda c: c.node_id ^ self.target)
+
+
+def diverse(contacts: Iterable[Contact], per_group: int | None) -> list[Contact]:
+    """``contacts`` in order, keeping at most ``per_group`` of each network
+    (exempt addresses are all kept; None keeps everything)."""
+    if per_group is None:
+        return list(contacts)
+    taken: Counter[str] = Counter()
+    out = []
+    for c in contacts:
+        g = ip_group(c.host)
+        if g is not None:
+            if taken[g] >= per_group:
+                continue
+            taken[g] += 1
+        out.append(c)
+    return out
 
 
 async def iterative_lookup(
@@ -41,34 +83,107 @@ async def iterative_lookup(
     on_abandon: Callable[[Contact], None] = lambda c: None,
     done: Callable[[dict[int, R]], bool] = lambda responses: False,
     max_queries: int | None = None,
+    paths: int = 1,
+    also: Sequence[Contact] = (),
+    per_answer: int | None = PER_ANSWER,
+    per_path: int | None = PER_PATH,
 ) -> LookupResult[R]:
     """Find the ``k`` nodes closest to ``target``.
 
     ``call(contact)`` returns ``(answer, contacts it knows)`` or None on failure.
-    ``done(responses)`` may end the lookup early (e.g. enough values found).
+    ``done(responses)`` may end a path early (e.g. enough values found); it
+    sees that path's answers only, so one path cannot end the others.
+    ``max_queries`` bounds each path's requests. ``also``: contacts asked
+    directly, whatever their distance (where a key's signer keeps its records);
+    their answers join ``responses``, their contacts are not followed.
 
     A request unanswered after ``slow_after`` (default: a tenth of ``timeout``)
     stops holding one of the ``alpha`` slots and stops counting among the k
     closest, so a frozen peer delays nothing; if it answers before the lookup
     ends its answer is still used, and if it times out it is reported failed.
-    The lookup ends when no request is in flight except slow ones and nothing
-    closer is left to ask; slow requests are then abandoned, unless nobody has
-    answered yet: then they are awaited until their timeout (a loaded host
-    answers late; giving up would report an empty key).
+    A path ends when no request is in flight except slow ones and nothing
+    closer is left to ask; the lookup ends when every path has ended and the
+    direct asks have answered or turned slow; slow requests are then abandoned.
+    While nobody has answered at all, a path waits for its slow requests until
+    their timeout instead (a loaded host answers late; giving up would report
+    an empty key).
     """
     max_queries = max_queries or 8 * k
     slow_after = timeout / 10 if slow_after is None else slow_after
+    result: LookupResult[R] = LookupResult([], target=target)
+    claimed: dict[int, int] = {}  # node id -> the path that asked it (disjointness)
+    ordered = sorted({c.node_id: c for c in seeds}.values(), key=lambda c: c.node_id ^ target)
+    d = max(1, min(paths, len(ordered)))
+    outcomes: list[tuple[list[Contact], dict[int, R], list[Contact]]] = [([], {}, []) for _ in range(d)]
+
+    async def path(i: int) -> None:
+        outcomes[i] = await _one_path(
+            target, ordered[i::d], call, i, claimed, result, k=k, alpha=alpha, timeout=timeout,
+            slow_after=slow_after, on_fail=on_fail, done=done, max_queries=max_queries,
+            per_answer=per_answer, per_path=per_path)
+
+    direct: dict[int, tuple[Contact, float]] = {}  # direct asks in flight: node id -> (contact, start)
+    answered = trio.Event()
+
+    async def ask(c: Contact) -> None:
+        answer = None
+        with trio.move_on_after(timeout):
+            answer = await call(c)
+        direct.pop(c.node_id, None)
+        if answer is None:
+            on_fail(c)
+        else:
+            result.responses.setdefault(c.node_id, answer[0])
+        if not direct:
+            answered.set()
+
+    async with trio.open_nursery() as nursery:
+        if also:
+            for c in {c.node_id: c for c in also}.values():
+                direct[c.node_id] = (c, trio.current_time())
+                result.queried += 1
+                nursery.start_soon(ask, c)
+        async with trio.open_nursery() as walks:
+            for i in range(d if ordered else 0):
+                walks.start_soon(path, i)
+        if direct:  # like any request: waited for until slow, then abandoned
+            with trio.move_on_at(max(t0 for _, t0 in direct.values()) + slow_after):
+                await answered.wait()
+        abandoned = [c for c, _ in direct.values()]
+        nursery.cancel_scope.cancel()
+    for c in abandoned:
+        on_abandon(c)
+    result.paths = [closest for closest, _, _ in outcomes]
+    for _, _, left in outcomes:
+        for c in left:
+            on_abandon(c)
+    result.closest = sorted({c.node_id: c for p in result.paths for c in p}.values(),
+                            key=lambda c: c.node_id ^ target)[:k]
+    return result
+
+
+async def _one_path(target: int, seeds: list[Contact], call, me: int, claimed: dict[int, int],
+                    result: LookupResult, *, k: int, alpha: int, timeout: float, slow_after: float,
+                    on_fail, done, max_queries: int, per_answer: int | None, per_path: int | None,
+                    ) -> tuple[list[Contact], dict[int, R], list[Contact]]:
+    """One path: returns its k closest that answered, its answers, and the
+    contacts it left waiting on (slow or pending) for the caller to abandon."""
     candidates: dict[int, Contact] = {c.node_id: c for c in seeds}
     state: dict[int, str] = {}  # node id -> pending | slow | ok | failed
     started: dict[int, float] = {}  # pending (not slow) requests: node id -> start time
-    result: LookupResult[R] = LookupResult([])
+    responses: dict[int, R] = {}
+    queried = 0
     send, recv = trio.open_memory_channel[tuple[Contact, object]](math.inf)
 
     def dist(c: Contact) -> int:
         return c.node_id ^ target
 
+    def window(among: Iterable[Contact]) -> list[Contact]:
+        return diverse(sorted(among, key=dist), per_path)[:k]
+
     def next_up() -> list[Contact]:
-        usable = sorted((c for c in candidates.values() if state.get(c.node_id) not in ("failed", "slow")), key=dist)[:k]
+        usable = window(c for c in candidates.values()
+                        if state.get(c.node_id) not in ("failed", "slow") and claimed.get(c.node_id, me) == me)
         return [c for c in usable if c.node_id not in state]
 
     async def query(c: Contact) -> None:
@@ -80,17 +195,19 @@ async def iterative_lookup(
     async with trio.open_nursery() as nursery:
         while True:
             for c in next_up()[: max(0, alpha - len(started))]:
-                if result.queried >= max_queries:
+                if queried >= max_queries:
                     break
+                claimed[c.node_id] = me
                 state[c.node_id] = "pending"
                 started[c.node_id] = trio.current_time()
+                queried += 1
                 result.queried += 1
                 nursery.start_soon(query, c)
             if not started and (result.responses or "slow" not in state.values()):
                 break
-            # with nobody answered yet, the slow requests are all there is (a loaded host, not a
-            # frozen one): wait for them, each bounded by its own timeout
-            with trio.move_on_at(min(started.values()) + slow_after if started else math.inf):
+            # with nobody answered yet (on any path), the slow requests are all there is (a loaded
+            # host, not a frozen one): wait for them, each bounded by its own timeout
+            with trio.move_on_at(min(started.values()) + slow_after if started else trio.current_time() + slow_after):
                 c, answer = await recv.receive()
                 started.pop(c.node_id, None)
                 if answer is None:
@@ -99,10 +216,11 @@ async def iterative_lookup(
                     continue
                 state[c.node_id] = "ok"
                 value, contacts = answer
+                responses[c.node_id] = value
                 result.responses[c.node_id] = value
-                for n in contacts:
+                for n in diverse(sorted(contacts, key=dist), per_answer):
                     candidates.setdefault(n.node_id, n)
-                if done(result.responses):
+                if done(responses):
                     break
                 continue
             now = trio.current_time()
@@ -111,8 +229,6 @@ async def iterative_lookup(
                     del started[node_id]
                     state[node_id] = "slow"
         nursery.cancel_scope.cancel()
-    for node_id, s in state.items():
-        if s in ("slow", "pending"):
-            on_abandon(candidates[node_id])
-    result.closest = sorted((candidates[i] for i, s in state.items() if s == "ok"), key=dist)[:k]
-    return result
+    left = [candidates[i] for i, s in state.items() if s in ("slow", "pending")]
+    closest = window(candidates[i] for i, s in state.items() if s == "ok")
+    return closest, responses, left

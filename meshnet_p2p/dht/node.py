@@ -36,7 +36,7 @@ from ..stats import LOOKUP_SECONDS, Histogram
 from . import wire
 from .gossip import GossipState
 from .lookup import iterative_lookup
-from .routing import Contact, RoutingTable, ip_group, key_id, node_id_of
+from .routing import Contact, RoutingTable, key_id, network_of, networks, node_id_of
 from .storage import ValueStore
 from .transport import Addr, DatagramTransport
 
@@ -80,10 +80,29 @@ class DHTConfig:
     republish_interval: float = 300.0
     gossip_fanout: int = 6
     gossip_pull_interval: float = 1.0
-    # a get stops once this many of the closest nodes answered with values; keys hold
-    # many values (one per signer) spread unevenly, so by default ask all k closest
+    # a get's lookup path stops once this many of its closest nodes answered with values; keys
+    # hold many values (one per signer) spread unevenly, so by default ask all k closest
     get_quorum: int = 20
     max_pages: int = 16
+    # disjoint lookup paths (S/Kademlia): one colluding group captures at most the paths it meets
+    lookup_paths: int = 3
+
+
+class Stored(int):
+    """How many remote nodes took a put (the int, as before), and in how many
+    distinct networks they are (:func:`routing.networks`): nodes one operator
+    runs count once, however many said "stored"."""
+
+    networks: int
+
+    def __new__(cls, nodes: int, networks: int) -> "Stored":
+        self = super().__new__(cls, nodes)
+        self.networks = networks
+        return self
+
+    @property
+    def nodes(self) -> int:
+        return int(self)
 
 
 class DHTNode:
@@ -291,7 +310,7 @@ class DHTNode:
         if self._dials_in_flight + n > MAX_DIALS_IN_FLIGHT:
             return self._refuse(dialback.BUSY)  # (not counted against the source: it got nothing)
         # per source network, not address: an IPv6 /64 or a /24 holds addresses by the thousand
-        if not self._dial_back_allowed(ip_group(addr[0]) or addr[0]):
+        if not self._dial_back_allowed(network_of(addr[0])):
             return self._refuse(dialback.RATE_LIMITED)
         self.stats["dial_back_accepted"] += 1
         self.stats["dial_back_not_from_source"] += len(addrs) - n
@@ -558,6 +577,9 @@ class DHTNode:
         return answered
 
     async def find_node(self, target: int) -> list[Contact]:
+        return (await self._find_node(target)).closest
+
+    async def _find_node(self, target: int):
         async def call(c: Contact):
             reply = await self.request(c, "find_node", {"target": target.to_bytes(32, "big")})
             if reply is None or reply.kind != "nodes":
@@ -565,42 +587,46 @@ class DHTNode:
             return None, self._contacts(reply.body.get("nodes"))
 
         t0 = trio.current_time()
-        closest = (await self._lookup(target, call)).closest
-        self._lookup_done("find_node", t0, bool(closest))
-        return closest
+        result = await self._lookup(target, call)
+        self._lookup_done("find_node", t0, bool(result.closest))
+        return result
 
     def _lookup_done(self, op: str, started: float, answered: bool) -> None:
         self.lookup_seconds[op].observe(trio.current_time() - started)
         if not answered:  # no remote node answered (or, for a put, took the record)
             self.lookup_failures[op] += 1
 
-    async def put(self, key: str, record_wire: bytes) -> int:
-        """Store a record under ``key`` on the k nodes closest to it (and here).
-        Returns how many remote nodes accepted it. Raises :class:`RecordRejected`
-        or :class:`DHTError` if this node itself would not accept it."""
+    async def put(self, key: str, record_wire: bytes, *, also: list[Contact] = ()) -> Stored:
+        """Store a record under ``key`` on the k nodes closest to it along every
+        lookup path, on ``also`` (e.g. :meth:`homes_of` its signer), and here.
+        Returns how many remote nodes accepted it, and in how many networks.
+        Raises :class:`RecordRejected` or :class:`DHTError` if this node itself
+        would not accept it."""
         record = self.verifier.verify(record_wire, self.now_ms(), remember=False)
         ok, reason = self.store.put(key, record, self.now_ms(), own=True)  # others' records never crowd ours out
         if not ok:
             raise DHTError(f"cannot store under {key!r}: {reason}")
         self._gossip_in(record_wire, from_peer=None, record=record)
         t0 = trio.current_time()
-        closest = await self.find_node(key_id(key.encode()))
-        stored = 0
+        targets = {c.node_id: c for c in (await self._find_node(key_id(key.encode()))).reached}
+        targets.update((c.node_id, c) for c in also if c.node_id != self.node_id)
+        holders: list[Contact] = []
         async with trio.open_nursery() as nursery:
 
             async def one(c: Contact) -> None:
-                nonlocal stored
                 reply = await self.request(c, "store", {"key": key, "record": record_wire})
                 if reply is not None and reply.kind == "stored" and reply.body.get("ok") is True:
-                    stored += 1
+                    holders.append(c)
 
-            for c in closest:
+            for c in targets.values():
                 nursery.start_soon(one, c)
-        self._lookup_done("put", t0, stored > 0)
-        return stored
+        self._lookup_done("put", t0, bool(holders))
+        return Stored(len(holders), networks(holders))
 
-    async def get(self, key: str) -> list[Record]:
-        """Every live record under ``key`` that the closest nodes hold (newest per signer)."""
+    async def get(self, key: str, *, also_ask: list[Contact] = ()) -> list[Record]:
+        """Every live record under ``key`` that the closest nodes along every
+        lookup path hold, and ``also_ask`` (e.g. :meth:`homes_of` the signer
+        wanted) hold, asked directly (newest per signer)."""
         target = key_id(key.encode())
         local, _ = self.store.get(key, self.now_ms(), budget=1 << 30)
         found: dict[bytes, Record] = {r.signer.multihash: r for r in local}
@@ -635,7 +661,7 @@ class DHTNode:
             return sum(1 for recs in responses.values() if recs) >= self.config.get_quorum
 
         t0 = trio.current_time()
-        result = await self._lookup(target, call, done=enough)
+        result = await self._lookup(target, call, done=enough, also=[c for c in also_ask if c.node_id != self.node_id])
         self._lookup_done("get", t0, bool(result.responses))
         for recs in result.responses.values():
             keep_newest(found, recs)
@@ -647,8 +673,21 @@ class DHTNode:
         seeds = self.table.nearest(target) or list(self._seeds)
         return await iterative_lookup(
             target, seeds, call, k=self.config.k, alpha=self.config.alpha,
-            timeout=self.config.request_timeout * 2, on_fail=self._lookup_failed, on_abandon=self._suspect, **kw,
+            timeout=self.config.request_timeout * 2, on_fail=self._lookup_failed, on_abandon=self._suspect,
+            paths=self.config.lookup_paths, **kw,
         )
+
+    def homes_of(self, signer: PeerId) -> list[Contact]:
+        """Where a signer's records are kept whatever nodes are closest to their
+        key: the bootstrap peers this node joined through (certify stores there
+        too) and the signer's own node, if this node knows it (a node keeps and
+        republishes what it signed). A group ground close to a key hides nothing
+        these hold."""
+        homes = {c.node_id: c for c in self._seeds}
+        own = self.table.get(node_id_of(signer))
+        if own is not None:
+            homes[own.node_id] = own
+        return list(homes.values())
 
     def _contacts(self, raw: Any) -> list[Contact]:
         try:
@@ -689,9 +728,9 @@ class DHTNode:
         now = self.now_ms()
         return [r for r in self.gossip.records(topic) if r.expires_at_ms > now]
 
-    async def publish(self, key: str, record_wire: bytes) -> int:
+    async def publish(self, key: str, record_wire: bytes, *, also: list[Contact] = ()) -> Stored:
         """Announce a record: gossip it at once and store it in the DHT."""
-        return await self.put(key, record_wire)
+        return await self.put(key, record_wire, also=also)
 
     def _gossip_in(self, record_wire: bytes, *, from_peer: PeerId | None, record: Record | None = None) -> bool:
         if record is None:

@@ -40,6 +40,18 @@ def ip_group(host: str) -> str | None:
     return str(ipaddress.ip_network((ip, 24 if ip.version == 4 else 48), strict=False))
 
 
+def network_of(host: str) -> str:
+    """The network an address counts in for per-source bounds and for how many
+    networks hold a value: its ip_group, or the exact address for those the
+    diversity bound exempts (a private address counts alone)."""
+    return ip_group(host) or host
+
+
+def networks(contacts) -> int:
+    """How many distinct networks (:func:`network_of`) ``contacts`` are in."""
+    return len({network_of(c.host) for c in contacts})
+
+
 def node_id_of(peer_id: PeerId) -> int:
     """A node's DHT ID: sha256 of its peer ID bytes, so IDs are uniform and bound to keys."""
     return int.from_bytes(hashlib.sha256(peer_id.multihash).digest(), "big")
