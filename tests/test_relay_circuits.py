@@ -10,8 +10,11 @@ import ssl
 from collections import Counter
 from functools import partial
 
+from unittest import mock
+
 import pytest
 import trio
+import trio.testing
 
 from meshnet_p2p.dataplane import relay as relay_mod
 from meshnet_p2p.dataplane.client import ShardClient, open_channel
@@ -258,6 +261,41 @@ async def test_a_stranger_holding_every_circuit_cannot_keep_a_generation_from_a_
 
 
 # --- the keeper leaves a relay that turns everyone away -------------------------------------------
+
+
+def test_a_peer_reads_only_well_formed_load_lines_and_keeps_its_reservation():
+    """LOAD is what a relay claims: anything malformed is ignored, never an error."""
+    relay_id, peer = Identity.from_seed(b"\x61" * 32), Identity.from_seed(b"\x62" * 32)
+    junk = [b"LOAD 1\n", b"LOAD a b\n", b"LOAD 1 2 3\n", b"LOAD -1 2\n", "LOAD \u0661 \u0662\n".encode(),
+            b"LOAD 9999999999999999999999 1\n", b"LOAD \xff\xfe 1\n", b"LOAD  \n"]
+
+    async def main():
+        ours, theirs = trio.testing.memory_stream_pair()
+
+        async def fake_relay():
+            reader = relay_mod._LineReader(theirs)
+            line = (await reader.line()).decode().split()
+            sig = relay_id.sign(relay_mod.RELAY_DOMAIN + bytes.fromhex(line[2]) + peer.peer_id.multihash)
+            await theirs.send_all(f"CHALLENGE {bytes(32).hex()} {sig.hex()}\n".encode())
+            await reader.line()
+            await theirs.send_all(b"OK\n" + b"".join(junk))
+            ping = await reader.line()
+            await theirs.send_all(ping.replace(b"PING", b"PONG") + b"\nLOAD 3 7\n")
+            await trio.sleep_forever()
+
+        async def connect_to(host, port):
+            return ours
+
+        addr = Multiaddr.for_socket("10.0.0.1", "tcp", 4002, relay_id.peer_id)
+        with mock.patch.object(relay_mod.trio, "open_tcp_stream", connect_to):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(fake_relay)
+                held = await nursery.start(hold_reservation, addr, peer, ("127.0.0.1", 9))
+                await held.next_report()
+                assert held.circuits == 3 and held.turned_away == [0, 7]
+                nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 class RecordsOnly:

@@ -511,7 +511,8 @@ async def hold_reservation(relay: Multiaddr, identity: Identity, local: tuple[st
     connection to the relay: handed to ``local`` if it is a callable that adopts
     connected sockets (this peer's own server: no splice, no loopback hop), or
     spliced to ``local`` if it is an address. Pings the relay every KEEPALIVE_S,
-    which renews the reservation. Returns only by raising :class:`RelayError`:
+    which renews the reservation, and keeps what the relay's LOAD lines say on
+    the :class:`Reservation`. Returns only by raising :class:`RelayError`:
     refused, the relay closed, or a ping went unanswered."""
     control, reader = await reserve(relay, identity)
     held = Reservation(relay)
