@@ -129,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     relay.add_argument("--max-reservations", type=_positive, default=128, help="peers it keeps reachable at once")
     relay.add_argument("--max-connections-per-peer", type=_positive, default=16,
                        help="circuits (spliced connections) per reserved peer at once")
+    relay.add_argument("--max-circuits-per-source", type=_positive, default=None,
+                       help="circuits to one reserved peer from one client network (IPv4 /24, IPv6 /48; a private "
+                       "address alone) at once (default: a quarter of --max-connections-per-peer, at least 2)")
     relay.add_argument("--max-mbps-per-peer", type=_positive_float, default=512.0,
                        help="bandwidth per reserved peer, all its circuits together, megabits/s")
     _add_metrics(relay)
@@ -402,7 +405,8 @@ def _relay(args: argparse.Namespace) -> int:
     announce = announced(args.announce, identity.peer_id) if args.announce else None
     seeds = bootstrap_addrs(args.bootstrap)
     limits = RelayLimits(max_reservations=args.max_reservations, max_connections_per_peer=args.max_connections_per_peer,
-                         bytes_per_second_per_peer=args.max_mbps_per_peer * 1e6 / 8)
+                         bytes_per_second_per_peer=args.max_mbps_per_peer * 1e6 / 8,
+                         max_circuits_per_source=args.max_circuits_per_source)
 
     def splice_line(peer, moved: int, seconds: float) -> None:
         _print_line(f"splice to {peer} closed: {moved} bytes in {seconds:.1f} s")

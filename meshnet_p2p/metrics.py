@@ -265,9 +265,12 @@ class RelayCollector(Collector):
         yield _counter("meshnet_relay_reservations_total", "reservations granted", load["reservations"])
         yield _counter("meshnet_relay_reservations_expired_total", "reservations ended for silence", load["expired"])
         yield _counter("meshnet_relay_circuits_total", "connections spliced to a reserved peer", load["spliced"])
-        reasons = ("unproven", "full", "network_limit", "circuit_limit", "no_reservation", "bad_target")
+        reasons = ("unproven", "full", "network_limit", "circuit_limit", "source_limit", "no_reservation", "bad_target")
         yield _labelled("meshnet_relay_refusals_total", "reservations and connections refused, by reason", "reason",
                         dict(r.refusals), reasons)
+        yield _labelled("meshnet_relay_circuits_closed_total", "circuits the relay closed itself: taken back for a "
+                        "newcomer's fair share, or over a circuit's data or time cap", "reason", dict(r.closed),
+                        ("taken_back", "data_cap", "time_cap"))
         f = CounterMetricFamily("meshnet_relay_spliced_bytes_total", "bytes spliced, by direction",
                                 labels=["direction"])
         f.add_metric(["to_peer"], r.spliced_bytes["a->b"])

@@ -7,18 +7,20 @@ through that relay will pay on top), reserves on the best one
 (``dataplane/relay.py``: the reservation is renewed by a ping every
 KEEPALIVE_S), dials itself through the relay as a client would (a relay that
 takes reservations but carries nothing is passed over, and checked again
-every VERIFY_INTERVAL_S), and tells its owner the relay it is reachable
-through, so the owner re-announces its circuit address at once. When the reservation ends
-(the relay died, froze, refused, or dropped it) that relay is set aside for a
-while and the next best is tried; when none is left it looks again, with
-backoff. No operator action at any step.
+every VERIFY_INTERVAL_S, sooner after a failure), and tells its owner the
+relay it is reachable through, so the owner re-announces its circuit address
+at once. When the reservation ends (the relay died, froze, refused, or dropped
+it), or the relay keeps turning this peer's clients away (its circuits are all
+held: it says so in its LOAD line after each PONG), that relay is set aside
+for a while and the next best is tried; when none is left it looks again,
+with backoff. No operator action at any step.
 """
 
 from __future__ import annotations
 
 import random
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import trio
 
@@ -35,6 +37,24 @@ MAX_CANDIDATES = 32  # relays measured per search (a random sample of what the D
 RTT_TIMEOUT_S = 2.0
 RTT_SAMPLES = 2
 VERIFY_INTERVAL_S = 60.0  # a reserved peer dials itself through its relay this often
+VERIFY_RETRY_S = 10.0  # and this soon again after a dial failed (two in a row: it moves on)
+# A relay that turned this many clients away within its last TURNED_AWAY_REPORTS
+# LOAD reports (one per keepalive: ~30 s) is left for another. Only clients
+# refused because every circuit was held count (not a source over its own share,
+# which an attacker could otherwise use to chase a peer from relay to relay).
+TURNED_AWAY_TO_LEAVE = 3
+TURNED_AWAY_REPORTS = 3
+
+
+class RelayTurnsAway(RelayError):
+    """The relay keeps refusing this peer's clients: reachable through it in name only."""
+
+
+def turned_away_lately(totals: Sequence[int], reports: int = TURNED_AWAY_REPORTS) -> int:
+    """Clients a relay turned away over its last ``reports`` LOAD reports, from
+    its running totals (oldest first; a total that went down counts nothing)."""
+    window = list(totals)[-(reports + 1):]
+    return max(0, window[-1] - window[0]) if len(window) > 1 else 0
 
 
 async def measure_rtt(addr: Multiaddr, timeout: float = RTT_TIMEOUT_S, samples: int = RTT_SAMPLES) -> float | None:
@@ -107,7 +127,7 @@ class RelayKeeper:
                 continue
             for offer in ranked:
                 addr = Multiaddr.parse(offer.addr)
-                why = None
+                why = leaf = None
                 since = trio.current_time()
                 try:
                     async with trio.open_nursery() as nursery:
@@ -116,6 +136,7 @@ class RelayKeeper:
                         # a relay that takes the reservation but carries nothing is no relay: try it first
                         await self._check(addr)
                         nursery.start_soon(self._watch, addr)
+                        nursery.start_soon(self._watch_load, held)
                         self.current = held
                         self.print_line(f"reserved on relay {offer.peer_id} ({offer.rtt_ms:.1f} ms away)")
                         self.on_change(held)
@@ -126,10 +147,11 @@ class RelayKeeper:
                     leaf = first_error(group)
                     why = str(leaf) or type(leaf).__name__
                 if self.current is not None:
-                    # it worked a while: a blink (a restart) is retried soon; one that drops at once is not
+                    # it worked a while: a blink (a restart) is retried soon; one that drops at once,
+                    # or turns clients away, is not
                     held_for = trio.current_time() - since
-                    self.set_aside[offer.peer_id] = trio.current_time() + (
-                        LOST_SET_ASIDE_S if held_for > 4 * KEEPALIVE_S else SET_ASIDE_S)
+                    blink = held_for > 4 * KEEPALIVE_S and not isinstance(leaf, RelayTurnsAway)
+                    self.set_aside[offer.peer_id] = trio.current_time() + (LOST_SET_ASIDE_S if blink else SET_ASIDE_S)
                     self.current = None
                     self.on_change(None)
                     self.print_line(f"lost relay {offer.peer_id}: {why}; finding another")
@@ -152,11 +174,22 @@ class RelayKeeper:
         row end the reservation (one may be a busy moment)."""
         failures = 0
         while True:
-            await trio.sleep(VERIFY_INTERVAL_S)
+            await trio.sleep(VERIFY_RETRY_S if failures else VERIFY_INTERVAL_S)
             ok, why = await self.verify(self.identity.peer_id, relay)
             failures = 0 if ok else failures + 1
             if failures >= 2:
                 raise RelayError(f"dials through it stopped reaching this peer ({why})")
 
+    async def _watch_load(self, held: Reservation) -> None:
+        """Leave a relay that keeps turning this peer's clients away (its LOAD
+        reports say so): a stranger holding every circuit, or more clients than
+        it carries. Taking back idle circuits (dataplane/circuits.py) makes room
+        against one source; this is for many."""
+        while True:
+            await held.next_report()
+            n = turned_away_lately(held.turned_away)
+            if n >= TURNED_AWAY_TO_LEAVE:
+                raise RelayTurnsAway(f"it turned {n} of this peer's clients away lately (every circuit held)")
 
-__all__ = ["RelayKeeper", "measure_rtt", "SET_ASIDE_S"]
+
+__all__ = ["RelayKeeper", "RelayTurnsAway", "measure_rtt", "turned_away_lately", "SET_ASIDE_S"]

@@ -147,6 +147,7 @@ def test_a_silent_reservation_ends_and_a_pinging_one_lasts():
                 await trio.sleep(20)
                 await pinging.send_all(f"PING {n}\n".encode())
                 assert await reader.line() == f"PONG {n}".encode()
+                assert await reader.line() == b"LOAD 0 0"  # its circuits now, clients turned away: none
             assert len(relay.reservations) == 1 and relay.stats["expired"] == 1  # the silent one ended
             await trio.sleep(31)  # now silent too
             assert relay.reservations == {} and relay.stats["expired"] == 2

@@ -9,10 +9,15 @@ its control connection, to open a *data* connection for that client, and
 splices the two byte streams. TLS runs end to end, client to peer: the relay
 sees ciphertext only, and any byte it changed would fail the TLS record MAC.
 
-Limits: reservations in total, concurrent connections per peer, and bytes per
-second per peer (a token bucket over all of the peer's connections). When the
-peer's control connection ends, its reservation and every splice it carries
-end too; when either side of a splice closes, the other is closed.
+Limits: reservations in total, concurrent connections (circuits) per peer and
+per client source to one peer, shared fairly when they run short
+(``circuits.py``: a newcomer takes back the circuit idle longest from the
+source holding most), bytes and seconds per circuit, and bytes per second per
+peer (a token bucket over all of the peer's connections). When the peer's
+control connection ends, its reservation and every splice it carries end too;
+when either side of a splice closes, the other is closed. A circuit the relay
+closes (taken back, or over a cap) is just closed: TLS runs end to end, so the
+client's channel sees the connection end and opens another.
 
 Control protocol (one line each, ``\\n``-terminated):
     peer -> relay   MESHNET-RESERVE <peer id> <peer nonce hex>
@@ -23,8 +28,15 @@ Control protocol (one line each, ``\\n``-terminated):
     peer -> relay   (new connection) MESHNET-ATTACH <token>
     peer -> relay   PING <n>                      (every KEEPALIVE_S: renews the reservation)
     relay -> peer   PONG <n>
+    relay -> peer   LOAD <circuits now> <clients turned away>   (after each PONG)
 
-A reservation lasts while its peer keeps pinging: a relay ends one whose
+``LOAD`` tells the peer how many clients the relay turned away since the
+reservation began because its circuits were all held (not those over their own
+source's share): a peer whose relay keeps turning clients away moves to
+another (relay_keeper.py). Peers of older versions ignore the line.
+
+A reservation is a lease of ``reservation_idle_timeout``, renewed by each
+ping, so it lasts while its peer keeps pinging: a relay ends one whose
 control connection stayed silent for ``reservation_idle_timeout`` (a peer
 that vanished without closing, or a NAT that dropped the mapping), and a
 peer gives up a relay that does not answer a ping within PONG_TIMEOUT_S (a
@@ -48,6 +60,7 @@ from ..dht.routing import ip_group
 from ..errors import MeshnetError
 from ..identity import Identity, IdentityError, PeerId
 from ..multiaddr import Multiaddr
+from .circuits import CIRCUIT_LIMIT, Circuit, Reclaim, Refuse, admit_circuit, circuit_source, per_source_limit
 
 PEER_DOMAIN = b"meshnet-relay-reserve-v1\0"
 PEER_HOST_SUFFIX = ".peer"  # a CONNECT target is <lowercase peer id>.peer:443
@@ -79,6 +92,19 @@ class RelayLimits:
     handshake_timeout: float = 10.0
     attach_timeout: float = 10.0
     reservation_idle_timeout: float = 4 * KEEPALIVE_S  # a silent peer's reservation ends
+    max_circuits_per_source: int | None = None  # to one peer, from one client network; None: per_source_limit()
+    # One circuit's caps (it is then closed; the client opens another). Generous: a
+    # generation of a 70B-class model (hidden size 8192, f32 seams: 32 KiB a token each
+    # way) with an 8k-token prompt and 8k new tokens moves ~1 GiB through a hop, and a
+    # pooled channel carries several; 2 h is 4,096 tokens at one a second, twice over.
+    max_circuit_bytes: int = 4 << 30
+    max_circuit_seconds: float = 2 * 3600.0
+
+    @property
+    def per_source(self) -> int:
+        if self.max_circuits_per_source is not None:
+            return self.max_circuits_per_source
+        return per_source_limit(self.max_connections_per_peer)
 
 
 class _LineReader:
@@ -125,6 +151,21 @@ class _TokenBucket:
             await trio.sleep((min(n, self.burst) - self.tokens) / self.rate)
 
 
+@dataclass(eq=False)
+class _Circuit:
+    """One client's connection to a reserved peer, from CONNECT until either side closes."""
+    token: str
+    source: str  # circuits.circuit_source() of the client
+    scope: trio.CancelScope
+    last_active: float  # trio time it last moved a byte (or was opened)
+    moved: int = 0
+    closed_why: str | None = None  # set when the relay closes it (taken back, over a cap)
+
+    def close(self, why: str) -> None:
+        self.closed_why = self.closed_why or why
+        self.scope.cancel()
+
+
 @dataclass
 class _Reservation:
     peer_id: PeerId
@@ -133,20 +174,31 @@ class _Reservation:
     group: str | None = None  # the network it reserved from
     send_lock: trio.Lock = field(default_factory=trio.Lock)
     pending: dict[str, trio.MemorySendChannel] = field(default_factory=dict)
-    scopes: set[trio.CancelScope] = field(default_factory=set)  # one per spliced connection
+    circuits: dict[str, _Circuit] = field(default_factory=dict)  # by token: one per client connection
+    turned_away: int = 0  # clients refused because every circuit was held (reported in LOAD)
 
     @property
     def connections(self) -> int:
-        return len(self.scopes)
+        return len(self.circuits)
+
+
+def _peer_host(stream) -> str | None:
+    try:
+        return stream.socket.getpeername()[0]
+    except (AttributeError, OSError, IndexError):
+        return None
 
 
 def _source_group(stream) -> str | None:
     """The network (IPv4 /24, IPv6 /48) a connection comes from; None off a socket (tests)."""
-    try:
-        host = stream.socket.getpeername()[0]
-    except (AttributeError, OSError):
-        return None
-    return ip_group(host)
+    host = _peer_host(stream)
+    return None if host is None else ip_group(host)
+
+
+def _client_source(stream) -> str:
+    """A client's source for the per-source circuit bound ("local" off a socket: tests)."""
+    host = _peer_host(stream)
+    return "local" if host is None else circuit_source(host)
 
 
 async def _splice(a: trio.abc.Stream, b: trio.abc.Stream, bucket: _TokenBucket | None,
@@ -197,6 +249,9 @@ class Relay:
         # being client to peer
         self.refusals: Counter[str] = Counter()
         self.spliced_bytes = {"a->b": 0, "b->a": 0}
+        # circuits the relay closed itself, by why: "taken_back" (a newcomer's fair share),
+        # "data_cap", "time_cap" (kept out of stats: a relay record's load holds exactly its fields)
+        self.closed: Counter[str] = Counter()
 
     def load(self) -> dict[str, int]:
         """What this relay carries now, and its counters: for its record and ``status``."""
@@ -284,13 +339,14 @@ class Relay:
                 parts = line.split()
                 if len(parts) == 2 and parts[0] == b"PING" and len(parts[1]) <= 20:
                     async with res.send_lock:
-                        await stream.send_all(b"PONG " + parts[1] + b"\n")
+                        await stream.send_all(b"PONG " + parts[1] + b"\n"
+                                              + f"LOAD {res.connections} {res.turned_away}\n".encode())
                 # anything else is ignored: the control connection carries nothing more
         finally:
             if self.reservations.get(key) is res:
                 del self.reservations[key]
-            for scope in list(res.scopes):
-                scope.cancel()
+            for circuit in list(res.circuits.values()):
+                circuit.close("the reservation ended")
             for token in list(res.pending):
                 self._tokens.pop(token, None)
 
@@ -309,35 +365,63 @@ class Relay:
             await stream.send_all(b"HTTP/1.1 404 Not Found\r\n\r\n")
             self.refusals["no_reservation"] += 1
             return
-        if res.connections >= self.limits.max_connections_per_peer:
+        source = _client_source(stream)
+        now = trio.current_time()
+        decision = admit_circuit([Circuit(c.token, c.source, now - c.last_active) for c in res.circuits.values()],
+                                 source, capacity=self.limits.max_connections_per_peer, per_source=self.limits.per_source)
+        if isinstance(decision, Refuse):
             await stream.send_all(b"HTTP/1.1 429 Too Many Requests\r\n\r\n")
-            self._refuse("circuit_limit")
+            self._refuse(decision.reason)
+            if decision.reason == CIRCUIT_LIMIT:
+                res.turned_away += 1
             return
+        if isinstance(decision, Reclaim):  # the newcomer's fair share: the circuit idle longest of the biggest source
+            self._close_circuit(res, res.circuits[decision.session_id], "taken_back")
         token = secrets.token_hex(16)
         send, recv = trio.open_memory_channel(1)
+        # registered before any await: concurrent CONNECTs see it; the deadline is its time cap
+        circuit = _Circuit(token, source, trio.CancelScope(deadline=now + self.limits.max_circuit_seconds), now)
+        res.circuits[token] = circuit
         res.pending[token] = send
         self._tokens[token] = res
         try:
-            with trio.CancelScope() as scope:
-                res.scopes.add(scope)
+            with circuit.scope:
                 async with res.send_lock:
                     await res.control.send_all(f"OPEN {token}\n".encode())
                 with trio.fail_after(self.limits.attach_timeout):
                     data_stream, data_reader, attached = await recv.receive()
-                started, moved = trio.current_time(), 0
+                started = trio.current_time()
                 try:
                     await stream.send_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
                     self.stats["spliced"] += 1
-                    moved = await _splice(stream, data_stream, res.bucket, self.transform,
-                                          first=(reader.buf, data_reader.buf), count=self._count_bytes)
+                    await _splice(stream, data_stream, res.bucket, self.transform, first=(reader.buf, data_reader.buf),
+                                  count=lambda direction, n: self._count_circuit(res, circuit, direction, n))
                 finally:
                     attached.set()
                     if self.on_splice is not None:
-                        self.on_splice(res.peer_id, moved, trio.current_time() - started)
+                        self.on_splice(res.peer_id, circuit.moved, trio.current_time() - started)
+            if circuit.scope.cancelled_caught and circuit.closed_why is None:  # its deadline passed
+                self._close_circuit(res, circuit, "time_cap")
         finally:
-            res.scopes.discard(scope)
+            if res.circuits.get(token) is circuit:
+                del res.circuits[token]
             res.pending.pop(token, None)
             self._tokens.pop(token, None)
+
+    def _close_circuit(self, res: _Reservation, circuit: _Circuit, why: str) -> None:
+        """Close one circuit now (both its connections end) and stop counting it."""
+        if res.circuits.get(circuit.token) is circuit:
+            del res.circuits[circuit.token]
+        if circuit.closed_why is None:
+            self.closed[why] += 1
+        circuit.close(why)
+
+    def _count_circuit(self, res: _Reservation, circuit: _Circuit, direction: str, n: int) -> None:
+        self._count_bytes(direction, n)
+        circuit.moved += n
+        circuit.last_active = trio.current_time()
+        if circuit.moved >= self.limits.max_circuit_bytes:
+            self._close_circuit(res, circuit, "data_cap")
 
     async def _attach(self, stream, reader: _LineReader, first: bytes) -> None:
         parts = first.decode(errors="replace").split()
@@ -393,6 +477,9 @@ async def _reserve_on(relay: Multiaddr, relay_peer: PeerId, identity: Identity) 
         raise
 
 
+LOAD_HISTORY = 8  # the relay's last LOAD reports a peer keeps
+
+
 class Reservation:
     """A reservation this peer holds on a relay (see :func:`hold_reservation`)."""
 
@@ -400,6 +487,21 @@ class Reservation:
         self.relay = relay
         self.rtt_ms: float | None = None  # the last ping's round trip
         self.opened = 0  # clients the relay handed over
+        self.circuits = 0  # circuits to this peer now, as the relay's last LOAD said
+        # clients the relay says it turned away since the reservation began: one total per
+        # LOAD, oldest first (0 before any); a relay that never sends LOAD adds none
+        self.turned_away: list[int] = [0]
+        self._reported = trio.Event()
+
+    def loaded(self, circuits: int, turned_away: int) -> None:
+        """The relay's LOAD line: keep it, and wake whoever waits for the next."""
+        self.circuits = circuits
+        self.turned_away = (self.turned_away + [turned_away])[-LOAD_HISTORY:]
+        reported, self._reported = self._reported, trio.Event()
+        reported.set()
+
+    async def next_report(self) -> None:
+        await self._reported.wait()
 
 
 async def hold_reservation(relay: Multiaddr, identity: Identity, local: tuple[str, int] | Callable[[socket.socket], None],
@@ -409,7 +511,8 @@ async def hold_reservation(relay: Multiaddr, identity: Identity, local: tuple[st
     connection to the relay: handed to ``local`` if it is a callable that adopts
     connected sockets (this peer's own server: no splice, no loopback hop), or
     spliced to ``local`` if it is an address. Pings the relay every KEEPALIVE_S,
-    which renews the reservation. Returns only by raising :class:`RelayError`:
+    which renews the reservation, and keeps what the relay's LOAD lines say on
+    the :class:`Reservation`. Returns only by raising :class:`RelayError`:
     refused, the relay closed, or a ping went unanswered."""
     control, reader = await reserve(relay, identity)
     held = Reservation(relay)
@@ -449,6 +552,8 @@ async def hold_reservation(relay: Multiaddr, identity: Identity, local: tuple[st
                         and len(line[1]) <= 20 and int(line[1]) <= sent["n"]:
                     pong["n"] = max(pong["n"], int(line[1]))
                     pong["event"].set()
+                elif len(line) == 3 and line[0] == "LOAD" and all(_count(x) for x in line[1:]):
+                    held.loaded(int(line[1]), int(line[2]))
     except BaseExceptionGroup as group:  # one reason, not a tree: why the reservation ended
         if group.subgroup(trio.Cancelled) is not None:
             raise  # being cancelled is not losing the relay
@@ -483,6 +588,10 @@ async def attach_to_relay(relay: Multiaddr, identity: Identity, local: tuple[str
             backoff = 0.5  # it held a while: try again soon; one that drops at once waits longer each time
         await trio.sleep(backoff)
         backoff = min(backoff * 2, 30.0)
+
+
+def _count(text: str) -> bool:
+    return text.isascii() and text.isdigit() and len(text) <= 15
 
 
 def first_error(group: BaseException) -> BaseException:
