@@ -106,6 +106,9 @@ def test_circuits_are_bounded_per_source_and_taken_back_from_the_biggest_source_
     one = dict(capacity=4, per_source=2)
     assert admit_circuit(held(("a", 1)), "a", **one) == Admit()  # room, and under its share
     assert admit_circuit(held(("a", 1), ("a", 2)), "a", **one) == Refuse(SOURCE_LIMIT)  # room, but not for a
+    wide = dict(capacity=16, per_source=4)  # a source over its share while more than a share stays free
+    assert admit_circuit(held(*[("a", 1)] * 11), "a", **wide) == Admit()
+    assert admit_circuit(held(*[("a", 1)] * 12), "a", **wide) == Refuse(SOURCE_LIMIT)
     # full: a newcomer takes back the circuit idle longest of the source holding most
     assert admit_circuit(held(("a", 5), ("a", 9), ("a", 1), ("b", 30)), "c", **one) == Reclaim("c1")
     assert admit_circuit(held(("a", 5), ("a", 9), ("b", 1), ("b", 30)), "c", **one) == Reclaim("c3")  # ties: by name
@@ -128,19 +131,20 @@ def test_a_peer_counts_only_the_clients_its_relay_turned_away_lately():
 # --- the relay -----------------------------------------------------------------------------------
 
 
-async def test_one_source_holds_at_most_a_quarter_of_a_peers_circuits():
+async def test_one_source_leaves_a_quarter_of_a_peers_circuits_to_others():
     async with trio.open_nursery() as nursery:
         relay = await serve_relay(nursery)
         peer = await echo_peer(nursery, relay)
-        mine = [await connect(relay, peer.peer_id, "127.0.0.2") for _ in range(4)]
+        # over its share (4) while more than a share stays free: a crowd behind one NAT is served...
+        mine = [await connect(relay, peer.peer_id, "127.0.0.2") for _ in range(12)]
         assert all(isinstance(s, trio.SocketStream) for s in mine), mine
-        # the peer has 12 circuits free, but this source holds its share
+        # ...but the last share of the peer's circuits is kept for other sources
         assert await connect(relay, peer.peer_id, "127.0.0.2") == b"HTTP/1.1 429 Too Many Requests"
         other = await connect(relay, peer.peer_id, "127.0.0.3")  # another source still gets one
         assert isinstance(other, trio.SocketStream)
         await other.send_all(b"still spliced")
         assert await other.receive_some(100) == b"still spliced"
-        assert relay.refusals["source_limit"] == 1 and circuits_of(relay, peer) == 5
+        assert relay.refusals["source_limit"] == 1 and circuits_of(relay, peer) == 13
         # a source over its own share is its own doing: not counted as the peer turning clients away
         assert relay.reservations[str(peer.peer_id).lower()].turned_away == 0
         for s in mine + [other]:

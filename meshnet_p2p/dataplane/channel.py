@@ -187,7 +187,8 @@ class Channel(Driver):
         status = head.split(b"\r\n", 1)[0].decode("latin-1")
         parts = status.split()
         if len(parts) < 2 or parts[1] != "200":
-            raise ChannelError("UNAVAILABLE", f"the relay refused: {status[:80]}")
+            # 429: the peer's circuits are all held now, a limit (busy: wait and ask again), not a fault
+            raise ChannelError("UNAVAILABLE", f"the relay refused: {status[:80]}", refused=parts[1:2] == ["429"])
         return rest
 
     def _recv_raw(self, deadline: float | None) -> bytes:

@@ -7,9 +7,12 @@ took a relayed volunteer off the network (issue 24 #2). So:
 
 - Each client source (its network, ``routing.ip_group``: IPv4 /24, IPv6 /48;
   an exempt loopback or private address counts alone) holds at most
-  ``per_source`` of one peer's circuits: addresses cost an attacker
-  something, and the relay knows nothing else about a client (TLS runs end to
-  end, it sees no certificate).
+  ``per_source`` of one peer's circuits once fewer than ``per_source`` are
+  free: addresses cost an attacker something, and the relay knows nothing
+  else about a client (TLS runs end to end, it sees no certificate). While
+  more are free, a source may go over its share (a crowd behind one NAT);
+  the circuits kept free serve newcomers from elsewhere at once, and the
+  take-back below returns the rest.
 - When the peer's circuits are all held, a newcomer takes one back from the
   source holding most, the circuit idle longest, as the peer's own session
   admission does (``admission.decide``, reused here: one notion of a fair
@@ -53,7 +56,7 @@ def admit_circuit(held: Sequence[Circuit], source: str, *, capacity: int, per_so
     """Admit a new circuit from ``source`` to a peer, after taking one back
     (``Reclaim``: close that circuit first), or refuse it (``Refuse.reason``:
     SOURCE_LIMIT or CIRCUIT_LIMIT). ``held``: the peer's circuits now."""
-    if sum(1 for c in held if c.source == source) >= per_source:
+    if sum(1 for c in held if c.source == source) >= per_source and capacity - len(held) <= per_source:
         return Refuse(SOURCE_LIMIT)
     sessions = [Held(c.circuit_id, Claimant(c.source, c.source), int(c.idle_s * 1000), False) for c in held]
     # every source has its one "client" (the relay cannot tell clients apart): the anonymous budget never applies
