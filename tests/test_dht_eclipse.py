@@ -7,6 +7,10 @@ A Sybil says "stored" and drops the record, and answers every lookup with its
 siblings only, all closer to the key than any honest node.
 """
 
+import json
+import os
+import threading
+
 import pytest
 import trio
 import trio.testing
@@ -243,3 +247,76 @@ async def test_a_put_reports_the_networks_that_took_it(autojump_clock):
         assert stored.nodes == stored == len(holders) >= 4
         assert stored.networks == len({n.addr[0] for n in holders})  # private addresses: one network per IP
         nursery.cancel_scope.cancel()
+
+
+# --- the attack on a live swarm: real processes, a real certify and generation --------------
+
+
+def test_sybils_ground_close_to_the_certifiers_key_cannot_darken_a_live_swarm(tmp_path, model_path, model_digest):
+    """The issue's measurement, as a user meets it: a bootstrap and three volunteers
+    (processes), 24 Sybils ground close to the certifier's index key, one of them in
+    the bootstrap's table; `certify` then a generation. Before: certify exited 0 and
+    every generation failed `recipe ... is dark`. Now the generation is exact."""
+    from meshnet_p2p.engine.tokenizer import Tokenizer
+    from meshnet_p2p.multiaddr import Multiaddr
+    from meshnet_p2p.network import contact_of
+
+    from .reference import reference_generate
+    from .swarm import certify_swarm, meshnet_peer, start_swarm
+
+    boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"], certify=False)
+    target = key_id(index_key(model_digest, boot.peer_id).encode())
+    seed = contact_of(Multiaddr.parse(addr))
+    box: dict = {}
+    started, stop = threading.Event(), threading.Event()
+
+    class Met(Sybil):  # the one Sybil an honest node meets: it answers the bootstrap's check of it
+        met: trio.Event
+
+        def _handle(self, msg, from_addr):
+            if msg.kind == "ping" and msg.sender == seed.peer_id:
+                self.met.set()
+            return super()._handle(msg, from_addr)
+
+    async def sybils() -> None:
+        try:
+            async with trio.open_nursery() as nursery:
+                group = [await start(nursery, Met if i == 0 else Sybil, ident, QUIET)
+                         for i, ident in enumerate(grind(target, SYBILS, GROUND_BITS))]
+                for s in group:
+                    s.siblings = [t.contact() for t in group]
+                group[0].met = trio.Event()
+                await group[0].request(seed, "find_node", {"target": target.to_bytes(32, "big")})
+                with trio.fail_after(30):
+                    await group[0].met.wait()  # the bootstrap pinged it back: it enters the bootstrap's table
+                probe = await start(nursery, DHTNode, Identity.generate(), DHTConfig(client_mode=True))
+                reply = await probe.request(seed, "find_node", {"target": target.to_bytes(32, "big")})
+                named = {c.node_id for c in probe._contacts(reply.body.get("nodes"))}
+                box["in_table"] = group[0].node_id in named
+                box["token"] = trio.lowlevel.current_trio_token()
+                started.set()
+                await trio.to_thread.run_sync(stop.wait)
+                nursery.cancel_scope.cancel()
+        except BaseException as e:
+            box["error"] = e
+            started.set()
+
+    thread = threading.Thread(target=trio.run, args=(sybils,), daemon=True)
+    thread.start()
+    try:
+        assert started.wait(120) and "error" not in box, box.get("error")
+        assert box["in_table"]  # the bootstrap names the Sybil: lookups for the key now meet the group
+        summary = certify_swarm(addr, boot.identity_path)
+        assert summary["stored_on"] >= 1
+        prompt = "The capital of France is"
+        r = meshnet_peer("generate", "--bootstrap", addr, "--prompt", prompt, "--max-tokens", "8", "--json",
+                         env={**os.environ, "MESHNET_CACHE_DIR": str(tmp_path)})
+        assert r.returncode == 0, r.stderr[-1000:]
+        reference = reference_generate(model_path, Tokenizer(model_path).encode(prompt), 8, n_ubatch=64)[0]
+        got = json.loads(r.stdout)["token_ids"]
+        assert got == reference[:len(got)] and got
+    finally:
+        stop.set()
+        thread.join(30)
+        codes = [j.stop() for j in joins] + [boot.stop()]
+    assert codes == [0] * 4
