@@ -16,6 +16,15 @@ from typing import Any
 from ..records import Record
 
 
+# A pull's digest must fit one datagram (wire.MAX_DATAGRAM, 60,000 bytes) with its
+# envelope: issue 24 #0 saw 400 certifier-index topics (~122 chars each) make a
+# 70 KB digest whose encoding error ended every process of a swarm.
+DIGEST_BUDGET_BYTES = 24_000
+MAX_TOPIC_CHARS = 512  # as a DHT key
+_TOPIC_OVERHEAD = 8  # msgpack: a str header (<= 3 bytes) and the topic's map header (<= 5)
+_ENTRY_OVERHEAD = 14  # a bin header (<= 5 bytes) and a seq (<= 9)
+
+
 @dataclass
 class _Bucket:
     tokens: float
@@ -33,6 +42,7 @@ class GossipState:
     topics: dict[str, dict[bytes, Record]] = field(default_factory=dict)
     _buckets: dict[bytes, _Bucket] = field(default_factory=dict)
     _count: int = 0
+    _digest_after: str | None = None  # where the next digest page starts
 
     def offer(self, topic: str, record: Record, now_ms: int) -> str:
         """"new" (keep and forward), "duplicate", "old", "expired", "rate-limited" or "full"."""
@@ -83,17 +93,39 @@ class GossipState:
     def records(self, topic: str) -> list[Record]:
         return list(self.topics.get(topic, {}).values())
 
-    def digest(self, limit: int = 400) -> dict[str, dict[bytes, int]]:
-        """What this node holds, for a pull: {topic: {signer: seq}} (bounded)."""
+    def digest(self, budget: int = DIGEST_BUDGET_BYTES) -> tuple[dict[str, dict[bytes, int]], str | None, str | None]:
+        """What this node holds, for a pull: one page of {topic: {signer: seq}} of at
+        most ``budget`` bytes once packed, and the range of topics it covers,
+        (after, upto]: None for the start and the end of the topic names. Pages
+        rotate: each call starts after where the last one ended, so successive
+        pulls cover every topic, and a topic this node has never seen falls in
+        some page's range (the peer sends what it holds there)."""
+        names = sorted(self.topics)
+        after = self._digest_after
+        if after is not None:
+            names = [t for t in names if t > after]
         out: dict[str, dict[bytes, int]] = {}
-        n = 0
-        for topic, records in self.topics.items():
-            for signer, rec in records.items():
-                if n >= limit:
-                    return out
-                out.setdefault(topic, {})[signer] = rec.seq
-                n += 1
-        return out
+        used = 8  # the map's own header, with margin
+        for topic in names:
+            cost = len(topic.encode()) + _TOPIC_OVERHEAD
+            entries = {}
+            for signer, rec in self.topics[topic].items():
+                more = len(signer) + _ENTRY_OVERHEAD
+                if used + cost + more > budget:
+                    break
+                entries[signer] = rec.seq
+                cost += more
+            if len(entries) < len(self.topics[topic]) and out:
+                # this topic does not fit whole: the page ends before it
+                self._digest_after = upto = max(out)
+                return out, after, upto
+            out[topic] = entries  # (a topic bigger than a page alone is listed in part)
+            used += cost
+            if len(entries) < len(self.topics[topic]):
+                self._digest_after = topic
+                return out, after, topic
+        self._digest_after = None  # the end of the names: the next page starts again at the beginning
+        return out, after, None
 
     @staticmethod
     def parse_digest(raw: Any) -> dict[str, dict[bytes, int]]:
@@ -105,10 +137,20 @@ class GossipState:
                 out[topic] = {s: q for s, q in seqs.items() if isinstance(s, bytes) and isinstance(q, int)}
         return out
 
-    def missing_from(self, have: dict[str, dict[bytes, int]], *, budget: int) -> list[Record]:
-        """Records newer than what a peer's digest says it holds, up to ``budget`` bytes."""
+    @staticmethod
+    def parse_bound(raw: Any) -> str | None:
+        """One end of a digest's range: a topic name, or None (no bound). Anything
+        else is no bound: the asker then gets what it would have without one."""
+        return raw if isinstance(raw, str) and len(raw) <= MAX_TOPIC_CHARS else None
+
+    def missing_from(self, have: dict[str, dict[bytes, int]], *, budget: int, after: str | None = None,
+                     upto: str | None = None) -> list[Record]:
+        """Records newer than what a peer's digest says it holds, among the topics
+        in its range (after, upto], up to ``budget`` bytes."""
         out, used = [], 0
         for topic, records in self.topics.items():
+            if (after is not None and topic <= after) or (upto is not None and topic > upto):
+                continue
             theirs = have.get(topic, {})
             for signer, rec in records.items():
                 if theirs.get(signer, -1) < rec.seq:
