@@ -6,6 +6,11 @@ from its signer), which is what stops epidemic push from looping. Duplicates
 cost nothing, not even rate budget: the same report arriving from six
 neighbours is one report. A signer may publish ``burst`` records at once and
 ``rate_per_s`` on average; a valid record under that bound is always accepted.
+
+A pull sends a digest of what this node holds: one page of it, bounded in
+bytes (``digest``), covering a range of topic names; successive pulls rotate
+through the pages, and the answerer sends only what is missing within the
+page's range (``missing_from``).
 """
 
 from __future__ import annotations
