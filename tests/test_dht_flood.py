@@ -266,7 +266,19 @@ def test_one_network_holds_at_most_its_budget_across_keys_and_a_fair_share_is_ne
     # the bookkeeping holds only what is held
     store.expire(now + 25 * 3600 * 1000)
     assert len(store) == 0 and store.sources() == {} and not store._keys_of_signer and not store._meta
-    assert store._top == 0 and not store._by_count
+    assert store._top == 0 and not store._by_count and store._bytes == 0 and not store._bytes_of_source
+    # and in bytes: a network's big records count by their size, and so does the node's total
+    key, rec = cert_index(swarm_identity(1))
+    size = len(rec)
+    store = ValueStore(max_bytes_per_network=10 * size + size // 2, max_bytes=15 * size + size // 2)
+    stored = {"a": 0, "b": 0}
+    for net in stored:
+        for i in range(12):
+            key, rec = cert_index(swarm_identity(210_000 + i))
+            assert len(rec) == size
+            stored[net] += store.put(key, verified(rec), now, source=net)[0]
+    # a: 10 (its byte budget); b: 5 in the room left, then 3 more taken from a, down to a fair share
+    assert stored == {"a": 10, "b": 8} and store.sources() == {"a": 7, "b": 8} and store._bytes == 15 * size
 
 
 def test_values_for_a_model_nobody_announces_live_minutes_and_go_first():

@@ -59,6 +59,10 @@ class ValueStore:
     # values one source network stores across every key: a 25th of the node, so
     # filling it takes 25 networks; an office of 16 volunteers stores a few dozen
     max_values_per_network: int = 4096
+    # and in bytes (records are up to 16 KiB): a node's values in memory stay bounded
+    # (~2 KB of bookkeeping per value on top of its wire bytes, measured)
+    max_bytes: int = 256 * 1024 * 1024
+    max_bytes_per_network: int = 16 * 1024 * 1024
     _by_key: dict[str, dict[bytes, Record]] = field(default_factory=dict)
     _keys_of_signer: dict[bytes, set[str]] = field(default_factory=dict)
     _meta: dict[Slot, _Meta] = field(default_factory=dict)
@@ -66,6 +70,8 @@ class ValueStore:
     _by_count: dict[int, set[Any]] = field(default_factory=dict)  # n -> sources holding n values
     _top: int = 0  # the most values one source holds
     _count: int = 0
+    _bytes: int = 0  # wire bytes of every value held
+    _bytes_of_source: dict[Any, int] = field(default_factory=dict)
 
     def put(self, key: str, record: Record, now_ms: int, *, source: Any = None, own: bool = False,
             live: Callable[[Record], bool] | None = None, lifetime_cap_ms: int | None = None) -> tuple[bool, str]:
@@ -91,12 +97,16 @@ class ValueStore:
             values[signer] = record
             meta = self._meta[(key, signer)]
             meta.expires_at_ms, meta.short = expires, short  # a re-store renews (by today's policy)
+            self._add_bytes(meta.source, len(record.wire) - len(old.wire))
             return True, "replaced" if old.seq < record.seq else "unchanged"
         if source is not None and sum(1 for s in values if self._source((key, s)) == source) \
                 >= self.max_values_per_source:
             return False, f"this source already stored {self.max_values_per_source} values under this key"
         if source is not None and self._held(source) >= self.max_values_per_network:
             return False, f"this source network already stored {self.max_values_per_network} values here"
+        size = len(record.wire)
+        if source is not None and self._bytes_of_source.get(source, 0) + size > self.max_bytes_per_network:
+            return False, f"this source network already stored {self.max_bytes_per_network} bytes here"
         keys = self._keys_of_signer.get(signer, ())
         if len(keys) >= self.max_keys_per_signer:
             return False, f"signer already holds the maximum of {self.max_keys_per_signer} keys here"
@@ -108,7 +118,7 @@ class ValueStore:
                 if victim is None:
                     return False, f"key holds the maximum of {self.max_values_per_key} values"
                 self._drop(key, victim)
-        if self._count >= self.max_values:
+        while self._count >= self.max_values or self._bytes + size > self.max_bytes:
             victim = self._room_for(source, short)
             if victim is None:
                 return False, "this node's store is full"
@@ -119,6 +129,7 @@ class ValueStore:
         if source is not None:
             self._of_source.setdefault(source, {})[(key, signer)] = None
             self._recount(source, +1)
+        self._add_bytes(source, size)
         self._count += 1
         return True, "stored"
 
@@ -127,6 +138,15 @@ class ValueStore:
     def _source(self, slot: Slot) -> Any:
         meta = self._meta.get(slot)
         return None if meta is None else meta.source
+
+    def _add_bytes(self, source: Any, n: int) -> None:
+        self._bytes += n
+        if source is not None:
+            left = self._bytes_of_source.get(source, 0) + n
+            if left:
+                self._bytes_of_source[source] = left
+            else:
+                del self._bytes_of_source[source]
 
     def _held(self, source: Any) -> int:
         return len(self._of_source.get(source, ()))
@@ -175,7 +195,7 @@ class ValueStore:
 
     def _drop(self, key: str, signer: bytes) -> None:
         values = self._by_key[key]
-        del values[signer]
+        dropped = values.pop(signer)
         if not values:
             del self._by_key[key]
         keys = self._keys_of_signer[signer]
@@ -183,6 +203,7 @@ class ValueStore:
         if not keys:
             del self._keys_of_signer[signer]  # (bookkeeping stays as small as what is held)
         meta = self._meta.pop((key, signer))
+        self._add_bytes(meta.source, -len(dropped.wire))
         if meta.source is not None:
             held = self._of_source[meta.source]
             del held[(key, signer)]
