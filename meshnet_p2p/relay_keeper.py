@@ -103,6 +103,10 @@ class RelayKeeper:
         while True:
             async with guard:
                 await self._keep(task_status)
+            if self.current is not None:  # a failure the search did not expect took its reservation along
+                self.current = None
+                async with guard:
+                    self.on_change(None)
 
     async def _keep(self, task_status) -> None:
         backoff = 1.0
