@@ -338,3 +338,25 @@ async def test_a_store_flood_over_udp_is_rate_limited_per_network_and_others_sti
         key, rec = cert_index(swarm_identity(300_999))
         assert (await mallory.request(target.contact(), "store", {"key": key, "record": rec})).body["ok"]
         nursery.cancel_scope.cancel()
+
+
+def test_topics_for_models_nobody_announces_hold_a_bounded_share_of_gossip():
+    """The gossip side of #3: one host's made-up certifier indexes (a topic each)
+    filled every gossip topic slot, so a new model's reports were no longer
+    gossiped. Short-lived topics now hold at most a quarter of topics and records."""
+    state = GossipState(max_topics=40, max_records=100)
+    now = wall_ms()
+    idents = [Identity.from_seed(i.to_bytes(32, "big")) for i in range(1, 61)]
+
+    def rec(ident, topic, seq=1):
+        return Record("t", {"key": topic}, seq, now, now + 60_000, ident.peer_id, b"", b"")
+
+    verdicts = [state.offer(f"certs/{i:064x}/x", rec(ident, f"certs/{i:064x}/x"), now, short=True)
+                for i, ident in enumerate(idents)]
+    assert verdicts.count("new") == 10 and len(state._short) == 10
+    for i, ident in enumerate(idents[:20]):  # honest topics still find room
+        assert state.offer(f"model/{i:064x}", rec(ident, f"model/{i:064x}"), now) == "new"
+    # a short topic's newer records replace as ever; it leaves the share when its records expire
+    assert state.offer("certs/" + f"{0:064x}/x", rec(idents[0], f"certs/{0:064x}/x", 2), now, short=True) == "new"
+    state.expire(now + 120_000)
+    assert state._short == {} and state._short_count == 0 and state.topics == {}

@@ -46,11 +46,18 @@ class GossipState:
     max_signers: int = 65_536  # rate buckets kept at once (pruned as they refill)
     topics: dict[str, dict[bytes, Record]] = field(default_factory=dict)
     _buckets: dict[bytes, _Bucket] = field(default_factory=dict)
+    # topics the node's policy calls short-lived (a certifier index naming a model nobody
+    # announces: free to make up, issue 24 #3) hold at most this share of topics and records
+    short_share: float = 0.25
     _count: int = 0
     _digest_after: str | None = None  # where the next digest page starts
+    _short: dict[str, int] = field(default_factory=dict)  # short-lived topic -> its records
+    _short_count: int = 0
 
-    def offer(self, topic: str, record: Record, now_ms: int) -> str:
-        """"new" (keep and forward), "duplicate", "old", "expired", "rate-limited" or "full"."""
+    def offer(self, topic: str, record: Record, now_ms: int, *, short: bool = False) -> str:
+        """"new" (keep and forward), "duplicate", "old", "expired", "rate-limited" or "full".
+        ``short``: the topic is short-lived by the node's policy (asked only when the
+        topic is new here; it keeps that standing while it holds records)."""
         if record.expires_at_ms <= now_ms:
             return "expired"
         signer = record.signer.multihash
@@ -64,6 +71,11 @@ class GossipState:
             return "full"
         elif len(self.topics.get(topic, {})) >= self.max_per_topic or self._count >= self.max_records:
             return "full"
+        else:
+            short = topic in self._short if topic in self.topics else short
+            if short and ((topic not in self._short and len(self._short) >= self.max_topics * self.short_share)
+                          or self._short_count >= self.max_records * self.short_share):
+                return "full"
         bucket = self._buckets.get(signer)
         if bucket is None:
             if len(self._buckets) >= self.max_signers:
@@ -79,6 +91,9 @@ class GossipState:
         held = self.topics.setdefault(topic, {})
         if signer not in held:
             self._count += 1
+            if short:
+                self._short[topic] = self._short.get(topic, 0) + 1
+                self._short_count += 1
         held[signer] = record
         return "new"
 
@@ -168,9 +183,15 @@ class GossipState:
     def expire(self, now_ms: int) -> None:
         for topic in list(self.topics):
             records = self.topics[topic]
-            for signer in [s for s, r in records.items() if r.expires_at_ms <= now_ms]:
+            gone = [s for s, r in records.items() if r.expires_at_ms <= now_ms]
+            for signer in gone:
                 del records[signer]
                 self._count -= 1
+            if gone and topic in self._short:
+                self._short[topic] -= len(gone)
+                self._short_count -= len(gone)
+                if not self._short[topic]:
+                    del self._short[topic]
             if not records:
                 del self.topics[topic]
         self._prune_buckets(now_ms)

@@ -749,7 +749,10 @@ class DHTNode:
         topic = record.content.get("key")
         if not isinstance(topic, str):
             return False
-        verdict = self.gossip.offer(topic, record, self.now_ms())
+        # a topic the role's policy keeps short (e.g. evidence for a model nobody announces) gets a bounded share
+        short = (topic not in self.gossip.topics and self.lifetime_cap is not None
+                 and record.signer != self.peer_id and self.lifetime_cap(topic, self._holds) is not None)
+        verdict = self.gossip.offer(topic, record, self.now_ms(), short=short)
         if verdict != "new":
             if verdict == "rate-limited":
                 self.stats["gossip_rate_limited"] += 1
