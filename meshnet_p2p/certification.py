@@ -114,10 +114,10 @@ def model_of_key(key: str) -> str | None:
 
 def lifetime_cap(key: str, holds: Callable[[str], bool]) -> int | None:
     """The DHT's lifetime policy (dht.node.LifetimeCap): evidence or an index naming a
-    model nobody announces (no ``model/<digest>`` report the node holds) lives
-    minutes, not the day it claims, and goes first when a node needs room. Such
-    keys cost a flood nothing to make up (issue 24 #3); a certified model is
-    one peers serve."""
+    model nobody announces (no ``model/<digest>`` report the node holds from a
+    peer it knows is live) lives minutes, not the day it claims, and goes first
+    when a node needs room. Such keys cost a flood nothing to make up (issue 24
+    #3); a certified model is one peers serve."""
     model = model_of_key(key)
     if model is None or holds(model_key(model)):
         return None

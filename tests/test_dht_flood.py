@@ -360,3 +360,33 @@ def test_topics_for_models_nobody_announces_hold_a_bounded_share_of_gossip():
     assert state.offer("certs/" + f"{0:064x}/x", rec(idents[0], f"certs/{0:064x}/x", 2), now, short=True) == "new"
     state.expire(now + 120_000)
     assert state._short == {} and state._short_count == 0 and state.topics == {}
+
+
+async def test_evidence_for_a_model_only_made_up_reports_name_lives_minutes_on_a_node(autojump_clock):
+    """Over the wire, with the role's policy: a certifier index naming a model
+    no live peer announces lives 10 minutes; a made-up report for the model
+    (an identity that runs no node) changes nothing; a live volunteer's does."""
+    async with trio.open_nursery() as nursery:
+        net = FakeNetwork()
+        target = DHTNode(swarm_identity(1), net.endpoint(), TYPES, lifetime_cap=lifetime_cap)
+        other = DHTNode(swarm_identity(2), net.endpoint(), TYPES)
+        for node in (target, other):
+            await nursery.start(node.run)
+        await other.bootstrap([target.contact()])
+        await trio.sleep(1)
+        assert target.table.get(other.node_id) is not None  # a live peer to the target
+        model = "12" * 32
+
+        async def store(ident: Identity, key: str, rec: bytes) -> int | None:
+            assert (await other.request(target.contact(), "store", {"key": key, "record": rec})).body["ok"]
+            return target.store.expires_at(key, ident.peer_id.multihash)
+
+        def life(expires: int) -> int:
+            return expires - wall_ms()
+
+        assert life(await store(swarm_identity(10), *cert_index(swarm_identity(10), model))) <= UNANNOUNCED_LIFETIME_MS
+        await store(swarm_identity(11), *volunteer_report(swarm_identity(11), model))  # made up: no node
+        assert life(await store(swarm_identity(12), *cert_index(swarm_identity(12), model))) <= UNANNOUNCED_LIFETIME_MS
+        await store(other.identity, *volunteer_report(other.identity, model))  # a live volunteer announces it
+        assert life(await store(swarm_identity(13), *cert_index(swarm_identity(13), model))) > 3600_000
+        nursery.cancel_scope.cancel()

@@ -539,8 +539,11 @@ class DHTNode:
         return ok, reason
 
     def _holds(self, key: str) -> bool:
-        """Does this node hold a live value under ``key``, stored or gossiped?"""
-        return self.store.holds(key, self.now_ms()) or bool(self.records(key))
+        """Does this node hold a live value under ``key``, stored or gossiped, signed
+        by a peer it knows is live (itself, or a routing-table member: it answered a
+        round trip)? A record from an identity that runs no node costs nothing."""
+        stored, _ = self.store.get(key, self.now_ms(), budget=1 << 30)
+        return any(self._known_live(r) for r in stored) or any(self._known_live(r) for r in self.records(key))
 
     def _known_live(self, record: Record) -> bool:
         """Signed by this node, or by a routing-table member (it entered after a round trip)."""
@@ -838,4 +841,7 @@ class DHTNode:
         if self._due(last, "republish", self.config.republish_interval):
             for key, rec in self.store.items():
                 if rec.signer == self.peer_id:
-                    await self.put(key, rec.wire)
+                    try:
+                        await self.put(key, rec.wire)
+                    except MeshnetError:  # (expired meanwhile, say): one record's, not the others'
+                        self.stats["republish_failed"] += 1
