@@ -34,8 +34,9 @@ import re
 import struct
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from .capability import model_key
 from .engine.contract import TensorBundle
 from .engine.recipe import recipe_digest
 from .errors import MeshnetError
@@ -98,6 +99,29 @@ def cert_key(model_digest: str, recipe_digest: str, certifier: str) -> str:
 
 def index_key(model_digest: str, certifier: str) -> str:
     return f"certs/{model_digest}/{certifier}"
+
+
+UNANNOUNCED_LIFETIME_MS = 10 * 60_000  # twice the DHT's republish period: a certifier's re-put renews it
+
+
+def model_of_key(key: str) -> str | None:
+    """The model a certification key (:func:`cert_key`, :func:`index_key`) names, or None."""
+    parts = key.split("/")
+    if (parts[0] == "cert" and len(parts) == 4) or (parts[0] == "certs" and len(parts) == 3):
+        return parts[1] if _HEX64.fullmatch(parts[1]) else None
+    return None
+
+
+def lifetime_cap(key: str, holds: Callable[[str], bool]) -> int | None:
+    """The DHT's lifetime policy (dht.node.LifetimeCap): evidence or an index naming a
+    model nobody announces (no ``model/<digest>`` report the node holds from a
+    peer it knows is live) lives minutes, not the day it claims, and goes first
+    when a node needs room. Such keys cost a flood nothing to make up (issue 24
+    #3); a certified model is one peers serve."""
+    model = model_of_key(key)
+    if model is None or holds(model_key(model)):
+        return None
+    return UNANNOUNCED_LIFETIME_MS
 
 
 # --- what a hop computed -------------------------------------------------------------------

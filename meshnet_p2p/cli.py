@@ -393,6 +393,7 @@ def _relay(args: argparse.Namespace) -> int:
     from .lifecycle import until_signalled
 
     from .dataplane.relay import Relay, RelayLimits
+    from .guard import Guard
     from .multiaddr import Multiaddr, announced
     from .network import advertised_host, bootstrap_addrs, parse_listen, start_node
     from .reachability import tls_dial_check
@@ -423,16 +424,18 @@ def _relay(args: argparse.Namespace) -> int:
                                         dial_back=tls_dial_check)
 
                 async def publish() -> None:  # peers behind NAT find this relay, its limits and load, here
+                    guard = Guard("relay_publish", node.stats)  # a failure: counted, tried again, relaying goes on
                     while True:
-                        record = sign_relay_record(identity, addr, {
-                            "max_reservations": limits.max_reservations,
-                            "max_connections_per_peer": limits.max_connections_per_peer,
-                            "bytes_per_second_per_peer": int(limits.bytes_per_second_per_peer)}, relay.load(),
-                            now_ms=wall_ms())
-                        try:
-                            await node.publish(RELAYS_KEY, record)
-                        except Exception as e:  # others' refusal is theirs: keep relaying, try again
-                            _print_line(f"announce failed, retrying: {e}")
+                        async with guard:
+                            record = sign_relay_record(identity, addr, {
+                                "max_reservations": limits.max_reservations,
+                                "max_connections_per_peer": limits.max_connections_per_peer,
+                                "bytes_per_second_per_peer": int(limits.bytes_per_second_per_peer)}, relay.load(),
+                                now_ms=wall_ms())
+                            try:
+                                await node.publish(RELAYS_KEY, record)
+                            except MeshnetError as e:  # others' refusal is theirs: keep relaying, try again
+                                _print_line(f"announce failed, retrying: {e}")
                         await trio.sleep(RELAY_ANNOUNCE_INTERVAL_S)
 
                 nursery.start_soon(publish)

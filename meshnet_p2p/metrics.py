@@ -226,6 +226,14 @@ class DhtCollector(Collector):
         yield _labelled("meshnet_dht_reachability_answers_total", "answers to this node's own reachability "
                         "checks, by result", "result",
                         {a: _sum_under(st, "reachability_" + a) for a in answers}, answers)
+        yield _counter("meshnet_dht_stores_rate_limited_total", "stores refused: too many from one network",
+                       st.get("store_rate_limited", 0))
+        # the node's and the role's loops (guard.py): the names are a small fixed set, from the code
+        from .guard import LOOP_ERRORS
+
+        loops = {**LOOP_ERRORS.snapshot(), **{k: v for k, v in st.items() if k.startswith("loop_errors_")}}
+        yield _labelled("meshnet_loop_errors_total", "exceptions a background loop caught and survived, by loop",
+                        "loop", _suffixed(loops, "loop_errors_"))
         yield _gauge("meshnet_dht_routing_table_contacts", "contacts in the routing table", len(self.node.table))
         yield _gauge("meshnet_dht_stored_records", "records this node stores for the DHT", len(self.node.store))
 

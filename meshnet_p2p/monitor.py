@@ -18,7 +18,7 @@ import argparse
 import base64
 import hashlib
 import sys
-from collections import deque
+from collections import Counter, deque
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
 
 from .errors import MeshnetError, sanitize, unwrap_errors
@@ -229,6 +229,7 @@ class Monitor:
         self.events: deque[dict[str, Any]] = deque(maxlen=max_events)
         self.doc: dict[str, Any] | None = None
         self.status: dict[str, Any] = {"ok": None, "error": None, "last_ok_ms": None, "took_ms": None, "surveys": 0}
+        self.errors: Counter[str] = Counter()  # loop_errors_survey: a failure the survey loop caught
 
     def current(self) -> dict[str, Any]:
         """What ``/api/swarm`` answers: the last good doc, how fresh it is, events newest first."""
@@ -272,8 +273,12 @@ class Monitor:
 
         if task_status is not None:  # (nursery.start passes it)
             task_status.started()
+        from .guard import Guard
+
+        guard = Guard("survey", self.errors)
         while True:  # until the role's nursery is cancelled (a signal)
-            await self.refresh()
+            async with guard:  # (a survey's failures are the survey's; this is for anything else)
+                await self.refresh()
             await trio.sleep(self.interval_s)
 
 

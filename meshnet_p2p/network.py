@@ -19,7 +19,7 @@ import trio
 
 from . import capability
 from .capability import model_key
-from .certification import CERT_INDEX, CERT_INDEX_TYPE, CERTIFICATE, CERTIFICATE_TYPE
+from .certification import CERT_INDEX, CERT_INDEX_TYPE, CERTIFICATE, CERTIFICATE_TYPE, lifetime_cap
 from .dht.node import DHTConfig, DHTNode
 from .dht.routing import Contact
 from .dht.transport import UdpTransport
@@ -117,7 +117,8 @@ async def start_node(
         listen = "[::]:0" if any(a.components[0][0] == "ip6" for a in bootstrap) else "0.0.0.0:0"
     host, port = parse_listen(listen)
     transport = await UdpTransport.bind(host, port)
-    node = DHTNode(identity, transport, types, DHTConfig(client_mode=client_mode), dial_back=dial_back)
+    node = DHTNode(identity, transport, types, DHTConfig(client_mode=client_mode), dial_back=dial_back,
+                   lifetime_cap=lifetime_cap)  # evidence for models nobody announces lives minutes
     await nursery.start(node.run)
     seeds = [contact_of(a) for a in bootstrap]
     seeds = [c for c in seeds if c.peer_id != identity.peer_id]

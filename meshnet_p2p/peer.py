@@ -25,6 +25,7 @@ from .engine.contract import HIDDEN, DecodeRequest, EngineOptions, OpenRequest, 
 from .engine.cut import inspect_gguf, sha256_file
 from .engine.llama_engine import LlamaCppShardEngine
 from .errors import MeshnetError, unwrap_errors
+from .guard import Guard
 from .identity import Identity
 from .lifecycle import until_signalled
 from .models import ensure_shard
@@ -220,18 +221,11 @@ async def _serving(opts, engine, info, source_sha, digest, key, print_line, stat
             print_line(f"announcing {addr}")
         print_line(f"recipe {caps.recipe_digest}")
 
-        async def announce() -> None:
-            while True:
-                with trio.move_on_after(ANNOUNCE_INTERVAL_S):
-                    await wake[0].wait()
-                wake[0] = trio.Event()
-                await publish_all()
-
         announcing = trio.CancelScope()
 
         async def announce_until_leaving() -> None:
             with announcing:
-                await announce()
+                await announce_loop(publish_all, wake, node.stats)
 
         nursery.start_soon(announce_until_leaving)
         if status.enabled:
@@ -249,6 +243,18 @@ async def _serving(opts, engine, info, source_sha, digest, key, print_line, stat
                 await trio.to_thread.run_sync(servicer.reap_idle, DRAIN_IDLE_MS)  # generations finish; sessions that only sit hold nothing up
                 await trio.sleep(0.1)
         nursery.cancel_scope.cancel()
+
+
+async def announce_loop(publish: Callable, wake: list, counts, interval: float = ANNOUNCE_INTERVAL_S) -> None:
+    """Announce every ``interval`` (or at once when ``wake[0]`` is set). A failing
+    announce is counted (``loop_errors_announce``) and tried again: never the end of the peer."""
+    guard = Guard("announce", counts)
+    while True:
+        with trio.move_on_after(interval):
+            await wake[0].wait()
+        wake[0] = trio.Event()
+        async with guard:
+            await publish()
 
 
 UNCHECKED = "unchecked"  # an address no dialer would dial (a DNS --announce): taken as given
@@ -284,19 +290,21 @@ async def _recheck(node, addr: str, opts: JoinOptions, print_line, reach: "_Reac
     """Ask again until the swarm can tell (every RECHECK_S, then less often); if it
     is unreachable after all, go relayed."""
     wait = RECHECK_S
+    guard = Guard("recheck", node.stats)  # a check that fails is asked again, never the end of the peer
     while True:
         await trio.sleep(wait)
         wait = min(wait * 2, RECHECK_MAX_S)
-        verdict = await _reachability(node, addr, opts)
-        if verdict.status == UNKNOWN:
-            continue
-        if verdict.status == UNCHECKED:
+        async with guard:
+            verdict = await _reachability(node, addr, opts)
+            if verdict.status == UNKNOWN:
+                continue
+            if verdict.status == UNCHECKED:
+                return
+            print_line(f"reachability: {verdict.status} ({verdict.reason})")
+            if verdict.status == UNREACHABLE:
+                async with trio.open_nursery() as nursery:
+                    await _go_relayed(nursery, node, opts, reach, wake, print_line)
             return
-        print_line(f"reachability: {verdict.status} ({verdict.reason})")
-        if verdict.status == UNREACHABLE:
-            async with trio.open_nursery() as nursery:
-                await _go_relayed(nursery, node, opts, reach, wake, print_line)
-        return
 
 
 
@@ -307,12 +315,14 @@ async def _status_line(status: StatusLine, engine, node, span: tuple[int, int], 
     """``join``'s line on a terminal: what it serves, its sessions, the rows it
     computes per second, the peers its DHT node knows, how it is reached."""
     before, at = engine.metrics(), time.monotonic()
+    guard = Guard("status_line", node.stats)
     while True:
         await trio.sleep(STATUS_EVERY_S)
-        m, now = engine.metrics(), time.monotonic()
-        rate = (m.rows - before.rows) / max(1e-3, now - at)
-        before, at = m, now
-        how = f"via relay {str(reach.relay.peer_id)[-8:]}" if reach.relay else (
-            "unreachable, finding a relay" if reach.unreachable else "direct")
-        status.update(f"layers {span[0]}-{span[1] - 1} | {m.active_sessions} sessions | {rate:.1f} tok/s | "
-                      f"{len(node.table)} peers seen | {how}")
+        async with guard:
+            m, now = engine.metrics(), time.monotonic()
+            rate = (m.rows - before.rows) / max(1e-3, now - at)
+            before, at = m, now
+            how = f"via relay {str(reach.relay.peer_id)[-8:]}" if reach.relay else (
+                "unreachable, finding a relay" if reach.unreachable else "direct")
+            status.update(f"layers {span[0]}-{span[1] - 1} | {m.active_sessions} sessions | {rate:.1f} tok/s | "
+                          f"{len(node.table)} peers seen | {how}")

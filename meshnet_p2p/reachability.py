@@ -35,7 +35,7 @@ from .dataplane.relay import relay_target
 from .dataplane.tls import TLS_NAME, TlsBindingError, peer_of_der
 from .dht import wire
 from .dht.node import DHTNode
-from .dht.routing import Contact, ip_group
+from .dht.routing import Contact, network_of
 from .dialback import (
     KNOWN_REFUSALS,
     MAX_ADDRS,
@@ -186,7 +186,7 @@ def choose_dialers(contacts: Iterable[Contact], want: int = DEFAULT_DIALERS, avo
     networks: set[str] = set()
     for group in ([c for c in pool if c.peer_id.multihash not in avoid], [c for c in pool if c.peer_id.multihash in avoid]):
         for c in group:  # one per network first
-            net = ip_group(c.host) or c.host
+            net = network_of(c.host)
             if len(chosen) < want and net not in networks:
                 chosen.append(c)
                 networks.add(net)

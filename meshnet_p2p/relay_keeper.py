@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 
 import trio
 
+from .guard import Guard
 from .dataplane.relay import KEEPALIVE_S, RelayError, Reservation, first_error, hold_reservation
 from .identity import Identity
 from .multiaddr import Multiaddr
@@ -91,6 +92,7 @@ class RelayKeeper:
         self.current: Reservation | None = None
         self.set_aside: dict[str, float] = {}  # relay peer id -> until (trio time)
         self.searches = 0
+        self._started = False  # (run's task_status is told once)
 
     async def offers(self) -> list[RelayOffer]:
         """The relays the DHT knows, each with this peer's round trip to it."""
@@ -114,8 +116,19 @@ class RelayKeeper:
         return set(self.set_aside)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Keep a reservation for good. Started once the first one is held."""
-        started = False
+        """Keep a reservation for good. Started once the first one is held. A
+        failure of the search itself (not a relay's: those are handled below) is
+        counted and the search starts again, after a pause: never the end of the peer."""
+        guard = Guard("relay_keeper", getattr(self.node, "stats", None))
+        while True:
+            async with guard:
+                await self._keep(task_status)
+            if self.current is not None:  # a failure the search did not expect took its reservation along
+                self.current = None
+                async with guard:
+                    self.on_change(None)
+
+    async def _keep(self, task_status) -> None:
         backoff = 1.0
         while True:
             self.searches += 1
@@ -140,9 +153,9 @@ class RelayKeeper:
                         self.current = held
                         self.print_line(f"reserved on relay {offer.peer_id} ({offer.rtt_ms:.1f} ms away)")
                         self.on_change(held)
-                        if not started:
+                        if not self._started:
                             task_status.started(held)
-                            started = True
+                            self._started = True
                 except* (RelayError, OSError, trio.BrokenResourceError, ValueError) as group:
                     leaf = first_error(group)
                     why = str(leaf) or type(leaf).__name__

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..dht.routing import ip_group
+from ..dht.routing import network_of
 from .admission import Admit, Claimant, Held, Reclaim, Refuse, decide
 
 SOURCE_LIMIT = "source_limit"  # the client's network holds its share of this peer's circuits
@@ -35,7 +35,7 @@ CIRCUIT_LIMIT = "circuit_limit"  # the peer's circuits are all held, and fairly 
 def circuit_source(host: str) -> str:
     """A client's source for the per-source bound: its public network (IPv4
     /24, IPv6 /48), or the exact address where ``ip_group`` exempts it."""
-    return ip_group(host) or host
+    return network_of(host)
 
 
 def per_source_limit(capacity: int) -> int:

@@ -58,6 +58,7 @@ import trio
 
 from ..dht.routing import ip_group
 from ..errors import MeshnetError
+from ..guard import Guard
 from ..identity import Identity, IdentityError, PeerId
 from ..multiaddr import Multiaddr
 from .circuits import CIRCUIT_LIMIT, Circuit, Reclaim, Refuse, admit_circuit, circuit_source, per_source_limit
@@ -573,6 +574,7 @@ async def attach_to_relay(relay: Multiaddr, identity: Identity, local: tuple[str
     first must succeed; a lost one is reserved again, with backoff."""
     backoff = 0.5
     first = True
+    guard = Guard("relay_attach")
     while True:
         since = trio.current_time()
         try:
@@ -584,6 +586,10 @@ async def attach_to_relay(relay: Multiaddr, identity: Identity, local: tuple[str
         except* (OSError, RelayError, trio.BrokenResourceError, ValueError) as group:
             if first:  # the first reservation must succeed: say why it did not
                 raise first_error(group) from None
+        except* Exception as group:  # a bug: counted and logged, and the reservation taken again
+            if first:
+                raise first_error(group) from None
+            await guard.failed(first_error(group))
         if trio.current_time() - since > 4 * KEEPALIVE_S:
             backoff = 0.5  # it held a while: try again soon; one that drops at once waits longer each time
         await trio.sleep(backoff)

@@ -16,6 +16,7 @@ import trio
 
 from ..engine.contract import EngineOptions
 from ..engine.llama_engine import LlamaCppShardEngine
+from ..guard import Guard
 from ..identity import Identity
 from ..multiaddr import Multiaddr
 from ..lifecycle import until_signalled
@@ -68,9 +69,11 @@ async def start_data_plane(nursery: trio.Nursery, engine, identity: Identity, ho
 
 async def _reap_idle_sessions(servicer: ShardRuntimeServicer) -> None:
     period = max(0.05, servicer.limits.session_idle_ms / 4000)
+    guard = Guard("reap_idle")
     while True:
         await trio.sleep(period)
-        await trio.to_thread.run_sync(servicer.reap_idle)  # engine calls may wait for a step
+        async with guard:
+            await trio.to_thread.run_sync(servicer.reap_idle)  # engine calls may wait for a step
 
 
 async def serve(opts: ServeOptions, print_line=print) -> None:

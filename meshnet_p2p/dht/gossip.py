@@ -6,6 +6,11 @@ from its signer), which is what stops epidemic push from looping. Duplicates
 cost nothing, not even rate budget: the same report arriving from six
 neighbours is one report. A signer may publish ``burst`` records at once and
 ``rate_per_s`` on average; a valid record under that bound is always accepted.
+
+A pull sends a digest of what this node holds: one page of it, bounded in
+bytes (``digest``), covering a range of topic names; successive pulls rotate
+through the pages, and the answerer sends only what is missing within the
+page's range (``missing_from``).
 """
 
 from __future__ import annotations
@@ -14,6 +19,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..records import Record
+
+
+# A pull's digest must fit one datagram (wire.MAX_DATAGRAM, 60,000 bytes) with its
+# envelope: issue 24 #0 saw 400 certifier-index topics (~122 chars each) make a
+# 70 KB digest whose encoding error ended every process of a swarm.
+DIGEST_BUDGET_BYTES = 24_000
+MAX_TOPIC_CHARS = 512  # as a DHT key
+_TOPIC_OVERHEAD = 8  # msgpack: a str header (<= 3 bytes) and the topic's map header (<= 5)
+_ENTRY_OVERHEAD = 14  # a bin header (<= 5 bytes) and a seq (<= 9)
 
 
 @dataclass
@@ -32,10 +46,18 @@ class GossipState:
     max_signers: int = 65_536  # rate buckets kept at once (pruned as they refill)
     topics: dict[str, dict[bytes, Record]] = field(default_factory=dict)
     _buckets: dict[bytes, _Bucket] = field(default_factory=dict)
+    # topics the node's policy calls short-lived (a certifier index naming a model nobody
+    # announces: free to make up, issue 24 #3) hold at most this share of topics and records
+    short_share: float = 0.25
     _count: int = 0
+    _digest_after: str | None = None  # where the next digest page starts
+    _short: dict[str, int] = field(default_factory=dict)  # short-lived topic -> its records
+    _short_count: int = 0
 
-    def offer(self, topic: str, record: Record, now_ms: int) -> str:
-        """"new" (keep and forward), "duplicate", "old", "expired", "rate-limited" or "full"."""
+    def offer(self, topic: str, record: Record, now_ms: int, *, short: bool = False) -> str:
+        """"new" (keep and forward), "duplicate", "old", "expired", "rate-limited" or "full".
+        ``short``: the topic is short-lived by the node's policy (asked only when the
+        topic is new here; it keeps that standing while it holds records)."""
         if record.expires_at_ms <= now_ms:
             return "expired"
         signer = record.signer.multihash
@@ -49,6 +71,11 @@ class GossipState:
             return "full"
         elif len(self.topics.get(topic, {})) >= self.max_per_topic or self._count >= self.max_records:
             return "full"
+        else:
+            short = topic in self._short if topic in self.topics else short
+            if short and ((topic not in self._short and len(self._short) >= self.max_topics * self.short_share)
+                          or self._short_count >= self.max_records * self.short_share):
+                return "full"
         bucket = self._buckets.get(signer)
         if bucket is None:
             if len(self._buckets) >= self.max_signers:
@@ -64,6 +91,9 @@ class GossipState:
         held = self.topics.setdefault(topic, {})
         if signer not in held:
             self._count += 1
+            if short:
+                self._short[topic] = self._short.get(topic, 0) + 1
+                self._short_count += 1
         held[signer] = record
         return "new"
 
@@ -83,17 +113,39 @@ class GossipState:
     def records(self, topic: str) -> list[Record]:
         return list(self.topics.get(topic, {}).values())
 
-    def digest(self, limit: int = 400) -> dict[str, dict[bytes, int]]:
-        """What this node holds, for a pull: {topic: {signer: seq}} (bounded)."""
+    def digest(self, budget: int = DIGEST_BUDGET_BYTES) -> tuple[dict[str, dict[bytes, int]], str | None, str | None]:
+        """What this node holds, for a pull: one page of {topic: {signer: seq}} of at
+        most ``budget`` bytes once packed, and the range of topics it covers,
+        (after, upto]: None for the start and the end of the topic names. Pages
+        rotate: each call starts after where the last one ended, so successive
+        pulls cover every topic, and a topic this node has never seen falls in
+        some page's range (the peer sends what it holds there)."""
+        names = sorted(self.topics)
+        after = self._digest_after
+        if after is not None:
+            names = [t for t in names if t > after]
         out: dict[str, dict[bytes, int]] = {}
-        n = 0
-        for topic, records in self.topics.items():
-            for signer, rec in records.items():
-                if n >= limit:
-                    return out
-                out.setdefault(topic, {})[signer] = rec.seq
-                n += 1
-        return out
+        used = 8  # the map's own header, with margin
+        for topic in names:
+            cost = len(topic.encode()) + _TOPIC_OVERHEAD
+            entries = {}
+            for signer, rec in self.topics[topic].items():
+                more = len(signer) + _ENTRY_OVERHEAD
+                if used + cost + more > budget:
+                    break
+                entries[signer] = rec.seq
+                cost += more
+            if len(entries) < len(self.topics[topic]) and out:
+                # this topic does not fit whole: the page ends before it
+                self._digest_after = upto = max(out)
+                return out, after, upto
+            out[topic] = entries  # (a topic bigger than a page alone is listed in part)
+            used += cost
+            if len(entries) < len(self.topics[topic]):
+                self._digest_after = topic
+                return out, after, topic
+        self._digest_after = None  # the end of the names: the next page starts again at the beginning
+        return out, after, None
 
     @staticmethod
     def parse_digest(raw: Any) -> dict[str, dict[bytes, int]]:
@@ -105,10 +157,20 @@ class GossipState:
                 out[topic] = {s: q for s, q in seqs.items() if isinstance(s, bytes) and isinstance(q, int)}
         return out
 
-    def missing_from(self, have: dict[str, dict[bytes, int]], *, budget: int) -> list[Record]:
-        """Records newer than what a peer's digest says it holds, up to ``budget`` bytes."""
+    @staticmethod
+    def parse_bound(raw: Any) -> str | None:
+        """One end of a digest's range: a topic name, or None (no bound). Anything
+        else is no bound: the asker then gets what it would have without one."""
+        return raw if isinstance(raw, str) and len(raw) <= MAX_TOPIC_CHARS else None
+
+    def missing_from(self, have: dict[str, dict[bytes, int]], *, budget: int, after: str | None = None,
+                     upto: str | None = None) -> list[Record]:
+        """Records newer than what a peer's digest says it holds, among the topics
+        in its range (after, upto], up to ``budget`` bytes."""
         out, used = [], 0
         for topic, records in self.topics.items():
+            if (after is not None and topic <= after) or (upto is not None and topic > upto):
+                continue
             theirs = have.get(topic, {})
             for signer, rec in records.items():
                 if theirs.get(signer, -1) < rec.seq:
@@ -121,9 +183,15 @@ class GossipState:
     def expire(self, now_ms: int) -> None:
         for topic in list(self.topics):
             records = self.topics[topic]
-            for signer in [s for s, r in records.items() if r.expires_at_ms <= now_ms]:
+            gone = [s for s, r in records.items() if r.expires_at_ms <= now_ms]
+            for signer in gone:
                 del records[signer]
                 self._count -= 1
+            if gone and topic in self._short:
+                self._short[topic] -= len(gone)
+                self._short_count -= len(gone)
+                if not self._short[topic]:
+                    del self._short[topic]
             if not records:
                 del self.topics[topic]
         self._prune_buckets(now_ms)

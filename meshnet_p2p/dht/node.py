@@ -30,12 +30,14 @@ import trio
 
 from .. import dialback
 from ..errors import MeshnetError
+from ..guard import Guard
 from ..identity import Identity, PeerId
 from ..records import MAX_RECORD_BYTES, PayloadType, Record, RecordRejected, RecordVerifier, keep_newest, peek, wall_ms
 from ..stats import LOOKUP_SECONDS, Histogram
 from . import wire
 from .gossip import GossipState
 from .lookup import iterative_lookup
+from .ratelimit import SourceRates
 from .routing import Contact, RoutingTable, key_id, network_of, networks, node_id_of
 from .storage import ValueStore
 from .transport import Addr, DatagramTransport
@@ -65,8 +67,16 @@ DIAL_BACKS_PER_SOURCE = 4  # dial_back requests one source IP may have answered 
 DIAL_BACK_WINDOW_MS = 60_000  # ...of this long
 MAX_DIAL_BACK_SOURCES = 4096  # source IPs whose recent requests are remembered
 DIAL_TIMEOUT = 3.0  # one dial, connect and TLS handshake
+# stores per source network (routing.ip_group; a loopback or private address counts alone): an
+# office of 16 volunteers stores ~2 records each per announce (30 s), 32 at once: 8x that at once, 16x on average
+STORE_BURST = 256
+STORE_RATE_PER_S = 32.0
 
 DialBack = Callable[[PeerId, str], Awaitable[tuple[bool, str]]]
+# lifetime_cap(key, holds) -> the longest (ms) a value stored under ``key`` by another node may
+# live here, or None; ``holds(key)`` says whether this node holds a live value under a key (in
+# its store or gossip). The role's policy (certification.lifetime_cap): the DHT knows no key names.
+LifetimeCap = Callable[[str, Callable[[str], bool]], "int | None"]
 LOOKUP_OPS = ("find_node", "get", "put")
 
 
@@ -115,6 +125,7 @@ class DHTNode:
         *,
         now_ms: Callable[[], int] = wall_ms,
         dial_back: DialBack | None = None,
+        lifetime_cap: LifetimeCap | None = None,
     ) -> None:
         self.identity = identity
         self.peer_id = identity.peer_id
@@ -124,6 +135,8 @@ class DHTNode:
         self.now_ms = now_ms
         self.table = RoutingTable(self.node_id, self.config.k)
         self.store = ValueStore()
+        self.store_rates = SourceRates(STORE_RATE_PER_S, STORE_BURST)
+        self.lifetime_cap = lifetime_cap
         self.verifier = RecordVerifier(types)
         self.gossip = GossipState()
         self.stats: Counter[str] = Counter()
@@ -205,8 +218,11 @@ class DHTNode:
         send, recv = trio.open_memory_channel[wire.Message](1)
         self._pending[rpc_id] = (expect, send, addr)
         try:
+            data = self._encode(kind, rpc_id, body, expect)
+            if data is None:
+                return None  # (counted) as if unanswered: nothing of ours goes out malformed
             self.stats["sent_" + kind] += 1
-            await self.transport.send(wire.encode(self.identity, kind, rpc_id, body, self.now_ms(), to=expect), addr)
+            await self.transport.send(data, addr)
             with trio.move_on_after(self.config.request_timeout if timeout is None else timeout):
                 return await recv.receive()
             self.stats["timeouts"] += 1
@@ -214,69 +230,87 @@ class DHTNode:
         finally:
             del self._pending[rpc_id]
 
+    def _encode(self, kind: str, rpc_id: bytes, body: dict[str, Any], to: PeerId | None) -> bytes | None:
+        """A datagram, or None (counted, logged) if it cannot be one (too big for
+        a datagram): a failure to send one message, never the node's end."""
+        try:
+            return wire.encode(self.identity, kind, rpc_id, body, self.now_ms(), to=to)
+        except (ValueError, TypeError) as e:
+            self.stats["unsendable_" + kind] += 1
+            log.warning("dropped an outgoing %s: %s", kind, e)
+            return None
+
     async def ping(self, contact: Contact | Addr, *, timeout: float | None = None) -> wire.Message | None:
         return await self.request(contact, "ping", {}, timeout=timeout)
 
     # --- requests in -----------------------------------------------------------------------
 
     async def _receive_loop(self) -> None:
+        guard = Guard("receive", self.stats, backoff=False)  # a bug costs one datagram: no pause for the others
         while True:
             data, addr = await self.transport.receive()
+            async with guard:
+                await self._datagram_in(data, addr)
+
+    async def _datagram_in(self, data: bytes, addr: Addr) -> None:
+        try:
+            msg = wire.decode(data, self.now_ms(), self.peer_id)
+        except wire.BadDatagram as e:
+            self.stats["bad_datagrams"] += 1
+            log.debug("dropped datagram from %s: %s", addr, e)
+            return
+        except Exception as e:  # a decoder bug must cost one datagram, never the node
+            self.stats["bad_datagrams"] += 1
+            log.warning("datagram from %s broke the decoder: %r", addr, e)
+            return
+        if msg.sender == self.peer_id:
+            return
+        if self._replayed(msg):
+            self.stats["replayed_datagrams"] += 1
+            return
+        if msg.kind in wire.RESPONSES:
+            pending = self._pending.get(msg.rpc_id)
+            if pending is None or (pending[0] is not None and pending[0] != msg.sender) or pending[2] != addr:
+                self.stats["unexpected_responses"] += 1
+                return
+            # an answer from where we asked: a round trip to that address
+            self._proven(addr)
+            self.stats["responses"] += 1  # (a survey that got none was cut off, not empty)
+            if msg.kind != "cookie":
+                self._heard_from(msg.sender, addr, client=False, round_trip=True)
             try:
-                msg = wire.decode(data, self.now_ms(), self.peer_id)
-            except wire.BadDatagram as e:
-                self.stats["bad_datagrams"] += 1
-                log.debug("dropped datagram from %s: %s", addr, e)
-                continue
-            except Exception as e:  # a decoder bug must cost one datagram, never the node
-                self.stats["bad_datagrams"] += 1
-                log.warning("datagram from %s broke the decoder: %r", addr, e)
-                continue
-            if msg.sender == self.peer_id:
-                continue
-            if self._replayed(msg):
-                self.stats["replayed_datagrams"] += 1
-                continue
-            if msg.kind in wire.RESPONSES:
-                pending = self._pending.get(msg.rpc_id)
-                if pending is None or (pending[0] is not None and pending[0] != msg.sender) or pending[2] != addr:
-                    self.stats["unexpected_responses"] += 1
-                    continue
-                # an answer from where we asked: a round trip to that address
-                self._proven(addr)
-                self.stats["responses"] += 1  # (a survey that got none was cut off, not empty)
-                if msg.kind != "cookie":
-                    self._heard_from(msg.sender, addr, client=False, round_trip=True)
-                try:
-                    pending[1].send_nowait(msg)
-                except trio.WouldBlock:
-                    pass
-                continue
-            self.stats["received_" + msg.kind] += 1  # a request (wire.REQUESTS: a fixed set)
-            proven = self._receives(addr, msg.body.get("cookie"))
-            self._heard_from(msg.sender, addr, client=bool(msg.body.get("client")))
-            try:
-                if msg.kind == "dial_back":  # dials take seconds: answered now (a refusal) or by a task
-                    answer = self._dial_back_in(msg, addr, len(data), proven)
-                    if answer is None:
-                        continue
-                    kind, body = answer
-                else:
-                    kind, body = self._handle(msg, addr)
-            except wire.BadDatagram as e:
-                self.stats["bad_requests"] += 1
-                log.debug("bad %s from %s: %s", msg.kind, msg.sender, e)
-                continue
-            await self._reply(msg, addr, kind, body, len(data), proven)
+                pending[1].send_nowait(msg)
+            except trio.WouldBlock:
+                pass
+            return
+        self.stats["received_" + msg.kind] += 1  # a request (wire.REQUESTS: a fixed set)
+        proven = self._receives(addr, msg.body.get("cookie"))
+        self._heard_from(msg.sender, addr, client=bool(msg.body.get("client")))
+        try:
+            if msg.kind == "dial_back":  # dials take seconds: answered now (a refusal) or by a task
+                answer = self._dial_back_in(msg, addr, len(data), proven)
+                if answer is None:
+                    return
+                kind, body = answer
+            else:
+                kind, body = self._handle(msg, addr)
+        except wire.BadDatagram as e:
+            self.stats["bad_requests"] += 1
+            log.debug("bad %s from %s: %s", msg.kind, msg.sender, e)
+            return
+        await self._reply(msg, addr, kind, body, len(data), proven)
 
     async def _reply(self, msg: wire.Message, addr: Addr, kind: str, body: dict[str, Any], request_bytes: int,
                      proven: bool) -> None:
-        reply = wire.encode(self.identity, kind, msg.rpc_id, body, self.now_ms(), to=msg.sender)
+        reply = self._encode(kind, msg.rpc_id, body, msg.sender)
+        if reply is None:
+            return  # (counted) the asker times out, as if the datagram were lost
         if not proven and len(reply) > AMPLIFICATION * request_bytes:
             # not yet shown to receive here (a spoofed source?): a small cookie, not the answer
             self.stats["cookies_sent"] += 1
-            reply = wire.encode(self.identity, "cookie", msg.rpc_id, {"cookie": self._cookie(addr)},
-                                self.now_ms(), to=msg.sender)
+            reply = self._encode("cookie", msg.rpc_id, {"cookie": self._cookie(addr)}, msg.sender)
+            if reply is None:
+                return
         await self.transport.send(reply, addr)
 
     # --- dial_back: the dialer side of reachability checks -----------------------------------
@@ -346,23 +380,20 @@ class DHTNode:
     async def _dial_back_job(self, msg: wire.Message, addr: Addr, addrs: list[str], nonce: bytes, dial: list[bool],
                              request_bytes: int) -> None:
         results: list[tuple[str, bool, str]] = [(a, False, dialback.NOT_FROM_SOURCE) for a in addrs]
-        try:
-            async def one(i: int) -> None:
-                results[i] = (addrs[i], *await self._dial_one(msg.sender, addrs[i]))
+        async with Guard("dial_back", self.stats, backoff=False):  # a bug here costs one answer, never the node
+            try:
+                async def one(i: int) -> None:
+                    results[i] = (addrs[i], *await self._dial_one(msg.sender, addrs[i]))
 
-            async with trio.open_nursery() as nursery:
-                for i in range(len(addrs)):
-                    if dial[i]:
-                        nursery.start_soon(one, i)
-        finally:
-            self._dials_in_flight -= sum(dial)
-        try:
+                async with trio.open_nursery() as nursery:
+                    for i in range(len(addrs)):
+                        if dial[i]:
+                            nursery.start_soon(one, i)
+            finally:
+                self._dials_in_flight -= sum(dial)
             body = {"result": self._dial_result_record(msg.sender, nonce, results, addr[0])}
-        except Exception as e:  # a bug here must cost one answer, never the node
-            log.warning("cannot answer a dial_back from %s: %r", msg.sender, e)
-            return
-        self.stats["dial_back_served"] += 1
-        await self._reply(msg, addr, "dial_result", body, request_bytes, proven=True)  # proven before any dial
+            self.stats["dial_back_served"] += 1
+            await self._reply(msg, addr, "dial_result", body, request_bytes, proven=True)  # proven before any dial
 
     async def _dial_one(self, requester: PeerId, addr_text: str) -> tuple[bool, str]:
         """One dial through the role's function, bounded; its failures are results."""
@@ -410,7 +441,8 @@ class DHTNode:
 
     async def _verify_contact(self, peer: PeerId, addr: Addr, key) -> None:
         try:
-            await self.ping(Contact.of(peer, addr[0], addr[1]))  # its answer adds it (round_trip)
+            async with Guard("verify_contact", self.stats, backoff=False):
+                await self.ping(Contact.of(peer, addr[0], addr[1]))  # its answer adds it (round_trip)
         finally:
             self._verifying.discard(key)
 
@@ -455,9 +487,10 @@ class DHTNode:
 
     async def _check_stale(self, stale: Contact) -> None:
         try:
-            if await self.ping(stale) is None and self._at_address(stale):
-                self.table.evict(stale.node_id)
-                self.stats["evicted"] += 1
+            async with Guard("check_stale", self.stats, backoff=False):
+                if await self.ping(stale) is None and self._at_address(stale):
+                    self.table.evict(stale.node_id)
+                    self.stats["evicted"] += 1
         finally:
             self._pinging.discard(stale.node_id)
 
@@ -480,8 +513,13 @@ class DHTNode:
             return "values", {"values": [r.wire for r in records], "more": more, "nodes": wire.encode_contacts(nearest)}
         if msg.kind == "store":
             key = wire.field(body, "key", str, max_len=MAX_KEY_CHARS)
-            ok, reason = self._accept(key, wire.field(body, "record", bytes, max_len=MAX_RECORD_BYTES),
-                                      source=addr[0])  # bounded by host
+            record = wire.field(body, "record", bytes, max_len=MAX_RECORD_BYTES)
+            # bounded per source network (one host's identities are one source), before any signature check
+            source = network_of(addr[0])
+            if not self.store_rates.allow(source, self.now_ms()):
+                self.stats["store_rate_limited"] += 1
+                return "stored", {"ok": False, "reason": "too many stores from this network; try again later"}
+            ok, reason = self._accept(key, record, source=source)
             return "stored", {"ok": ok, "reason": reason}
         if msg.kind == "gossip_push":
             records = wire.field(body, "records", list, max_len=32)
@@ -489,7 +527,9 @@ class DHTNode:
             return "gossip_ack", {"accepted": accepted}
         if msg.kind == "gossip_pull":
             have = self.gossip.parse_digest(body.get("have"))
-            return "gossip_records", {"records": [r.wire for r in self.gossip.missing_from(have, budget=REPLY_BUDGET_BYTES)]}
+            after, upto = self.gossip.parse_bound(body.get("after")), self.gossip.parse_bound(body.get("upto"))
+            missing = self.gossip.missing_from(have, budget=REPLY_BUDGET_BYTES, after=after, upto=upto)
+            return "gossip_records", {"records": [r.wire for r in missing]}
         if msg.kind == "dial_back":  # the receive loop answers these (_dial_back_in): a dial takes seconds
             wire.parse_dial_back(body)
             raise wire.BadDatagram("dial_back is answered by the receive loop, not here")
@@ -509,11 +549,20 @@ class DHTNode:
         record = self._verify(wire_record)
         if record is None:
             return False, "record rejected"
-        ok, reason = self.store.put(key, record, self.now_ms(), source=source, own=record.signer == self.peer_id,
-                                    live=self._known_live)
+        own = record.signer == self.peer_id
+        cap = self.lifetime_cap(key, self._holds) if self.lifetime_cap is not None and not own else None
+        ok, reason = self.store.put(key, record, self.now_ms(), source=source, own=own, live=self._known_live,
+                                    lifetime_cap_ms=cap)
         if ok and reason != "unchanged":
             self._gossip_in(wire_record, from_peer=None, record=record)
         return ok, reason
+
+    def _holds(self, key: str) -> bool:
+        """Does this node hold a live value under ``key``, stored or gossiped, signed
+        by a peer it knows is live (itself, or a routing-table member: it answered a
+        round trip)? A record from an identity that runs no node costs nothing."""
+        stored, _ = self.store.get(key, self.now_ms(), budget=1 << 30)
+        return any(self._known_live(r) for r in stored) or any(self._known_live(r) for r in self.records(key))
 
     def _known_live(self, record: Record) -> bool:
         """Signed by this node, or by a routing-table member (it entered after a round trip)."""
@@ -744,7 +793,10 @@ class DHTNode:
         topic = record.content.get("key")
         if not isinstance(topic, str):
             return False
-        verdict = self.gossip.offer(topic, record, self.now_ms())
+        # a topic the role's policy keeps short (e.g. evidence for a model nobody announces) gets a bounded share
+        short = (topic not in self.gossip.topics and self.lifetime_cap is not None
+                 and record.signer != self.peer_id and self.lifetime_cap(topic, self._holds) is not None)
+        verdict = self.gossip.offer(topic, record, self.now_ms(), short=short)
         if verdict != "new":
             if verdict == "rate-limited":
                 self.stats["gossip_rate_limited"] += 1
@@ -767,44 +819,70 @@ class DHTNode:
 
     async def _push(self, contact: Contact, record_wire: bytes) -> None:
         try:
-            await self.request(contact, "gossip_push", {"records": [record_wire]})
+            async with Guard("push", self.stats, backoff=False):
+                await self.request(contact, "gossip_push", {"records": [record_wire]})
         finally:
             self._pushing -= 1
 
     async def _gossip_pull_loop(self) -> None:
+        guard = Guard("gossip_pull", self.stats)
         while True:
             await trio.sleep(self.config.gossip_pull_interval * (0.5 + random.random()))
-            contacts = self.table.contacts()
-            if not contacts:
-                continue
-            peer = random.choice(contacts)
-            reply = await self.request(peer, "gossip_pull", {"have": self.gossip.digest()})
-            if reply is None or reply.kind != "gossip_records":
-                continue
-            records = reply.body.get("records")
-            if isinstance(records, list):
-                for w in records[:64]:
-                    if isinstance(w, bytes):
-                        self._gossip_in(w, from_peer=peer.peer_id)
+            async with guard:
+                await self._gossip_pull()
+
+    async def _gossip_pull(self) -> None:
+        """Ask one random neighbour for what it holds that we lack, among the
+        topics of this pull's page of our digest (pages rotate: gossip.digest)."""
+        contacts = self.table.contacts()
+        if not contacts:
+            return
+        peer = random.choice(contacts)
+        have, after, upto = self.gossip.digest()
+        body: dict[str, Any] = {"have": have}
+        if after is not None:
+            body["after"] = after
+        if upto is not None:
+            body["upto"] = upto
+        reply = await self.request(peer, "gossip_pull", body)
+        if reply is None or reply.kind != "gossip_records":
+            return
+        records = reply.body.get("records")
+        if isinstance(records, list):
+            for w in records[:64]:
+                if isinstance(w, bytes):
+                    self._gossip_in(w, from_peer=peer.peer_id)
 
     # --- maintenance -------------------------------------------------------------------------
 
     async def _maintenance_loop(self) -> None:
-        last_refresh = last_republish = last_secret = trio.current_time()
+        last = {"refresh": trio.current_time(), "republish": trio.current_time(), "secret": trio.current_time()}
+        guard = Guard("maintenance", self.stats)
         while True:
             await trio.sleep(min(self.config.refresh_interval, self.config.republish_interval) / 4)
-            now = trio.current_time()
-            if now - last_secret >= COOKIE_SECRET_S:  # a cookie is good for one to two periods
-                last_secret = now
-                self._secrets = [os.urandom(32), self._secrets[0]]
-            self.store.expire(self.now_ms())
-            self.gossip.expire(self.now_ms())
-            await self.rejoin()
-            if now - last_refresh >= self.config.refresh_interval:
-                last_refresh = now
-                await self.find_node(random.getrandbits(256))
-            if now - last_republish >= self.config.republish_interval:
-                last_republish = now
-                for key, rec in self.store.items():
-                    if rec.signer == self.peer_id:
+            async with guard:
+                await self._maintain(last)
+
+    def _due(self, last: dict[str, float], what: str, period: float) -> bool:
+        """Is ``what`` due? Marked done at once, so a step that fails waits for its next period."""
+        now = trio.current_time()
+        if now - last[what] < period:
+            return False
+        last[what] = now
+        return True
+
+    async def _maintain(self, last: dict[str, float]) -> None:
+        if self._due(last, "secret", COOKIE_SECRET_S):  # a cookie is good for one to two periods
+            self._secrets = [os.urandom(32), self._secrets[0]]
+        self.store.expire(self.now_ms())
+        self.gossip.expire(self.now_ms())
+        await self.rejoin()
+        if self._due(last, "refresh", self.config.refresh_interval):
+            await self.find_node(random.getrandbits(256))
+        if self._due(last, "republish", self.config.republish_interval):
+            for key, rec in self.store.items():
+                if rec.signer == self.peer_id:
+                    try:
                         await self.put(key, rec.wire)
+                    except MeshnetError:  # (expired meanwhile, say): one record's, not the others'
+                        self.stats["republish_failed"] += 1

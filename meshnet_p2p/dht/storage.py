@@ -4,13 +4,31 @@ A key (``model/<digest>``, say) holds many values, one per signer. A record
 names its key inside its signed content (field ``key``), so nobody can replant
 someone else's record under another key. A newer sequence number from the
 same signer replaces the older record; an older or equal one is refused.
-Bounds: values per key, keys per signer and values in total, so one signer
-(or many fake ones) cannot fill a node. A full key still takes a record
-whose signer the node knows is live (a routing-table member: it entered
-after answering a round trip at its address): it replaces a value whose
-signer is not, from the source that stored most. Identities cost nothing;
-answering from a real address does, so floods of records from identities
-that run no node give way to volunteers that do.
+
+Bounds, so that no signer and no source (however many identities it makes)
+can fill a node:
+
+- per key: values in all, and values one source stored (a quarter of a key);
+- per signer: keys it holds values under;
+- per source *network* (the node passes ``routing.ip_group`` of the storing
+  address, or the exact address for loopback and private ones), across every
+  key: ``max_values_per_network``;
+- per node: ``max_values``. A full node makes room rather than refuse: it
+  evicts from the most-represented source network (its short-lived values
+  first, then its soonest to expire), as long as that network holds more than
+  the newcomer's. A source holding less than its fair share is never refused
+  for lack of room; the one that holds the most is.
+
+A value may be given a shorter life than its record claims (``lifetime_cap_ms``:
+the node's policy, e.g. a certifier index naming a model nobody announces):
+it expires then, and goes first when room is needed.
+
+A full key still takes a record whose signer the node knows is live (a
+routing-table member: it entered after answering a round trip at its
+address): it replaces a value whose signer is not, from the source that
+stored most. Identities cost nothing; answering from a real address does, so
+floods of records from identities that run no node give way to volunteers
+that do. The node's own values (source None) are never evicted.
 """
 
 from __future__ import annotations
@@ -19,6 +37,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..records import Record
+
+Slot = tuple[str, bytes]  # (key, signer)
+
+
+@dataclass
+class _Meta:
+    source: Any  # the source network that stored it; None: this node
+    expires_at_ms: int  # the record's own expiry, or sooner (a lifetime cap)
+    short: bool  # its life was capped: it goes first when room is needed
 
 
 @dataclass
@@ -29,20 +56,38 @@ class ValueStore:
     # values of one key stored for one source host: a quarter of a key, so a host
     # (however many identities it makes) cannot fill one; generous enough for a NAT
     max_values_per_source: int = 64
+    # values one source network stores across every key: a 25th of the node, so
+    # filling it takes 25 networks; an office of 16 volunteers stores a few dozen
+    max_values_per_network: int = 4096
+    # and in bytes (records are up to 16 KiB): a node's values in memory stay bounded
+    # (~2 KB of bookkeeping per value on top of its wire bytes, measured)
+    max_bytes: int = 256 * 1024 * 1024
+    max_bytes_per_network: int = 16 * 1024 * 1024
     _by_key: dict[str, dict[bytes, Record]] = field(default_factory=dict)
     _keys_of_signer: dict[bytes, set[str]] = field(default_factory=dict)
-    _source_of: dict[tuple[str, bytes], Any] = field(default_factory=dict)
+    _meta: dict[Slot, _Meta] = field(default_factory=dict)
+    _of_source: dict[Any, dict[Slot, None]] = field(default_factory=dict)  # source -> its values (not None's)
+    _by_count: dict[int, set[Any]] = field(default_factory=dict)  # n -> sources holding n values
+    _top: int = 0  # the most values one source holds
     _count: int = 0
+    _bytes: int = 0  # wire bytes of every value held
+    _bytes_of_source: dict[Any, int] = field(default_factory=dict)
 
     def put(self, key: str, record: Record, now_ms: int, *, source: Any = None, own: bool = False,
-            live: Callable[[Record], bool] | None = None) -> tuple[bool, str]:
-        """``source``: the address a store came from (None: this node). ``own``: a
+            live: Callable[[Record], bool] | None = None, lifetime_cap_ms: int | None = None) -> tuple[bool, str]:
+        """``source``: the network a store came from (None: this node). ``own``: a
         record this node signed, which others' records never crowd out. ``live``:
-        whether a record's signer is known live here (see the module's doc)."""
+        whether a record's signer is known live here (see the module's doc).
+        ``lifetime_cap_ms``: the longest this value may live here from now on."""
         if record.content.get("key") != key:
             return False, "the record's signed key does not match the key it is stored under"
         if record.expires_at_ms <= now_ms:
             return False, "expired"
+        if own or source is None:
+            lifetime_cap_ms = None  # the node's own values live as they say
+        expires = record.expires_at_ms if lifetime_cap_ms is None else min(record.expires_at_ms,
+                                                                          now_ms + lifetime_cap_ms)
+        short = expires < record.expires_at_ms
         signer = record.signer.multihash
         values = self._by_key.get(key, {})
         old = values.get(signer)
@@ -50,10 +95,21 @@ class ValueStore:
             if old.seq > record.seq or (old.seq == record.seq and old.wire != record.wire):
                 return False, f"sequence {record.seq} is not newer than the stored {old.seq}"
             values[signer] = record
+            meta = self._meta[(key, signer)]
+            meta.expires_at_ms, meta.short = expires, short  # a re-store renews (by today's policy)
+            self._add_bytes(meta.source, len(record.wire) - len(old.wire))
             return True, "replaced" if old.seq < record.seq else "unchanged"
-        if source is not None and sum(1 for s in values if self._source_of.get((key, s)) == source) \
+        if source is not None and sum(1 for s in values if self._source((key, s)) == source) \
                 >= self.max_values_per_source:
             return False, f"this source already stored {self.max_values_per_source} values under this key"
+        if source is not None and self._held(source) >= self.max_values_per_network:
+            return False, f"this source network already stored {self.max_values_per_network} values here"
+        size = len(record.wire)
+        if source is not None and self._bytes_of_source.get(source, 0) + size > self.max_bytes_per_network:
+            return False, f"this source network already stored {self.max_bytes_per_network} bytes here"
+        keys = self._keys_of_signer.get(signer, ())
+        if len(keys) >= self.max_keys_per_signer:
+            return False, f"signer already holds the maximum of {self.max_keys_per_signer} keys here"
         if len(values) >= self.max_values_per_key:
             if own:
                 self._drop(key, min(values, key=lambda s: values[s].expires_at_ms))  # the soonest to expire goes
@@ -62,17 +118,68 @@ class ValueStore:
                 if victim is None:
                     return False, f"key holds the maximum of {self.max_values_per_key} values"
                 self._drop(key, victim)
-        keys = self._keys_of_signer.setdefault(signer, set())
-        if len(keys) >= self.max_keys_per_signer:
-            return False, f"signer already holds the maximum of {self.max_keys_per_signer} keys here"
-        if self._count >= self.max_values:
-            return False, "this node's store is full"
+        while self._count >= self.max_values or self._bytes + size > self.max_bytes:
+            victim = self._room_for(source, short)
+            if victim is None:
+                return False, "this node's store is full"
+            self._drop(*victim)
         self._by_key.setdefault(key, values)[signer] = record
-        keys.add(key)
+        self._keys_of_signer.setdefault(signer, set()).add(key)
+        self._meta[(key, signer)] = _Meta(source, expires, short)
         if source is not None:
-            self._source_of[(key, signer)] = source
+            self._of_source.setdefault(source, {})[(key, signer)] = None
+            self._recount(source, +1)
+        self._add_bytes(source, size)
         self._count += 1
         return True, "stored"
+
+    # --- who holds what -----------------------------------------------------------------------
+
+    def _source(self, slot: Slot) -> Any:
+        meta = self._meta.get(slot)
+        return None if meta is None else meta.source
+
+    def _add_bytes(self, source: Any, n: int) -> None:
+        self._bytes += n
+        if source is not None:
+            left = self._bytes_of_source.get(source, 0) + n
+            if left:
+                self._bytes_of_source[source] = left
+            else:
+                del self._bytes_of_source[source]
+
+    def _held(self, source: Any) -> int:
+        return len(self._of_source.get(source, ()))
+
+    def _recount(self, source: Any, delta: int) -> None:
+        """Keep sources bucketed by how many values they hold, and the top count, in O(1)."""
+        n = self._held(source)  # (already changed by delta)
+        before = n - delta
+        if before:
+            self._by_count[before].discard(source)
+            if not self._by_count[before]:
+                del self._by_count[before]
+        if n:
+            self._by_count.setdefault(n, set()).add(source)
+        if n > self._top:
+            self._top = n
+        while self._top and self._top not in self._by_count:
+            self._top -= 1
+
+    def _room_for(self, source: Any, short: bool) -> Slot | None:
+        """The value a full node drops for a newcomer from ``source``: from the
+        network holding the most (its short-lived values first, then its soonest
+        to expire), if that network holds more than the newcomer's, or if the
+        newcomer lives its full life and the victim was short-lived anyway."""
+        if not self._top:
+            return None  # only the node's own values: they stay
+        mine = 0 if source is None else self._held(source)
+        top = next(iter(self._by_count[self._top]))
+        slots = self._of_source[top]
+        victim = min(slots, key=lambda s: (not self._meta[s].short, self._meta[s].expires_at_ms))
+        if self._top > mine or (self._meta[victim].short and not short):
+            return victim
+        return None
 
     def _unproven(self, key: str, values: dict[bytes, Record], live: Callable[[Record], bool]) -> bytes | None:
         """A value a live record may replace: its signer not known live, stored by
@@ -82,15 +189,39 @@ class ValueStore:
             return None
         per_source: dict[Any, int] = {}
         for s in candidates:
-            src = self._source_of.get((key, s))
+            src = self._source((key, s))
             per_source[src] = per_source.get(src, 0) + 1
-        return max(candidates, key=lambda s: (per_source[self._source_of.get((key, s))], -values[s].expires_at_ms))
+        return max(candidates, key=lambda s: (per_source[self._source((key, s))], -self._meta[(key, s)].expires_at_ms))
 
     def _drop(self, key: str, signer: bytes) -> None:
-        del self._by_key[key][signer]
-        self._keys_of_signer[signer].discard(key)
-        self._source_of.pop((key, signer), None)
+        values = self._by_key[key]
+        dropped = values.pop(signer)
+        if not values:
+            del self._by_key[key]
+        keys = self._keys_of_signer[signer]
+        keys.discard(key)
+        if not keys:
+            del self._keys_of_signer[signer]  # (bookkeeping stays as small as what is held)
+        meta = self._meta.pop((key, signer))
+        self._add_bytes(meta.source, -len(dropped.wire))
+        if meta.source is not None:
+            held = self._of_source[meta.source]
+            del held[(key, signer)]
+            if not held:
+                del self._of_source[meta.source]
+            self._recount(meta.source, -1)
         self._count -= 1
+
+    # --- reading and expiring -------------------------------------------------------------------
+
+    def holds(self, key: str, now_ms: int) -> bool:
+        """Is any live value held under ``key``?"""
+        values = self._by_key.get(key, {})
+        return any(self._meta[(key, s)].expires_at_ms > now_ms for s in values)
+
+    def expires_at(self, key: str, signer: bytes) -> int | None:
+        meta = self._meta.get((key, signer))
+        return None if meta is None else meta.expires_at_ms
 
     def get(self, key: str, now_ms: int, *, after: bytes = b"", budget: int = 48_000) -> tuple[list[Record], bool]:
         """Live records of ``key`` ordered by signer, after ``after``, up to ``budget`` bytes.
@@ -110,10 +241,8 @@ class ValueStore:
         values = self._by_key.get(key)
         if not values:
             return
-        for signer in [s for s, r in values.items() if r.expires_at_ms <= now_ms]:
+        for signer in [s for s in values if self._meta[(key, s)].expires_at_ms <= now_ms]:
             self._drop(key, signer)
-        if not values:
-            del self._by_key[key]
 
     def expire(self, now_ms: int) -> None:
         for key in list(self._by_key):
@@ -121,6 +250,10 @@ class ValueStore:
 
     def items(self) -> list[tuple[str, Record]]:
         return [(k, r) for k, values in self._by_key.items() for r in values.values()]
+
+    def sources(self) -> dict[Any, int]:
+        """How many values each source network holds here (not the node's own)."""
+        return {s: len(v) for s, v in self._of_source.items()}
 
     def __len__(self) -> int:
         return self._count

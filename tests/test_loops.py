@@ -1,0 +1,99 @@
+"""Issue 24 #0, the roles' side: one failure in one background loop never ends
+a peer. Each loop's iteration is made to throw (the call inside it
+monkeypatched); the loop must count the error, go on, and back off rather
+than spin. (The DHT node's own loops: tests/test_dht_flood.py.)"""
+
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import trio
+import trio.testing
+
+from meshnet_p2p import guard as guard_module
+
+
+@pytest.fixture
+def autojump_clock():
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+class Boom(RuntimeError):
+    pass
+
+
+async def aboom(*args, **kwargs):
+    raise Boom("injected")
+
+
+async def run_for(seconds: float, fn, *args) -> None:
+    """Run ``fn`` for ``seconds`` of (virtual) time; it must not end by itself."""
+    with trio.move_on_after(seconds) as scope:
+        await fn(*args)
+    assert scope.cancelled_caught, f"{fn.__name__} ended"
+
+
+async def test_the_announce_loop_counts_a_failing_announce_and_announces_again(autojump_clock):
+    from meshnet_p2p.peer import announce_loop
+
+    counts, calls = Counter(), []
+
+    async def publish():
+        calls.append(trio.current_time())
+        if len(calls) <= 3:
+            raise Boom("a bug in one announce")
+
+    await run_for(200, announce_loop, publish, [trio.Event()], counts, 30.0)
+    assert counts["loop_errors_announce"] == 3 and len(calls) >= 5
+
+
+async def test_the_reachability_recheck_counts_a_failing_check_and_asks_again(autojump_clock, monkeypatch):
+    import meshnet_p2p.peer as peer
+
+    node = SimpleNamespace(stats=Counter())
+    monkeypatch.setattr(peer, "_reachability", aboom)
+    await run_for(peer.RECHECK_S * 8, peer._recheck, node, "/ip4/127.0.0.1/tcp/1", None, print, None, None)
+    assert node.stats["loop_errors_recheck"] >= 3
+
+
+async def test_the_relay_keeper_counts_a_failing_search_and_searches_again(autojump_clock):
+    from meshnet_p2p.identity import Identity
+    from meshnet_p2p.relay_keeper import RelayKeeper
+
+    node = SimpleNamespace(stats=Counter())
+    keeper = RelayKeeper(node, Identity.generate(), ("127.0.0.1", 1), on_change=lambda held: None,
+                         print_line=lambda line: None)
+    keeper.offers = aboom
+    await run_for(120, keeper.run)
+    errors = node.stats["loop_errors_relay_keeper"]
+    assert 3 <= errors <= 15  # backed off: not one a tick
+
+
+async def test_the_monitor_counts_a_survey_that_breaks_and_surveys_again(autojump_clock):
+    from meshnet_p2p.certification import TrustPolicy
+    from meshnet_p2p.monitor import Monitor
+
+    monitor = Monitor(aboom, TrustPolicy(), interval_s=3.0, clock=lambda: 0)
+    await run_for(60, monitor.run)
+    assert monitor.errors["loop_errors_survey"] >= 3
+
+
+async def test_the_idle_session_reaper_counts_a_failure_and_reaps_again(autojump_clock, monkeypatch):
+    from meshnet_p2p.dataplane import serve
+    from meshnet_p2p.dataplane.serve import _reap_idle_sessions
+
+    async def in_place(fn, *args):  # (a thread's real time would let the virtual clock jump past the test)
+        return fn(*args)
+
+    monkeypatch.setattr(serve.trio.to_thread, "run_sync", in_place)
+
+    calls = []
+
+    def reap_idle():
+        calls.append(1)
+        raise Boom("a bug in one reap")
+
+    servicer = SimpleNamespace(limits=SimpleNamespace(session_idle_ms=1000), reap_idle=reap_idle)
+    before = guard_module.LOOP_ERRORS.snapshot().get("loop_errors_reap_idle", 0)
+    await run_for(30, _reap_idle_sessions, servicer)
+    assert guard_module.LOOP_ERRORS.snapshot()["loop_errors_reap_idle"] - before == len(calls) >= 3
