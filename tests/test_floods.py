@@ -23,6 +23,7 @@ import hpack
 import pytest
 
 from meshnet_p2p import Client
+from meshnet_p2p.dataplane.server import MAX_CONNECTIONS_PER_SOURCE
 from meshnet_p2p.engine.tokenizer import Tokenizer
 from meshnet_p2p.multiaddr import Multiaddr
 
@@ -266,7 +267,7 @@ def test_streams_over_the_limit_end_their_connection(swarm):
 def test_slowloris_holds_only_its_sources_share(swarm, stage):
     """64 connections from one source that each stop partway (inside the TLS
     handshake, inside a header block, inside a call's first message), trickling
-    a byte now and then: the source holds at most its 16, newer ones push out
+    a byte now and then: the source holds at most its 32, newer ones push out
     its older idle ones, and the generation beside them is served."""
     target = swarm[1]
     conns: list[Raw] = []
@@ -293,7 +294,7 @@ def test_slowloris_holds_only_its_sources_share(swarm, stage):
 
     try:
         alive = beside_a_generation(swarm, attack)
-        assert alive <= 16 + 1, f"{alive} of one source's connections still open"
+        assert alive <= MAX_CONNECTIONS_PER_SOURCE + 1, f"{alive} of one source's connections still open"
     finally:
         for c in conns:
             c.close()
