@@ -113,7 +113,8 @@ def _report(port: int, *, signer: Identity = ATTACKER, cert: bytes | None = None
 
 def _victim_link(port: int, **report) -> pb.LinkSignal:
     """What an attacker sends now: a link whose report it signed itself, binding ``port``."""
-    return pb.LinkSignal(peer_id=str(ATTACKER.peer_id), next_report=_report(port, **report), session_id="x" * 32,
+    signer = report.get("signer", ATTACKER)
+    return pb.LinkSignal(peer_id=str(signer.peer_id), next_report=_report(port, **report), session_id="x" * 32,
                          attach_token=b"t" * 32, forward_until=10)
 
 
@@ -229,6 +230,33 @@ def test_a_failed_links_answer_tells_nothing_of_the_port():
     finally:
         silent.close()
         closing.close()
+
+
+def test_links_at_once_to_one_address_are_one_dial():
+    """A burst of links naming one address, from sessions side by side, each for
+    a fresh identity (no shared connection): one dial reaches it, and the others
+    wait for its outcome instead of dialling too."""
+    victim = Listener(silent=True)
+    servicer = _servicer()
+    start = threading.Barrier(8)
+    answers = []
+    fresh = [Identity.generate() for _ in range(8)]
+
+    def one(n: int) -> None:
+        link = _victim_link(victim.port, signer=fresh[n])
+        start.wait(timeout=30)
+        answers.extend(a.error.code for a, _ in _session(servicer, [link], f"c{n}"))
+
+    threads = [threading.Thread(target=one, args=(n,)) for n in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert len(answers) == 8 and set(answers) == {pb.LINK_FAILED}
+        assert victim.count() <= 1
+    finally:
+        victim.close()
 
 
 # --- the bounds' pure core (meshnet_p2p/dataplane/link_guard.py) -------------------------------------

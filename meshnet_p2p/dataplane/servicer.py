@@ -167,6 +167,7 @@ class ShardRuntimeServicer:
         self._link_pool = ChannelPool()  # the ring's connections to next hops, shared by sessions
         self._link_guard = LinkGuard(limits.links)  # how often links dial, and what they leave alone
         self._guard_lock = threading.Lock()
+        self._dialling: dict[object, threading.Event] = {}  # targets a link is dialling now: others wait for it
         self._client_creds: tuple[float, object] = (0.0, None)  # (made at, the certificate the ring dials with)
         self.stats = ServingStats()  # read by the role's metrics (metrics.py)
 
@@ -490,8 +491,33 @@ class ShardRuntimeServicer:
         except (LinkError, ReportRefused) as e:  # nothing was dialled: the reason tells of the message only
             self.stats.links.add("report_refused")
             return _error(E.INVALID_ARGUMENT, str(e))
+        backing_off, mine = self._may_dial(hop.target, came)
+        try:
+            return self._dial(state, msg, hop, came, backing_off)
+        finally:
+            if mine is not None:  # the links waiting on this dial look again: backing off now, or not
+                with self._guard_lock:
+                    self._dialling.pop(hop.target, None)
+                mine.set()
+
+    def _may_dial(self, target, came: float) -> tuple[bool, threading.Event | None]:
+        """(whether ``target`` is backing off, the event this link sets once its dial
+        is over if it is the one dialling). While a link dials a target, the others
+        to it wait for its outcome: a burst of links to one victim is one dial."""
         with self._guard_lock:
-            backing_off = not self._link_guard.may_dial(hop.target, came)
+            dialling = self._dialling.get(target)
+            if dialling is None:
+                if not self._link_guard.may_dial(target, came):
+                    return True, None
+                mine = self._dialling[target] = threading.Event()
+                return False, mine
+        dialling.wait(self.limits.link_answer_ms / 1000)
+        with self._guard_lock:
+            return not self._link_guard.may_dial(target, time.monotonic()), None
+
+    def _dial(self, state: SessionState, msg: pb.LinkSignal, hop, came: float,
+              backing_off: bool) -> pb.SessionResponse:
+        ring = state.ring
         try:
             if backing_off:  # it failed lately: not dialled again, and answered as a failed dial is
                 raise LinkError(UNREACHED, proven=False)
