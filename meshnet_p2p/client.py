@@ -473,9 +473,9 @@ class RouteSession:
         """The newest signed report of ``hop``'s peer this route holds (a long generation
         outlives the one it opened with: reports live minutes), surveyed afresh once if
         that one is about to expire."""
-        def newest():
+        def newest():  # a report saying it leaves is refused: its session still serves till it ends
             mine = [s.record for s in self.spans if s.peer_id == hop.span.peer_id and s.record is not None]
-            return max([hop.span.record, *mine], key=lambda r: r.seq)
+            return max([hop.span.record, *mine], key=lambda r: (not r.content.get("departing"), r.seq))
         record = newest()
         if record.expires_at_ms - wall_ms() < REPORT_MARGIN_MS:
             self.spans = self.spans_provider()

@@ -271,3 +271,11 @@ def test_a_link_carries_the_next_hops_newest_report():
     route.spans_provider = lambda: [Span("peer1", 10, 20, record=_Fresh())]
     assert route._link_ring() is None
     assert route.hops[0].stream.sent[2].link.next_report == b"fresh report"
+
+    class _Leaving:
+        content = {"departing": True}
+        seq, expires_at_ms, wire = 5, wall_ms() + 120_000, b"leaving report"
+
+    route.spans.append(Span("peer1", 10, 20, record=_Leaving()))  # it said it leaves: its session still serves
+    assert route._link_ring() is None
+    assert route.hops[0].stream.sent[3].link.next_report == b"fresh report"
