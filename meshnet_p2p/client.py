@@ -52,6 +52,7 @@ from .engine.contract import SamplingParams, TensorBundle
 from .errors import MeshnetError, sanitize
 from .identity import Identity, PeerId
 from .multiaddr import Multiaddr
+from .records import wall_ms
 from .generation import Generation, generate
 from .placement import NoRoute, Span, plan_route
 from .stats import ClientStats
@@ -76,12 +77,13 @@ def _refuses_the_request(e: MeshnetError) -> bool:
 def _is_full(e: Exception) -> bool:
     """The peer has no session to spare now (or took one back to share fairly), or
     turned the call away before any work (its per-connection or per-source
-    limits): not its fault."""
-    return (isinstance(e, ShardError) and e.code_name == "CAPACITY" and e.retryable) or \
+    limits, or its bound on ring links for this client): not its fault."""
+    return (isinstance(e, ShardError) and e.code_name in ("CAPACITY", "LINK_LIMITED") and e.retryable) or \
         (isinstance(e, ShardConnectionError) and e.refused)
 
 
 SPANS_MAX_AGE_S = 5.0  # a generation may start from a survey this recent (a failover always surveys afresh)
+REPORT_MARGIN_MS = 15_000  # a ring link sends a report at least this far from expiry (a peer checks it)
 CONNECT_TIMEOUT_S = 3.0  # a candidate's first contact (TCP, TLS, GetCapability)
 PROBE_WIDTH = 16  # first contacts at once, once a search has met a failing candidate
 MAX_OPEN_TRIES = 1024  # candidates one route search may set aside (a refused dial costs ~1 ms; open_timeout bounds the rest)
@@ -445,20 +447,18 @@ class RouteSession:
         k = len(self.hops)
         for i, hop in enumerate(self.hops):
             nxt = self.hops[(i + 1) % k]
-            c = nxt.span.record.content
-            msg = pb.LinkSignal(route_epoch=self.epoch, peer_id=nxt.span.peer_id, tls_cert=c.get("tls_cert", "").encode(),
+            # the hop dials only what the next hop's signed report binds: the newest one we hold
+            msg = pb.LinkSignal(route_epoch=self.epoch, peer_id=nxt.span.peer_id, next_report=self._report_of(nxt),
                                 session_id=nxt.stream.session_id, attach_token=nxt.attach_token,
                                 forward_until=self._forward_until, stop_at_eog=self.stop_at_eog)
-            if c.get("relay"):
-                msg.relay = c["relay"]
-            else:
-                msg.address = c["addrs"][0]
             try:
                 # the peer dials within LINK_TIMEOUT_S: wait past that, so its verdict comes first
                 hop.stream.signal(pb.SessionRequest(link=msg), self.epoch, timeout=self.step_timeout + LINK_TIMEOUT_S)
             except ShardError as e:
                 if e.code_name == "CAPACITY":  # the next hop had no worker for the attach: busy, not faulty
                     return (i + 1) % k, e
+                if e.code_name == "LINK_LIMITED":  # it makes no more links for us now: route around it, no ban
+                    return i, e
                 if e.code_name == "LINK_FAILED":  # it could not reach the next hop, or that one would not take
                     # the attach: if it takes one from this client, the fault is the linking hop's (its
                     # network, or a lie that would spend our failovers on its successors one after
@@ -468,6 +468,19 @@ class RouteSession:
             except ShardConnectionError as e:
                 return i, e
         return None
+
+    def _report_of(self, hop: _Hop) -> bytes:
+        """The newest signed report of ``hop``'s peer this route holds (a long generation
+        outlives the one it opened with: reports live minutes), surveyed afresh once if
+        that one is about to expire."""
+        def newest():  # a report saying it leaves is refused: its session still serves till it ends
+            mine = [s.record for s in self.spans if s.peer_id == hop.span.peer_id and s.record is not None]
+            return max([hop.span.record, *mine], key=lambda r: (not r.content.get("departing"), r.seq))
+        record = newest()
+        if record.expires_at_ms - wall_ms() < REPORT_MARGIN_MS:
+            self.spans = self.spans_provider()
+            record = newest()
+        return record.wire
 
     def _takes_attach(self, hop: _Hop) -> bool:
         """Whether ``hop``'s session takes, from this client, the attach its previous hop was asked to make."""

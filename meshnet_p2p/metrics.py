@@ -124,7 +124,7 @@ class DataPlaneCollector(Collector):
         self.server = server
 
     def collect(self) -> Iterator[Metric]:
-        from .stats import STEP_KINDS, STEP_PHASES
+        from .stats import LINK_OUTCOMES, STEP_KINDS, STEP_PHASES
 
         s = self.servicer.stats
         sessions, refused, errors = s.sessions.snapshot(), s.refused.snapshot(), s.step_errors.snapshot()
@@ -143,6 +143,8 @@ class DataPlaneCollector(Collector):
                         "kind", s.tokens.snapshot(), STEP_KINDS)
         yield _labelled("meshnet_dataplane_step_errors_total", "steps answered with an error, by error code",
                         "code", errors, _codes(errors, ()))
+        yield _labelled("meshnet_dataplane_ring_links_total", "ring links clients asked for, by outcome (docs/ring.md)",
+                        "outcome", s.links.snapshot(), LINK_OUTCOMES)
         f = HistogramMetricFamily("meshnet_dataplane_step_seconds",
                                   "a step's time on this peer, by phase (docs/metrics.md)", labels=["phase"])
         for phase in STEP_PHASES:

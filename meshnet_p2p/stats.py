@@ -90,6 +90,10 @@ class Histogram:
 #            ring, its copy and forward sent)
 STEP_PHASES = ("queue", "compute", "reply", "total")
 STEP_KINDS = ("prefill", "decode")
+# what became of the ring links clients asked for (docs/ring.md): linked; refused over the bounds per client
+# and peer; refused for the report; not dialled, its target backing off; dialled and not reached; or refused
+# by the next hop once it proved its identity
+LINK_OUTCOMES = ("linked", "limited", "report_refused", "backing_off", "unreached", "next_hop_refused")
 
 
 class ServingStats:
@@ -103,6 +107,7 @@ class ServingStats:
         self.tokens = Counters(STEP_KINDS)  # the rows those steps carried in (token ids or hidden states)
         self.step_errors = Counters()  # steps answered with an error, by ErrorCode name
         self.step_seconds = {phase: Histogram(STEP_SECONDS) for phase in STEP_PHASES}
+        self.links = Counters(LINK_OUTCOMES)
 
 
 # A generation's first token, as a client waits for it: a route found and opened, the prompt prefilled

@@ -634,9 +634,9 @@ request_st = st.one_of(
     st.just(pb.SessionRequest(attest=pb.AttestSignal())),
     # the ring's messages: a link never dials here (no push sink: the host serves no ring), an attach
     # names any session with any token
-    st.builds(lambda e, peer, addr, cert, sid, tok, until: pb.SessionRequest(link=pb.LinkSignal(
-        route_epoch=e, peer_id=peer, address=addr, tls_cert=cert, session_id=sid, attach_token=tok,
-        forward_until=until)), small, st.text(max_size=8), st.text(max_size=12), st.binary(max_size=16),
+    st.builds(lambda e, peer, report, sid, tok, until: pb.SessionRequest(link=pb.LinkSignal(
+        route_epoch=e, peer_id=peer, next_report=report, session_id=sid, attach_token=tok,
+        forward_until=until)), small, st.text(max_size=8), st.binary(max_size=24),
         session_ids, st.binary(max_size=40), small),
     st.builds(lambda sid, tok, e: pb.SessionRequest(attach=pb.AttachOpen(session_id=sid, attach_token=tok,
                                                                          route_epoch=e)),
@@ -739,25 +739,38 @@ def test_any_attach_stream_gets_responses_and_leaves_the_owners_session_whole(ro
 _RING_PEER = Identity.from_seed(b"\x52" * 32)
 
 
-@settings(suppress_health_check=[HealthCheck.too_slow])
-@given(st.one_of(st.just(str(_RING_PEER.peer_id)), st.text(max_size=60)),
-       st.one_of(st.just(b"cert"), st.binary(max_size=300)), st.binary(max_size=40), st.text(max_size=140),
-       st.one_of(st.sampled_from(["/ip4/127.0.0.1/tcp/9", "/ip4/127.0.0.1/udp/9", "/dns/x/tcp/1",
-                                  f"/ip4/10.0.0.1/tcp/1/p2p/{_RING_PEER.peer_id}"]), st.text(max_size=60)))
-def test_a_ring_links_fields_are_refused_with_a_link_error_or_pass(peer_id, cert, token, session_id, address):
-    from meshnet_p2p.dataplane import ring
+def _ring_report(layers, model: str, departing: bool, port: int) -> bytes:
+    from meshnet_p2p.capability import CapabilityReport
     from meshnet_p2p.dataplane.tls import make_tls_credentials
 
-    if cert == b"cert":
-        cert = _RING_CERT.setdefault("pem", make_tls_credentials(_RING_PEER).cert_pem)
-    msg = pb.LinkSignal(peer_id=peer_id, tls_cert=cert, attach_token=token, session_id=session_id, address=address)
+    cert = _RING_CERT.setdefault("pem", make_tls_credentials(_RING_PEER).cert_pem)
+    addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{_RING_PEER.peer_id}"
+    return CapabilityReport(model, RECIPE, layers, (addr,), throughput=1.0, departing=departing,
+                            tls_cert=cert.decode()).sign(_RING_PEER, seq=NOW, now_ms=NOW - 1000)
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(st.just(str(_RING_PEER.peer_id)), st.text(max_size=60)),
+       st.tuples(st.sampled_from([(20, 30), (0, 10), (20, 25)]), st.sampled_from([MODEL, "ef" * 32]), st.booleans(),
+                 st.integers(1, 65535)),
+       st.lists(st.tuples(st.integers(0, 1 << 12), st.integers(0, 255)), max_size=3),
+       st.binary(max_size=40), st.text(max_size=140))
+def test_a_ring_link_dials_only_what_a_good_report_binds(peer_id, report_args, edits, token, session_id):
+    """Any report, mutated or not, and any session fields: refused with a typed
+    error, or what is dialled is exactly what the report binds."""
+    from meshnet_p2p.dataplane import ring
+
+    report = _mutate(_ring_report(*report_args), edits)
+    msg = pb.LinkSignal(peer_id=peer_id, next_report=report, attach_token=token, session_id=session_id)
     try:
-        peer = ring._checked_peer(msg)
-        addr = ring._parse_addr(msg.address, "address")
-    except ring.LinkError:
+        hop = ring.next_hop(msg, now_ms=NOW, model_digest=MODEL, recipe_digest=RECIPE, end=20, total=30)
+    except (ring.LinkError, ring.ReportRefused):
         return
-    assert peer == _RING_PEER.peer_id and 0 < len(token) <= 32 and 0 < len(session_id) <= 128
-    assert addr.transport == "tcp" and addr.port is not None
+    layers, model, departing, port = report_args
+    assert hop.peer == _RING_PEER.peer_id and str(hop.peer) == peer_id
+    assert layers[0] == 20 and model == MODEL and not departing and report == _ring_report(*report_args)
+    assert hop.address == ("127.0.0.1", port) and hop.relay is None and hop.cert_pem == _RING_CERT["pem"]
+    assert 0 < len(token) <= 32 and 0 < len(session_id) <= 128
 
 
 _RING_CERT: dict = {}

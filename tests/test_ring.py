@@ -13,7 +13,10 @@ import pytest
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
 from meshnet_p2p.dataplane.client import ShardError, open_attach
 from meshnet_p2p.dataplane.ring import MAX_LINKS_PER_SESSION
+from meshnet_p2p.capability import CapabilityReport
+from meshnet_p2p.dataplane.tls import make_tls_credentials
 from meshnet_p2p.identity import Identity
+from meshnet_p2p.records import wall_ms
 
 from .test_dataplane import Served, hidden
 
@@ -26,8 +29,12 @@ def middle(shard_dir):
 
 
 @pytest.fixture(scope="module")
-def other(shard_dir):
-    s = Served(shard_dir[(20, 30)], "--max-sessions", "2")
+def other(shard_dir, tmp_path_factory):
+    identity = Identity.generate()  # its key: the test signs its reports, as its join would
+    key = str(tmp_path_factory.mktemp("other") / "identity.key")
+    identity.save(key)
+    s = Served(shard_dir[(20, 30)], "--max-sessions", "2", "--identity", key)
+    s.identity = identity
     yield s
     assert s.stop() == 0
 
@@ -59,9 +66,16 @@ def _send_step(call, position: int, epoch: int = 0, rows: int = 1) -> None:
     call.send(pb.SessionRequest(step=step).SerializeToString())
 
 
-def _link(served, **fields) -> pb.LinkSignal:
-    base = dict(route_epoch=0, peer_id=str(served.peer_id), address=str(served.addr), tls_cert=served.cert,
-                session_id="x" * 32, attach_token=b"t" * 32, forward_until=100)
+def _report(identity: Identity, addr: str, cert: bytes, fp: pb.Fingerprint, layers=(20, 30), **kw) -> bytes:
+    """A signed capability report, as a peer announces it (and a client plans from it)."""
+    now = wall_ms()
+    return CapabilityReport(fp.model_digest, fp.recipe_digest, layers, (addr,), throughput=1.0,
+                            tls_cert=cert.decode(), **kw).sign(identity, seq=now, now_ms=now)
+
+
+def _link(served, fp: pb.Fingerprint, **fields) -> pb.LinkSignal:
+    base = dict(route_epoch=0, peer_id=str(served.peer_id), session_id="x" * 32, attach_token=b"t" * 32,
+                forward_until=100, next_report=_report(served.identity, str(served.addr), served.cert, fp))
     base.update(fields)
     return pb.LinkSignal(**base)
 
@@ -121,35 +135,44 @@ def test_a_link_is_checked_before_any_dial_and_bounded(middle, other):
     free.bind(("127.0.0.1", 0))
     port = free.getsockname()[1]
     free.close()  # a port where nothing listens
-    stranger = Identity.generate().peer_id
+    stranger = Identity.generate()
+    stranger_cert = make_tls_credentials(stranger).cert_pem
+    closed = f"/ip4/127.0.0.1/tcp/{port}/p2p/{stranger.peer_id}"
     try:
         with c.session(fp, max_tokens=64, attach_token=os.urandom(32)) as owner:
-            cases = [
-                (_link(other, peer_id=str(stranger)), "certificate belongs to another peer"),
-                (_link(other, peer_id="not a peer id"), "no valid peer id"),
-                (_link(other, tls_cert=b"garbage"), "not a peer certificate"),
-                (_link(other, address="/ip4/127.0.0.1/udp/4001"), "not a TCP address"),
-                (_link(other, address="nonsense"), "not a multiaddr"),
-                (_link(other, address=f"/ip4/127.0.0.1/tcp/{port}/p2p/{middle.peer_id}"), "names another peer"),
-                (_link(other, attach_token=b""), "no usable attach token"),
-                (_link(other, address=f"/ip4/127.0.0.1/tcp/{port}"), "cannot reach the next hop"),
-                (_link(other), "refused to attach"),  # a real peer, but no session there takes this secret
+            honest = _link(other, fp).next_report
+            cases = [  # refused before any dial: the message's own fault
+                (_link(other, fp, peer_id=str(stranger.peer_id)), "INVALID_ARGUMENT", "signed by another peer"),
+                (_link(other, fp, next_report=b""), "INVALID_ARGUMENT", "no report of the next hop"),
+                (_link(other, fp, next_report=honest[:-1] + bytes([honest[-1] ^ 1])), "INVALID_ARGUMENT",
+                 "bad-signature"),
+                (_link(other, fp, next_report=_report(other.identity, str(other.addr), other.cert, fp, layers=(10, 20))),
+                 "INVALID_ARGUMENT", "does not start where"),
+                (_link(other, fp, next_report=_report(other.identity, str(other.addr), other.cert, fp,
+                                                      departing=True)), "INVALID_ARGUMENT", "leaving"),
+                (_link(other, fp, next_report=_report(other.identity, str(other.addr), stranger_cert, fp)),
+                 "INVALID_ARGUMENT", "certificate of no peer or another"),
+                (_link(other, fp, attach_token=b""), "INVALID_ARGUMENT", "no usable attach token"),
+                # what the report binds is dialled, and fails: one answer, whatever was there
+                (_link(other, fp, next_report=_report(stranger, closed, stranger_cert, fp),
+                       peer_id=str(stranger.peer_id)), "LINK_FAILED", "cannot reach the next hop"),
+                (_link(other, fp), "LINK_FAILED", "refused to attach"),  # a real peer, but no session takes this secret
             ]
-            for msg, why in cases:
+            for msg, code, why in cases:
                 t0 = time.monotonic()
                 with pytest.raises(ShardError) as e:
                     owner.signal(pb.SessionRequest(link=msg), 0, timeout=30)
-                assert e.value.code_name == "LINK_FAILED" and why in e.value.detail, (why, e.value.detail)
+                assert e.value.code_name == code and why in e.value.detail, (why, e.value.detail)
                 assert time.monotonic() - t0 < 10
             for _ in range(MAX_LINKS_PER_SESSION - len(cases)):
                 with pytest.raises(ShardError):
-                    owner.signal(pb.SessionRequest(link=_link(other)), 0, timeout=30)
+                    owner.signal(pb.SessionRequest(link=_link(other, fp)), 0, timeout=30)
             with pytest.raises(ShardError) as e:  # a session's dials are bounded: then no more
-                owner.signal(pb.SessionRequest(link=_link(other)), 0, timeout=30)
+                owner.signal(pb.SessionRequest(link=_link(other, fp)), 0, timeout=30)
             assert e.value.code_name == "INVALID_ARGUMENT" and "linked at most" in e.value.detail
             owner.signal(pb.SessionRequest(rollback=pb.RollbackSignal(position=0, route_epoch=2)), 2, timeout=30)
             with pytest.raises(ShardError) as e:  # and a stale route's link is refused outright
-                owner.signal(pb.SessionRequest(link=_link(other, route_epoch=1)), 2, timeout=30)
+                owner.signal(pb.SessionRequest(link=_link(other, fp, route_epoch=1)), 2, timeout=30)
             assert e.value.code_name == "EPOCH_STALE"
             owner.route_epoch = 2
             assert owner.step(0, hidden=hidden(2), timeout=30).position == 2  # the session serves on
@@ -167,8 +190,10 @@ class _Stream:
     def __init__(self, answer=None) -> None:
         self.answer = answer  # what a link signal raises (None: it is acknowledged)
         self.session_id = "s" * 32
+        self.sent = []
 
     def signal(self, request, epoch, timeout=None):
+        self.sent.append(request)
         if self.answer is not None:
             raise self.answer
         return pb.SessionResponse(ack=pb.Ack())
@@ -188,9 +213,11 @@ def _route(hops):
 
     route = object.__new__(RouteSession)  # only what _link_ring reads
     route.epoch, route.step_timeout, route.max_tokens, route.stop_at_eog = 0, 1.0, 64, True
+    route.spans = []
 
     class _Record:
         content = {"tls_cert": "", "addrs": ["/ip4/127.0.0.1/tcp/1"]}
+        seq, expires_at_ms, wire = 1, wall_ms() + 60_000, b"report"
 
     route.hops = [_Hop(Span(f"peer{i}", i * 10, i * 10 + 10, record=_Record()), _Peer(alive), stream, 64,
                        attach_token=b"t" * 32) for i, (stream, alive) in enumerate(hops)]
@@ -211,3 +238,44 @@ def test_a_hop_that_cannot_reach_a_live_next_hop_is_the_one_at_fault():
     full = ShardError(pb.Error(code=pb.CAPACITY, detail="no worker", retryable=True))
     assert _route([(_Stream(), True), (_Stream(full), True), (_Stream(), True)])._link_ring()[0] == 2  # busy next
     assert _route([(_Stream(), True), (_Stream(), True)])._link_ring() is None
+
+
+def test_a_link_carries_the_next_hops_newest_report():
+    """The hop dials only what the report says: the client sends the newest it holds
+    (a long generation outlives the report its route was planned from)."""
+    from meshnet_p2p.placement import Span
+
+    route = _route([(_Stream(), True), (_Stream(), True)])
+    assert route._link_ring() is None
+    assert [h.stream.sent[0].link.next_report for h in route.hops] == [b"report", b"report"]
+    assert route.hops[0].stream.sent[0].link.peer_id == "peer1"
+
+    class _Newer:
+        content = {}
+        seq, expires_at_ms, wire = 2, wall_ms() + 60_000, b"newer report"
+
+    route.spans = [Span("peer1", 10, 20, record=_Newer())]
+    assert route._link_ring() is None
+    assert route.hops[0].stream.sent[1].link.next_report == b"newer report"
+    assert route.hops[1].stream.sent[1].link.next_report == b"report"
+
+    class _Expiring:
+        content = {}
+        seq, expires_at_ms, wire = 3, wall_ms() + 5_000, b"expiring report"
+
+    class _Fresh:
+        content = {}
+        seq, expires_at_ms, wire = 4, wall_ms() + 120_000, b"fresh report"
+
+    route.spans = [Span("peer1", 10, 20, record=_Expiring())]  # about to expire: the client surveys again
+    route.spans_provider = lambda: [Span("peer1", 10, 20, record=_Fresh())]
+    assert route._link_ring() is None
+    assert route.hops[0].stream.sent[2].link.next_report == b"fresh report"
+
+    class _Leaving:
+        content = {"departing": True}
+        seq, expires_at_ms, wire = 5, wall_ms() + 120_000, b"leaving report"
+
+    route.spans.append(Span("peer1", 10, 20, record=_Leaving()))  # it said it leaves: its session still serves
+    assert route._link_ring() is None
+    assert route.hops[0].stream.sent[3].link.next_report == b"fresh report"

@@ -1,8 +1,10 @@
 """A ring hop's side of the route (docs/ring.md): its link to the next hop.
 
 A client that opened a session on every hop sends each one a LinkSignal: the
-next hop's address (or relay), pinned certificate, session and attach token.
-The hop dials it with its own identity, opens a Session stream whose first
+next hop's signed capability report (what the client planned the route from),
+its session and attach token. The hop checks the report (:func:`next_hop`: it
+dials only what that report binds, never an address the client chose), dials
+it with its own identity, opens a Session stream whose first
 message attaches to that session, and from then on forwards each computed
 step's output along it (the tail: its sampled token, as the head's next
 decode step) without waiting for a reply. The next hop answers an attach
@@ -10,8 +12,10 @@ stream only with errors; a reader thread here drains them, so a link that
 went bad stops forwarding and the client, which watches every hop's copies,
 fails over.
 
-What the forwarding rule is, is a pure function (:func:`forwards`); this
-module is the dialing and sending around it.
+What the forwarding rule is, and what a link may dial, are pure functions
+(:func:`forwards`, :func:`next_hop`); this module is the dialing and sending
+around them. How often a peer dials, and what it leaves alone after a failure:
+link_guard.py.
 """
 
 from __future__ import annotations
@@ -20,11 +24,15 @@ import hmac
 import logging
 import threading
 import time
+from dataclasses import dataclass
+from typing import Hashable
 
 from .._proto import shard_runtime_pb2 as pb
+from ..capability import CAPABILITY, CAPABILITY_TYPE
 from ..errors import MeshnetError, sanitize
 from ..identity import PeerId
 from ..multiaddr import Multiaddr
+from ..records import RecordRejected, RecordVerifier
 from .channel import ChannelError
 from .client import lease_channel, open_attach
 from .pool import ChannelPool
@@ -34,18 +42,89 @@ log = logging.getLogger(__name__)
 
 ATTACH_TOKEN_BYTES = 32  # what a client draws per hop; longer ones are refused
 MAX_LINKS_PER_SESSION = 16  # dials one session may ask for (each failover relinks the ring once)
-LINK_TIMEOUT_S = 5.0  # dial, TLS and attach to the next hop
+LINK_DIAL_S = 4.0  # TCP (and a relay's CONNECT) and TLS to the next hop...
+LINK_TIMEOUT_S = 5.0  # ...and its attach; a link that fails before the TLS identity is proven is answered no
+# earlier than this after it came, whatever answered at the address (link_guard.py, docs/ring.md)
+UNREACHED = "cannot reach the next hop"  # the one answer to every failure before that
 DRAIN_WAKE_S = 1.0  # how often a link's reader looks whether the link was closed
 FORWARD_TIMEOUT_S = 2.0  # a next hop that grants no window this long is given up (the client fails it over)
 
 
 class LinkError(MeshnetError):
     """The link names no reachable hop, or the next hop refused to attach.
-    ``full``: it turned the attach away for want of a worker (busy, not faulty)."""
+    ``full``: it turned the attach away for want of a worker (busy, not faulty).
+    ``proven``: the next hop proved its TLS identity before it failed (else the
+    answer must say nothing of what answered at the address)."""
 
-    def __init__(self, message: str, *, full: bool = False) -> None:
+    def __init__(self, message: str, *, full: bool = False, proven: bool = True) -> None:
         self.full = full
+        self.proven = proven
         super().__init__(message)
+
+
+class ReportRefused(MeshnetError):
+    """The link's report of the next hop is not one to dial: forged, stale, or not this ring's next hop."""
+
+
+@dataclass(frozen=True)
+class NextHop:
+    """What a link dials, all of it from the next hop's signed report."""
+
+    peer: PeerId
+    cert_pem: bytes  # the TLS certificate the report binds to the peer
+    address: tuple[str, int] | None  # direct...
+    relay: tuple[str, int] | None  # ...or through the relay the report names
+
+    @property
+    def target(self) -> Hashable:
+        """What a failed dial backs off from: the address, or the relay's circuit to this peer
+        (a relay that turns one peer away still reaches the others)."""
+        return ("tcp", *self.address) if self.relay is None else ("relay", *self.relay, str(self.peer))
+
+    @property
+    def way(self) -> dict:
+        return {"relay": self.relay} if self.relay is not None else {"address": self.address}
+
+
+_REPORTS = RecordVerifier({CAPABILITY: CAPABILITY_TYPE})  # verify(remember=False) only: it keeps no state
+
+
+def next_hop(msg: pb.LinkSignal, *, now_ms: int, model_digest: str, recipe_digest: str, end: int,
+             total: int) -> NextHop:
+    """What ``msg`` may make this hop dial (layers [.., ``end``) of ``total``): the
+    address or relay its next hop's signed, current report binds, with the
+    certificate it binds; raises ReportRefused (or LinkError for the session
+    fields) before anything is dialled."""
+    if not 0 < len(msg.attach_token) <= ATTACH_TOKEN_BYTES:
+        raise LinkError("the link carries no usable attach token")
+    if not msg.session_id or len(msg.session_id) > 128:
+        raise LinkError("the link names no usable session")
+    if not msg.next_report:
+        raise ReportRefused("the link carries no report of the next hop")
+    try:
+        record = _REPORTS.verify(msg.next_report, now_ms, remember=False)
+    except RecordRejected as e:
+        raise ReportRefused(f"the next hop's report is refused: {e.reason.value}") from None
+    c = record.content  # validated: types, bounds, the addresses' form (capability.py)
+    if str(record.signer) != msg.peer_id:
+        raise ReportRefused("the next hop's report is signed by another peer than the link names")
+    if c["departing"]:
+        raise ReportRefused("the next hop's report says it is leaving")
+    if (c["model_digest"], c["recipe_digest"]) != (model_digest, recipe_digest):
+        raise ReportRefused("the next hop's report is of another model or recipe than this session's")
+    if c["layers"][0] != (0 if end == total else end):
+        raise ReportRefused("the next hop's report does not start where this hop's layers end")
+    cert = c["tls_cert"].encode()
+    try:
+        if cert_identity(cert) != record.signer:
+            raise ValueError
+    except Exception:
+        raise ReportRefused("the next hop's report carries a certificate of no peer or another") from None
+    if c["relay"] is not None:  # validated: a direct tcp address
+        relay = Multiaddr.parse(c["relay"])
+        return NextHop(record.signer, cert, None, (relay.host, relay.port))
+    addr = Multiaddr.parse(c["addrs"][0])  # validated: tcp, host, port, /p2p of the signer (a direct peer's own)
+    return NextHop(record.signer, cert, (addr.host, addr.port), None)
 
 
 def token_matches(expected: bytes, given: bytes) -> bool:
@@ -67,35 +146,31 @@ def forwards(*, is_tail: bool, decode: bool, new_position: int, forward_until: i
 class RingLink:
     """An attached stream to the next hop's session; :meth:`forward` sends a step on it."""
 
-    def __init__(self, msg: pb.LinkSignal, creds: TlsCredentials | None, pool: ChannelPool) -> None:
+    def __init__(self, msg: pb.LinkSignal, hop: NextHop, creds: TlsCredentials | None, pool: ChannelPool, *,
+                 dial_timeout: float = LINK_DIAL_S) -> None:
         self.epoch = msg.route_epoch
         self.forward_until = msg.forward_until
         self.stop_at_eog = msg.stop_at_eog
-        self.peer = _checked_peer(msg)
+        self.peer = hop.peer
         self.error: str | None = None  # why the link stopped, once it has
         self._lock = threading.Lock()  # forwards from several handler threads go out one at a time
-        if msg.relay:
-            relay = _parse_addr(msg.relay, "relay")
-            way = {"relay": (relay.host, relay.port)}
-        else:
-            addr = _parse_addr(msg.address, "address")
-            if addr.peer_id not in (None, self.peer):
-                raise LinkError("the link's address names another peer")
-            way = {"address": (addr.host, addr.port)}
         # rings through the same next hop share one connection to it (pool.py)
-        channel, self._release = lease_channel(pool, msg.tls_cert, peer_id=self.peer, client=creds, **way)
-        channel.connect_timeout = LINK_TIMEOUT_S
+        channel, self._release = lease_channel(pool, hop.cert_pem, peer_id=hop.peer, client=creds, **hop.way)
+        channel.connect_timeout = dial_timeout
         self._channel = channel
         self._call = None
         try:
             self._call, reply = open_attach(channel, msg.session_id, msg.attach_token, msg.route_epoch,
                                             LINK_TIMEOUT_S)
         except ChannelError as e:
+            proven = channel.wire is not None  # the TLS handshake with the pinned certificate completed
             self.close()
-            # the reason stays here: a client must not learn from a peer what answers at an address it chose
+            # the reason stays here: a client must not learn from a peer what answers at an address
             log.info("ring: cannot reach %s: %s", self.peer, e)
-            raise LinkError(f"cannot reach the next hop {self.peer}", full=e.refused) from None
-        except Exception:  # a malformed reply
+            if not proven:
+                raise LinkError(UNREACHED, proven=False) from None
+            raise LinkError(f"the next hop {self.peer} did not take the attach", full=e.refused) from None
+        except Exception:  # a malformed reply (from the proven next hop)
             self.close()
             raise LinkError(f"the next hop {self.peer} answered the attach with garbage") from None
         if reply is None or reply.WhichOneof("kind") != "accepted":
@@ -167,32 +242,3 @@ class RingLink:
         if self._call is not None:
             self._call.cancel()
         self._release()
-
-
-def _checked_peer(msg: pb.LinkSignal) -> PeerId:
-    try:
-        peer = PeerId.from_string(msg.peer_id)
-    except Exception:
-        raise LinkError("the link names no valid peer id") from None
-    try:
-        holder = cert_identity(msg.tls_cert)
-    except Exception:
-        raise LinkError("the link's certificate is not a peer certificate") from None
-    if holder != peer:
-        raise LinkError("the link's certificate belongs to another peer")
-    if not 0 < len(msg.attach_token) <= ATTACH_TOKEN_BYTES:
-        raise LinkError("the link carries no usable attach token")
-    if not msg.session_id or len(msg.session_id) > 128:
-        raise LinkError("the link names no usable session")
-    return peer
-
-
-def _parse_addr(text: str, what: str) -> Multiaddr:
-    try:
-        addr = Multiaddr.parse(text)
-    except Exception:
-        raise LinkError(f"the link's {what} is not a multiaddr") from None
-    if addr.transport != "tcp" or addr.host is None or addr.port is None:
-        raise LinkError(f"the link's {what} is not a TCP address")
-    return addr
-

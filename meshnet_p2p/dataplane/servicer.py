@@ -44,7 +44,9 @@ from ..records import wall_ms
 from ..stats import ServingStats
 from .admission import Claimant, Held, Reclaim, Refuse, decide
 from .pool import ChannelPool
-from .ring import ATTACH_TOKEN_BYTES, MAX_LINKS_PER_SESSION, LinkError, RingLink, forwards, token_matches
+from .link_guard import LinkBounds, LinkGuard
+from .ring import (ATTACH_TOKEN_BYTES, LINK_DIAL_S, LINK_TIMEOUT_S, MAX_LINKS_PER_SESSION, UNREACHED, LinkError,
+                   ReportRefused, RingLink, forwards, next_hop, token_matches)
 from .session_state import SessionState, Verdict
 from .tensors import PayloadError, bundle_from_proto, bundle_to_proto
 from .tls import make_client_credentials
@@ -82,6 +84,9 @@ class Limits:
     max_prefill_tokens: int = 4096
     max_pending_cancels: int = 4096  # cancels remembered for sessions not open yet
     session_idle_ms: int = 120_000  # an open session with no request for this long is released
+    link_dial_ms: int = int(LINK_DIAL_S * 1000)  # a ring link's TCP + TLS to the next hop
+    link_answer_ms: int = int(LINK_TIMEOUT_S * 1000)  # a link that failed before that is answered no earlier
+    links: LinkBounds = LinkBounds()  # ring links per client and per peer over time, and the backoff of a failed target
 
 
 @dataclass
@@ -160,6 +165,9 @@ class ShardRuntimeServicer:
         # sessions released for idling or reclaimed for a fair share (the newest 4096): why, as an error
         self._reaped: dict[str, pb.SessionResponse] = {}
         self._link_pool = ChannelPool()  # the ring's connections to next hops, shared by sessions
+        self._link_guard = LinkGuard(limits.links)  # how often links dial, and what they leave alone
+        self._guard_lock = threading.Lock()
+        self._dialling: dict[object, threading.Event] = {}  # targets a link is dialling now: others wait for it
         self._client_creds: tuple[float, object] = (0.0, None)  # (made at, the certificate the ring dials with)
         self.stats = ServingStats()  # read by the role's metrics (metrics.py)
 
@@ -456,7 +464,11 @@ class ShardRuntimeServicer:
     # --- the ring ----------------------------------------------------------------------------
 
     def _link(self, state: SessionState, msg: pb.LinkSignal) -> pb.SessionResponse:
-        """Dial the next hop and attach to its session: this hop's outputs go there from now on."""
+        """Dial the next hop its signed report names and attach to its session: this
+        hop's outputs go there from now on. Every failure before the next hop proves
+        its TLS identity is answered alike, and no earlier than ``link_answer_ms``
+        after the link came: a client learns nothing of what answers at an address."""
+        came = time.monotonic()
         ring = state.ring
         if ring.push is None:
             return _error(E.PROTOCOL, "this server cannot send a ring's copies: it serves no ring")
@@ -464,13 +476,71 @@ class ShardRuntimeServicer:
             return _error(E.EPOCH_STALE, "link refused: it carries a stale route epoch")
         if ring.links >= MAX_LINKS_PER_SESSION:
             return _error(E.INVALID_ARGUMENT, f"a session is linked at most {MAX_LINKS_PER_SESSION} times")
+        who = state.claimant or IN_PROCESS
+        with self._guard_lock:
+            admitted = self._link_guard.admit(who.host, who.client, came)
+        if not admitted:  # counted over time, whichever session asks: sessions are free to open
+            self.stats.links.add("limited")
+            return _error(E.LINK_LIMITED, "this peer makes no more ring links for this client now", retryable=True,
+                          retry_after_ms=FULL_RETRY_AFTER_MS)
         ring.links += 1  # a dial costs this peer, whatever comes of it: counted first
+        c = self.caps
         try:
-            link = RingLink(msg, self._dial_credentials(), self._link_pool)
+            hop = next_hop(msg, now_ms=self.now_ms(), model_digest=c.model_digest, recipe_digest=c.recipe_digest,
+                           end=c.end, total=c.source_layers)
+        except (LinkError, ReportRefused) as e:  # nothing was dialled: the reason tells of the message only
+            self.stats.links.add("report_refused")
+            return _error(E.INVALID_ARGUMENT, str(e))
+        backing_off, mine = self._may_dial(hop.target, came)
+        try:
+            return self._dial(state, msg, hop, came, backing_off)
+        finally:
+            if mine is not None:  # the links waiting on this dial look again: backing off now, or not
+                with self._guard_lock:
+                    self._dialling.pop(hop.target, None)
+                mine.set()
+
+    def _may_dial(self, target, came: float) -> tuple[bool, threading.Event | None]:
+        """(whether ``target`` is backing off, the event this link sets once its dial
+        is over if it is the one dialling). While a link dials a target, the others
+        to it wait for its outcome: a burst of links to one victim is one dial."""
+        with self._guard_lock:
+            dialling = self._dialling.get(target)
+            if dialling is None:
+                if not self._link_guard.may_dial(target, came):
+                    return True, None
+                mine = self._dialling[target] = threading.Event()
+                return False, mine
+        dialling.wait(self.limits.link_answer_ms / 1000)
+        with self._guard_lock:
+            return not self._link_guard.may_dial(target, time.monotonic()), None
+
+    def _dial(self, state: SessionState, msg: pb.LinkSignal, hop, came: float,
+              backing_off: bool) -> pb.SessionResponse:
+        ring = state.ring
+        try:
+            if backing_off:  # it failed lately: not dialled again, and answered as a failed dial is
+                raise LinkError(UNREACHED, proven=False)
+            link = RingLink(msg, hop, self._dial_credentials(), self._link_pool,
+                            dial_timeout=self.limits.link_dial_ms / 1000)
         except LinkError as e:
+            if not e.proven:
+                self.stats.links.add("backing_off" if backing_off else "unreached")
+                if not backing_off:
+                    with self._guard_lock:
+                        self._link_guard.failed(hop.target, time.monotonic())
+                # the same answer at the same time, whether the port was closed, silent or closing
+                time.sleep(max(0.0, came + self.limits.link_answer_ms / 1000 - time.monotonic()))
+                return _error(E.LINK_FAILED, UNREACHED, retryable=True)
+            self.stats.links.add("next_hop_refused")
+            with self._guard_lock:
+                self._link_guard.reached(hop.target)
             if e.full:  # the next hop has no worker to spare: busy, not faulty
                 return _error(E.CAPACITY, str(e), retryable=True, retry_after_ms=FULL_RETRY_AFTER_MS)
             return _error(E.LINK_FAILED, str(e), retryable=True)
+        self.stats.links.add("linked")
+        with self._guard_lock:
+            self._link_guard.reached(hop.target)
         with ring.lock:
             if msg.route_epoch < state.epoch:  # a rollback to a newer route came meanwhile
                 link.close()
