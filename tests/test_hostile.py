@@ -697,3 +697,38 @@ def test_silent_session_calls_do_not_keep_real_sessions_out(tmp_path, model_path
             c.close()
         for p in joins + [boot]:
             p.stop()
+
+
+def test_five_hundred_long_key_records_do_not_end_a_swarm(tmp_path, model_path, reference):
+    """Issue 24 #0 on real processes: one host stores 600 certifier-index records
+    (fresh identities, any model digest, ~122-character keys) on the bootstrap. Their
+    pull digests once grew past a datagram, `wire.encode` raised, and every process
+    of the swarm died within 3.1 s. Now the swarm serves on, with the whole model's
+    tokens, and every process is alive after many pull periods."""
+    from meshnet_p2p.certification import index_key, sign_index
+
+    boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"])
+    try:
+        async def flood() -> int:
+            stored = 0
+            async with trio.open_nursery() as nursery:
+                nodes = [await start_node(nursery, Identity.generate(), listen=f"127.0.0.{i}:0", bootstrap=[addr],
+                                          client_mode=True) for i in range(1, 5)]  # four sources, 150 each
+                seed = nodes[0].table.contacts()[0]  # the bootstrap
+                for i in range(600):
+                    ident, model = Identity.generate(), f"{i:064x}"
+                    record = sign_index(ident, model, ["ab" * 32], now_ms=wall_ms())
+                    reply = await nodes[i % 4].request(seed, "store", {"key": index_key(model, str(ident.peer_id)),
+                                                                       "record": record})
+                    stored += bool(reply is not None and reply.body.get("ok"))
+                nursery.cancel_scope.cancel()
+            return stored
+
+        assert trio.run(flood) >= 300  # the bootstrap took most (and gossips them on)
+        client = Client([addr], model_path=model_path, step_timeout=10.0)
+        for _ in range(3):  # several seconds: many pull periods (~1 s each) of every process
+            assert client.generate(PROMPT, 16, stop_at_eog=False).token_ids == reference
+        assert [p.p.poll() for p in [boot, *joins]] == [None] * 4
+    finally:
+        codes = [j.stop() for j in joins] + [boot.stop()]
+    assert codes == [0] * 4
