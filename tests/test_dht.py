@@ -452,6 +452,38 @@ async def test_a_key_filled_from_many_hosts_still_takes_a_live_volunteers_record
         nursery.cancel_scope.cancel()
 
 
+async def test_a_newcomer_storing_its_own_report_in_a_full_key_is_checked_first_not_refused(autojump_clock):
+    """A volunteer that has just joined stores its report before the node's background
+    check of it (a ping) came back: the full key refused it ("key holds the maximum")
+    and it stayed unfound until its next announce 30 s later (test_hostile's
+    volunteer after a flood failed so, under load). The node now checks the signer
+    first, then takes the record; a stored report of an identity that runs no node
+    is still refused."""
+    async with trio.open_nursery() as nursery:
+        network, nodes = await start_swarm(nursery, 5, TYPES)
+        target, flooders = nodes[0], nodes[1:5]
+        n = 0
+        for f in flooders:
+            for _ in range(target.store.max_values_per_source):
+                n += 1
+                reply = await f.request(target.contact(), "store", {"key": KEY, "record": report(swarm_identity(20_000 + n))})
+                assert reply.body["ok"] is True
+        newcomer = DHTNode(swarm_identity(77), network.endpoint(), TYPES, DHTConfig())
+        await nursery.start(newcomer.run)
+        assert target.table.get(newcomer.node_id) is None  # never heard of: its store is its first datagram
+        reply = await newcomer.request(target.contact(), "store", {"key": KEY, "record": report(newcomer.identity)},
+                                       timeout=5.0)
+        assert reply.body["ok"] is True
+        assert newcomer.peer_id in {r.signer for r in target.store.get(KEY, wall_ms(), budget=1 << 30)[0]}
+        # a record whose signer is not the sender is not the sender's to vouch for
+        stranger = DHTNode(swarm_identity(78), network.endpoint(), TYPES, DHTConfig())
+        await nursery.start(stranger.run)
+        reply = await stranger.request(target.contact(), "store", {"key": KEY, "record": report(swarm_identity(30_001))},
+                                       timeout=5.0)
+        assert reply.body["ok"] is False and "maximum" in reply.body["reason"]
+        nursery.cancel_scope.cancel()
+
+
 def test_one_network_holds_a_bounded_part_of_the_table():
     """Issue 11 #8, the table side: identities from one public /24 (pure data: nothing is sent) filled every
     bucket they fell into; now 2 per bucket and 8 in the table. Private and

@@ -144,6 +144,7 @@ class DHTNode:
         self.lookup_seconds = {op: Histogram(LOOKUP_SECONDS) for op in LOOKUP_OPS}
         self.lookup_failures: Counter[str] = Counter()
         self._pending: dict[bytes, tuple[PeerId | None, trio.MemorySendChannel, Addr]] = {}
+        self._checking_stores = 0  # stores held while their sender is checked (bounded by MAX_VERIFYING)
         self._seen: OrderedDict[tuple, int] = OrderedDict()  # datagrams seen, for replays
         self._verifying: set[tuple] = set()  # (peer, address) pairs being pinged before they enter the table
         self._proven_addrs: OrderedDict[Addr, None] = OrderedDict()  # addresses shown to receive
@@ -294,11 +295,39 @@ class DHTNode:
                 kind, body = answer
             else:
                 kind, body = self._handle(msg, addr)
+                if kind == "stored" and self._check_sender_first(msg, addr, body):
+                    self._checking_stores += 1
+                    self._nursery.start_soon(self._store_once_checked, msg, addr, len(data), proven)
+                    return
         except wire.BadDatagram as e:
             self.stats["bad_requests"] += 1
             log.debug("bad %s from %s: %s", msg.kind, msg.sender, e)
             return
         await self._reply(msg, addr, kind, body, len(data), proven)
+
+    def _check_sender_first(self, msg: wire.Message, addr: Addr, answer: dict[str, Any]) -> bool:
+        """Was this store refused only because its key is full of values from unknown
+        signers, while it is the sender's own record and the sender is not yet known
+        live? A volunteer that just joined stores before our background check of it
+        (a ping) is back: check it first (bounded), then decide."""
+        if answer.get("ok") is not False or not str(answer.get("reason", "")).startswith("key holds the maximum"):
+            return False
+        if msg.body.get("client") or self._nursery is None or self._checking_stores >= MAX_VERIFYING:
+            return False
+        head = peek(msg.body.get("record", b"")) if isinstance(msg.body.get("record"), bytes) else None
+        return head is not None and head[0] == msg.sender.multihash and self.table.get(node_id_of(msg.sender)) is None
+
+    async def _store_once_checked(self, msg: wire.Message, addr: Addr, request_bytes: int, proven: bool) -> None:
+        """Ping the sender (its answer puts it in the table, diversity permitting: what
+        makes a signer live), then take or refuse its record, and answer the store."""
+        try:
+            async with Guard("store_check", self.stats, backoff=False):
+                await self.ping(Contact.of(msg.sender, addr[0], addr[1]))
+                ok, reason = self._accept(msg.body["key"], msg.body["record"], source=network_of(addr[0]))
+                self.stats["stores_checked_first"] += 1
+                await self._reply(msg, addr, "stored", {"ok": ok, "reason": reason}, request_bytes, proven)
+        finally:
+            self._checking_stores -= 1
 
     async def _reply(self, msg: wire.Message, addr: Addr, kind: str, body: dict[str, Any], request_bytes: int,
                      proven: bool) -> None:
