@@ -70,13 +70,14 @@ async def start(nursery, cls, identity: Identity, config: DHTConfig) -> DHTNode:
     return node
 
 
-@pytest.mark.parametrize("defence", ["both", "disjoint paths alone", "homes alone"])
+@pytest.mark.parametrize("defence", ["both", "homes alone"])
 async def test_a_certifier_record_survives_sybils_ground_close_to_its_key(defence, monkeypatch):
     """Failed before (certify's put landed on Sybils only; the client found
-    nothing). Each defence carries it on its own here; both together by design."""
-    if defence == "disjoint paths alone":
-        monkeypatch.setattr(DHTNode, "homes_of", lambda self, signer: [])
-    elif defence == "homes alone":
+    nothing). The homes carry it on their own, whatever IDs the carrier and the
+    reader draw; disjoint paths alone win only when the group does not meet every
+    path (which depends on the IDs: a CI run drew ones where it did), so they are
+    shown on the pure lookup below, not claimed here."""
+    if defence == "homes alone":
         lookup = node_module.iterative_lookup
         monkeypatch.setattr(node_module, "iterative_lookup", lambda *a, **kw: lookup(*a, **{**kw, "paths": 1}))
     with trio.fail_after(60):
