@@ -52,7 +52,7 @@ from .identity import Identity, PeerId
 from .network import start_node
 from .placement import NoRoute, Span, plan_route
 from .records import wall_ms
-from .swarm_view import RecipeView, build_view, fetch_records, newest_signed_by
+from .swarm_view import RecipeView, build_view, fetch_believable, newest_signed_by
 
 DEFAULT_PROMPT = "The capital of France is"
 DEFAULT_TOKENS = 16
@@ -167,7 +167,8 @@ async def certify(opts: CertifyOptions, log: Callable[[str], None] = print) -> d
     with unwrap_errors():
         async with trio.open_nursery() as nursery:
             node = await start_node(nursery, Identity.generate(), bootstrap=opts.bootstrap, client_mode=True)
-            reports, certs = await fetch_records(node, model, own.certifiers)
+            # a survey too thin to believe (answers lost on a loaded host) is asked again
+            reports, certs = await fetch_believable(node, model, own, n_layer, need_certificate=False)
             view = choose_recipe(build_view(model, n_layer, reports, certs, own).recipes, opts.recipe, n_layer)
             log(f"certifying recipe {view.recipe_digest[:12]} of model {model[:12]} ({len(view.spans)} peers)")
             summary = await _certify_recipe(opts, view, info, source_sha, prompt, log)

@@ -500,6 +500,17 @@ class RouteSession:
                                                   idempotency_step=position + 1)
                 except ShardConnectionError as e:
                     fault = (0, e)
+            if fault is None and self._ring_next == position and len(self.hops) > 1 \
+                    and not self.hops[0].stream.readable(self.step_timeout / 2):
+                # the head's copy of a step the tail was to feed is late: the missing part may be
+                # the tail's forward (killed after its copy), not the head. Feed the head ourselves
+                # (the same step number: it is taken once), so whoever then fails to answer is the
+                # one blamed; waiting it out would cancel the head's stream and blame the head.
+                try:
+                    self.hops[0].stream.send_step(position, token_ids=token_ids, decode=decode,
+                                                  idempotency_step=position + 1)
+                except ShardConnectionError as e:
+                    fault = (0, e)
             if fault is None:
                 reply, fault = self._collect(position, token_ids, decode)
             if fault is None:

@@ -180,7 +180,11 @@ async def fetch_records(node, model_digest: str, certifiers: Iterable[str], *,
     per recipe), which only it can sign for: strangers can neither crowd them out
     nor make a reader check their evidence."""
     key = model_key(model_digest)
-    found = keep_newest({r.signer.multihash: r for r in node.records(key)}, await node.get(key))
+    # the bootstrap peers are asked directly too: they hold every report gossip brought them,
+    # whatever group sits closest to the key in the lookups
+    seeds = list(getattr(node, "seeds", ()))
+    found = keep_newest({r.signer.multihash: r for r in node.records(key)},
+                        await (node.get(key, also_ask=seeds) if seeds else node.get(key)))
     staying = [r for r in found.values() if not r.content.get("departing")]
     reports = list(found.values()) if keep_departing else staying
     served = {r.content["recipe_digest"] for r in staying}
@@ -204,22 +208,25 @@ async def fetch_records(node, model_digest: str, certifiers: Iterable[str], *,
     return sorted(reports, key=lambda r: r.content["layers"][0]), certs
 
 
-def worth_asking_again(reports: list[Record], certs: list[Record], trust: TrustPolicy, n_layer: int = 0) -> bool:
+def worth_asking_again(reports: list[Record], certs: list[Record], trust: TrustPolicy, n_layer: int = 0, *,
+                       need_certificate: bool = True) -> bool:
     """Did a survey come back too thin to believe at once: no report, reports that
     leave some of the model's ``n_layer`` layers unserved, or no certificate from
     any trusted certifier? Each is what lost answers look like; asked again, a live
     swarm answers."""
     spans = [Span.from_report(r) for r in reports if not r.content.get("departing")]
-    return not spans or bool(missing_layers(spans, 0, n_layer)) or (bool(trust.certifiers) and not certs)
+    return not spans or bool(missing_layers(spans, 0, n_layer)) or \
+        (need_certificate and bool(trust.certifiers) and not certs)
 
 
-async def fetch_believable(node, model_digest: str, trust: TrustPolicy,
-                           n_layer: int = 0) -> tuple[list[Record], list[Record]]:
+async def fetch_believable(node, model_digest: str, trust: TrustPolicy, n_layer: int = 0, *,
+                           need_certificate: bool = True) -> tuple[list[Record], list[Record]]:
     """:func:`fetch_records`, asked again (bounded, jittered, with a longer request
-    timeout each time) while the answer is :func:`worth_asking_again`."""
+    timeout each time) while the answer is :func:`worth_asking_again` (``certify``
+    needs no certificate yet: it makes one)."""
     reports, certs = await fetch_records(node, model_digest, trust.certifiers)
     for wait in SURVEY_RETRY_WAITS_S:
-        if not worth_asking_again(reports, certs, trust, n_layer):
+        if not worth_asking_again(reports, certs, trust, n_layer, need_certificate=need_certificate):
             break
         await trio.sleep(wait * (0.5 + random.random()))  # sixteen clients do not retry in step
         node.config.request_timeout = min(2 * node.config.request_timeout, SURVEY_MAX_REQUEST_TIMEOUT_S)

@@ -240,6 +240,11 @@ class SessionStream:
         except ChannelError as e:
             raise ShardConnectionError.of(e) from None
 
+    def readable(self, timeout: float) -> bool:
+        """Whether a response (or the stream's end) is there within ``timeout``; unlike
+        :meth:`receive`, running out cancels nothing."""
+        return self._call.wait_readable(timeout)
+
     def receive(self, timeout: float | None = None) -> pb.SessionResponse:
         try:
             raw = self._call.recv(deadline=None if timeout is None else time.monotonic() + timeout)

@@ -747,13 +747,20 @@ class DHTNode:
         return sorted((r for r in found.values() if r.expires_at_ms > now), key=lambda r: r.signer.multihash)
 
     async def _lookup(self, target: int, call, **kw):
-        # a table that timeouts emptied (a loaded host answers late) still has its seeds to start from
-        seeds = self.table.nearest(target) or list(self._seeds)
+        # k seeds a path (dealt nearest-first): with only k in all, a path can start from one
+        # silent node and find nothing; a table that timeouts emptied (a loaded host answers
+        # late) still has its bootstrap seeds to start from
+        seeds = self.table.nearest(target, self.config.k * self.config.lookup_paths) or list(self._seeds)
         return await iterative_lookup(
             target, seeds, call, k=self.config.k, alpha=self.config.alpha,
             timeout=self.config.request_timeout * 2, on_fail=self._lookup_failed, on_abandon=self._suspect,
             paths=self.config.lookup_paths, **kw,
         )
+
+    @property
+    def seeds(self) -> list[Contact]:
+        """The bootstrap contacts this node joined through."""
+        return list(self._seeds)
 
     def homes_of(self, signer: PeerId) -> list[Contact]:
         """Where a signer's records are kept whatever nodes are closest to their
