@@ -426,6 +426,17 @@ async def test_a_flood_of_stores_from_one_host_cannot_fill_a_key(autojump_clock)
         nursery.cancel_scope.cancel()
 
 
+async def fill_key(target, flooders) -> None:
+    """Each flooder host stores its full share of KEY on ``target``, records of
+    identities that run no node: together they fill the key."""
+    n = 0
+    for f in flooders:
+        for _ in range(target.store.max_values_per_source):
+            n += 1
+            reply = await f.request(target.contact(), "store", {"key": KEY, "record": report(swarm_identity(20_000 + n))})
+            assert reply.body["ok"] is True
+
+
 async def test_a_key_filled_from_many_hosts_still_takes_a_live_volunteers_record(autojump_clock):
     """Issue 11 #4 from many hosts: four hosts (64 values each) filled a key with
     records of identities that run no node, and the node then refused an honest
@@ -434,12 +445,7 @@ async def test_a_key_filled_from_many_hosts_still_takes_a_live_volunteers_record
     async with trio.open_nursery() as nursery:
         _, nodes = await start_swarm(nursery, 7, TYPES)
         target, flooders, volunteer = nodes[0], nodes[1:5], nodes[5]
-        n = 0
-        for f in flooders:
-            for _ in range(target.store.max_values_per_source):
-                n += 1
-                reply = await f.request(target.contact(), "store", {"key": KEY, "record": report(swarm_identity(20_000 + n))})
-                assert reply.body["ok"] is True
+        await fill_key(target, flooders)
         assert len(target.store.get(KEY, wall_ms(), budget=1 << 30)[0]) == target.store.max_values_per_key
         assert target.table.get(node_id_of(volunteer.peer_id)) is not None  # it answered the seed's round trip
         reply = await volunteer.request(target.contact(), "store", {"key": KEY, "record": report(volunteer.identity)})
@@ -462,12 +468,7 @@ async def test_a_newcomer_storing_its_own_report_in_a_full_key_is_checked_first_
     async with trio.open_nursery() as nursery:
         network, nodes = await start_swarm(nursery, 5, TYPES)
         target, flooders = nodes[0], nodes[1:5]
-        n = 0
-        for f in flooders:
-            for _ in range(target.store.max_values_per_source):
-                n += 1
-                reply = await f.request(target.contact(), "store", {"key": KEY, "record": report(swarm_identity(20_000 + n))})
-                assert reply.body["ok"] is True
+        await fill_key(target, flooders)
         newcomer = DHTNode(swarm_identity(77), network.endpoint(), TYPES, DHTConfig())
         await nursery.start(newcomer.run)
         assert target.table.get(newcomer.node_id) is None  # never heard of: its store is its first datagram
