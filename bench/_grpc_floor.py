@@ -17,10 +17,10 @@ from concurrent import futures
 
 import grpc
 
-from meshnet_p2p.dataplane.tls import make_tls_credentials
+from meshnet_p2p.dataplane.transport.tls import make_tls_credentials
 from meshnet_p2p.engine.contract import HIDDEN, DecodeRequest, LoadRequest, OpenRequest, Tensor, TensorBundle
 from meshnet_p2p.engine.llama_engine import LlamaCppShardEngine
-from meshnet_p2p.identity import Identity
+from meshnet_p2p.core.identity import Identity
 
 SERVICE, METHOD = "floor.Hop", "Step"
 GRPC_OPTIONS = [("grpc.so_reuseport", 0)]  # port 0 must mean a port of our own

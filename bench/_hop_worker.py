@@ -17,11 +17,11 @@ import sys
 import time
 
 import meshnet_p2p
-from meshnet_p2p.dataplane.client import ShardClient, open_channel
-from meshnet_p2p.dataplane.tls import verify_binding
-from meshnet_p2p.multiaddr import Multiaddr
-from meshnet_p2p.peer_process import PeerProcess
-from meshnet_p2p.records import wall_ms
+from meshnet_p2p.dataplane.stub import ShardClient, open_channel
+from meshnet_p2p.dataplane.transport.tls import verify_binding
+from meshnet_p2p.core.multiaddr import Multiaddr
+from meshnet_p2p.roles.peer_process import PeerProcess
+from meshnet_p2p.core.records import wall_ms
 
 from hop_ab import hidden_states
 

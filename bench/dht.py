@@ -22,11 +22,11 @@ import time
 
 import trio
 
-from meshnet_p2p.capability import model_key
+from meshnet_p2p.swarm.capability import model_key
 from meshnet_p2p.testing import sample_report
-from meshnet_p2p.identity import Identity
-from meshnet_p2p.network import node_multiaddr, start_node
-from meshnet_p2p.records import wall_ms
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.swarm.node import node_multiaddr, start_node
+from meshnet_p2p.core.records import wall_ms
 
 from _report import print_report  # bench/ is on sys.path when a bench runs
 

@@ -20,13 +20,13 @@ import argparse
 import statistics
 import sys
 
-from meshnet_p2p.client import Client
+from meshnet_p2p.client.session import Client
 from meshnet_p2p.engine.contract import SamplingParams
 from meshnet_p2p.engine.cut import sha256_file
 from meshnet_p2p.engine.tokenizer import Tokenizer
-from meshnet_p2p.local import LocalRoute
-from meshnet_p2p.models import default_model_path
-from meshnet_p2p.peer_process import Swarm
+from meshnet_p2p.client.local import LocalRoute
+from meshnet_p2p.engine.models import default_model_path
+from meshnet_p2p.roles.peer_process import Swarm
 
 from _report import print_report  # bench/ is on sys.path when a bench runs
 

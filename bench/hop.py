@@ -29,15 +29,15 @@ import time
 
 import numpy as np
 
-from meshnet_p2p.dataplane.client import ShardClient, open_channel
-from meshnet_p2p.dataplane.tls import verify_binding
+from meshnet_p2p.dataplane.stub import ShardClient, open_channel
+from meshnet_p2p.dataplane.transport.tls import verify_binding
 from meshnet_p2p.engine.contract import HIDDEN, DecodeRequest, LoadRequest, OpenRequest, Tensor, TensorBundle
 from meshnet_p2p.engine.cut import parse_layer_range, sha256_file
 from meshnet_p2p.engine.llama_engine import LlamaCppShardEngine
-from meshnet_p2p.models import default_model_path, ensure_shard
-from meshnet_p2p.multiaddr import Multiaddr
-from meshnet_p2p.peer_process import PeerProcess
-from meshnet_p2p.records import wall_ms
+from meshnet_p2p.engine.models import default_model_path, ensure_shard
+from meshnet_p2p.core.multiaddr import Multiaddr
+from meshnet_p2p.roles.peer_process import PeerProcess
+from meshnet_p2p.core.records import wall_ms
 
 from _grpc_floor import METHOD, SERVICE  # bench/ is on sys.path when a bench runs
 from _report import print_report

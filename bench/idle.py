@@ -40,7 +40,7 @@ from meshnet_p2p.engine.contract import (
 )
 from meshnet_p2p.engine.cut import sha256_file
 from meshnet_p2p.engine.llama_engine import LlamaCppShardEngine
-from meshnet_p2p.models import default_model_path, ensure_shard
+from meshnet_p2p.engine.models import default_model_path, ensure_shard
 
 from _report import print_report  # bench/ is on sys.path when a bench runs
 

@@ -17,8 +17,8 @@ import time
 from meshnet_p2p.engine.contract import SamplingParams
 from meshnet_p2p.engine.cut import inspect_gguf, sha256_file
 from meshnet_p2p.engine.tokenizer import Tokenizer
-from meshnet_p2p.local import LocalRoute, parse_split
-from meshnet_p2p.models import default_model_path
+from meshnet_p2p.client.local import LocalRoute, parse_split
+from meshnet_p2p.engine.models import default_model_path
 
 TEXT = (
     "The history of clockmaking is a story of patience. Early water clocks measured hours by the flow "

@@ -25,14 +25,14 @@ import subprocess
 import sys
 import time
 
-from meshnet_p2p.client import Client
+from meshnet_p2p.client.session import Client
 from meshnet_p2p.engine.contract import SamplingParams
 from meshnet_p2p.engine.cut import sha256_file
 from meshnet_p2p.engine.tokenizer import Tokenizer
-from meshnet_p2p.local import LocalRoute
-from meshnet_p2p.models import default_model_path
-from meshnet_p2p.multiaddr import Multiaddr
-from meshnet_p2p.peer_process import PeerProcess, Swarm
+from meshnet_p2p.client.local import LocalRoute
+from meshnet_p2p.engine.models import default_model_path
+from meshnet_p2p.core.multiaddr import Multiaddr
+from meshnet_p2p.roles.peer_process import PeerProcess, Swarm
 
 from _report import print_report  # bench/ is on sys.path when a bench runs
 

@@ -18,15 +18,15 @@ import atheris
 
 with atheris.instrument_imports(include=["meshnet_p2p", "h2", "hpack", "hyperframe"]):
     from meshnet_p2p._proto import shard_runtime_pb2 as pb
-    from meshnet_p2p.capability import TYPES
-    from meshnet_p2p.dataplane import grpc_core
+    from meshnet_p2p.swarm.capability import TYPES
+    from meshnet_p2p.dataplane.transport import grpc_core
     from meshnet_p2p.dataplane.tensors import PayloadError, bundle_from_proto
-    from meshnet_p2p.dataplane.tls import TlsBindingError, peer_of_der
+    from meshnet_p2p.dataplane.transport.tls import TlsBindingError, peer_of_der
     from meshnet_p2p.dht import wire
-    from meshnet_p2p.dialback import DialbackRejected, dial_target, verify_dial_result
+    from meshnet_p2p.nat.dialback import DialbackRejected, dial_target, verify_dial_result
     from meshnet_p2p.engine.gguf import GGUFFormatError, read_gguf
-    from meshnet_p2p.identity import Identity
-    from meshnet_p2p.records import RecordRejected, RecordVerifier
+    from meshnet_p2p.core.identity import Identity
+    from meshnet_p2p.core.records import RecordRejected, RecordVerifier
 
 from google.protobuf.message import DecodeError
 

@@ -1,3 +1,3 @@
-from .cli import main
+from meshnet_p2p.roles.cli import main
 
 raise SystemExit(main())

@@ -13,10 +13,10 @@ from typing import Mapping
 
 import trio
 
-from .dht.node import DHTConfig, DHTNode
-from .dht.transport import Addr
-from .identity import Identity
-from .records import PayloadType
+from meshnet_p2p.dht.node import DHTConfig, DHTNode
+from meshnet_p2p.dht.transport import Addr
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.core.records import PayloadType
 
 
 class FakeNetwork:
@@ -96,8 +96,8 @@ def sample_report(identity: Identity, model_digest: str, recipe_digest: str = "c
                   port: int = 7000, throughput: float = 12.5, free_sessions: int = 2):
     """A capability report that passes validation (its certificate is a stand-in:
     fine for the control plane, never dialled)."""
-    from .capability import CapabilityReport
-    from .multiaddr import Multiaddr
+    from meshnet_p2p.swarm.capability import CapabilityReport
+    from meshnet_p2p.core.multiaddr import Multiaddr
 
     return CapabilityReport(model_digest, recipe_digest, tuple(layers),
                             (str(Multiaddr.for_socket("127.0.0.1", "tcp", port, identity.peer_id)),),

@@ -6,7 +6,7 @@ from hypothesis import settings
 from meshnet_p2p.engine.contract import LoadRequest
 from meshnet_p2p.engine.cut import cut_shard, sha256_file
 from meshnet_p2p.engine.llama_engine import LlamaCppShardEngine
-from meshnet_p2p.models import default_model_path
+from meshnet_p2p.engine.models import default_model_path
 
 # Property tests explore a fixed sequence of examples: every run is the same run.
 settings.register_profile("deterministic", derandomize=True, database=None, deadline=None)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import tempfile
 
-from meshnet_p2p.peer_process import PeerProcess, Swarm
+from meshnet_p2p.roles.peer_process import PeerProcess, Swarm
 
 
 def meshnet_peer(*args: str, timeout: float = 300, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
@@ -59,9 +59,9 @@ def certified_span(addr: str, model_path: str, start: int):
     """The span of the swarm's certified recipe that starts at layer ``start``, as a client sees it."""
     import trio
 
-    from meshnet_p2p.certification import TrustPolicy
+    from meshnet_p2p.trust.certification import TrustPolicy
     from meshnet_p2p.engine.cut import inspect_gguf
-    from meshnet_p2p.swarm_view import survey
+    from meshnet_p2p.swarm.view import survey
 
     info = inspect_gguf(model_path)
     view = trio.run(survey, [addr], info.model_digest, info.source_layers, TrustPolicy.default([addr]))

@@ -3,7 +3,7 @@
 import pytest
 from openai import OpenAI
 
-from .swarm import Proc, start_swarm
+from tests.swarm import Proc, start_swarm
 
 MODEL = "SmolLM2-135M-Instruct"
 

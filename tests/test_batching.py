@@ -13,7 +13,7 @@ from meshnet_p2p.engine.batching import Pass, Waiting, plan_round
 from meshnet_p2p.engine.contract import HIDDEN, DecodeRequest, OpenRequest, PrefillRequest, Tensor, TensorBundle
 from meshnet_p2p.engine.tokenizer import Tokenizer
 
-from .conftest import N_UBATCH
+from tests.conftest import N_UBATCH
 
 # --- the plan, as data ------------------------------------------------------------------------
 

@@ -8,12 +8,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshnet_p2p.capability import CAPABILITY_TYPE, TYPES, CapabilityReport, _valid
-from meshnet_p2p.dataplane.tls import make_tls_credentials
+from meshnet_p2p.swarm.capability import CAPABILITY_TYPE, TYPES, CapabilityReport, _valid
+from meshnet_p2p.dataplane.transport.tls import make_tls_credentials
 from meshnet_p2p.engine.recipe import recipe_digest
-from meshnet_p2p.identity import Identity
-from meshnet_p2p.multiaddr import Multiaddr
-from meshnet_p2p.records import MAX_RECORD_BYTES, RecordRejected, RecordVerifier, Reject, sign_record, wall_ms
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.core.multiaddr import Multiaddr
+from meshnet_p2p.core.records import MAX_RECORD_BYTES, RecordRejected, RecordVerifier, Reject, sign_record, wall_ms
 
 MODEL = "ab" * 32
 RECIPE = "cd" * 32

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshnet_p2p.certification import (
+from meshnet_p2p.trust.certification import (
     SEAM_DOMAIN,
     TOKENS_DOMAIN,
     TWO_ROUTES,
@@ -29,10 +29,10 @@ from meshnet_p2p.certification import (
     ids_digest,
 )
 from meshnet_p2p.engine.recipe import recipe_digest
-from meshnet_p2p.identity import Identity
-from meshnet_p2p.multiaddr import Multiaddr
-from meshnet_p2p.network import TYPES
-from meshnet_p2p.records import RecordRejected, RecordVerifier, Reject, sign_record, wall_ms
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.core.multiaddr import Multiaddr
+from meshnet_p2p.swarm.node import TYPES
+from meshnet_p2p.core.records import RecordRejected, RecordVerifier, Reject, sign_record, wall_ms
 
 VECTORS = json.loads((pathlib.Path(__file__).parent / "data" / "recipe_vectors.json").read_text())["recipes"]
 AXES = VECTORS[0]["axes"]
@@ -271,7 +271,7 @@ def test_any_hop_field_replaced_gives_a_reason_never_an_exception(hop, name, val
 
 
 def test_a_certifiers_index_names_only_its_own_key():
-    from meshnet_p2p.certification import sign_index
+    from meshnet_p2p.trust.certification import sign_index
 
     verifier = RecordVerifier(TYPES)
     rec = verifier.verify(sign_index(CERTIFIER, MODEL, [RECIPE, OTHER, RECIPE], now_ms=wall_ms()), wall_ms())
@@ -285,8 +285,8 @@ def test_a_certifiers_index_names_only_its_own_key():
 @given(st.dictionaries(st.sampled_from(["key", "certifier", "model_digest", "recipes", "n_layer", "name", "peer_id"]),
                        values, max_size=7))
 def test_index_validators_give_a_reason_never_an_exception(content):
-    from meshnet_p2p.capability import _valid_index as model_index
-    from meshnet_p2p.certification import _valid_index as cert_index
+    from meshnet_p2p.swarm.capability import _valid_index as model_index
+    from meshnet_p2p.trust.certification import _valid_index as cert_index
 
     for check in (model_index, cert_index):
         assert check(content) is None or isinstance(check(content), str)

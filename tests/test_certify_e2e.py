@@ -9,16 +9,16 @@ import urllib.request
 import pytest
 import trio
 
-from meshnet_p2p.certification import TrustPolicy
-from meshnet_p2p.client import _route_fingerprint, connect
-from meshnet_p2p.dataplane.client import ShardError
+from meshnet_p2p.trust.certification import TrustPolicy
+from meshnet_p2p.client.session import _route_fingerprint, connect
+from meshnet_p2p.dataplane.stub import ShardError
 from meshnet_p2p.engine.cut import inspect_gguf
 from meshnet_p2p.engine.tokenizer import Tokenizer
-from meshnet_p2p.identity import Identity
-from meshnet_p2p.swarm_view import survey
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.swarm.view import survey
 
-from .reference import reference_generate
-from .swarm import Proc, certify_swarm, meshnet_peer, start_swarm
+from tests.reference import reference_generate
+from tests.swarm import Proc, certify_swarm, meshnet_peer, start_swarm
 
 PROMPT = "The capital of France is"
 

@@ -12,8 +12,8 @@ from concurrent import futures
 import grpc
 import pytest
 
-from meshnet_p2p.dataplane.channel import Channel, ChannelError
-from meshnet_p2p.dataplane.tls import TLS_NAME, make_tls_credentials
+from meshnet_p2p.dataplane.transport.channel import Channel, ChannelError
+from meshnet_p2p.dataplane.transport.tls import TLS_NAME, make_tls_credentials
 
 GRPC_OPTIONS = [("grpc.so_reuseport", 0)]  # port 0 must mean a port of our own
 

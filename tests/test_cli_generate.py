@@ -7,8 +7,8 @@ import pytest
 
 from meshnet_p2p.engine.tokenizer import Tokenizer
 
-from .reference import reference_generate
-from .swarm import meshnet_peer
+from tests.reference import reference_generate
+from tests.swarm import meshnet_peer
 
 
 def test_generate_local_json_matches_the_whole_model(model_path, tmp_path, monkeypatch):

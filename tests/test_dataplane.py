@@ -11,19 +11,19 @@ import trio
 import trio.testing
 
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
-from meshnet_p2p.dataplane.client import ShardClient, ShardConnectionError, ShardError, open_channel
-from meshnet_p2p.dataplane.relay import Relay, RelayLimits
+from meshnet_p2p.dataplane.stub import ShardClient, ShardConnectionError, ShardError, open_channel
+from meshnet_p2p.nat.relay import Relay, RelayLimits
 from meshnet_p2p.dataplane.tensors import crc32c
-from meshnet_p2p.dataplane.tls import TlsBindingError, verify_binding
+from meshnet_p2p.dataplane.transport.tls import TlsBindingError, verify_binding
 from meshnet_p2p.engine.contract import HIDDEN, Tensor, TensorBundle
 from meshnet_p2p.engine.tokenizer import Tokenizer
-from meshnet_p2p.identity import Identity
-from meshnet_p2p.local import LocalRoute
-from meshnet_p2p.multiaddr import Multiaddr
-from meshnet_p2p.peer_process import PeerProcess
-from meshnet_p2p.records import wall_ms
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.client.local import LocalRoute
+from meshnet_p2p.core.multiaddr import Multiaddr
+from meshnet_p2p.roles.peer_process import PeerProcess
+from meshnet_p2p.core.records import wall_ms
 
-from .conftest import N_UBATCH
+from tests.conftest import N_UBATCH
 
 
 class Served:
@@ -86,7 +86,7 @@ def test_capability_and_a_step_through_a_real_shard(middle):
 
 
 def test_a_peer_attests_what_a_session_computed(middle):
-    from meshnet_p2p.certification import SEAM_DOMAIN, Attestation, RowDigest
+    from meshnet_p2p.trust.certification import SEAM_DOMAIN, Attestation, RowDigest
 
     c = middle.client()
     fp = c.capability().fingerprint
@@ -112,7 +112,7 @@ def test_a_peer_attests_what_a_session_computed(middle):
 
 
 def test_a_client_pinned_to_another_identity_is_refused(middle, tmp_path):
-    from meshnet_p2p.dataplane.tls import make_tls_credentials
+    from meshnet_p2p.dataplane.transport.tls import make_tls_credentials
 
     stranger = make_tls_credentials()
     c = ShardClient(open_channel(stranger.cert_pem, address=(middle.addr.host, middle.addr.port)), timeout=10)
@@ -392,7 +392,7 @@ async def test_relay_is_byte_identical_to_direct_and_detects_tampering(relay, mo
 
 
 async def test_relay_refuses_unknown_peers_and_unproven_identities(relay):
-    from meshnet_p2p.dataplane.relay import RelayError, reserve
+    from meshnet_p2p.nat.relay import RelayError, reserve
 
     stranger = Identity.generate()
     # nobody reserved: a CONNECT for them is refused
@@ -415,9 +415,9 @@ async def test_relay_refuses_unknown_peers_and_unproven_identities(relay):
 
 
 async def test_server_shutdown_from_trio_leaves_no_thread_or_session(shard_dir, load_engine):
-    from meshnet_p2p.dataplane.server import ShardServer
+    from meshnet_p2p.dataplane.transport.server import ShardServer
     from meshnet_p2p.dataplane.servicer import ShardRuntimeServicer
-    from meshnet_p2p.dataplane.tls import make_tls_credentials
+    from meshnet_p2p.dataplane.transport.tls import make_tls_credentials
 
     engine = load_engine(shard_dir[(10, 20)])
     before = {t.name for t in threading.enumerate()}
@@ -439,7 +439,7 @@ async def test_server_shutdown_from_trio_leaves_no_thread_or_session(shard_dir, 
 
 
 async def test_relay_limits_connections_per_peer_and_splices_bytes(relay):
-    from meshnet_p2p.dataplane.relay import attach_to_relay
+    from meshnet_p2p.nat.relay import attach_to_relay
 
     async def echo(stream):
         async for data in stream:
@@ -480,7 +480,7 @@ async def test_relay_limits_connections_per_peer_and_splices_bytes(relay):
 
 
 def test_relay_bandwidth_bucket_bounds_bytes_per_second():
-    from meshnet_p2p.dataplane.relay import _TokenBucket
+    from meshnet_p2p.nat.relay import _TokenBucket
 
     async def main():
         bucket = _TokenBucket(rate=1000.0, burst=500.0)
@@ -494,7 +494,7 @@ def test_relay_bandwidth_bucket_bounds_bytes_per_second():
 
 
 def test_a_certificate_names_its_owner_and_cannot_be_claimed_by_another(middle):
-    from meshnet_p2p.dataplane.tls import TlsCredentials, cert_identity, make_tls_credentials, sign_binding
+    from meshnet_p2p.dataplane.transport.tls import TlsCredentials, cert_identity, make_tls_credentials, sign_binding
 
     assert cert_identity(middle.cert) == middle.peer_id
     mallory = Identity.generate()

@@ -8,14 +8,14 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshnet_p2p.capability import TYPES, model_key
+from meshnet_p2p.swarm.capability import TYPES, model_key
 from meshnet_p2p.dht import wire
 from meshnet_p2p.dht.gossip import GossipState
 from meshnet_p2p.dht.lookup import iterative_lookup
 from meshnet_p2p.dht.node import DHTConfig, DHTNode
 from meshnet_p2p.dht.routing import Contact, RoutingTable, node_id_of
-from meshnet_p2p.identity import Identity
-from meshnet_p2p.records import RecordRejected, RecordVerifier, Reject, sign_record, wall_ms
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.core.records import RecordRejected, RecordVerifier, Reject, sign_record, wall_ms
 from meshnet_p2p.testing import FakeNetwork, sample_report, start_swarm, swarm_identity
 
 MODEL = "ab" * 32
@@ -372,7 +372,7 @@ async def test_republish_moves_records_away_from_nodes_that_went_silent(autojump
 
 
 def test_choose_span_covers_missing_layers_first_and_plan_route_is_cheapest():
-    from meshnet_p2p.placement import NoRoute, Span, choose_span, plan_route
+    from meshnet_p2p.swarm.placement import NoRoute, Span, choose_span, plan_route
 
     spans = [Span("a", 0, 10, 50.0), Span("b", 20, 30, 50.0)]
     assert choose_span(spans, 30, 10) == (10, 20)

@@ -15,18 +15,18 @@ import pytest
 import trio
 import trio.testing
 
-from meshnet_p2p.certification import index_key, sign_index
-from meshnet_p2p.certify import certifier_homes, storage_problem
+from meshnet_p2p.trust.certification import index_key, sign_index
+from meshnet_p2p.roles.certify import certifier_homes, storage_problem
 from meshnet_p2p.dht import node as node_module
 from meshnet_p2p.dht import wire
 from meshnet_p2p.dht.lookup import PER_ANSWER, PER_PATH, diverse, iterative_lookup
 from meshnet_p2p.dht.node import DHTConfig, DHTNode, Stored
 from meshnet_p2p.dht.routing import Contact, key_id, networks, node_id_of
 from meshnet_p2p.dht.transport import UdpTransport
-from meshnet_p2p.identity import Identity
-from meshnet_p2p.network import TYPES
-from meshnet_p2p.records import wall_ms
-from meshnet_p2p.swarm_view import newest_signed_by
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.swarm.node import TYPES
+from meshnet_p2p.core.records import wall_ms
+from meshnet_p2p.swarm.view import newest_signed_by
 from meshnet_p2p.testing import swarm_identity
 
 MODEL = "ef" * 32
@@ -236,7 +236,7 @@ def test_certify_warns_when_few_networks_hold_its_records():
 
 
 async def test_a_put_reports_the_networks_that_took_it(autojump_clock):
-    from meshnet_p2p.capability import TYPES, model_key
+    from meshnet_p2p.swarm.capability import TYPES, model_key
     from meshnet_p2p.testing import sample_report, start_swarm
 
     async with trio.open_nursery() as nursery:
@@ -259,11 +259,11 @@ def test_sybils_ground_close_to_the_certifiers_key_cannot_darken_a_live_swarm(tm
     the bootstrap's table; `certify` then a generation. Before: certify exited 0 and
     every generation failed `recipe ... is dark`. Now the generation is exact."""
     from meshnet_p2p.engine.tokenizer import Tokenizer
-    from meshnet_p2p.multiaddr import Multiaddr
-    from meshnet_p2p.network import contact_of
+    from meshnet_p2p.core.multiaddr import Multiaddr
+    from meshnet_p2p.swarm.node import contact_of
 
-    from .reference import reference_generate
-    from .swarm import certify_swarm, meshnet_peer, start_swarm
+    from tests.reference import reference_generate
+    from tests.swarm import certify_swarm, meshnet_peer, start_swarm
 
     boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"], certify=False)
     target = key_id(index_key(model_digest, boot.peer_id).encode())

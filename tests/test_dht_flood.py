@@ -8,15 +8,15 @@ import pytest
 import trio
 import trio.testing
 
-from meshnet_p2p.capability import model_key
-from meshnet_p2p.certification import UNANNOUNCED_LIFETIME_MS, index_key, lifetime_cap, sign_index
+from meshnet_p2p.swarm.capability import model_key
+from meshnet_p2p.trust.certification import UNANNOUNCED_LIFETIME_MS, index_key, lifetime_cap, sign_index
 from meshnet_p2p.dht import wire
 from meshnet_p2p.dht.gossip import DIGEST_BUDGET_BYTES, GossipState
 from meshnet_p2p.dht.node import STORE_BURST, STORE_RATE_PER_S, DHTNode
 from meshnet_p2p.dht.storage import ValueStore
-from meshnet_p2p.identity import Identity
-from meshnet_p2p.network import TYPES
-from meshnet_p2p.records import Record, RecordVerifier, wall_ms
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.swarm.node import TYPES
+from meshnet_p2p.core.records import Record, RecordVerifier, wall_ms
 from meshnet_p2p.testing import FakeNetwork, sample_report, start_swarm, swarm_identity
 
 
@@ -203,7 +203,7 @@ async def test_a_background_task_that_throws_is_counted_and_the_node_runs_on(aut
 
 
 async def test_cancellation_and_keyboard_interrupt_still_pass_through_a_guard(autojump_clock):
-    from meshnet_p2p.guard import Guard
+    from meshnet_p2p.core.guard import Guard
 
     guard = Guard("x", None)
     with trio.move_on_after(1) as scope:

@@ -8,11 +8,11 @@ import sys
 import pytest
 import trio
 
-from meshnet_p2p.capability import model_key
+from meshnet_p2p.swarm.capability import model_key
 from meshnet_p2p.testing import sample_report
-from meshnet_p2p.identity import Identity
-from meshnet_p2p.network import BootstrapError, peers_for_model, start_node
-from meshnet_p2p.records import wall_ms
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.swarm.node import BootstrapError, peers_for_model, start_node
+from meshnet_p2p.core.records import wall_ms
 
 MODEL = "ef" * 32
 

@@ -12,10 +12,10 @@ import pytest
 
 from meshnet_p2p import Client
 from meshnet_p2p.engine.tokenizer import Tokenizer
-from meshnet_p2p.multiaddr import Multiaddr
+from meshnet_p2p.core.multiaddr import Multiaddr
 
-from .reference import reference_generate
-from .swarm import Proc, certify_swarm, meshnet_peer, start_swarm
+from tests.reference import reference_generate
+from tests.swarm import Proc, certify_swarm, meshnet_peer, start_swarm
 
 PROMPT = "The capital of France is"
 N_UBATCH = 64  # join's default
@@ -50,7 +50,7 @@ def test_three_joined_peers_generate_exactly_the_whole_model(tmp_path, reference
 
 CLIENT_ONLY = """
 import json, sys
-from meshnet_p2p.client import Client
+from meshnet_p2p.client.session import Client
 r = Client([sys.argv[1]]).generate(sys.argv[2], 24, stop_at_eog=False)
 print(json.dumps({"steps": r.steps, "engines": sorted(m for m in sys.modules if m.startswith("meshnet_p2p.engine."))}))
 """
@@ -60,7 +60,7 @@ def test_the_network_route_and_the_local_chain_run_one_loop(tmp_path, model_path
     """The same steps in the same order (positions, rows, tokens) through the
     swarm and through the whole model here; and a client process loads no
     llama.cpp engine: it only tokenizes."""
-    from meshnet_p2p.local import LocalRoute
+    from meshnet_p2p.client.local import LocalRoute
 
     boot, addr, joins = start_swarm(tmp_path, ["0:15", "15:30"])
     try:
@@ -133,7 +133,7 @@ def test_no_route_names_the_missing_layers(tmp_path, model_path):
 
 
 def test_the_demo_splits_any_model_in_thirds():
-    from meshnet_p2p.demo import thirds
+    from meshnet_p2p.roles.demo import thirds
 
     assert thirds(30) == ("0:10", "10:20", "20:30")
     assert thirds(32) == ("0:11", "11:21", "21:32") and thirds(3) == ("0:1", "1:2", "2:3")
@@ -219,7 +219,7 @@ def test_a_peer_behind_a_relay_serves_through_it(tmp_path, reference):
 def test_a_peer_is_reached_at_the_address_it_announces(tmp_path, reference):
     """Behind port forwarding (here a forwarder on another port), a peer's report
     carries its --announce address, and routes reach it there."""
-    from .forwarder import Forwarder
+    from tests.forwarder import Forwarder
 
     forwarder = Forwarder()
     boot, addr, joins = start_swarm(tmp_path, ["0:10", "20:30"], certify=False)
@@ -257,7 +257,7 @@ def test_a_bad_announce_address_is_one_clear_error(announce):
 
 @pytest.mark.parametrize("command", [["join", "--layers", "0:10"], ["generate", "--prompt", "hi"]])
 def test_unreachable_bootstrap_is_one_clear_error(command):
-    from meshnet_p2p.identity import Identity
+    from meshnet_p2p.core.identity import Identity
 
     nobody = f"/ip4/127.0.0.1/udp/9/p2p/{Identity.generate().peer_id}"
     r = meshnet_peer(*command, "--bootstrap", nobody, timeout=120)

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from meshnet_p2p.dataplane.fair_pool import FairPool
+from meshnet_p2p.dataplane.transport.fair_pool import FairPool
 
 
 def test_a_newcomer_waits_behind_one_job_per_source_not_the_whole_flood():

@@ -23,12 +23,12 @@ import hpack
 import pytest
 
 from meshnet_p2p import Client
-from meshnet_p2p.dataplane.server import MAX_CONNECTIONS_PER_SOURCE
+from meshnet_p2p.dataplane.transport.server import MAX_CONNECTIONS_PER_SOURCE
 from meshnet_p2p.engine.tokenizer import Tokenizer
-from meshnet_p2p.multiaddr import Multiaddr
+from meshnet_p2p.core.multiaddr import Multiaddr
 
-from .forwarder import Forwarder
-from .h2frames import (
+from tests.forwarder import Forwarder
+from tests.h2frames import (
     CONTINUATION,
     DATA,
     END_HEADERS,
@@ -43,8 +43,8 @@ from .h2frames import (
     frames,
     request_headers,
 )
-from .reference import reference_generate
-from .swarm import certified_span, start_swarm
+from tests.reference import reference_generate
+from tests.swarm import certified_span, start_swarm
 
 PROMPT = "The capital of France is"
 ATTACKER = "127.0.0.2"
@@ -315,7 +315,7 @@ def test_a_flood_of_cheap_calls_from_one_source_does_not_stop_a_generation(swarm
     flood's, and with the turns alone the generation failed as reported. (The
     bound, 20x the quiet latency or 0.1 s, leaves room for a loaded machine:
     52 ms was seen with two test suites running at once.)"""
-    from meshnet_p2p.client import connect
+    from meshnet_p2p.client.session import connect
 
     def health_s(n: int = 10) -> float:
         """Median seconds of a Health call from the client's own address, on a fresh connection."""

@@ -36,8 +36,8 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
-from meshnet_p2p.capability import CAPABILITY, MODEL_INDEX, MODELS_KEY
-from meshnet_p2p.certification import (
+from meshnet_p2p.swarm.capability import CAPABILITY, MODEL_INDEX, MODELS_KEY
+from meshnet_p2p.trust.certification import (
     CERT_INDEX,
     CERTIFICATE,
     TOKENS_DOMAIN,
@@ -49,8 +49,8 @@ from meshnet_p2p.certification import (
     ids_digest,
     index_key,
 )
-from meshnet_p2p.dataplane import relay as relay_mod
-from meshnet_p2p.dataplane.relay import (
+from meshnet_p2p.nat import relay as relay_mod
+from meshnet_p2p.nat.relay import (
     PEER_DOMAIN,
     RELAY_DOMAIN,
     Relay,
@@ -86,11 +86,11 @@ from meshnet_p2p.engine.contract import (
 )
 from meshnet_p2p.engine.recipe import recipe_digest
 from meshnet_p2p.engine.seam import seam_itemsize
-from meshnet_p2p.identity import Identity, PeerId
-from meshnet_p2p.multiaddr import Multiaddr, MultiaddrError
-from meshnet_p2p.network import TYPES
-from meshnet_p2p.records import DOMAIN as RECORD_DOMAIN
-from meshnet_p2p.records import (
+from meshnet_p2p.core.identity import Identity, PeerId
+from meshnet_p2p.core.multiaddr import Multiaddr, MultiaddrError
+from meshnet_p2p.swarm.node import TYPES
+from meshnet_p2p.core.records import DOMAIN as RECORD_DOMAIN
+from meshnet_p2p.core.records import (
     RecordRejected,
     RecordVerifier,
     canonical,
@@ -98,10 +98,10 @@ from meshnet_p2p.records import (
     seal,
     sign_record,
 )
-from meshnet_p2p.relays import RELAY, RELAYS_KEY
+from meshnet_p2p.swarm.relay_offers import RELAY, RELAYS_KEY
 from meshnet_p2p.testing import FakeNetwork, sample_report
 
-from .mutations import mutate_bytes, mutate_tree
+from tests.mutations import mutate_bytes, mutate_tree
 
 NOW = 1_700_000_000_000  # a fixed wall clock (ms): every example replays exactly
 ALICE = Identity.from_seed(b"\x31" * 32)  # sends datagrams, signs capability reports and model index entries
@@ -740,8 +740,8 @@ _RING_PEER = Identity.from_seed(b"\x52" * 32)
 
 
 def _ring_report(layers, model: str, departing: bool, port: int) -> bytes:
-    from meshnet_p2p.capability import CapabilityReport
-    from meshnet_p2p.dataplane.tls import make_tls_credentials
+    from meshnet_p2p.swarm.capability import CapabilityReport
+    from meshnet_p2p.dataplane.transport.tls import make_tls_credentials
 
     cert = _RING_CERT.setdefault("pem", make_tls_credentials(_RING_PEER).cert_pem)
     addr = f"/ip4/127.0.0.1/tcp/{port}/p2p/{_RING_PEER.peer_id}"
@@ -1054,7 +1054,7 @@ def _cert_with_extension(value: bytes, *, issuer_signed: bool) -> bytes:
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
-    from meshnet_p2p.dataplane import tls
+    from meshnet_p2p.dataplane.transport import tls
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = _x509.Name([_x509.NameAttribute(_x509.oid.NameOID.COMMON_NAME, "fuzz")])
@@ -1082,7 +1082,7 @@ def _real_extension() -> bytes:
     if not _REAL_EXTENSION:
         from cryptography import x509 as _x509
 
-        from meshnet_p2p.dataplane import tls
+        from meshnet_p2p.dataplane.transport import tls
 
         cert = _x509.load_pem_x509_certificate(tls.make_client_credentials(Identity.generate()).cert_pem)
         _REAL_EXTENSION.append(cert.extensions.get_extension_for_oid(tls.LIBP2P_TLS_OID).value.value)
@@ -1096,7 +1096,7 @@ def test_an_identity_extension_of_any_bytes_binds_nobody_or_raises_a_binding_err
     """The extension is attacker-chosen bytes inside a certificate whose key the
     attacker holds: whatever they are, no identity is bound but by a valid
     signature over this certificate's key (and none verifies over a fresh key)."""
-    from meshnet_p2p.dataplane.tls import TlsBindingError, peer_of_der
+    from meshnet_p2p.dataplane.transport.tls import TlsBindingError, peer_of_der
 
     raw = value if isinstance(value, bytes) else _mutate(_real_extension(), value)
     try:
@@ -1118,7 +1118,7 @@ def test_any_der_bytes_as_a_client_certificate_raise_only_a_binding_error(junk, 
     key type or version escaped as UnsupportedAlgorithm, InvalidVersion)."""
     import ssl as _ssl
 
-    from meshnet_p2p.dataplane.tls import TlsBindingError, make_client_credentials, peer_of_der
+    from meshnet_p2p.dataplane.transport.tls import TlsBindingError, make_client_credentials, peer_of_der
 
     if not _VALID_DER:
         _VALID_DER.append(_ssl.PEM_cert_to_DER_cert(make_client_credentials(_CLIENT).cert_pem.decode()))
@@ -1192,7 +1192,7 @@ def test_an_attach_feeds_only_the_current_route_with_the_current_secret():
 def test_the_rings_dial_certificate_is_renewed_before_it_expires(monkeypatch):
     """A peer serving for days dials next hops with a client certificate that lasts 24 h."""
     from meshnet_p2p.dataplane import servicer as servicer_mod
-    from meshnet_p2p.dataplane.tls import cert_identity
+    from meshnet_p2p.dataplane.transport.tls import cert_identity
 
     servicer = ShardRuntimeServicer(FakeEngine(*ROLES["middle"]), identity=CERTIFIER, now_ms=lambda: NOW)
     first = servicer._dial_credentials()

@@ -20,7 +20,7 @@ from meshnet_p2p.engine.cut import (
 from meshnet_p2p.engine.gguf import GGUFFormatError, OutTensor, ValueType, encode_kv, read_gguf, write_gguf
 from meshnet_p2p.engine.llama_engine import LlamaCppShardEngine
 
-from .swarm import meshnet_peer
+from tests.swarm import meshnet_peer
 
 
 def tiny_gguf(path, arch="llama", n_layer=2, n_embd=32, extra_kv=()):

@@ -11,15 +11,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshnet_p2p.dataplane import grpc_core as h2
-from meshnet_p2p.dataplane.grpc_core import (
+from meshnet_p2p.dataplane.transport import grpc_core as h2
+from meshnet_p2p.dataplane.transport.grpc_core import (
     H2ProtocolError,
     H2StreamClosed,
     Message,
     StreamEnded,
 )
 
-from .h2frames import (
+from tests.h2frames import (
     ACK,
     CONTINUATION,
     DATA,

@@ -8,19 +8,19 @@ import pytest
 import trio
 
 from meshnet_p2p import Client
-from meshnet_p2p.capability import CapabilityReport, model_key
-from meshnet_p2p.certification import TrustPolicy
-from meshnet_p2p.dataplane.tls import make_tls_credentials
+from meshnet_p2p.swarm.capability import CapabilityReport, model_key
+from meshnet_p2p.trust.certification import TrustPolicy
+from meshnet_p2p.dataplane.transport.tls import make_tls_credentials
 from meshnet_p2p.engine.cut import inspect_gguf
 from meshnet_p2p.engine.tokenizer import Tokenizer
-from meshnet_p2p.identity import Identity
-from meshnet_p2p.multiaddr import Multiaddr
-from meshnet_p2p.network import start_node
-from meshnet_p2p.records import wall_ms
-from meshnet_p2p.swarm_view import survey
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.core.multiaddr import Multiaddr
+from meshnet_p2p.swarm.node import start_node
+from meshnet_p2p.core.records import wall_ms
+from meshnet_p2p.swarm.view import survey
 
-from .reference import reference_generate
-from .swarm import certified_span, start_swarm
+from tests.reference import reference_generate
+from tests.swarm import certified_span, start_swarm
 
 PROMPT = "The capital of France is"
 
@@ -203,7 +203,7 @@ def a_credit(step):
 @pytest.mark.parametrize("answer", [bad_crc, an_ack, a_credit], ids=["bad-crc", "ack", "wrong-kind"])
 def test_a_malformed_step_reply_is_a_typed_connection_error(answer):
     from meshnet_p2p._proto import shard_runtime_pb2 as pb
-    from meshnet_p2p.dataplane.client import ShardClient, ShardConnectionError, open_channel
+    from meshnet_p2p.dataplane.stub import ShardClient, ShardConnectionError, open_channel
     from meshnet_p2p.engine.contract import HIDDEN, Tensor, TensorBundle
 
     server, liar, port = lying_server(answer)
@@ -265,7 +265,7 @@ async def publish_liar(addr, model_path, liar) -> None:
 
 def test_text_from_the_network_is_escaped_before_a_terminal():
     from meshnet_p2p._proto import shard_runtime_pb2 as pb
-    from meshnet_p2p.dataplane.client import ShardError
+    from meshnet_p2p.dataplane.stub import ShardError
     from meshnet_p2p.engine.contract import OpenRequest, check_session_id
 
     e = ShardError(pb.Error(code=pb.INTERNAL, detail="boom\x1b[2J\x07\r\nerror: all is well"))
@@ -319,8 +319,8 @@ def test_sessions_idle_past_the_bound_are_released(shard_dir, load_engine):
 
 def test_gossip_state_is_bounded_per_topic_in_total_and_prunes_its_buckets():
     from meshnet_p2p.dht.gossip import GossipState
-    from meshnet_p2p.identity import PeerId
-    from meshnet_p2p.records import Record
+    from meshnet_p2p.core.identity import PeerId
+    from meshnet_p2p.core.records import Record
 
     state = GossipState(max_per_topic=8, max_records=20, max_signers=50)
     now = 1_000_000
@@ -350,7 +350,7 @@ def _row():
 @pytest.fixture
 def full_peer(shard_dir, load_engine):
     """A middle-shard peer with 4 sessions, served over real TLS on loopback."""
-    from meshnet_p2p.dataplane.server import ShardServer
+    from meshnet_p2p.dataplane.transport.server import ShardServer
     from meshnet_p2p.dataplane.servicer import ShardRuntimeServicer
 
     engine = load_engine(shard_dir[(10, 20)], max_sessions=4)
@@ -361,8 +361,8 @@ def full_peer(shard_dir, load_engine):
 
 
 def _client(peer, who, source: str = "127.0.0.1"):
-    from meshnet_p2p.dataplane.client import ANONYMOUS, ShardClient, open_channel
-    from meshnet_p2p.dataplane.tls import make_client_credentials
+    from meshnet_p2p.dataplane.stub import ANONYMOUS, ShardClient, open_channel
+    from meshnet_p2p.dataplane.transport.tls import make_client_credentials
 
     srv, creds = peer
     tls = ANONYMOUS if who is None else who if not isinstance(who, Identity) else make_client_credentials(who)
@@ -378,7 +378,7 @@ def _open(client, n: int = 1):
 def _reclaimed(streams) -> list[int]:
     """Which of ``streams`` the peer took back (their next step is refused, saying
     so); they leave the list, the others have stepped once more."""
-    from meshnet_p2p.dataplane.client import ShardError
+    from meshnet_p2p.dataplane.stub import ShardError
 
     out = []
     for i, s in enumerate(streams):
@@ -399,8 +399,8 @@ def test_a_client_certificate_names_its_client_and_a_forged_one_is_refused(full_
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
-    from meshnet_p2p.dataplane import tls
-    from meshnet_p2p.dataplane.client import ShardConnectionError
+    from meshnet_p2p.dataplane.transport import tls
+    from meshnet_p2p.dataplane.stub import ShardConnectionError
 
     srv, _ = full_peer
     alice = Identity.generate()
@@ -431,7 +431,7 @@ def test_a_client_certificate_names_its_client_and_a_forged_one_is_refused(full_
 def test_one_client_holding_every_session_gives_back_a_fair_share(full_peer):
     """Failed before the fix: the second client was refused with CAPACITY while the
     first held all four sessions idle."""
-    from meshnet_p2p.dataplane.client import ShardError
+    from meshnet_p2p.dataplane.stub import ShardError
 
     hog = _open(_client(full_peer, Identity.generate()), 4)
     honest = _client(full_peer, Identity.generate())
@@ -447,7 +447,7 @@ def test_one_client_holding_every_session_gives_back_a_fair_share(full_peer):
 def test_addresses_share_before_identities_and_shares_do_not_flip_back(full_peer):
     """Identities cost nothing, so fresh ones from one address win nothing
     against another address. Failed before the fix (CAPACITY for the newcomer)."""
-    from meshnet_p2p.dataplane.client import ShardError
+    from meshnet_p2p.dataplane.stub import ShardError
 
     hog = [s for _ in range(4) for s in _open(_client(full_peer, Identity.generate(), source="127.0.0.2"))]
     honest = _open(_client(full_peer, Identity.generate(), source="127.0.0.1"))
@@ -458,7 +458,7 @@ def test_addresses_share_before_identities_and_shares_do_not_flip_back(full_peer
 
 def test_anonymous_clients_share_a_small_budget(full_peer):
     """Failed before the fix: anonymous clients could take every session."""
-    from meshnet_p2p.dataplane.client import ShardError
+    from meshnet_p2p.dataplane.stub import ShardError
 
     anonymous = _open(_client(full_peer, None))  # served: within the budget of max(1, 4 // 4)
     with pytest.raises(ShardError, match="anonymous budget"):
@@ -469,8 +469,8 @@ def test_anonymous_clients_share_a_small_budget(full_peer):
 
 def _hold_every_session(addr: str, model_path: str, hog: Identity) -> list:
     """Open every session of every peer of the certified recipe as one client, and hold them."""
-    from meshnet_p2p.client import connect
-    from meshnet_p2p.dataplane.tls import make_client_credentials
+    from meshnet_p2p.client.session import connect
+    from meshnet_p2p.dataplane.transport.tls import make_client_credentials
 
     info = inspect_gguf(model_path)
     view = trio.run(survey, [addr], info.model_digest, info.source_layers, TrustPolicy.default([addr]))
@@ -533,7 +533,7 @@ def test_a_volunteer_joining_after_a_flood_from_many_hosts_serves_a_generation(t
     is tests/test_dht.py::test_a_key_filled_from_many_hosts_still_takes_a_live_volunteers_record.)"""
     import os
 
-    from .swarm import Proc
+    from tests.swarm import Proc
 
     boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"])
     late = None
@@ -559,9 +559,9 @@ def test_a_stranger_who_knows_every_session_id_cannot_cancel_a_generation(tmp_pa
     head learns only its own) and sends Cancel and Release for each from its own
     connection, mid-generation. Before sessions belonged to their connection,
     the tail cancelled and the client failed over (and banned an honest peer)."""
-    from meshnet_p2p.client import RouteSession, connect
-    from meshnet_p2p.generation import generate
-    from meshnet_p2p.dataplane.tls import make_client_credentials
+    from meshnet_p2p.client.session import RouteSession, connect
+    from meshnet_p2p.client.generation import generate
+    from meshnet_p2p.dataplane.transport.tls import make_client_credentials
     from meshnet_p2p.engine.contract import SamplingParams
 
     boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"])
@@ -678,7 +678,7 @@ def test_silent_session_calls_do_not_keep_real_sessions_out(tmp_path, model_path
     one source's 16 connections x 32 calls took all 32 and a real route's
     session was refused. Now a Session takes a worker only once its SessionOpen
     has come, and silent calls cost their connection only."""
-    from meshnet_p2p.client import connect
+    from meshnet_p2p.client.session import connect
 
     boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"])
     clients = []
@@ -705,7 +705,7 @@ def test_five_hundred_long_key_records_do_not_end_a_swarm(tmp_path, model_path, 
     pull digests once grew past a datagram, `wire.encode` raised, and every process
     of the swarm died within 3.1 s. Now the swarm serves on, with the whole model's
     tokens, and every process is alive after many pull periods."""
-    from meshnet_p2p.certification import index_key, sign_index
+    from meshnet_p2p.trust.certification import index_key, sign_index
 
     boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"])
     try:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshnet_p2p.identity import (
+from meshnet_p2p.core.identity import (
     Identity,
     IdentityError,
     KeyFileError,
@@ -17,9 +17,9 @@ from meshnet_p2p.identity import (
     b58encode,
     encode_public_key,
 )
-from meshnet_p2p.multiaddr import Multiaddr, MultiaddrError
+from meshnet_p2p.core.multiaddr import Multiaddr, MultiaddrError
 
-from .swarm import meshnet_peer
+from tests.swarm import meshnet_peer
 
 VECTORS = json.loads((pathlib.Path(__file__).parent.parent / "identity" / "vectors.json").read_text())
 

@@ -13,13 +13,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from meshnet_p2p.client import Client, GenerationError, RequestRefused, RouteSession
+from meshnet_p2p.client.session import Client, GenerationError, RequestRefused, RouteSession
 from meshnet_p2p.engine.contract import SamplingParams
 from meshnet_p2p.engine.tokenizer import Tokenizer
 
-from .conftest import N_UBATCH
-from .reference import reference_generate
-from .swarm import start_swarm
+from tests.conftest import N_UBATCH
+from tests.reference import reference_generate
+from tests.swarm import start_swarm
 
 TOKENS = 12
 PROMPTS = [f"{subject} is" for subject in (
@@ -113,8 +113,8 @@ def test_generations_that_start_together_share_one_survey(model_path, monkeypatc
 
     import trio
 
-    from meshnet_p2p import client as client_mod
-    from meshnet_p2p.placement import NoRoute
+    from meshnet_p2p.client import session as client_mod
+    from meshnet_p2p.swarm.placement import NoRoute
 
     calls = []
     outcomes = [NoRoute([(0, 30)], "no peer announces this model")]  # the first survey fails: never cached
@@ -143,7 +143,7 @@ def test_generations_that_start_together_share_one_survey(model_path, monkeypatc
 def test_a_busy_peers_hint_cannot_stall_a_client():
     """retry_after_ms costs a peer nothing to inflate: the client waits at most
     its own ceiling (4 s, +25% jitter), and backs off when the hint is small."""
-    from meshnet_p2p.client import BACKOFF_MAX_S, _backoff
+    from meshnet_p2p.client.session import BACKOFF_MAX_S, _backoff
 
     assert max(_backoff(0, 10**6) for _ in range(100)) <= BACKOFF_MAX_S * 1.25
     assert max(_backoff(0, 0.0) for _ in range(100)) <= 0.25 * 1.25

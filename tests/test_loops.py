@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.testing
 
-from meshnet_p2p import guard as guard_module
+from meshnet_p2p.core import guard as guard_module
 
 
 @pytest.fixture
@@ -34,7 +34,7 @@ async def run_for(seconds: float, fn, *args) -> None:
 
 
 async def test_the_announce_loop_counts_a_failing_announce_and_announces_again(autojump_clock):
-    from meshnet_p2p.peer import announce_loop
+    from meshnet_p2p.roles.join import announce_loop
 
     counts, calls = Counter(), []
 
@@ -48,7 +48,7 @@ async def test_the_announce_loop_counts_a_failing_announce_and_announces_again(a
 
 
 async def test_the_reachability_recheck_counts_a_failing_check_and_asks_again(autojump_clock, monkeypatch):
-    import meshnet_p2p.peer as peer
+    import meshnet_p2p.roles.join as peer
 
     node = SimpleNamespace(stats=Counter())
     monkeypatch.setattr(peer, "_reachability", aboom)
@@ -57,8 +57,8 @@ async def test_the_reachability_recheck_counts_a_failing_check_and_asks_again(au
 
 
 async def test_the_relay_keeper_counts_a_failing_search_and_searches_again(autojump_clock):
-    from meshnet_p2p.identity import Identity
-    from meshnet_p2p.relay_keeper import RelayKeeper
+    from meshnet_p2p.core.identity import Identity
+    from meshnet_p2p.nat.keeper import RelayKeeper
 
     node = SimpleNamespace(stats=Counter())
     keeper = RelayKeeper(node, Identity.generate(), ("127.0.0.1", 1), on_change=lambda held: None,
@@ -70,8 +70,8 @@ async def test_the_relay_keeper_counts_a_failing_search_and_searches_again(autoj
 
 
 async def test_the_monitor_counts_a_survey_that_breaks_and_surveys_again(autojump_clock):
-    from meshnet_p2p.certification import TrustPolicy
-    from meshnet_p2p.monitor import Monitor
+    from meshnet_p2p.trust.certification import TrustPolicy
+    from meshnet_p2p.roles.monitor import Monitor
 
     monitor = Monitor(aboom, TrustPolicy(), interval_s=3.0, clock=lambda: 0)
     await run_for(60, monitor.run)
@@ -79,8 +79,8 @@ async def test_the_monitor_counts_a_survey_that_breaks_and_surveys_again(autojum
 
 
 async def test_the_idle_session_reaper_counts_a_failure_and_reaps_again(autojump_clock, monkeypatch):
-    from meshnet_p2p.dataplane import serve
-    from meshnet_p2p.dataplane.serve import _reap_idle_sessions
+    from meshnet_p2p.roles import serve
+    from meshnet_p2p.roles.serve import _reap_idle_sessions
 
     async def in_place(fn, *args):  # (a thread's real time would let the virtual clock jump past the test)
         return fn(*args)

@@ -17,15 +17,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from meshnet_p2p import Client
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
 from meshnet_p2p.dataplane.servicer import ShardRuntimeServicer
-from meshnet_p2p.dataplane.relay import Relay
+from meshnet_p2p.nat.relay import Relay
 from meshnet_p2p.engine.contract import MetricsResult
-from meshnet_p2p.identity import Identity
-from meshnet_p2p.metrics import (ApiCollector, ClientCollector, DataPlaneCollector, DhtCollector, EngineCollector,
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.roles.metrics import (ApiCollector, ClientCollector, DataPlaneCollector, DhtCollector, EngineCollector,
                                  MetricsError, RelayCollector, make_registry, serve_metrics)
-from meshnet_p2p.peer_process import Swarm
-from meshnet_p2p.stats import BATCH_ROWS, LOOKUP_SECONDS, ClientStats, Counters, Histogram, ServingStats
+from meshnet_p2p.roles.peer_process import Swarm
+from meshnet_p2p.core.stats import BATCH_ROWS, LOOKUP_SECONDS, ClientStats, Counters, Histogram, ServingStats
 
-from .swarm import Proc, certify_swarm, meshnet_peer
+from tests.swarm import Proc, certify_swarm, meshnet_peer
 
 PROMPT = "The capital of France is"
 

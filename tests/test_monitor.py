@@ -14,22 +14,22 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
-from meshnet_p2p.capability import CapabilityReport
-from meshnet_p2p.certification import Certificate, TrustPolicy
+from meshnet_p2p.swarm.capability import CapabilityReport
+from meshnet_p2p.trust.certification import Certificate, TrustPolicy
 from meshnet_p2p.engine.recipe import recipe_digest
-from meshnet_p2p.identity import Identity
-from meshnet_p2p.monitor import MAX_EVENTS, Monitor, create_app, diff_events, layer_counts, monitor_doc, serve_app
-from meshnet_p2p.multiaddr import Multiaddr
-from meshnet_p2p.network import TYPES
-from meshnet_p2p.peer_process import Swarm
-from meshnet_p2p.placement import Span
-from meshnet_p2p.records import RecordVerifier, wall_ms
-from meshnet_p2p.relays import circuit_addr, sign_relay_record
-from meshnet_p2p.status import Survey
-from meshnet_p2p.swarm_view import build_view
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.roles.monitor import MAX_EVENTS, Monitor, create_app, diff_events, layer_counts, monitor_doc, serve_app
+from meshnet_p2p.core.multiaddr import Multiaddr
+from meshnet_p2p.swarm.node import TYPES
+from meshnet_p2p.roles.peer_process import Swarm
+from meshnet_p2p.swarm.placement import Span
+from meshnet_p2p.core.records import RecordVerifier, wall_ms
+from meshnet_p2p.swarm.relay_offers import circuit_addr, sign_relay_record
+from meshnet_p2p.roles.status import Survey
+from meshnet_p2p.swarm.view import build_view
 from meshnet_p2p.testing import FAKE_CERT_PEM
 
-from .swarm import Proc
+from tests.swarm import Proc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / ".ci" / "artifacts"
@@ -402,7 +402,7 @@ async def test_what_forged_reports_can_name_cannot_take_over_the_page(tmp_path):
 
 
 def test_a_survey_shows_a_bounded_page_whatever_the_dht_holds():
-    from meshnet_p2p.monitor import MAX_EVENTS_OF_A_KIND, MAX_PEERS_SHOWN
+    from meshnet_p2p.roles.monitor import MAX_EVENTS_OF_A_KIND, MAX_PEERS_SHOWN
 
     many = [signed_report(Identity.from_seed(i.to_bytes(4, "big") * 8), (0, 30)) for i in range(MAX_PEERS_SHOWN + 40)]
     doc = doc_of(many)
@@ -500,8 +500,8 @@ async def test_a_survey_no_dht_node_answered_is_a_failed_survey_not_an_empty_swa
     the monitor must say its survey fails, not that every peer vanished."""
     from collections import Counter
 
-    from meshnet_p2p.errors import MeshnetError
-    from meshnet_p2p.status import survey_node
+    from meshnet_p2p.core.errors import MeshnetError
+    from meshnet_p2p.roles.status import survey_node
 
     class CutOff:
         stats = Counter()

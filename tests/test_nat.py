@@ -23,11 +23,11 @@ import threading
 import pytest
 
 from meshnet_p2p.engine.tokenizer import Tokenizer
-from meshnet_p2p.peer_process import OutputLines
+from meshnet_p2p.roles.peer_process import OutputLines
 
-from .hosts import IP, Host, Net, require_hosts
-from .reference import reference_generate
-from .swarm import Proc
+from tests.hosts import IP, Host, Net, require_hosts
+from tests.reference import reference_generate
+from tests.swarm import Proc
 
 PROMPT = "The capital of France is"
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -2,8 +2,8 @@
 
 import pytest
 
-from meshnet_p2p.identity import Identity
-from meshnet_p2p.network import BootstrapError, bootstrap_addrs, parse_listen, read_bootstrap_list
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.swarm.node import BootstrapError, bootstrap_addrs, parse_listen, read_bootstrap_list
 
 PID = str(Identity.from_seed(b"\1" * 32).peer_id)
 A = f"/ip4/127.0.0.1/udp/4001/p2p/{PID}"
@@ -28,7 +28,7 @@ def test_bad_bootstrap_addresses_are_refused(bad):
 
 
 def test_default_list_file_parses_and_is_valid():
-    from meshnet_p2p.network import DEFAULT_LIST
+    from meshnet_p2p.swarm.node import DEFAULT_LIST
 
     assert DEFAULT_LIST.exists()
     for text in read_bootstrap_list(DEFAULT_LIST):

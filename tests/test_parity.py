@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from meshnet_p2p.engine.tokenizer import Tokenizer
-from meshnet_p2p.local import LocalRoute
+from meshnet_p2p.client.local import LocalRoute
 
-from .conftest import N_UBATCH
-from .reference import reference_generate
+from tests.conftest import N_UBATCH
+from tests.reference import reference_generate
 
 PROMPTS = [
     "The capital of France is",

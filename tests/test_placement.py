@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from meshnet_p2p.placement import (DEFAULT_HOP_MS, DEFAULT_TOKENS_PER_S, MIN_UNMEASURED_MS_PER_TOKEN, Span,
+from meshnet_p2p.swarm.placement import (DEFAULT_HOP_MS, DEFAULT_TOKENS_PER_S, MIN_UNMEASURED_MS_PER_TOKEN, Span,
                                    plan_route, span_cost_ms)
 
 
@@ -81,11 +81,11 @@ def test_existing_callers_keep_working_positionally():
 
 
 def test_span_from_a_verified_report_reads_the_validated_fields():
-    from meshnet_p2p.capability import TYPES, CapabilityReport
-    from meshnet_p2p.dataplane.tls import make_tls_credentials
-    from meshnet_p2p.identity import Identity
-    from meshnet_p2p.multiaddr import Multiaddr
-    from meshnet_p2p.records import RecordVerifier, wall_ms
+    from meshnet_p2p.swarm.capability import TYPES, CapabilityReport
+    from meshnet_p2p.dataplane.transport.tls import make_tls_credentials
+    from meshnet_p2p.core.identity import Identity
+    from meshnet_p2p.core.multiaddr import Multiaddr
+    from meshnet_p2p.core.records import RecordVerifier, wall_ms
 
     ident = Identity.generate()
     rep = CapabilityReport("ab" * 32, "cd" * 32, (3, 9), (str(Multiaddr.for_socket("127.0.0.1", "tcp", 4000, ident.peer_id)),),
@@ -99,7 +99,7 @@ def test_span_from_a_verified_report_reads_the_validated_fields():
 
 
 def test_an_implausible_unmeasured_claim_is_tried_after_measured_honest_peers():
-    from meshnet_p2p.placement import IMPLAUSIBLE_PENALTY_MS, Span, plan_route, span_cost_ms
+    from meshnet_p2p.swarm.placement import IMPLAUSIBLE_PENALTY_MS, Span, plan_route, span_cost_ms
 
     honest = [Span("h1", 0, 10, 300.0, 2), Span("h2", 10, 20, 300.0, 2), Span("h3", 20, 30, 300.0, 2)]
     liar = Span("liar", 0, 30, 100_000.0, 4096)
@@ -113,7 +113,7 @@ def test_an_implausible_unmeasured_claim_is_tried_after_measured_honest_peers():
 
 
 def test_missing_layers_costs_what_the_spans_cost_not_what_a_claim_of_layers_costs():
-    from meshnet_p2p.placement import missing_layers
+    from meshnet_p2p.swarm.placement import missing_layers
 
     # a per-layer walk could not even allocate this range; a sweep over the spans does not care
     huge = 10**15

@@ -1,7 +1,7 @@
 """Channels shared between sessions (meshnet_p2p/dataplane/pool.py), with a
 stand-in for a channel: what the pool looks at is whether it is broken."""
 
-from meshnet_p2p.dataplane.pool import ChannelPool
+from meshnet_p2p.dataplane.transport.pool import ChannelPool
 
 
 class _Wire:

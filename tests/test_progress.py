@@ -2,7 +2,7 @@
 
 import io
 
-from meshnet_p2p.progress import PLAIN_EVERY_S, TerminalProgress
+from meshnet_p2p.roles.progress import PLAIN_EVERY_S, TerminalProgress
 
 
 class Clock:
@@ -52,7 +52,7 @@ def test_on_a_terminal_one_line_is_redrawn_in_place():
 
 
 def test_a_status_line_stays_at_the_bottom_and_other_lines_print_above_it():
-    from meshnet_p2p.progress import StatusLine
+    from meshnet_p2p.roles.progress import StatusLine
 
     out, printed = Tty(), []
     status = StatusLine(out)
@@ -77,7 +77,7 @@ def test_join_on_a_terminal_shows_its_progress_and_a_live_status_line(tmp_path):
     import sys
     import time
 
-    from meshnet_p2p.peer_process import PeerProcess
+    from meshnet_p2p.roles.peer_process import PeerProcess
 
     env = {**os.environ, "MESHNET_CACHE_DIR": str(tmp_path)}  # a fresh cache: it cuts its shard here
     boot = PeerProcess("bootstrap", "--listen", "127.0.0.1:0", env=env)
@@ -133,7 +133,7 @@ def test_the_same_phase_twice_is_two_runs():
 def test_the_status_line_is_whole_under_threads_and_quiet_once_the_terminal_goes():
     import threading
 
-    from meshnet_p2p.progress import StatusLine
+    from meshnet_p2p.roles.progress import StatusLine
 
     class Terminal(Tty):
         def __init__(self) -> None:

@@ -18,13 +18,13 @@ import ssl
 import pytest
 import trio
 
-from meshnet_p2p import dialback
-from meshnet_p2p.dataplane.server import ShardServer
-from meshnet_p2p.dataplane.tls import load_key_pair, make_tls_credentials
+from meshnet_p2p.nat import dialback
+from meshnet_p2p.dataplane.transport.server import ShardServer
+from meshnet_p2p.dataplane.transport.tls import load_key_pair, make_tls_credentials
 from meshnet_p2p.dht import wire
 from meshnet_p2p.dht.node import DHTNode
 from meshnet_p2p.dht.routing import Contact
-from meshnet_p2p.dialback import (
+from meshnet_p2p.nat.dialback import (
     NOT_FROM_SOURCE,
     REACHABLE,
     UNKNOWN,
@@ -36,11 +36,11 @@ from meshnet_p2p.dialback import (
     sign_dial_result,
     verify_dial_result,
 )
-from meshnet_p2p.identity import Identity, PeerId
-from meshnet_p2p.multiaddr import Multiaddr
-from meshnet_p2p.network import node_multiaddr, start_node
-from meshnet_p2p.reachability import ReachabilityError, check_reachability, choose_dialers, tls_dial_check
-from meshnet_p2p.records import RecordVerifier, sign_record, wall_ms
+from meshnet_p2p.core.identity import Identity, PeerId
+from meshnet_p2p.core.multiaddr import Multiaddr
+from meshnet_p2p.swarm.node import node_multiaddr, start_node
+from meshnet_p2p.nat.reachability import ReachabilityError, check_reachability, choose_dialers, tls_dial_check
+from meshnet_p2p.core.records import RecordVerifier, sign_record, wall_ms
 
 _seeds = itertools.count(1)
 

@@ -19,17 +19,17 @@ import trio.testing
 from hypothesis import event, given
 from hypothesis import strategies as st
 
-from meshnet_p2p import dialback
+from meshnet_p2p.nat import dialback
 from meshnet_p2p.dht import wire
 from meshnet_p2p.dht.node import DHTNode
-from meshnet_p2p.dialback import DialbackRejected, dial_target, sign_dial_result, valid_content, verify_dial_result
-from meshnet_p2p.identity import Identity, PeerId
-from meshnet_p2p.multiaddr import Multiaddr, ip_of
-from meshnet_p2p.records import DOMAIN as RECORD_DOMAIN
-from meshnet_p2p.records import canonical, seal
+from meshnet_p2p.nat.dialback import DialbackRejected, dial_target, sign_dial_result, valid_content, verify_dial_result
+from meshnet_p2p.core.identity import Identity, PeerId
+from meshnet_p2p.core.multiaddr import Multiaddr, ip_of
+from meshnet_p2p.core.records import DOMAIN as RECORD_DOMAIN
+from meshnet_p2p.core.records import canonical, seal
 from meshnet_p2p.testing import FakeNetwork
 
-from .mutations import mutate_bytes, mutate_tree
+from tests.mutations import mutate_bytes, mutate_tree
 
 NOW = 1_700_000_000_000
 ALICE = Identity.from_seed(b"\x71" * 32)  # asks

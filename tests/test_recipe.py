@@ -28,7 +28,7 @@ from meshnet_p2p.engine.cut import (
 )
 from meshnet_p2p.engine.gguf import OutTensor, ValueType, encode_kv, encode_string, read_gguf, write_gguf
 from meshnet_p2p.engine.llama_engine import LlamaCppShardEngine
-from meshnet_p2p.errors import MeshnetError
+from meshnet_p2p.core.errors import MeshnetError
 
 VECTORS = json.load(open(os.path.join(os.path.dirname(__file__), "data", "recipe_vectors.json")))
 BINDING_MESSAGE = "shard bytes do not match the binding it claims"
@@ -316,7 +316,7 @@ def test_a_head_whose_tokenizer_is_not_the_sources_is_refused(shard_dir, tmp_pat
 
 
 def test_an_old_format_shard_is_refused_and_recut(monkeypatch, tmp_path, model_path, model_digest):
-    from meshnet_p2p import models
+    from meshnet_p2p.engine import models
 
     monkeypatch.setenv("MESHNET_CACHE_DIR", str(tmp_path / "cache"))
     path = models.shard_cache_path(model_digest, 10, 20)

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshnet_p2p.identity import Identity
-from meshnet_p2p.records import (
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.core.records import (
     DOMAIN,
     MAX_RECORD_BYTES,
     PayloadType,

@@ -16,19 +16,19 @@ import pytest
 import trio
 import trio.testing
 
-from meshnet_p2p.dataplane import relay as relay_mod
-from meshnet_p2p.dataplane.client import ShardClient, open_channel
-from meshnet_p2p.dataplane.relay import Relay, RelayLimits, attach_to_relay, hold_reservation, relay_target
-from meshnet_p2p.dataplane.server import ShardServer
+from meshnet_p2p.nat import relay as relay_mod
+from meshnet_p2p.dataplane.stub import ShardClient, open_channel
+from meshnet_p2p.nat.relay import Relay, RelayLimits, attach_to_relay, hold_reservation, relay_target
+from meshnet_p2p.dataplane.transport.server import ShardServer
 from meshnet_p2p.dataplane.servicer import ShardRuntimeServicer
-from meshnet_p2p.dataplane.tls import make_tls_credentials
+from meshnet_p2p.dataplane.transport.tls import make_tls_credentials
 from meshnet_p2p.engine.tokenizer import Tokenizer
-from meshnet_p2p.identity import Identity
-from meshnet_p2p.local import LocalRoute
-from meshnet_p2p.multiaddr import Multiaddr
-from meshnet_p2p.records import RecordVerifier, wall_ms
-from meshnet_p2p.relay_keeper import RelayKeeper
-from meshnet_p2p.relays import TYPES, sign_relay_record
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.client.local import LocalRoute
+from meshnet_p2p.core.multiaddr import Multiaddr
+from meshnet_p2p.core.records import RecordVerifier, wall_ms
+from meshnet_p2p.nat.keeper import RelayKeeper
+from meshnet_p2p.swarm.relay_offers import TYPES, sign_relay_record
 
 LIMITS = {"max_reservations": 128, "max_connections_per_peer": 16, "bytes_per_second_per_peer": 64_000_000}
 
@@ -92,7 +92,7 @@ def circuits_of(relay: Relay, peer: Identity) -> int:
 
 
 def test_circuits_are_bounded_per_source_and_taken_back_from_the_biggest_source_idle_longest():
-    from meshnet_p2p.dataplane.circuits import (
+    from meshnet_p2p.nat.circuits import (
         CIRCUIT_LIMIT, SOURCE_LIMIT, Admit, Circuit, Reclaim, Refuse, admit_circuit, circuit_source, per_source_limit,
     )
 
@@ -119,7 +119,7 @@ def test_circuits_are_bounded_per_source_and_taken_back_from_the_biggest_source_
 
 
 def test_a_peer_counts_only_the_clients_its_relay_turned_away_lately():
-    from meshnet_p2p.relay_keeper import turned_away_lately
+    from meshnet_p2p.nat.keeper import turned_away_lately
 
     assert turned_away_lately([0]) == 0
     assert turned_away_lately([0, 0, 1, 3]) == 3

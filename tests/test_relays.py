@@ -14,18 +14,18 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshnet_p2p.dataplane import relay as relay_mod
-from meshnet_p2p.dataplane.relay import (
+from meshnet_p2p.nat import relay as relay_mod
+from meshnet_p2p.nat.relay import (
     KEEPALIVE_S, PONG_TIMEOUT_S, Relay, RelayError, RelayLimits, hold_reservation,
 )
-from meshnet_p2p.dataplane.server import ShardServer
-from meshnet_p2p.dataplane.tls import make_tls_credentials
-from meshnet_p2p.identity import Identity
-from meshnet_p2p.reachability import relay_dial_check
-from meshnet_p2p.multiaddr import Multiaddr
-from meshnet_p2p.records import RecordVerifier, wall_ms
-from meshnet_p2p.relay_keeper import RelayKeeper
-from meshnet_p2p.relays import (
+from meshnet_p2p.dataplane.transport.server import ShardServer
+from meshnet_p2p.dataplane.transport.tls import make_tls_credentials
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.nat.reachability import relay_dial_check
+from meshnet_p2p.core.multiaddr import Multiaddr
+from meshnet_p2p.core.records import RecordVerifier, wall_ms
+from meshnet_p2p.nat.keeper import RelayKeeper
+from meshnet_p2p.swarm.relay_offers import (
     RELAYS_KEY, TYPES, RelayOffer, circuit_addr, one_per_network, rank_relays, relay_score, sign_relay_record,
     usable_host, valid_relay_content,
 )

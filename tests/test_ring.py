@@ -11,14 +11,14 @@ import time
 import pytest
 
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
-from meshnet_p2p.dataplane.client import ShardError, open_attach
+from meshnet_p2p.dataplane.stub import ShardError, open_attach
 from meshnet_p2p.dataplane.ring import MAX_LINKS_PER_SESSION
-from meshnet_p2p.capability import CapabilityReport
-from meshnet_p2p.dataplane.tls import make_tls_credentials
-from meshnet_p2p.identity import Identity
-from meshnet_p2p.records import wall_ms
+from meshnet_p2p.swarm.capability import CapabilityReport
+from meshnet_p2p.dataplane.transport.tls import make_tls_credentials
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.core.records import wall_ms
 
-from .test_dataplane import Served, hidden
+from tests.test_dataplane import Served, hidden
 
 
 @pytest.fixture(scope="module")
@@ -208,8 +208,8 @@ class _Peer:
 
 
 def _route(hops):
-    from meshnet_p2p.client import RouteSession, _Hop
-    from meshnet_p2p.placement import Span
+    from meshnet_p2p.client.session import RouteSession, _Hop
+    from meshnet_p2p.swarm.placement import Span
 
     route = object.__new__(RouteSession)  # only what _link_ring reads
     route.epoch, route.step_timeout, route.max_tokens, route.stop_at_eog = 0, 1.0, 64, True
@@ -243,7 +243,7 @@ def test_a_hop_that_cannot_reach_a_live_next_hop_is_the_one_at_fault():
 def test_a_link_carries_the_next_hops_newest_report():
     """The hop dials only what the report says: the client sends the newest it holds
     (a long generation outlives the report its route was planned from)."""
-    from meshnet_p2p.placement import Span
+    from meshnet_p2p.swarm.placement import Span
 
     route = _route([(_Stream(), True), (_Stream(), True)])
     assert route._link_ring() is None

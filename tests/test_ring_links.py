@@ -16,14 +16,14 @@ import time
 import pytest
 
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
-from meshnet_p2p.capability import CapabilityReport, sign_model_index
+from meshnet_p2p.swarm.capability import CapabilityReport, sign_model_index
 from meshnet_p2p.dataplane.link_guard import LinkBounds, LinkGuard
 from meshnet_p2p.dataplane.servicer import Limits, ShardRuntimeServicer
-from meshnet_p2p.dataplane.tls import make_tls_credentials
-from meshnet_p2p.identity import Identity
-from meshnet_p2p.records import wall_ms
+from meshnet_p2p.dataplane.transport.tls import make_tls_credentials
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.core.records import wall_ms
 
-from .test_fuzz_decoders import FINGERPRINT, MODEL, RECIPE, FakeEngine, _open
+from tests.test_fuzz_decoders import FINGERPRINT, MODEL, RECIPE, FakeEngine, _open
 
 HOP = Identity.from_seed(b"\x61" * 32)  # the volunteer whose session gets the links (layers 10-20)
 ATTACKER = Identity.from_seed(b"\x62" * 32)  # a peer ID the client chose, with a certificate it made itself

@@ -17,16 +17,16 @@ import pytest
 
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
 from meshnet_p2p._proto import shard_runtime_pb2_grpc as pb_grpc
-from meshnet_p2p.dataplane import grpc_core as h2
-from meshnet_p2p.dataplane.channel import ChannelError
-from meshnet_p2p.dataplane.client import ShardClient, open_channel
-from meshnet_p2p.dataplane.server import ShardServer
+from meshnet_p2p.dataplane.transport import grpc_core as h2
+from meshnet_p2p.dataplane.transport.channel import ChannelError
+from meshnet_p2p.dataplane.stub import ShardClient, open_channel
+from meshnet_p2p.dataplane.transport.server import ShardServer
 from meshnet_p2p.dataplane.servicer import ShardRuntimeServicer
 from meshnet_p2p.dataplane.tensors import bundle_to_proto
-from meshnet_p2p.dataplane.tls import TLS_NAME, make_tls_credentials
+from meshnet_p2p.dataplane.transport.tls import TLS_NAME, make_tls_credentials
 from meshnet_p2p.engine.contract import HIDDEN, Tensor, TensorBundle
 
-from .h2frames import PREFACE, SETTINGS, frame
+from tests.h2frames import PREFACE, SETTINGS, frame
 
 
 @pytest.fixture
@@ -147,7 +147,7 @@ def test_connections_come_and_go_without_leaking_threads_or_descriptors(server):
 
 
 def test_calls_per_connection_are_bounded_and_silent_calls_are_ended(server, monkeypatch):
-    from meshnet_p2p.dataplane import server as server_module
+    from meshnet_p2p.dataplane.transport import server as server_module
 
     srv, creds, engine = server
     monkeypatch.setattr(server_module, "FIRST_MESSAGE_TIMEOUT", 0.5)
@@ -360,7 +360,7 @@ def test_one_source_holds_a_bounded_share_of_connections_and_idle_ones_give_way(
 def _frames_until_closed(sock, timeout: float = 10, answer_pings: bool = False) -> tuple[list, bool]:
     """Read a raw connection's frames until the server closes it (True) or
     ``timeout`` passes (False); optionally acking each PING as a live client does."""
-    from .h2frames import ACK, PING, frames
+    from tests.h2frames import ACK, PING, frames
 
     deadline, data, seen = time.monotonic() + timeout, b"", 0
     while time.monotonic() < deadline:
@@ -388,7 +388,7 @@ def test_keepalive_pings_close_a_connection_whose_client_vanished(shard_dir, loa
     route) kept its connection and its calls for ever. A connection with calls
     that has been silent is now sent a PING, and closed if no answer comes; one
     whose client answers is kept."""
-    from .h2frames import END_HEADERS, GOAWAY, HEADERS, PING, request_headers
+    from tests.h2frames import END_HEADERS, GOAWAY, HEADERS, PING, request_headers
 
     engine = load_engine(shard_dir[(10, 20)])
     creds = make_tls_credentials()
@@ -421,7 +421,7 @@ def test_a_stopping_server_says_goaway_last(shard_dir, load_engine):
     """Issue 12 #1 (GOAWAY on drain): h2 takes nothing after a GOAWAY, so the
     server refuses new calls while draining, lets running ones finish, and
     sends GOAWAY(NO_ERROR) as each connection's last frame."""
-    from .h2frames import GOAWAY
+    from tests.h2frames import GOAWAY
 
     engine = load_engine(shard_dir[(10, 20)])
     creds = make_tls_credentials()
@@ -465,8 +465,8 @@ def test_a_call_the_peer_turned_away_before_any_work_bans_no_peer():
     the request's error: the route search sets that peer aside, as a full one,
     and does not ban it. Anything else from the transport still counts as the
     peer's fault."""
-    from meshnet_p2p.client import _is_full
-    from meshnet_p2p.dataplane.client import ShardConnectionError
+    from meshnet_p2p.client.session import _is_full
+    from meshnet_p2p.dataplane.stub import ShardConnectionError
 
     refused = ChannelError("UNAVAILABLE", "the peer reset the stream (HTTP/2 error 7)", refused=True)
     queued_out = ChannelError("RESOURCE_EXHAUSTED", "over 64 calls from your address wait already")
@@ -479,7 +479,7 @@ def test_a_call_the_peer_turned_away_before_any_work_bans_no_peer():
 def test_a_thread_that_reads_for_itself_sends_the_standby_poller_aside():
     """Else the standby and the thread waiting for its request both wake for the
     same bytes, each step, at the moment the step's latency is made."""
-    from meshnet_p2p.dataplane.driver import Driver
+    from meshnet_p2p.dataplane.transport.driver import Driver
 
     a, b = socket.socketpair()
     d = Driver()

@@ -9,14 +9,14 @@ import pytest
 import trio
 import trio.testing
 
-from meshnet_p2p.capability import model_key
-from meshnet_p2p.certification import Certificate, TrustPolicy
+from meshnet_p2p.swarm.capability import model_key
+from meshnet_p2p.trust.certification import Certificate, TrustPolicy
 from meshnet_p2p.dht.node import DHTConfig
 from meshnet_p2p.engine.recipe import recipe_digest
-from meshnet_p2p.identity import Identity
-from meshnet_p2p.placement import NoRoute
-from meshnet_p2p.records import Record
-from meshnet_p2p.swarm_view import (CERTIFY_HINT, SURVEY_RETRY_WAITS_S, RecipeNotCertified, build_view,
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.swarm.placement import NoRoute
+from meshnet_p2p.core.records import Record
+from meshnet_p2p.swarm.view import (CERTIFY_HINT, SURVEY_RETRY_WAITS_S, RecipeNotCertified, build_view,
                                     fetch_believable, routable_spans)
 from meshnet_p2p.testing import sample_report
 

@@ -6,10 +6,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
-from meshnet_p2p.dataplane.relay import Relay
+from meshnet_p2p.nat.relay import Relay
 from meshnet_p2p.dataplane.tensors import PayloadError, bundle_from_proto, bundle_to_proto, crc32c
 from meshnet_p2p.engine.contract import HIDDEN, Tensor, TensorBundle
-from meshnet_p2p.identity import Identity
+from meshnet_p2p.core.identity import Identity
 
 fragment = st.builds(lambda off, data: pb.Fragment(byte_offset=off, payload=data), st.integers(0, 5000), st.binary(max_size=300))
 tensor = st.builds(
@@ -56,8 +56,8 @@ async def test_relay_survives_junk_and_keeps_serving():
                 pass
             await s.aclose()
         # a well-formed reservation still works afterwards
-        from meshnet_p2p.dataplane.relay import reserve
-        from meshnet_p2p.multiaddr import Multiaddr
+        from meshnet_p2p.nat.relay import reserve
+        from meshnet_p2p.core.multiaddr import Multiaddr
 
         control, _ = await reserve(Multiaddr.parse(f"/ip4/127.0.0.1/tcp/{port}/p2p/{relay.identity.peer_id}"), Identity.generate())
         assert len(relay.reservations) == 1

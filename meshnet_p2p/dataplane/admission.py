@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..multiaddr import ip_of
+from meshnet_p2p.core.multiaddr import ip_of
 
 ANONYMOUS = "anonymous"
 

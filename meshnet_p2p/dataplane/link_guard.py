@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Hashable
 
-from .grpc_core import Budget
+from meshnet_p2p.dataplane.transport.grpc_core import Budget
 
 
 @dataclass(frozen=True)

@@ -27,16 +27,16 @@ import time
 from dataclasses import dataclass
 from typing import Hashable
 
-from .._proto import shard_runtime_pb2 as pb
-from ..capability import CAPABILITY, CAPABILITY_TYPE
-from ..errors import MeshnetError, sanitize
-from ..identity import PeerId
-from ..multiaddr import Multiaddr
-from ..records import RecordRejected, RecordVerifier
-from .channel import ChannelError
-from .client import lease_channel, open_attach
-from .pool import ChannelPool
-from .tls import TlsCredentials, cert_identity
+from meshnet_p2p._proto import shard_runtime_pb2 as pb
+from meshnet_p2p.swarm.capability import CAPABILITY, CAPABILITY_TYPE
+from meshnet_p2p.core.errors import MeshnetError, sanitize
+from meshnet_p2p.core.identity import PeerId
+from meshnet_p2p.core.multiaddr import Multiaddr
+from meshnet_p2p.core.records import RecordRejected, RecordVerifier
+from meshnet_p2p.dataplane.transport.channel import ChannelError
+from .stub import lease_channel, open_attach
+from meshnet_p2p.dataplane.transport.pool import ChannelPool
+from meshnet_p2p.dataplane.transport.tls import TlsCredentials, cert_identity
 
 log = logging.getLogger(__name__)
 

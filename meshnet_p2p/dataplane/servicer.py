@@ -26,8 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from .._proto import shard_runtime_pb2 as pb
-from ..engine.contract import (
+from meshnet_p2p._proto import shard_runtime_pb2 as pb
+from meshnet_p2p.engine.contract import (
     DecodeRequest,
     OpenRequest,
     PrefillRequest,
@@ -36,20 +36,20 @@ from ..engine.contract import (
     StatusCode,
     check_session_id,
 )
-from ..certification import Attestation
-from ..engine.recipe import explain_mismatch
-from ..engine.sessions import context_refusal
-from ..identity import Identity
-from ..records import wall_ms
-from ..stats import ServingStats
+from meshnet_p2p.trust.certification import Attestation
+from meshnet_p2p.engine.recipe import explain_mismatch
+from meshnet_p2p.engine.sessions import context_refusal
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.core.records import wall_ms
+from meshnet_p2p.core.stats import ServingStats
 from .admission import Claimant, Held, Reclaim, Refuse, decide
-from .pool import ChannelPool
+from meshnet_p2p.dataplane.transport.pool import ChannelPool
 from .link_guard import LinkBounds, LinkGuard
 from .ring import (ATTACH_TOKEN_BYTES, LINK_DIAL_S, LINK_TIMEOUT_S, MAX_LINKS_PER_SESSION, UNREACHED, LinkError,
                    ReportRefused, RingLink, forwards, next_hop, token_matches)
 from .session_state import SessionState, Verdict
 from .tensors import PayloadError, bundle_from_proto, bundle_to_proto
-from .tls import make_client_credentials
+from meshnet_p2p.dataplane.transport.tls import make_client_credentials
 
 E = pb.ErrorCode
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..certification import SEAM_DOMAIN, RowDigest
+from meshnet_p2p.trust.certification import SEAM_DOMAIN, RowDigest
 
 
 class Verdict(str, Enum):

@@ -7,9 +7,9 @@ import math
 
 import google_crc32c
 
-from .._proto import shard_runtime_pb2 as pb
-from ..engine.contract import Tensor, TensorBundle
-from ..engine.seam import seam_itemsize
+from meshnet_p2p._proto import shard_runtime_pb2 as pb
+from meshnet_p2p.engine.contract import Tensor, TensorBundle
+from meshnet_p2p.engine.seam import seam_itemsize
 
 MAX_TENSORS = 8
 MAX_FRAGMENTS = 1024

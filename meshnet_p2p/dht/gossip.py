@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..records import Record
+from meshnet_p2p.core.records import Record
 
 
 # A pull's digest must fit one datagram (wire.MAX_DATAGRAM, 60,000 bytes) with its

@@ -10,7 +10,7 @@ stores but says so in every request, so nobody adds it to a routing table.
 
 A node given a ``dial_back`` function (by its role: the DHT knows no TLS)
 answers ``dial_back`` requests, the dialer side of reachability checks
-(:mod:`meshnet_p2p.dialback`): it dials the asker's addresses back, only at the
+(:mod:`meshnet_p2p.nat.dialback`): it dials the asker's addresses back, only at the
 IP the request came from and only once that address has shown it receives,
 within bounds, and answers with a result it signs.
 """
@@ -28,16 +28,16 @@ from typing import Any, Awaitable, Callable, Mapping
 
 import trio
 
-from .. import dialback
-from ..errors import MeshnetError
-from ..guard import Guard
-from ..identity import Identity, PeerId
-from ..records import MAX_RECORD_BYTES, PayloadType, Record, RecordRejected, RecordVerifier, keep_newest, peek, wall_ms
-from ..stats import LOOKUP_SECONDS, Histogram
+from meshnet_p2p.nat import dialback
+from meshnet_p2p.core.errors import MeshnetError
+from meshnet_p2p.core.guard import Guard
+from meshnet_p2p.core.identity import Identity, PeerId
+from meshnet_p2p.core.records import MAX_RECORD_BYTES, PayloadType, Record, RecordRejected, RecordVerifier, keep_newest, peek, wall_ms
+from meshnet_p2p.core.stats import LOOKUP_SECONDS, Histogram
 from . import wire
 from .gossip import GossipState
 from .lookup import iterative_lookup
-from .ratelimit import SourceRates
+from meshnet_p2p.core.ratelimit import SourceRates
 from .routing import Contact, RoutingTable, key_id, network_of, networks, node_id_of
 from .storage import ValueStore
 from .transport import Addr, DatagramTransport

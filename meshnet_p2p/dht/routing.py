@@ -22,8 +22,8 @@ import ipaddress
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
-from ..identity import PeerId
-from ..multiaddr import ip_of
+from meshnet_p2p.core.identity import PeerId
+from meshnet_p2p.core.multiaddr import ip_of
 
 ID_BITS = 256
 MAX_PER_GROUP_IN_BUCKET = 2

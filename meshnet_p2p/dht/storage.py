@@ -36,7 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..records import Record
+from meshnet_p2p.core.records import Record
 
 Slot = tuple[str, bytes]  # (key, signer)
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 
-from ..errors import MeshnetError
-from ..identity import Identity, IdentityError, PeerId
-from ..records import head_verifies, seal, unpack_strict
+from meshnet_p2p.core.errors import MeshnetError
+from meshnet_p2p.core.identity import Identity, IdentityError, PeerId
+from meshnet_p2p.core.records import head_verifies, seal, unpack_strict
 
 VERSION = "mdht2"
 DOMAIN = b"meshnet-dht-v1\0"

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
-from ..errors import MeshnetError
+from meshnet_p2p.core.errors import MeshnetError
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 

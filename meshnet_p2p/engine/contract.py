@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Mapping
 
-from ..errors import MeshnetError
-from ..stats import HistogramSnapshot
+from meshnet_p2p.core.errors import MeshnetError
+from meshnet_p2p.core.stats import HistogramSnapshot
 
 
 class StatusCode(str, Enum):

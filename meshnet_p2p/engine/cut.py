@@ -31,7 +31,7 @@ import struct
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from ..errors import MeshnetError
+from meshnet_p2p.core.errors import MeshnetError
 from .adapters import ArchitectureAdapter, adapter_for
 from .gguf import (
     GGML_TYPE_F32,

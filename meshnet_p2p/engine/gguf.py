@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, BinaryIO, Callable, Iterable, Iterator, Mapping, Sequence
 
-from ..errors import MeshnetError
+from meshnet_p2p.core.errors import MeshnetError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32

@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 import llama_cpp
 import numpy as np
 
-from ..errors import MeshnetError
-from ..stats import BATCH_ROWS, Histogram
+from meshnet_p2p.core.errors import MeshnetError
+from meshnet_p2p.core.stats import BATCH_ROWS, Histogram
 from .contract import (
     HIDDEN,
     MAX_AUTO_SESSIONS,

@@ -14,7 +14,7 @@ import ctypes
 
 import llama_cpp
 
-from ..errors import MeshnetError
+from meshnet_p2p.core.errors import MeshnetError
 from .llama_native import ensure_backend, token_piece, tokenize
 
 

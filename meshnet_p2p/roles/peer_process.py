@@ -1,0 +1,122 @@
+"""A ``meshnet-peer`` command run as its own OS process, its output lines
+collected as they come: what the demo, the benches and the multi-process
+tests start their swarms with."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+
+from meshnet_p2p.core.errors import MeshnetError
+
+
+class OutputLines:
+    """A running process's output lines (its stdout, a text pipe), collected as they come."""
+
+    def __init__(self, p: subprocess.Popen) -> None:
+        self.p = p
+        self.lines: list[str] = []
+        self.ended = False  # its output ended (it exited, or closed stdout): every line is in
+        self.changed = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.p.stdout:
+            with self.changed:
+                self.lines.append(line.strip())
+                self.changed.notify_all()
+        with self.changed:
+            self.ended = True
+            self.changed.notify_all()
+
+    def wait_line(self, prefix: str, timeout: float = 120, *, after: int = 0) -> str:
+        """The first line starting with ``prefix`` (among those printed after the first
+        ``after``), waiting for it while the process writes."""
+        with self.changed:
+            self.changed.wait_for(lambda: any(l.startswith(prefix) for l in self.lines[after:]) or self.ended, timeout)
+            found = [l for l in self.lines[after:] if l.startswith(prefix)]
+        if not found:
+            raise MeshnetError(self.missing(prefix))
+        return found[0]
+
+    def missing(self, prefix: str) -> str:
+        return f"{self.p.args!r} printed no {prefix!r} line (its output: {self.lines[-5:]})"
+
+
+class PeerProcess(OutputLines):
+    def __init__(self, *args: str, env: dict | None = None, stderr=subprocess.DEVNULL, prefix: tuple[str, ...] = ()) -> None:
+        self.args = args
+        # prefix: how to run it elsewhere, e.g. ("ip", "netns", "exec", NS) for a simulated host
+        super().__init__(subprocess.Popen([*prefix, sys.executable, "-m", "meshnet_p2p", *args], stdout=subprocess.PIPE,
+                                          stderr=stderr, text=True, env=env))
+
+    def missing(self, prefix: str) -> str:
+        return f"`meshnet-peer {' '.join(self.args[:2])}` printed no {prefix!r} line (its output: {self.lines[-5:]})"
+
+    def address(self, timeout: float = 120) -> str:
+        """The multiaddr of its ``listening on`` line."""
+        return self.wait_line("listening on ", timeout).removeprefix("listening on ")
+
+    def stop(self) -> int:
+        """SIGTERM (after SIGCONT, in case it was frozen), then wait; kill if it hangs."""
+        if self.p.poll() is None:
+            try:
+                self.p.send_signal(signal.SIGCONT)
+                self.p.send_signal(signal.SIGTERM)
+                return self.p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+        return self.p.wait(timeout=30)
+
+
+class Swarm:
+    """A bootstrap peer and one ``join`` per span, as OS processes on loopback.
+    ``with Swarm(...) as swarm`` stops them all (joins first) however it ends."""
+
+    def __init__(self, spans, *join_args: str, env: dict | None = None, process=PeerProcess, timeout: float = 300,
+                 boot_identity: str | None = None, boot_args: tuple[str, ...] = ()) -> None:
+        # The bootstrap peer runs with a key file, so its operator can certify the
+        # swarm's recipe with it (clients trust their bootstrap peers' keys).
+        self._keys = None
+        if boot_identity is None:
+            self._keys = tempfile.TemporaryDirectory(prefix="meshnet-swarm-")
+            boot_identity = os.path.join(self._keys.name, "bootstrap.key")
+        self.boot_identity = boot_identity
+        self.boot = process("bootstrap", "--listen", "127.0.0.1:0", "--identity", boot_identity, *boot_args, env=env)
+        self.joins: list[PeerProcess] = []
+        try:
+            self.addr = self.boot.address(timeout)
+            self.joins = [process("join", "--layers", s, "--bootstrap", self.addr, *join_args, env=env) for s in spans]
+            for j in self.joins:
+                j.address(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def certify(self, model: str | None = None, log=lambda m: None) -> dict:
+        """Certify the swarm's recipe with the bootstrap peer's key, in this process."""
+        import trio
+
+        from .certify import CertifyOptions, certify
+        from meshnet_p2p.core.identity import Identity
+        from meshnet_p2p.engine.models import default_model_path
+
+        opts = CertifyOptions([self.addr], Identity.load(self.boot_identity), model or default_model_path())
+        return trio.run(certify, opts, log)
+
+    def stop(self) -> list[int]:
+        """Exit codes, joins first, then the bootstrap peer."""
+        codes = [p.stop() for p in [*self.joins, self.boot]]
+        if self._keys is not None:
+            self._keys.cleanup()
+        return codes
+
+    def __enter__(self) -> "Swarm":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,161 @@
+"""The control plane's Python API: start a DHT node on a real socket, join
+through bootstrap peers, publish and find capability reports.
+
+    async with trio.open_nursery() as nursery:
+        node = await start_node(nursery, identity, listen="127.0.0.1:0",
+                                bootstrap=["/ip4/127.0.0.1/udp/4001/p2p/12D3KooW..."])
+        await node.publish(model_key(digest), report.sign(identity, seq=1, now_ms=...))
+        peers = await peers_for_model(node, digest)
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import pathlib
+from typing import Iterable, Mapping
+
+import trio
+
+from . import capability
+from .capability import model_key
+from meshnet_p2p.trust.certification import CERT_INDEX, CERT_INDEX_TYPE, CERTIFICATE, CERTIFICATE_TYPE, lifetime_cap
+from meshnet_p2p.dht.node import DHTConfig, DHTNode
+from meshnet_p2p.dht.routing import Contact
+from meshnet_p2p.dht.transport import UdpTransport
+from meshnet_p2p.core.errors import MeshnetError
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.core.multiaddr import Multiaddr, MultiaddrError, ip_of
+from meshnet_p2p.core.records import PayloadType, Record, keep_newest
+from .relay_offers import TYPES as RELAY_TYPES
+
+ENV_BOOTSTRAP = "MESHNET_BOOTSTRAP"
+DEFAULT_LIST = pathlib.Path(__file__).resolve().parents[2] / "bootstrap" / "peers.txt"
+
+
+# every record type a node accepts: capability reports, the model index, certificates, relays
+TYPES: dict[str, PayloadType] = {**capability.TYPES, CERTIFICATE: CERTIFICATE_TYPE, CERT_INDEX: CERT_INDEX_TYPE,
+                                 **RELAY_TYPES}
+
+
+class BootstrapError(MeshnetError):
+    pass
+
+
+def parse_listen(text: str, flag: str = "--listen") -> tuple[str, int]:
+    """``HOST:PORT`` or ``[IPV6]:PORT`` (``flag``: the option named in the error)."""
+    host, sep, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise BootstrapError(f"{flag} {text!r} is not HOST:PORT (e.g. 127.0.0.1:0)")
+    return host, int(port)
+
+
+def read_bootstrap_list(path: pathlib.Path | str) -> list[str]:
+    """One multiaddr per line; ``#`` starts a comment."""
+    out = []
+    for line in pathlib.Path(path).read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            out.append(line)
+    return out
+
+
+def bootstrap_addrs(flags: Iterable[str] | None, env: Mapping[str, str] | None = None) -> list[Multiaddr]:
+    """Bootstrap peers from ``--bootstrap`` flags, else ``$MESHNET_BOOTSTRAP``
+    (space or comma separated), else the default list file. Each must be a UDP
+    multiaddr naming the peer ID that will be checked when it answers."""
+    env = os.environ if env is None else env
+    texts = list(flags or [])
+    if not texts and env.get(ENV_BOOTSTRAP):
+        texts = env[ENV_BOOTSTRAP].replace(",", " ").split()
+    if not texts and DEFAULT_LIST.exists():
+        texts = read_bootstrap_list(DEFAULT_LIST)
+    addrs = []
+    for text in texts:
+        try:
+            addr = Multiaddr.parse(text)
+        except MultiaddrError as e:
+            raise BootstrapError(f"bad bootstrap address: {e}") from None
+        if addr.transport != "udp" or addr.peer_id is None or addr.host is None:
+            raise BootstrapError(f"bootstrap address {text!r} must be /ip4|ip6|dns4/<host>/udp/<port>/p2p/<peer id>")
+        addrs.append(addr)
+    return addrs
+
+
+BOOTSTRAP_RETRY_TIMEOUTS_S = (1.0, 2.0)  # pings again, waiting longer, before none answered is believed
+
+
+def contact_of(addr: Multiaddr) -> Contact:
+    return Contact.of(addr.peer_id, addr.host, addr.port)
+
+
+def node_multiaddr(node: DHTNode) -> Multiaddr:
+    host, port = node.addr
+    return Multiaddr.for_socket(host, "udp", port, node.peer_id)
+
+
+async def start_node(
+    nursery: trio.Nursery,
+    identity: Identity,
+    *,
+    listen: str | None = None,
+    bootstrap: Iterable[str | Multiaddr] = (),
+    client_mode: bool = False,
+    types: Mapping[str, PayloadType] = TYPES,
+    require_bootstrap: bool = True,
+    dial_back=None,
+) -> DHTNode:
+    """Bind, start and (if bootstrap peers are given) join. Raises
+    :class:`BootstrapError` if none of the bootstrap peers answered with the key
+    its multiaddr names. Without ``listen``, the node binds every local address
+    (a client reaching bootstrap peers on other hosts; nobody dials a client).
+    ``dial_back``: how this node checks, for peers that ask, whether their
+    data-plane address answers (reachability.tls_dial_check), if it does."""
+    bootstrap = [a if isinstance(a, Multiaddr) else Multiaddr.parse(a) for a in bootstrap]
+    if listen is None:
+        listen = "[::]:0" if any(a.components[0][0] == "ip6" for a in bootstrap) else "0.0.0.0:0"
+    host, port = parse_listen(listen)
+    transport = await UdpTransport.bind(host, port)
+    node = DHTNode(identity, transport, types, DHTConfig(client_mode=client_mode), dial_back=dial_back,
+                   lifetime_cap=lifetime_cap)  # evidence for models nobody announces lives minutes
+    await nursery.start(node.run)
+    seeds = [contact_of(a) for a in bootstrap]
+    seeds = [c for c in seeds if c.peer_id != identity.peer_id]
+    if seeds:
+        answered = await node.bootstrap(seeds)
+        for timeout in BOOTSTRAP_RETRY_TIMEOUTS_S:  # a loaded bootstrap host answers late, not never
+            if answered:
+                break
+            answered = await node.bootstrap(seeds, timeout=timeout)
+        if answered == 0 and require_bootstrap:
+            node.stop()
+            raise BootstrapError(f"none of the {len(seeds)} bootstrap peers answered (or they answered with another key)")
+    return node
+
+
+async def peers_for_model(node: DHTNode, model_digest: str) -> list[Record]:
+    """Live capability reports for a model: what gossip brought, plus a DHT lookup."""
+    key = model_key(model_digest)
+    found = keep_newest({r.signer.multihash: r for r in node.records(key)}, await node.get(key))
+    return sorted(found.values(), key=lambda r: r.content["layers"][0])
+
+
+def advertised_host(listen_host: str, bootstrap) -> str:
+    """Where others dial a peer that listens on ``listen_host``: that host, or for a
+    wildcard the local address this machine reaches its bootstrap peers from (its
+    own public address, or its LAN address behind NAT: then dial-backs say so)."""
+    if listen_host not in ("0.0.0.0", "::", ""):
+        return listen_host
+    for b in bootstrap:
+        a = Multiaddr.parse(b) if isinstance(b, str) else b
+        if a.host is None or ip_of(a.host) is None:
+            continue
+        family = socket.AF_INET6 if ":" in a.host else socket.AF_INET
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((a.host, a.port or 9))  # no datagram is sent: this only picks the route
+                return s.getsockname()[0]
+        except OSError:
+            continue
+    return "127.0.0.1"

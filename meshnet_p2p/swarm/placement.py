@@ -1,0 +1,179 @@
+"""Which layers a volunteer should serve, and which chain of peers a client
+should use: pure functions of the capability reports (no network here).
+
+- :func:`choose_span` is the volunteer's side (petals' block selection idea):
+  serve the window whose weakest layer has the least throughput today, so
+  missing layers are covered first and the swarm's bottleneck rises.
+- :func:`plan_route` is the client's side: a shortest path over layer
+  boundaries, where a peer serving [a, b) is an edge a -> b costing its
+  per-token time; full or departing peers and banned ones are left out. When
+  there is no path it says which layers nobody serves.
+
+A report's throughput is the peer's own claim: it only seeds the cost of a
+peer not yet used (and cannot make one look faster than
+MIN_UNMEASURED_MS_PER_TOKEN of compute); once the client has timed a peer's
+decode steps, that measure replaces the claim.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from meshnet_p2p.core.errors import MeshnetError
+
+DEFAULT_HOP_MS = 2.0
+DEFAULT_TOKENS_PER_S = 50.0
+MIN_UNMEASURED_MS_PER_TOKEN = 1.0  # no unmeasured claim buys a cheaper compute estimate than this
+
+
+class NoRoute(MeshnetError):
+    def __init__(self, missing: list[tuple[int, int]], detail: str = "") -> None:
+        self.missing = missing
+        ranges = ", ".join(f"{a}-{b - 1}" if b - a > 1 else f"{a}" for a, b in missing)
+        super().__init__(f"no route: no available peer serves layers {ranges}" + (f" ({detail})" if detail else ""))
+
+
+@dataclass(frozen=True)
+class Span:
+    peer_id: str
+    start: int
+    end: int
+    throughput: float = 0.0  # tokens/s this peer measured for its span
+    free_sessions: int = 1
+    departing: bool = False
+    record: Any = None  # the verified capability report it came from
+    relayed: bool = False  # reached through a relay: a round trip costs two crossings until measured
+
+    @classmethod
+    def from_report(cls, record) -> "Span":
+        """The span of a verified capability report (its content passed
+        :func:`meshnet_p2p.swarm.capability._valid`): only validated fields are read."""
+        c = record.content
+        start, end = c["layers"]
+        return cls(str(c["peer_id"]), int(start), int(end), float(c["throughput"]),
+                   int(c["free_sessions"]), c["departing"] is True, record, c["direct"] is False)
+
+
+def coverage(spans: Iterable[Span], n_layer: int) -> list[float]:
+    """Throughput serving each layer, summed over peers (a peer without a measure counts 1)."""
+    per_layer = [0.0] * n_layer
+    for s in spans:
+        if s.departing:
+            continue
+        for layer in range(max(0, s.start), min(n_layer, s.end)):
+            per_layer[layer] += s.throughput or 1.0
+    return per_layer
+
+
+def choose_span(spans: Iterable[Span], n_layer: int, num_layers: int) -> tuple[int, int]:
+    """The window of ``num_layers`` layers this new peer should serve."""
+    num_layers = max(1, min(num_layers, n_layer))
+    per_layer = coverage(spans, n_layer)
+    best = min(
+        range(0, n_layer - num_layers + 1),
+        key=lambda a: (min(per_layer[a : a + num_layers]), sum(per_layer[a : a + num_layers]), a),
+    )
+    return best, best + num_layers
+
+
+def missing_layers(spans: Iterable[Span], start: int, end: int) -> list[tuple[int, int]]:
+    """The runs of layers in [start, end) no span covers. A sweep over the spans'
+    ends, so its cost follows the number of spans, never the layer count a
+    report (anyone's claim) may name."""
+    out, at = [], start
+    for a, b in sorted((max(start, s.start), min(end, s.end)) for s in spans if s.start < end and s.end > start):
+        if a > at:
+            out.append((at, a))
+        at = max(at, b)
+    if at < end:
+        out.append((at, end))
+    return out
+
+
+def _finite_nonneg(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+
+CLAIM_ADVANTAGE = 2.0  # an unmeasured claim may look at most this much faster per layer than the best measured peer
+IMPLAUSIBLE_PENALTY_MS = 1000.0  # a claim beyond that is tried only after every plausible candidate
+
+
+def best_measured_ms_per_layer(spans: Iterable[Span], measured_ms: dict[str, float] | None) -> float | None:
+    """The fastest per-layer time the client measured itself, over ``spans``."""
+    rates = [float(measured_ms[s.peer_id]) / (s.end - s.start) for s in spans
+             if measured_ms and _finite_nonneg(measured_ms.get(s.peer_id)) and s.end > s.start]
+    return min(rates) if rates else None
+
+
+def span_cost_ms(span: Span, latency_ms: dict[str, float] | None = None,
+                 measured_ms: dict[str, float] | None = None, ref_ms_per_layer: float | None = None) -> float:
+    """Estimated ms per token through ``span``.
+
+    ``measured_ms[peer]``, the per-token time the client measured for this
+    peer (round trip plus compute of a decode step), replaces any estimate.
+    Otherwise: the round trip (``latency_ms[peer]``, or DEFAULT_HOP_MS, twice
+    for a peer behind a relay: client to relay to peer) plus the compute the report claims, never below MIN_UNMEASURED_MS_PER_TOKEN. A peer
+    with one free session left is nudged below one with room (it may be gone
+    by the time we ask)."""
+    crowding = 1.0 / max(1, span.free_sessions)
+    measured = (measured_ms or {}).get(span.peer_id)
+    if _finite_nonneg(measured):
+        return float(measured) + crowding
+    hop = (latency_ms or {}).get(span.peer_id, DEFAULT_HOP_MS * (2 if span.relayed else 1))
+    if not _finite_nonneg(hop):
+        hop = DEFAULT_HOP_MS
+    tps = span.throughput if _finite_nonneg(span.throughput) and span.throughput > 0 else DEFAULT_TOKENS_PER_S
+    compute = max(1000.0 / tps, MIN_UNMEASURED_MS_PER_TOKEN)
+    if ref_ms_per_layer is not None:  # what we measured bounds what a claim can win
+        floor = ref_ms_per_layer * (span.end - span.start) / CLAIM_ADVANTAGE
+        if compute < floor:
+            return hop + floor + IMPLAUSIBLE_PENALTY_MS + crowding
+    return hop + compute + crowding
+
+
+def plan_route(
+    spans: Iterable[Span],
+    start: int,
+    end: int,
+    *,
+    banned: set[str] = frozenset(),
+    latency_ms: dict[str, float] | None = None,
+    measured_ms: dict[str, float] | None = None,
+) -> list[Span]:
+    """The cheapest chain of peers covering layers [start, end), boundary to boundary
+    (costs per :func:`span_cost_ms`; ``measured_ms`` beats advertised throughput)."""
+    usable = [s for s in spans if s.peer_id not in banned and not s.departing and s.free_sessions > 0 and s.start < s.end]
+    ref = best_measured_ms_per_layer(usable, measured_ms)
+    edges: dict[int, list[Span]] = {}
+    for s in usable:
+        edges.setdefault(s.start, []).append(s)
+    best: dict[int, float] = {start: 0.0}
+    prev: dict[int, Span] = {}
+    heap = [(0.0, start)]
+    while heap:
+        cost, at = heapq.heappop(heap)
+        if at == end:
+            break
+        if cost > best.get(at, float("inf")):
+            continue
+        for s in edges.get(at, []):
+            if s.end > end:
+                continue
+            c = cost + span_cost_ms(s, latency_ms, measured_ms, ref)
+            if c < best.get(s.end, float("inf")):
+                best[s.end] = c
+                prev[s.end] = s
+                heapq.heappush(heap, (c, s.end))
+    if end not in best:
+        gaps = missing_layers(usable, start, end)
+        detail = "" if gaps else "peers exist for every layer, but their ranges do not chain from one boundary to the next"
+        raise NoRoute(gaps or [(start, end)], detail)
+    route, at = [], end
+    while at != start:
+        s = prev[at]
+        route.append(s)
+        at = s.start
+    return route[::-1]
