@@ -20,7 +20,7 @@ with atheris.instrument_imports(include=["meshnet_p2p", "h2", "hpack", "hyperfra
     from meshnet_p2p._proto import shard_runtime_pb2 as pb
     from meshnet_p2p.swarm.capability import TYPES
     from meshnet_p2p.dataplane.transport import grpc_core
-    from meshnet_p2p.dataplane.tensors import PayloadError, bundle_from_proto
+    from meshnet_p2p.dataplane.wire import PayloadError, bundle_from_proto
     from meshnet_p2p.dataplane.transport.tls import TlsBindingError, peer_of_der
     from meshnet_p2p.dht import wire
     from meshnet_p2p.nat.dialback import DialbackRejected, dial_target, verify_dial_result

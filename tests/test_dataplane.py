@@ -13,7 +13,7 @@ import trio.testing
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
 from meshnet_p2p.dataplane.stub import ShardClient, ShardConnectionError, ShardError, open_channel
 from meshnet_p2p.nat.relay import Relay, RelayLimits
-from meshnet_p2p.dataplane.tensors import crc32c
+from meshnet_p2p.dataplane.wire import crc32c
 from meshnet_p2p.dataplane.transport.tls import TlsBindingError, verify_binding
 from meshnet_p2p.engine.contract import HIDDEN, Tensor, TensorBundle
 from meshnet_p2p.engine.tokenizer import Tokenizer
@@ -175,7 +175,7 @@ def test_exhausted_credit_fails_closed_until_topped_up(middle):
     c = middle.client()
     fp = c.capability().fingerprint
     with c.session(fp, max_tokens=64, credits=2) as s:
-        from meshnet_p2p.dataplane.tensors import bundle_to_proto
+        from meshnet_p2p.dataplane.wire import bundle_to_proto
 
         def step(n, pos):
             return raw_step(s, work_id=f"w{n}", idempotency_step=n, position=pos, hidden=bundle_to_proto(hidden(1, n)))

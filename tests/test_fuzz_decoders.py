@@ -59,7 +59,7 @@ from meshnet_p2p.nat.relay import (
     relay_target,
 )
 from meshnet_p2p.dataplane.servicer import Limits, ShardRuntimeServicer
-from meshnet_p2p.dataplane.tensors import (
+from meshnet_p2p.dataplane.wire import (
     MAX_FRAGMENTS,
     PayloadError,
     bundle_from_proto,
@@ -389,7 +389,7 @@ def test_a_node_answers_any_signed_request_body_or_refuses_it_with_bad_datagram(
     wire.encode(BOB, reply_kind, msg.rpc_id, reply, NOW, to=ALICE.peer_id)
 
 
-# --- tensor bundles (meshnet_p2p/dataplane/tensors.py) ---------------------------------------------
+# --- tensor bundles (meshnet_p2p/dataplane/wire.py) ---------------------------------------------
 
 u64 = st.integers(0, 2**64 - 1)
 edge_u64 = st.one_of(st.integers(0, 64), st.sampled_from([2**32 - 1, 2**32, 2**63, 2**64 - 1]), u64)

@@ -178,7 +178,7 @@ def lying_server(answer):
 
 def bad_crc(step):
     from meshnet_p2p._proto import shard_runtime_pb2 as pb
-    from meshnet_p2p.dataplane.tensors import bundle_to_proto
+    from meshnet_p2p.dataplane.wire import bundle_to_proto
     from meshnet_p2p.engine.contract import HIDDEN, Tensor, TensorBundle
 
     resp = pb.SessionResponse()

@@ -60,7 +60,7 @@ def _owner(served):
 
 def _send_step(call, position: int, epoch: int = 0, rows: int = 1) -> None:
     step = pb.Step(idempotency_step=position + 1, route_epoch=epoch, position=position, decode=rows == 1)
-    from meshnet_p2p.dataplane.tensors import bundle_to_proto
+    from meshnet_p2p.dataplane.wire import bundle_to_proto
 
     bundle_to_proto(hidden(rows, seed=position), out=step.hidden)
     call.send(pb.SessionRequest(step=step).SerializeToString())

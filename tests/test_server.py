@@ -22,7 +22,7 @@ from meshnet_p2p.dataplane.transport.channel import ChannelError
 from meshnet_p2p.dataplane.stub import ShardClient, open_channel
 from meshnet_p2p.dataplane.transport.server import ShardServer
 from meshnet_p2p.dataplane.servicer import ShardRuntimeServicer
-from meshnet_p2p.dataplane.tensors import bundle_to_proto
+from meshnet_p2p.dataplane.wire import bundle_to_proto
 from meshnet_p2p.dataplane.transport.tls import TLS_NAME, make_tls_credentials
 from meshnet_p2p.engine.contract import HIDDEN, Tensor, TensorBundle
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
 from meshnet_p2p.nat.relay import Relay
-from meshnet_p2p.dataplane.tensors import PayloadError, bundle_from_proto, bundle_to_proto, crc32c
+from meshnet_p2p.dataplane.wire import PayloadError, bundle_from_proto, bundle_to_proto, crc32c
 from meshnet_p2p.engine.contract import HIDDEN, Tensor, TensorBundle
 from meshnet_p2p.core.identity import Identity
 

@@ -48,7 +48,7 @@ from .link_guard import LinkBounds, LinkGuard
 from .ring import (ATTACH_TOKEN_BYTES, LINK_DIAL_S, LINK_TIMEOUT_S, MAX_LINKS_PER_SESSION, UNREACHED, LinkError,
                    ReportRefused, RingLink, forwards, next_hop, token_matches)
 from .session_state import SessionState, Verdict
-from .tensors import PayloadError, bundle_from_proto, bundle_to_proto
+from .wire import PayloadError, bundle_from_proto, bundle_to_proto
 from meshnet_p2p.dataplane.transport.tls import make_client_credentials
 
 E = pb.ErrorCode

@@ -25,7 +25,7 @@ from meshnet_p2p.core.identity import PeerId
 from meshnet_p2p.dataplane.transport.channel import CallStream, Channel, ChannelError
 from meshnet_p2p.dataplane.transport.pool import ChannelPool
 from meshnet_p2p.nat.relay import relay_target
-from .tensors import PayloadError, bundle_from_proto, bundle_to_proto
+from .wire import PayloadError, bundle_from_proto, bundle_to_proto
 from meshnet_p2p.dataplane.transport.tls import TLS_NAME, TlsCredentials, default_client_credentials
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["ShardRuntime"].full_name
