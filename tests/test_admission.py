@@ -8,7 +8,8 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshnet_p2p.dataplane.admission import Admit, Claimant, Held, Reclaim, Refuse, anonymous_budget, decide, host_group
+from meshnet_p2p.dataplane.admission import Admit, Claimant, Held, Reclaim, Refuse, anonymous_budget, decide
+from meshnet_p2p.core.netgroup import host_group
 
 
 def held(*claims: tuple[str, str | None], idle: int = 0) -> list[Held]:

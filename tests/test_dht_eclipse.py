@@ -21,7 +21,8 @@ from meshnet_p2p.dht import node as node_module
 from meshnet_p2p.dht import wire
 from meshnet_p2p.dht.lookup import PER_ANSWER, PER_PATH, diverse, iterative_lookup
 from meshnet_p2p.dht.node import DHTConfig, DHTNode, Stored
-from meshnet_p2p.dht.routing import Contact, key_id, networks, node_id_of
+from meshnet_p2p.dht.routing import Contact, key_id, node_id_of
+from meshnet_p2p.core.netgroup import networks
 from meshnet_p2p.dht.transport import UdpTransport
 from meshnet_p2p.core.identity import Identity
 from meshnet_p2p.swarm.node import TYPES

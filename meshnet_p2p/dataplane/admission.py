@@ -18,23 +18,14 @@ and cannot vouch for where they came from.
 
 from __future__ import annotations
 
-import ipaddress
 from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
-from meshnet_p2p.core.multiaddr import ip_of
 
 ANONYMOUS = "anonymous"
 
 
-def host_group(address: str) -> str:
-    """The fairness group of a source address: IPv4 as is (also IPv4-mapped
-    IPv6), IPv6 by /64, the usual size of one subscriber's network."""
-    ip = ip_of(address)
-    if ip is None:
-        return address
-    return str(ip) if ip.version == 4 else str(ipaddress.IPv6Network((ip, 64), strict=False))
 
 
 @dataclass(frozen=True)

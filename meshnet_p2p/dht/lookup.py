@@ -16,7 +16,7 @@ Against one colluding group (S/Kademlia, and the IPFS DHT's diversity filter):
   merges every path's answers; ``reached`` is the union of every path's
   closest (where a put stores).
 - **Network diversity.** From one answer a path takes at most ``per_answer``
-  contacts of one network (:func:`routing.ip_group`: an IPv4 /24, an IPv6
+  contacts of one network (:func:`netgroup.ip_group`: an IPv4 /24, an IPv6
   /48), and a path's k closest hold at most ``per_path`` of one network, so
   identities minted on one host cannot push every honest node out of a path.
   Loopback, private and link-local addresses are exempt, as in the table.
@@ -31,7 +31,8 @@ from typing import Awaitable, Callable, Generic, Iterable, Sequence, TypeVar
 
 import trio
 
-from .routing import MAX_PER_GROUP, MAX_PER_GROUP_IN_BUCKET, Contact, ip_group
+from .routing import MAX_PER_GROUP, MAX_PER_GROUP_IN_BUCKET, Contact
+from meshnet_p2p.core.netgroup import ip_group
 
 R = TypeVar("R")
 PER_ANSWER = MAX_PER_GROUP_IN_BUCKET  # contacts of one network taken from one answer

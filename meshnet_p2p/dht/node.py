@@ -38,7 +38,8 @@ from . import wire
 from .gossip import GossipState
 from .lookup import iterative_lookup
 from meshnet_p2p.core.ratelimit import SourceRates
-from .routing import Contact, RoutingTable, key_id, network_of, networks, node_id_of
+from .routing import Contact, RoutingTable, key_id, node_id_of
+from meshnet_p2p.core.netgroup import network_of, networks
 from .storage import ValueStore
 from .transport import Addr, DatagramTransport
 
@@ -67,7 +68,7 @@ DIAL_BACKS_PER_SOURCE = 4  # dial_back requests one source IP may have answered 
 DIAL_BACK_WINDOW_MS = 60_000  # ...of this long
 MAX_DIAL_BACK_SOURCES = 4096  # source IPs whose recent requests are remembered
 DIAL_TIMEOUT = 3.0  # one dial, connect and TLS handshake
-# stores per source network (routing.ip_group; a loopback or private address counts alone): an
+# stores per source network (netgroup.ip_group; a loopback or private address counts alone): an
 # office of 16 volunteers stores ~2 records each per announce (30 s), 32 at once: 8x that at once, 16x on average
 STORE_BURST = 256
 STORE_RATE_PER_S = 32.0

@@ -16,40 +16,22 @@ local swarms and LANs share one network by design.
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import ipaddress
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 from meshnet_p2p.core.identity import PeerId
-from meshnet_p2p.core.multiaddr import ip_of
+from meshnet_p2p.core.netgroup import ip_group
 
 ID_BITS = 256
 MAX_PER_GROUP_IN_BUCKET = 2
 MAX_PER_GROUP = 8
 
 
-@functools.lru_cache(maxsize=4096)  # asked for every member of a bucket a contact joins
-def ip_group(host: str) -> str | None:
-    """The network a public address belongs to, for the diversity bound; None
-    for addresses it exempts (loopback, private, link-local, unparsable)."""
-    ip = ip_of(host)
-    if ip is None or not ip.is_global:
-        return None
-    return str(ipaddress.ip_network((ip, 24 if ip.version == 4 else 48), strict=False))
 
 
-def network_of(host: str) -> str:
-    """The network an address counts in for per-source bounds and for how many
-    networks hold a value: its ip_group, or the exact address for those the
-    diversity bound exempts (a private address counts alone)."""
-    return ip_group(host) or host
 
 
-def networks(contacts) -> int:
-    """How many distinct networks (:func:`network_of`) ``contacts`` are in."""
-    return len({network_of(c.host) for c in contacts})
 
 
 def node_id_of(peer_id: PeerId) -> int:

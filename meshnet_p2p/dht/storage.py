@@ -10,7 +10,7 @@ can fill a node:
 
 - per key: values in all, and values one source stored (a quarter of a key);
 - per signer: keys it holds values under;
-- per source *network* (the node passes ``routing.ip_group`` of the storing
+- per source *network* (the node passes ``netgroup.ip_group`` of the storing
   address, or the exact address for loopback and private ones), across every
   key: ``max_values_per_network``;
 - per node: ``max_values``. A full node makes room rather than refuse: it

@@ -5,7 +5,7 @@ A relay carries at most ``capacity`` circuits to each reserved peer. Without
 more, whoever opens them first holds them: 16 idle connections from one host
 took a relayed volunteer off the network (issue 24 #2). So:
 
-- Each client source (its network, ``routing.ip_group``: IPv4 /24, IPv6 /48;
+- Each client source (its network, ``netgroup.ip_group``: IPv4 /24, IPv6 /48;
   an exempt loopback or private address counts alone) holds at most
   ``per_source`` of one peer's circuits once fewer than ``per_source`` are
   free: addresses cost an attacker something, and the relay knows nothing
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from meshnet_p2p.dht.routing import network_of
+from meshnet_p2p.core.netgroup import network_of
 from meshnet_p2p.dataplane.admission import Admit, Claimant, Held, Reclaim, Refuse, decide
 
 SOURCE_LIMIT = "source_limit"  # the client's network holds its share of this peer's circuits

@@ -35,7 +35,8 @@ from .relay import relay_target
 from meshnet_p2p.dataplane.transport.tls import TLS_NAME, TlsBindingError, peer_of_der
 from meshnet_p2p.dht import wire
 from meshnet_p2p.dht.node import DHTNode
-from meshnet_p2p.dht.routing import Contact, network_of
+from meshnet_p2p.dht.routing import Contact
+from meshnet_p2p.core.netgroup import network_of
 from .dialback import (
     KNOWN_REFUSALS,
     MAX_ADDRS,

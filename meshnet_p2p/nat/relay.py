@@ -56,7 +56,7 @@ from typing import Callable
 
 import trio
 
-from meshnet_p2p.dht.routing import ip_group
+from meshnet_p2p.core.netgroup import ip_group
 from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.core.guard import Guard
 from meshnet_p2p.core.identity import Identity, IdentityError, PeerId

@@ -47,7 +47,8 @@ from meshnet_p2p.engine.contract import SamplingParams
 from meshnet_p2p.engine.recipe import explain_mismatch
 from meshnet_p2p.core.errors import unwrap_errors
 from meshnet_p2p.dht.node import Stored
-from meshnet_p2p.dht.routing import networks, node_id_of
+from meshnet_p2p.dht.routing import node_id_of
+from meshnet_p2p.core.netgroup import networks
 from meshnet_p2p.core.identity import Identity, PeerId
 from meshnet_p2p.swarm.node import start_node
 from meshnet_p2p.swarm.placement import NoRoute, Span, plan_route

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from meshnet_p2p import __version__
-from meshnet_p2p.dht.routing import ip_group
+from meshnet_p2p.core.netgroup import ip_group
 from meshnet_p2p.core.identity import Identity
 from meshnet_p2p.core.multiaddr import Multiaddr, MultiaddrError, ip_of
 from meshnet_p2p.core.records import PayloadType, sign_record, never_raising

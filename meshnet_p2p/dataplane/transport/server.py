@@ -37,7 +37,8 @@ from . import grpc_core
 from .driver import Driver
 from .fair_pool import FairPool
 from meshnet_p2p.dataplane.servicer import ShardRuntimeServicer
-from meshnet_p2p.dataplane.admission import Claimant, host_group
+from meshnet_p2p.dataplane.admission import Claimant
+from meshnet_p2p.core.netgroup import host_group
 from .tls import TlsBindingError, TlsCredentials, client_issuer_pem, handshake, load_key_pair, peer_of_der
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["ShardRuntime"].full_name
