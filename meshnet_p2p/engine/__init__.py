@@ -1,6 +1,10 @@
 """The shard engine: cutting GGUF models into layer shards and running them on
 llama.cpp behind the :class:`~meshnet_p2p.engine.contract.ShardEngine` contract.
-Knows nothing of networks, trio or gRPC."""
+Knows nothing of networks, trio or gRPC. Also: where the embedded model
+package is (models).
+
+May import: core.
+"""
 
 import os as _os
 

@@ -1,1 +1,8 @@
-"""TODO"""
+"""The swarm as records in the DHT: capability reports and the model index
+(capability), relay announcements and their ranking (relay_offers), which
+layers to serve and which route to take (placement), the certified view of a
+model's recipes (view), and a DHT node configured for these records and
+joined through bootstrap peers (node).
+
+May import: core, engine, dht, trust.
+"""
