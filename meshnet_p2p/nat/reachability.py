@@ -32,7 +32,7 @@ from collections.abc import Iterable, Sequence
 import trio
 
 from .relay import relay_target
-from meshnet_p2p.dataplane.transport.tls import TLS_NAME, TlsBindingError, peer_of_der
+from meshnet_p2p.dataplane.transport.tls import TLS_NAME, TlsBindingError, client_context, peer_of_der
 from meshnet_p2p.dht import wire
 from meshnet_p2p.dht.node import DHTNode
 from meshnet_p2p.dht.routing import Contact
@@ -71,12 +71,7 @@ class ReachabilityError(MeshnetError):
 def _client_context() -> ssl.SSLContext:
     # The certificate is self-signed and nobody's root: the check is the identity
     # extension (peer_of_der), and the handshake proves the server holds its key.
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
-    ctx.set_alpn_protocols(["h2"])
-    return ctx
+    return client_context(None)
 
 
 async def tls_dial_check(peer_id: PeerId, addr_text: str, timeout: float = DIAL_TIMEOUT) -> tuple[bool, str]:

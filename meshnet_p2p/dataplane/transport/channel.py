@@ -26,7 +26,7 @@ from typing import Callable
 from meshnet_p2p.core.errors import MeshnetError
 from . import grpc_core
 from .driver import Driver
-from .tls import TlsCredentials, handshake, load_key_pair
+from .tls import TlsCredentials, client_context, handshake
 
 MAX_RELAY_RESPONSE = 8192
 
@@ -150,13 +150,7 @@ class Channel(Driver):
         early = b""
         if self._relay is not None:
             early = self._connect_through_relay(deadline)
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the chain and the name
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        ctx.load_verify_locations(cadata=self._cert.decode("ascii"))  # the pinned certificate is the only root
-        ctx.verify_flags |= ssl.VERIFY_X509_STRICT  # as Python 3.13 does by default: the same checks everywhere
-        ctx.set_alpn_protocols(["h2"])
-        if self._client_creds is not None:
-            load_key_pair(ctx, self._client_creds)
+        ctx = client_context(self._cert, self._client_creds)  # the pinned certificate is the only root
         tls = ctx.wrap_bio(self.tls_in, self.tls_out, server_hostname=self._name)
         if early:
             self.tls_in.write(early)

@@ -235,6 +235,46 @@ def load_key_pair(ctx: ssl.SSLContext, creds: TlsCredentials) -> None:
             ctx.load_cert_chain(f.name)
 
 
+# --- the SSL contexts every TLS end of the data plane uses ------------------------------------
+
+
+def _context(protocol: int) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(protocol)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.set_alpn_protocols(["h2"])  # gRPC: HTTP/2 only (handshake() insists on it)
+    return ctx
+
+
+def server_context(creds: TlsCredentials) -> ssl.SSLContext:
+    """A data-plane listener's: our identity-bound certificate, and an optional
+    client certificate (mutual TLS); clients without one are served as anonymous.
+    The issuer check means nothing (see CLIENT_ISSUER above): ``peer_of_der``
+    is what proves a client's identity."""
+    ctx = _context(ssl.PROTOCOL_TLS_SERVER)
+    load_key_pair(ctx, creds)
+    ctx.verify_mode = ssl.CERT_OPTIONAL
+    ctx.load_verify_locations(cadata=client_issuer_pem().decode("ascii"))
+    return ctx
+
+
+def client_context(pinned: bytes | None, creds: TlsCredentials | None = None) -> ssl.SSLContext:
+    """A dialer's. ``pinned``: the peer's certificate (PEM), the only root, verified
+    with its name (connect with ``server_hostname=TLS_NAME``); None verifies
+    nothing, for a dialer that checks the certificate's identity extension itself
+    (``peer_of_der``: the handshake still proves the server holds its key).
+    ``creds``: our client certificate, presented for mutual TLS."""
+    ctx = _context(ssl.PROTOCOL_TLS_CLIENT)
+    if pinned is None:
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    else:
+        ctx.load_verify_locations(cadata=pinned.decode("ascii"))
+        ctx.verify_flags |= ssl.VERIFY_X509_STRICT  # as Python 3.13 does by default: the same checks everywhere
+    if creds is not None:
+        load_key_pair(ctx, creds)
+    return ctx
+
+
 def peer_of_der(der: bytes | None) -> PeerId | None:
     """The identity a client's certificate (DER, as ``getpeercert(True)`` gives
     it) is bound to; None for a client that sent none. TlsBindingError if it
