@@ -415,14 +415,14 @@ async def test_relay_refuses_unknown_peers_and_unproven_identities(relay):
 
 
 async def test_server_shutdown_from_trio_leaves_no_thread_or_session(shard_dir, load_engine):
-    from meshnet_p2p.dataplane.transport.server import ShardServer
+    from meshnet_p2p.dataplane.transport.server import Server
     from meshnet_p2p.dataplane.servicer import ShardRuntimeServicer
     from meshnet_p2p.dataplane.transport.tls import make_tls_credentials
 
     engine = load_engine(shard_dir[(10, 20)])
     before = {t.name for t in threading.enumerate()}
     creds = make_tls_credentials()
-    server = ShardServer(ShardRuntimeServicer(engine), creds)
+    server = ShardRuntimeServicer(engine).register(Server(creds))
     client = ShardClient(open_channel(creds.cert_pem, address=("127.0.0.1", server.port)))
     async with trio.open_nursery() as nursery:
         await nursery.start(server.serve)

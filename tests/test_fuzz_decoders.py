@@ -1175,13 +1175,13 @@ def test_an_attach_feeds_only_the_current_route_with_the_current_secret():
     # a secret too long is the request's error, and the session is as it was
     linked = servicer._states["s1"].ring.link = mock.Mock()  # a link it has: kept
     too_long = pb.RollbackSignal(position=1, route_epoch=1, attach_token=b"n" * 33)
-    assert servicer._rollback("s1", servicer._states["s1"], too_long).error.code == pb.INVALID_ARGUMENT
+    assert servicer.steps.rollback("s1", servicer._states["s1"], too_long).error.code == pb.INVALID_ARGUMENT
     assert servicer._states["s1"].epoch == 0 and servicer._states["s1"].ring.attach_token == b"t" * 32
     assert servicer._states["s1"].ring.link is linked and not linked.close.called
     servicer._states["s1"].ring.link = None
     # a failover: the client rolls the session back on a new route, with a new secret
     rollback = pb.SessionRequest(rollback=pb.RollbackSignal(position=1, route_epoch=1, attach_token=b"n" * 32))
-    assert servicer._rollback("s1", servicer._states["s1"], rollback.rollback).HasField("ack")
+    assert servicer.steps.rollback("s1", servicer._states["s1"], rollback.rollback).HasField("ack")
     old = _attach_stream(servicer, b"t" * 32, 1, [_fed(1, 1)])  # the replaced hop still knows the old one
     assert old[0].error.code == pb.UNKNOWN_SESSION
     assert _attach_stream(servicer, b"n" * 32, 1, [_fed(1, 1)])[0].HasField("accepted")
@@ -1191,13 +1191,13 @@ def test_an_attach_feeds_only_the_current_route_with_the_current_secret():
 
 def test_the_rings_dial_certificate_is_renewed_before_it_expires(monkeypatch):
     """A peer serving for days dials next hops with a client certificate that lasts 24 h."""
-    from meshnet_p2p.dataplane import servicer as servicer_mod
+    from meshnet_p2p.dataplane import ring_links
     from meshnet_p2p.dataplane.transport.tls import cert_identity
 
     servicer = ShardRuntimeServicer(FakeEngine(*ROLES["middle"]), identity=CERTIFIER, now_ms=lambda: NOW)
-    first = servicer._dial_credentials()
-    assert servicer._dial_credentials() is first and cert_identity(first.cert_pem) == CERTIFIER.peer_id
-    later = servicer_mod.time.monotonic() + servicer_mod.DIAL_CERT_RENEW_S + 1
-    monkeypatch.setattr(servicer_mod.time, "monotonic", lambda: later)
-    renewed = servicer._dial_credentials()
+    first = servicer.links.dial_credentials()
+    assert servicer.links.dial_credentials() is first and cert_identity(first.cert_pem) == CERTIFIER.peer_id
+    later = ring_links.time.monotonic() + ring_links.DIAL_CERT_RENEW_S + 1
+    monkeypatch.setattr(ring_links.time, "monotonic", lambda: later)
+    renewed = servicer.links.dial_credentials()
     assert renewed is not first and cert_identity(renewed.cert_pem) == CERTIFIER.peer_id

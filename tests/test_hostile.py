@@ -350,12 +350,12 @@ def _row():
 @pytest.fixture
 def full_peer(shard_dir, load_engine):
     """A middle-shard peer with 4 sessions, served over real TLS on loopback."""
-    from meshnet_p2p.dataplane.transport.server import ShardServer
+    from meshnet_p2p.dataplane.transport.server import Server
     from meshnet_p2p.dataplane.servicer import ShardRuntimeServicer
 
     engine = load_engine(shard_dir[(10, 20)], max_sessions=4)
     creds = make_tls_credentials(Identity.generate())
-    srv = ShardServer(ShardRuntimeServicer(engine), creds, handshake_timeout=2.0).start()
+    srv = ShardRuntimeServicer(engine).register(Server(creds, handshake_timeout=2.0)).start()
     yield srv, creds
     srv.stop(0)
 
@@ -407,7 +407,7 @@ def test_a_client_certificate_names_its_client_and_a_forged_one_is_refused(full_
     kept = [_client(full_peer, alice), _client(full_peer, None)]
     for c in kept:
         c.capability()
-    assert sorted(str(c.claimant.client) for c in srv._conns) == sorted([str(alice.peer_id), "None"])
+    assert sorted(str(c.caller.peer_id) for c in srv._conns) == sorted([str(alice.peer_id), "None"])
 
     # Alice's identity extension, lifted onto a certificate for another key: the signature does not cover it
     real = x509.load_pem_x509_certificate(tls.make_client_credentials(alice).cert_pem)

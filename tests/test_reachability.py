@@ -1,5 +1,5 @@
 """Reachability checks (AutoNAT-style dial-backs): real DHT nodes on loopback UDP,
-real TLS data-plane listeners (our ShardServer; a handshake needs no model),
+real TLS data-plane listeners (our data-plane Server; a handshake needs no model),
 and the pure parts (record checks, the decision, the choice of dialers).
 
 127.0.0.2 stands in for "another IP": Linux routes all of 127.0.0.0/8 to lo.
@@ -19,7 +19,7 @@ import pytest
 import trio
 
 from meshnet_p2p.nat import dialback
-from meshnet_p2p.dataplane.transport.server import ShardServer
+from meshnet_p2p.dataplane.transport.server import Server
 from meshnet_p2p.dataplane.transport.tls import load_key_pair, make_tls_credentials
 from meshnet_p2p.dht import wire
 from meshnet_p2p.dht.node import DHTNode
@@ -64,7 +64,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def data_plane(identity: Identity | None, host: str = "127.0.0.1"):
     """A real TLS data-plane listener whose certificate is bound to ``identity``
     (None: a certificate bound to nobody). A dial-back only handshakes."""
-    srv = ShardServer(None, make_tls_credentials(identity), host=host).start()
+    srv = Server(make_tls_credentials(identity), host=host).start()
     try:
         yield srv.port
     finally:

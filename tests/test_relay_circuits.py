@@ -19,7 +19,7 @@ import trio.testing
 from meshnet_p2p.nat import relay as relay_mod
 from meshnet_p2p.dataplane.stub import ShardClient, open_channel
 from meshnet_p2p.nat.relay import Relay, RelayLimits, attach_to_relay, hold_reservation, relay_target
-from meshnet_p2p.dataplane.transport.server import ShardServer
+from meshnet_p2p.dataplane.transport.server import Server
 from meshnet_p2p.dataplane.servicer import ShardRuntimeServicer
 from meshnet_p2p.dataplane.transport.tls import make_tls_credentials
 from meshnet_p2p.engine.tokenizer import Tokenizer
@@ -199,7 +199,7 @@ def whole_peer(model_path, load_engine):
     """A peer serving the whole embedded model (in process), to be relayed."""
     identity = Identity.generate()
     creds = make_tls_credentials(identity)
-    server = ShardServer(ShardRuntimeServicer(load_engine(model_path), peer_id=str(identity.peer_id)), creds).start()
+    server = ShardRuntimeServicer(load_engine(model_path), peer_id=str(identity.peer_id)).register(Server(creds)).start()
     yield identity, creds, server
     server.stop(0)
 
@@ -328,7 +328,7 @@ async def test_a_peer_leaves_a_relay_that_turns_its_clients_away(monkeypatch):
     self-dials, 60 s apart)."""
     monkeypatch.setattr(relay_mod, "KEEPALIVE_S", 0.5)  # pings (and LOAD reports) every 0.5 s
     peer = Identity.generate()
-    server = ShardServer(None, make_tls_credentials(peer)).start()
+    server = Server(make_tls_credentials(peer)).start()
     try:
         async with trio.open_nursery() as nursery:
             near, far = await serve_relay(nursery), await serve_relay(nursery)

@@ -18,7 +18,7 @@ from meshnet_p2p.nat import relay as relay_mod
 from meshnet_p2p.nat.relay import (
     KEEPALIVE_S, PONG_TIMEOUT_S, Relay, RelayError, RelayLimits, hold_reservation,
 )
-from meshnet_p2p.dataplane.transport.server import ShardServer
+from meshnet_p2p.dataplane.transport.server import Server
 from meshnet_p2p.dataplane.transport.tls import make_tls_credentials
 from meshnet_p2p.core.identity import Identity
 from meshnet_p2p.nat.reachability import relay_dial_check
@@ -262,7 +262,7 @@ def peer_server():
     """A peer's real data-plane TLS listener (no engine: a dial only handshakes);
     its adopt() is what a relayed connection is handed to."""
     peer = Identity.generate()
-    server = ShardServer(None, make_tls_credentials(peer)).start()
+    server = Server(make_tls_credentials(peer)).start()
     yield peer, server
     server.stop(0)
 

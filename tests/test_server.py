@@ -1,4 +1,4 @@
-"""Our gRPC server (dataplane/server.py) on real sockets: grpcio's own client
+"""Our gRPC server (dataplane/transport/server.py) on real sockets: grpcio's own client
 speaks to it (the wire is plain gRPC), and clients that misbehave lose their
 own connection while the server keeps serving everyone else."""
 
@@ -20,7 +20,7 @@ from meshnet_p2p._proto import shard_runtime_pb2_grpc as pb_grpc
 from meshnet_p2p.dataplane.transport import grpc_core as h2
 from meshnet_p2p.dataplane.transport.channel import ChannelError
 from meshnet_p2p.dataplane.stub import ShardClient, open_channel
-from meshnet_p2p.dataplane.transport.server import ShardServer
+from meshnet_p2p.dataplane.transport.server import UNARY, Method, Server
 from meshnet_p2p.dataplane.servicer import ShardRuntimeServicer
 from meshnet_p2p.dataplane.wire import bundle_to_proto
 from meshnet_p2p.dataplane.transport.tls import TLS_NAME, make_tls_credentials
@@ -33,7 +33,7 @@ from tests.h2frames import PREFACE, SETTINGS, frame
 def server(shard_dir, load_engine):
     engine = load_engine(shard_dir[(10, 20)])
     creds = make_tls_credentials()
-    srv = ShardServer(ShardRuntimeServicer(engine), creds, handshake_timeout=1.0).start()
+    srv = ShardRuntimeServicer(engine).register(Server(creds, handshake_timeout=1.0)).start()
     yield srv, creds, engine
     srv.stop(0)
 
@@ -237,7 +237,7 @@ def test_silent_unary_calls_hold_no_worker_and_end_with_their_connection(server)
 def test_sessions_beyond_the_workers_are_refused_not_queued(shard_dir, load_engine):
     engine = load_engine(shard_dir[(10, 20)])
     creds = make_tls_credentials()
-    srv = ShardServer(ShardRuntimeServicer(engine), creds, max_workers=2).start()
+    srv = ShardRuntimeServicer(engine).register(Server(creds, max_workers=2)).start()
     try:
         ch = open_channel(creds.cert_pem, address=("127.0.0.1", srv.port))
         client = ShardClient(ch, timeout=20)
@@ -319,7 +319,7 @@ def test_a_connection_without_calls_is_closed_after_the_idle_timeout(shard_dir, 
     GOAWAY and is closed; one with a call open is not."""
     engine = load_engine(shard_dir[(10, 20)])
     creds = make_tls_credentials()
-    srv = ShardServer(ShardRuntimeServicer(engine), creds, idle_timeout=0.5).start()
+    srv = ShardRuntimeServicer(engine).register(Server(creds, idle_timeout=0.5)).start()
     try:
         silent = _tls_socket(creds, srv.port)
         silent.sendall(PREFACE + frame(SETTINGS, 0, 0, b""))
@@ -339,7 +339,7 @@ def test_one_source_holds_a_bounded_share_of_connections_and_idle_ones_give_way(
     most to let another source in."""
     engine = load_engine(shard_dir[(10, 20)])
     creds = make_tls_credentials()
-    srv = ShardServer(ShardRuntimeServicer(engine), creds, max_connections=3, max_connections_per_source=3).start()
+    srv = ShardRuntimeServicer(engine).register(Server(creds, max_connections=3, max_connections_per_source=3)).start()
     try:
         def from_(source: str) -> ssl.SSLSocket:
             raw = socket.create_connection(("127.0.0.1", srv.port), source_address=(source, 0))
@@ -392,7 +392,7 @@ def test_keepalive_pings_close_a_connection_whose_client_vanished(shard_dir, loa
 
     engine = load_engine(shard_dir[(10, 20)])
     creds = make_tls_credentials()
-    srv = ShardServer(ShardRuntimeServicer(engine), creds, keepalive=0.2, keepalive_timeout=0.5).start()
+    srv = ShardRuntimeServicer(engine).register(Server(creds, keepalive=0.2, keepalive_timeout=0.5)).start()
     try:
         def with_a_call() -> ssl.SSLSocket:
             import hpack
@@ -425,7 +425,7 @@ def test_a_stopping_server_says_goaway_last(shard_dir, load_engine):
 
     engine = load_engine(shard_dir[(10, 20)])
     creds = make_tls_credentials()
-    srv = ShardServer(ShardRuntimeServicer(engine), creds).start()
+    srv = ShardRuntimeServicer(engine).register(Server(creds)).start()
     sock = _tls_socket(creds, srv.port)
     sock.sendall(PREFACE + frame(SETTINGS, 0, 0))
     assert _ours(creds, srv).health().serving  # the server is up and has read our preface by now
@@ -442,13 +442,13 @@ def test_a_connection_is_closed_for_idleness_after_its_last_call_too():
     without waiting on the socket, as a step does.)"""
     done = threading.Event()
 
-    class Slow:
-        def Health(self, request, context):
-            done.wait(0.3)  # busy for a while, reading nothing
-            return pb.HealthReport(serving=True)
+    def slow_health(request: bytes, caller) -> bytes:
+        done.wait(0.3)  # busy for a while, reading nothing
+        return pb.HealthReport(serving=True).SerializeToString()
 
     creds = make_tls_credentials()
-    srv = ShardServer(Slow(), creds, idle_timeout=0.5).start()
+    srv = Server(creds, idle_timeout=0.5).register(
+        {"/meshnet.shard.v1.ShardRuntime/Health": Method(UNARY, slow_health)}).start()
     try:
         ch = open_channel(creds.cert_pem, address=("127.0.0.1", srv.port))
         assert pb.HealthReport.FromString(ch.unary("/meshnet.shard.v1.ShardRuntime/Health",

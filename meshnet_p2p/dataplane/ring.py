@@ -27,7 +27,6 @@ import time
 from dataclasses import dataclass
 from typing import Hashable
 
-from meshnet_p2p._proto import shard_runtime_pb2 as pb
 from meshnet_p2p.swarm.capability import CAPABILITY, CAPABILITY_TYPE
 from meshnet_p2p.core.errors import MeshnetError, sanitize
 from meshnet_p2p.core.identity import PeerId
@@ -35,6 +34,7 @@ from meshnet_p2p.core.multiaddr import Multiaddr
 from meshnet_p2p.core.records import RecordRejected, RecordVerifier
 from meshnet_p2p.dataplane.transport.channel import ChannelError
 from .stub import lease_channel, open_attach
+from .wire import credit_request, decode_response, forward_request
 from meshnet_p2p.dataplane.transport.pool import ChannelPool
 from meshnet_p2p.dataplane.transport.tls import TlsCredentials, cert_identity
 
@@ -89,7 +89,7 @@ class NextHop:
 _REPORTS = RecordVerifier({CAPABILITY: CAPABILITY_TYPE})  # verify(remember=False) only: it keeps no state
 
 
-def next_hop(msg: pb.LinkSignal, *, now_ms: int, model_digest: str, recipe_digest: str, end: int,
+def next_hop(msg, *, now_ms: int, model_digest: str, recipe_digest: str, end: int,
              total: int) -> NextHop:
     """What ``msg`` may make this hop dial (layers [.., ``end``) of ``total``): the
     address or relay its next hop's signed, current report binds, with the
@@ -146,7 +146,7 @@ def forwards(*, is_tail: bool, decode: bool, new_position: int, forward_until: i
 class RingLink:
     """An attached stream to the next hop's session; :meth:`forward` sends a step on it."""
 
-    def __init__(self, msg: pb.LinkSignal, hop: NextHop, creds: TlsCredentials | None, pool: ChannelPool, *,
+    def __init__(self, msg, hop: NextHop, creds: TlsCredentials | None, pool: ChannelPool, *,
                  dial_timeout: float = LINK_DIAL_S) -> None:
         self.epoch = msg.route_epoch
         self.forward_until = msg.forward_until
@@ -183,28 +183,18 @@ class RingLink:
         self._reader.start()
 
     def forward(self, position: int, decode: bool, *, token_id: int | None = None,
-                hidden: pb.TensorBundle | None = None) -> bool:
+                hidden=None) -> bool:
         """Send the next hop its step at ``position``; False once the link is broken."""
-        request = pb.SessionRequest()
-        step = request.step
-        step.idempotency_step = position + 1  # ring steps are numbered by position: both feeders agree
-        step.route_epoch = self.epoch
-        step.position = position
-        step.decode = decode
-        if token_id is not None:
-            step.token_ids.append(token_id)
-        else:
-            step.hidden.CopyFrom(hidden)
+        request = forward_request(position, decode, self.epoch, token_id=token_id, hidden=hidden)
         with self._lock:
             if self.error is not None:
                 return False
             try:
                 if self._credits <= self._granted // 2:
-                    self._call.send(pb.SessionRequest(credit=pb.CreditTopUp(
-                        credits=self._granted - self._credits)).SerializeToString())
+                    self._call.send(credit_request(self._granted - self._credits))
                     self._credits = self._granted
                 self._credits -= 1
-                self._call.send(request.SerializeToString(), deadline=time.monotonic() + FORWARD_TIMEOUT_S)
+                self._call.send(request, deadline=time.monotonic() + FORWARD_TIMEOUT_S)
             except ChannelError as e:
                 self.error = f"forwarding to {self.peer} failed: {e}"
                 return False
@@ -225,7 +215,7 @@ class RingLink:
                 if raw is None:
                     self.error = self.error or f"{self.peer} ended the attach stream"
                     return
-                resp = pb.SessionResponse.FromString(raw)
+                resp = decode_response(raw)
                 if resp.HasField("error"):
                     log.info("ring: %s refused a forwarded step: %s", self.peer, sanitize(resp.error.detail))
                     if resp.error.terminal:

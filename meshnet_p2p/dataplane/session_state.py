@@ -42,12 +42,7 @@ class SessionState:
     inputs: RowDigest = field(default_factory=lambda: RowDigest(SEAM_DOMAIN))
     outputs: RowDigest = field(default_factory=lambda: RowDigest(SEAM_DOMAIN))
     steps_done: int = 0
-    # Who may cancel or release it: the connection that opened it (or, for a
-    # cancel that came first, the connection that sent it). None: in-process.
-    owner: object = None
     last_active_ms: int = 0  # when it last sent anything (idle sessions are released)
-    claimant: object = None  # admission.Claimant once admitted: whose share it counts in
-    ring: object = None  # the servicer's ring state of this session (its attach token, its link)
 
     def open(self, epoch: int, credits: int) -> None:
         self.opened = True

@@ -74,3 +74,140 @@ def bundle_from_proto(msg: pb.TensorBundle) -> TensorBundle:
         return TensorBundle(tuple(tensors))
     except ValueError as e:
         raise PayloadError(str(e)) from None
+
+
+# --- the service's side of ShardRuntime: requests decoded, replies built (servicer.py, ring.py) ---
+
+SERVICE = pb.DESCRIPTOR.services_by_name["ShardRuntime"].full_name
+ErrorCode = pb.ErrorCode  # the data plane's error codes: ints by name, ``ErrorCode.Name(code)`` for the name
+_REQUESTS = {
+    "GetCapability": pb.CapabilityRequest,
+    "Health": pb.HealthRequest,
+    "Cancel": pb.CancelRequest,
+    "Release": pb.ReleaseRequest,
+    "Session": pb.SessionRequest,
+}
+
+
+def method_path(method: str) -> str:
+    """The gRPC path of one of the service's methods: ``/meshnet.shard.v1.ShardRuntime/Session``."""
+    return f"/{SERVICE}/{method}"
+
+
+def decode_request(method: str, raw: bytes):
+    """A request of ``method`` (one of the service's); raises ValueError if malformed."""
+    try:
+        return _REQUESTS[method].FromString(raw)
+    except Exception as e:  # protobuf's DecodeError, and whatever else a parser of hostile bytes may raise
+        raise ValueError(f"a malformed {_REQUESTS[method].__name__}") from e
+
+
+def decode_response(raw: bytes) -> pb.SessionResponse:
+    """A Session stream's reply (what a ring link reads back from the next hop)."""
+    return pb.SessionResponse.FromString(raw)
+
+
+def encode(message) -> bytes:
+    return message.SerializeToString()
+
+
+def error_names() -> list[str]:
+    return list(ErrorCode.keys())
+
+
+def reply_error(code: int, detail: str, *, work_id: str = "", step: int = 0, retryable: bool = False,
+                terminal: bool = False, mismatches: list[str] | None = None,
+                retry_after_ms: int = 0) -> pb.SessionResponse:
+    return pb.SessionResponse(error=pb.Error(code=code, detail=detail, retryable=retryable, work_id=work_id,
+                                             idempotency_step=step, terminal=terminal, mismatches=mismatches or [],
+                                             retry_after_ms=retry_after_ms))
+
+
+def served_fingerprint(model_digest: str, recipe_digest: str, recipe: dict) -> pb.Fingerprint:
+    return pb.Fingerprint(model_digest=model_digest, recipe_digest=recipe_digest,
+                          recipe_axes={k: str(v) for k, v in recipe.items()})
+
+
+def layer_range(start: int, end: int, total: int) -> pb.LayerRange:
+    return pb.LayerRange(start=start, end=end, total=total)
+
+
+def flow_control(credits: int, max_message_bytes: int, max_prefill_tokens: int) -> pb.FlowControl:
+    return pb.FlowControl(credits=credits, max_message_bytes=max_message_bytes, max_prefill_tokens=max_prefill_tokens)
+
+
+def capability_reply(**fields) -> pb.Capability:
+    """GetCapability's answer; ``fields`` as in proto/shard_runtime.proto's Capability."""
+    return pb.Capability(**fields)
+
+
+def health_reply(serving: bool, state: str, active_sessions: int, detail: str) -> pb.HealthReport:
+    return pb.HealthReport(serving=serving, state=state, active_sessions=active_sessions, detail=detail)
+
+
+def cancel_reply(cancelled: bool) -> pb.CancelResponse:
+    return pb.CancelResponse(cancelled=cancelled)
+
+
+def release_reply(released: bool) -> pb.ReleaseResponse:
+    return pb.ReleaseResponse(released=released)
+
+
+def reply_accepted(session_id: str, route_epoch: int, granted: pb.FlowControl,
+                   layers: pb.LayerRange) -> pb.SessionResponse:
+    return pb.SessionResponse(accepted=pb.SessionAccepted(session_id=session_id, route_epoch=route_epoch,
+                                                          granted=granted, layers=layers))
+
+
+def reply_ack(work_id: str = "", idempotency_step: int = 0, duplicate: bool = False) -> pb.SessionResponse:
+    return pb.SessionResponse(ack=pb.Ack(work_id=work_id, idempotency_step=idempotency_step, duplicate=duplicate))
+
+
+def reply_released(session_id: str) -> pb.SessionResponse:
+    return pb.SessionResponse(released=pb.Released(session_id=session_id))
+
+
+def reply_attestation(a) -> pb.SessionResponse:
+    """A signed trust.certification.Attestation, as a Session reply."""
+    return pb.SessionResponse(attestation=pb.Attestation(
+        peer_id=a.peer_id, session_id=a.session_id, model_digest=a.model_digest, recipe_digest=a.recipe_digest,
+        start=a.start, end=a.end, steps=a.steps, input_digest=a.input_digest, output_digest=a.output_digest,
+        signature=a.signature))
+
+
+def reply_result(work_id: str, idempotency_step: int, position: int, route_epoch: int, *,
+                 token=None, hidden: TensorBundle | None = None) -> pb.SessionResponse:
+    """A computed step: its sampled ``token`` (an engine TokenOutput) or its ``hidden`` states."""
+    response = pb.SessionResponse()
+    out = response.result  # built in place: wrapping a finished StepResult would copy its payload
+    out.work_id = work_id
+    out.idempotency_step = idempotency_step
+    out.position = position
+    out.route_epoch = route_epoch
+    if token is not None:
+        out.has_token = True
+        out.token_id = token.token_id
+        out.is_eog = token.is_eog
+    else:
+        bundle_to_proto(hidden, out=out.hidden)
+    return response
+
+
+def forward_request(position: int, decode: bool, route_epoch: int, *, token_id: int | None = None,
+                    hidden: pb.TensorBundle | None = None) -> bytes:
+    """A ring link's step for the next hop's session, numbered by position (both feeders agree)."""
+    request = pb.SessionRequest()
+    step = request.step
+    step.idempotency_step = position + 1
+    step.route_epoch = route_epoch
+    step.position = position
+    step.decode = decode
+    if token_id is not None:
+        step.token_ids.append(token_id)
+    else:
+        step.hidden.CopyFrom(hidden)
+    return request.SerializeToString()
+
+
+def credit_request(credits: int) -> bytes:
+    return pb.SessionRequest(credit=pb.CreditTopUp(credits=credits)).SerializeToString()

@@ -164,9 +164,9 @@ class DataPlaneCollector(Collector):
 def _codes(seen: dict, always: Iterable[str]) -> list[str]:
     """The data plane's error code names to show: ``always`` (at 0 if unseen), and
     any other once seen (names of an enum: a bounded set)."""
-    from meshnet_p2p._proto import shard_runtime_pb2 as pb
+    from meshnet_p2p.dataplane.wire import error_names
 
-    names = set(pb.ErrorCode.keys())
+    names = set(error_names())
     return sorted({*always, *(k for k in seen if k in names)})
 
 

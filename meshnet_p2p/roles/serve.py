@@ -22,7 +22,7 @@ from meshnet_p2p.core.multiaddr import Multiaddr
 from meshnet_p2p.core.lifecycle import until_signalled
 from meshnet_p2p.core.records import wall_ms
 from meshnet_p2p.nat.relay import attach_to_relay
-from meshnet_p2p.dataplane.transport.server import ShardServer
+from meshnet_p2p.dataplane.transport.server import Server
 from meshnet_p2p.dataplane.servicer import Limits, ShardRuntimeServicer
 from meshnet_p2p.dataplane.transport.tls import TlsCredentials, make_tls_credentials, sign_binding
 
@@ -47,7 +47,7 @@ def load_engine(opts: ServeOptions) -> LlamaCppShardEngine:
 @dataclass
 class DataPlane:
     servicer: ShardRuntimeServicer
-    server: ShardServer
+    server: Server
     creds: TlsCredentials
     addr: str  # this peer's gRPC multiaddr
 
@@ -59,7 +59,8 @@ async def start_data_plane(nursery: trio.Nursery, engine, identity: Identity, ho
     creds = make_tls_credentials(identity)
     servicer = ShardRuntimeServicer(engine, identity=identity, limits=limits, on_open=on_open)
     # a worker per session the engine admits, and room beside them for sessions being refused or reclaimed
-    server = ShardServer(servicer, creds, host=host, port=port, max_workers=max(32, 2 * engine.capabilities().max_sessions + 8))
+    server = servicer.register(Server(creds, host=host, port=port,
+                                      max_workers=max(32, 2 * engine.capabilities().max_sessions + 8)))
     await nursery.start(server.serve)
     nursery.start_soon(_reap_idle_sessions, servicer)
     if relay is not None:

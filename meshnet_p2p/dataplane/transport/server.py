@@ -1,5 +1,13 @@
-"""Serving the ShardRuntime service over gRPC (HTTP/2 + identity-bound TLS),
+"""A gRPC server (HTTP/2 + identity-bound TLS) that knows no application,
 started and stopped from trio.
+
+Services register a method table (``register``): a method's full path, its
+kind (unary, server-streaming, bidirectional) and a handler on message bytes.
+Each handler is told who calls (a ``Caller``: the peer ID the client's TLS
+certificate proves, its source's host group, its connection); decoding and
+who-may-do-what are the service's. What stays here is fairness between
+connections and their sources: per-source connection caps and evictions, call
+budgets, unary workers shared in turn (FairPool), GOAWAY, keepalive.
 
 Our own server, not grpcio's: on this project's 2-core machines grpcio's
 server spent about 0.15 ms of every hop passing each message from its poller
@@ -12,13 +20,14 @@ never reads while one waits, so it never has to be asked to step aside.
 Among waiting handlers one reads at a time and hands the others what is theirs.
 
 Threads: one acceptor; one standby reader per connection; handlers on a
-bounded pool (a Session holds one for its lifetime, unary calls briefly).
+bounded pool (a stream holds one for its lifetime, unary calls briefly).
 ``stop`` ends them all: no thread or session is left behind.
 """
 
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import select
 import socket
@@ -28,29 +37,21 @@ import threading
 import time
 from collections import Counter
 from concurrent import futures
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable, Iterator, Mapping
 
 import trio
 
-from meshnet_p2p._proto import shard_runtime_pb2 as pb
 from meshnet_p2p.core.stats import Counters
 from . import grpc_core
 from .driver import Driver
 from .fair_pool import FairPool
-from meshnet_p2p.dataplane.servicer import ShardRuntimeServicer
-from meshnet_p2p.dataplane.admission import Claimant
 from meshnet_p2p.core.netgroup import host_group
-from .tls import TlsBindingError, TlsCredentials, client_issuer_pem, handshake, load_key_pair, peer_of_der
+from .tls import TlsBindingError, TlsCredentials, handshake, peer_of_der, server_context
 
-_SERVICE = pb.DESCRIPTOR.services_by_name["ShardRuntime"].full_name
-_UNARY = {
-    "GetCapability": pb.CapabilityRequest,
-    "Health": pb.HealthRequest,
-    "Cancel": pb.CancelRequest,
-    "Release": pb.ReleaseRequest,
-}
-MAX_CALLS = 32  # concurrent calls per connection (a route opens one Session per peer, plus brief unary calls)
+MAX_CALLS = 32  # concurrent calls per connection (a route opens one stream per peer, plus brief unary calls)
 MAX_WAITING_CALLS = 4  # calls per connection whose first message has not come yet (they hold no worker)
-FIRST_MESSAGE_TIMEOUT = 10.0  # a call that sends nothing (no SessionOpen, no unary request) this long is ended
+FIRST_MESSAGE_TIMEOUT = 10.0  # a call that sends no first message this long is ended
 SEND_TIMEOUT = 30.0  # a reply the client's flow-control window never lets out ends the call
 # per host_group (an IPv4 address, an IPv6 /64); relayed ones share the relay's. Half of the
 # default max_connections: a crowd behind one NAT (sixteen users, each a connection, plus a
@@ -67,22 +68,52 @@ CALLS_PER_SOURCE_PER_S = 200.0
 UNARY_QUEUE_PER_SOURCE = 64  # unary calls one source may have waiting for a worker
 
 
-def server_ssl_context(creds: TlsCredentials) -> ssl.SSLContext:
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.set_alpn_protocols(["h2"])
-    load_key_pair(ctx, creds)
-    # Clients may present an identity-bound certificate (mutual TLS); those without
-    # one are served within the anonymous budget (see admission.py).
-    ctx.verify_mode = ssl.CERT_OPTIONAL
-    ctx.load_verify_locations(cadata=client_issuer_pem().decode("ascii"))
-    return ctx
+# --- what a service registers, and what its handlers are given ---------------------------------
+
+UNARY = "unary"  # handler(request: bytes, caller) -> bytes
+SERVER_STREAM = "server-stream"  # handler(request: bytes, caller) -> Iterable[bytes]
+# handler(requests: Iterator[bytes], caller, send) -> Iterable[bytes]: what it yields is sent in
+# order; ``send(bytes)`` sends one more from any thread (a reply another call's work produced)
+BIDI = "bidi"
+KINDS = (UNARY, SERVER_STREAM, BIDI)
+
+
+@dataclass(frozen=True)
+class Method:
+    kind: str  # one of KINDS
+    handler: Callable
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"a method is one of {KINDS}, not {self.kind!r}")
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who a call comes from, as far as the transport can prove it."""
+
+    peer_id: str | None  # the identity its TLS client certificate proves (tls.peer_of_der); None: anonymous
+    host_group: str  # core.netgroup.host_group of its source address (a relay's, for relayed clients)
+    connection: int  # unique per connection: calls with the same one come from the same client connection
+
+
+class Abort(Exception):
+    """Raised by a handler (or the request iterator it reads) to end its call with
+    a gRPC status (grpc_core.INTERNAL, ...) and message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+_connections = itertools.count(1)  # Caller.connection: never reused within the process
 
 
 class _Call:
     __slots__ = ("sid", "method", "inbox", "ended", "done", "started", "created")
 
-    def __init__(self, sid: int, method: str) -> None:
+    def __init__(self, sid: int, method: Method) -> None:
         self.created = time.monotonic()
         self.sid = sid
         self.method = method
@@ -96,7 +127,7 @@ class _Connection(Driver):
     """One client connection on the shared driver (driver.py): the calls it
     carries, their handlers, and a standby reader for when no handler waits."""
 
-    def __init__(self, server: "ShardServer", sock: socket.socket) -> None:
+    def __init__(self, server: "Server", sock: socket.socket) -> None:
         super().__init__()
         self.server = server
         self.sock = sock
@@ -105,8 +136,8 @@ class _Connection(Driver):
         self.calls: dict[int, _Call] = {}
         self.use_standby()
         self.thread = threading.Thread(target=self._run, name="shard-conn", daemon=True)
-        # Who is asking, for admission (admission.py): set once the TLS handshake proves it.
-        self.claimant = Claimant(_source_of(sock), None)
+        # Who is asking: its peer ID is set once the TLS handshake proves it.
+        self.caller = Caller(None, _source_of(sock), next(_connections))
         self.last_active = time.monotonic()  # when a call last started or ended (idle connections close)
         self.ping_sent: float | None = None  # when an unanswered keepalive PING went out
 
@@ -137,7 +168,7 @@ class _Connection(Driver):
         handshake(self.tls, self.tls_in, self.tls_out, self.send_raw, lambda: self._recv_raw(deadline))
         client = peer_of_der(self.tls.getpeercert(binary_form=True))
         if client is not None:
-            self.claimant = Claimant(self.claimant.host, str(client))
+            self.caller = replace(self.caller, peer_id=str(client))
         with self.lock:
             if self.broken is not None:  # closed meanwhile (the server stopping): its HTTP/2 is already shut
                 raise _Closed()
@@ -161,7 +192,7 @@ class _Connection(Driver):
             call.ended = True
 
     def read_pause(self) -> float:
-        return self.server.read_pause(self.claimant.host)
+        return self.server.read_pause(self.caller.host_group)
 
     def _recv_raw(self, deadline: float) -> bytes:
         data = self.recv_by(deadline)
@@ -289,9 +320,8 @@ class _Connection(Driver):
     # --- calls ----------------------------------------------------------------------------------
 
     def _start_call(self, ev: grpc_core.RequestStarted) -> None:
-        prefix = f"/{_SERVICE}/"
-        method = ev.path[len(prefix):] if ev.path.startswith(prefix) else ""
-        if method != "Session" and method not in _UNARY:
+        method = self.server.methods.get(ev.path)
+        if method is None:
             self.wire.send_trailers(ev.stream_id, grpc_core.UNIMPLEMENTED, f"unknown method {ev.path[:128]}")
             return
         if self.broken:
@@ -299,19 +329,20 @@ class _Connection(Driver):
         if self.server.draining:
             self.wire.send_trailers(ev.stream_id, grpc_core.UNAVAILABLE, "the server is shutting down")
             return
-        self.server.charge_call(self.claimant.host)
+        self.server.charge_call(self.caller.host_group)
         # (Calls past MAX_CALLS never get here: the core refuses them, REFUSED_STREAM.)
         self.calls[ev.stream_id] = _Call(ev.stream_id, method)
-        # A call waits for its first message (a Session its SessionOpen) before it takes a
+        # A call waits for its first message (a stream's opening one too) before it takes a
         # worker: a silent one holds none, and the standby ends it after FIRST_MESSAGE_TIMEOUT.
 
     def _launch(self, call: _Call) -> None:
-        """Give a call its handler: Sessions when they open, unary calls once their
-        request (or end) has come. Unary calls have a pool of their own, so a
-        Cancel never waits behind Sessions."""
+        """Give a call its handler once its first message (or its end) has come.
+        Streams hold a worker of the main pool for their lifetime; unary calls are
+        brief and have a pool of their own, so a Cancel never waits behind streams."""
         if call.started:
             return
-        if call.method == "Session" and not self.server.take_session_slot():
+        streaming = call.method.kind != UNARY
+        if streaming and not self.server.take_session_slot():
             self.calls.pop(call.sid, None)  # every worker runs a session: refused, never queued
             self._discard_inbox(call)
             self.wire.refuse(call.sid)
@@ -319,16 +350,16 @@ class _Connection(Driver):
         call.started = True
         self.last_active = time.monotonic()
         try:
-            if call.method == "Session":
+            if streaming:
                 self.server.executor.submit(self._handle, call)
-            elif not self.server.unary_executor.submit(self.claimant.host, lambda: self._handle(call)):
+            elif not self.server.unary_executor.submit(self.caller.host_group, lambda: self._handle(call)):
                 call.started = False  # its source has a full queue: this call is refused, not queued
                 self.calls.pop(call.sid, None)
                 self._discard_inbox(call)
                 self.wire.send_trailers(call.sid, grpc_core.RESOURCE_EXHAUSTED,
                                         f"over {UNARY_QUEUE_PER_SOURCE} calls from your address wait already")
         except RuntimeError:  # the pool is shut down
-            if call.method == "Session":
+            if streaming:
                 self.server.release_session_slot()
             self.calls.pop(call.sid, None)
             self._discard_inbox(call)
@@ -336,14 +367,17 @@ class _Connection(Driver):
 
     def _handle(self, call: _Call) -> None:
         try:
-            if call.method == "Session":
-                self._session(call)
+            kind = call.method.kind
+            if kind == BIDI:
+                self._bidi(call)
             else:
-                self._unary(call)
+                self._single(call, kind == SERVER_STREAM)
+        except Abort as e:  # the service ends its call with a status of its choosing
+            self.finish(call, e.status, e.message)
         except Exception as e:  # a bug must end this call, not the connection or the peer
             self.finish(call, grpc_core.INTERNAL, f"{type(e).__name__}: {e}")
         finally:
-            if call.method == "Session":
+            if call.method.kind != UNARY:
                 self.server.release_session_slot()
             with self.cond:
                 self.calls.pop(call.sid, None)
@@ -354,44 +388,36 @@ class _Connection(Driver):
             with self.server._changed:
                 self.server._changed.notify_all()
 
-    def _unary(self, call: _Call) -> None:
+    def _single(self, call: _Call, streaming: bool) -> None:
+        """A call of one request: unary, or server-streaming."""
         raw = self.next_request(call, FIRST_MESSAGE_TIMEOUT)  # here already, unless it ended empty
         if raw is None:
             return self.finish(call, grpc_core.INTERNAL, "no request message")
-        try:
-            request = _UNARY[call.method].FromString(raw)
-        except Exception:
-            return self.finish(call, grpc_core.INTERNAL, "a malformed request")
-        reply = getattr(self.server.servicer, call.method)(request, self)  # the connection: who asks
-        self.send(call, reply.SerializeToString())
+        replies = call.method.handler(raw, self.caller)
+        for reply in (replies if streaming else (replies,)):
+            self.send(call, reply)
         self.finish(call, grpc_core.OK, "")
 
-    def _session(self, call: _Call) -> None:
+    def _bidi(self, call: _Call) -> None:
         silent = []
 
-        def requests():
+        def requests() -> Iterator[bytes]:
             first = True
             while True:
-                # The first message (SessionOpen) must come soon; later ones may take as long as a generation.
+                # The first message must come soon; later ones may take as long as a generation.
                 raw = self.next_request(call, FIRST_MESSAGE_TIMEOUT if first else None)
                 if raw is None:
                     if first and not call.ended:
                         silent.append(True)
                     return
                 first = False
-                try:
-                    yield pb.SessionRequest.FromString(raw)
-                except Exception:
-                    self.finish(call, grpc_core.INTERNAL, "a malformed SessionRequest")
-                    return
+                yield raw
 
-        def push(response) -> None:  # the ring's copies, sent from the thread that computed them
-            self.send(call, response.SerializeToString())
-
-        for response in self.server.servicer.Session(requests(), self, push=push):
-            self.send(call, response.SerializeToString())
+        replies: Iterable[bytes] = call.method.handler(requests(), self.caller, lambda m: self.send(call, m))
+        for reply in replies:
+            self.send(call, reply)
         if silent:
-            return self.finish(call, grpc_core.DEADLINE_EXCEEDED, f"no SessionOpen within {FIRST_MESSAGE_TIMEOUT:g} s")
+            return self.finish(call, grpc_core.DEADLINE_EXCEEDED, f"no request within {FIRST_MESSAGE_TIMEOUT:g} s")
         self.finish(call, grpc_core.OK, "")
 
     def send(self, call: _Call, message: bytes) -> None:
@@ -438,18 +464,22 @@ def _longest_idle(conns: list[_Connection]) -> _Connection | None:
     return min(idle, key=lambda c: c.last_active) if idle else None
 
 
-class ShardServer:
-    def __init__(self, servicer: ShardRuntimeServicer, creds: TlsCredentials, *, host: str = "127.0.0.1",
+class Server:
+    """Serves the methods services ``register`` on one TLS listener (and on
+    sockets handed to ``adopt``); an unregistered path gets UNIMPLEMENTED."""
+
+    def __init__(self, creds: TlsCredentials, *, host: str = "127.0.0.1",
                  port: int = 0, max_workers: int = 32, max_connections: int = 64,
                  max_connections_per_source: int = MAX_CONNECTIONS_PER_SOURCE, handshake_timeout: float = 10.0,
                  idle_timeout: float = IDLE_CONNECTION_S, keepalive: float = KEEPALIVE_S,
                  keepalive_timeout: float = KEEPALIVE_TIMEOUT_S) -> None:
-        self.servicer = servicer
-        self.ssl_context = server_ssl_context(creds)
+        self.methods: dict[str, Method] = {}  # full path ("/package.Service/Method") -> Method
+        self._on_stop: list[Callable[[], None]] = []
+        self.ssl_context = server_context(creds)
         self.executor = futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="shard-rpc")
-        self._session_slots = threading.BoundedSemaphore(max_workers)  # a Session never queues for a worker
+        self._session_slots = threading.BoundedSemaphore(max_workers)  # a stream never queues for a worker
         # Unary calls have workers of their own, shared between sources in turn: a
-        # Cancel never waits behind Sessions, nor one source's calls behind another's flood.
+        # Cancel never waits behind streams, nor one source's calls behind another's flood.
         self.unary_executor = FairPool(UNARY_WORKERS, per_source=UNARY_QUEUE_PER_SOURCE, name="shard-rpc-unary")
         self.max_connections = max_connections
         self.max_connections_per_source = max_connections_per_source
@@ -472,7 +502,20 @@ class ShardServer:
         self._acceptor = threading.Thread(target=self._accept, name="shard-accept", daemon=True)
         self._started = False
 
-    def start(self) -> "ShardServer":
+    def register(self, methods: Mapping[str, Method], *, on_stop: Callable[[], None] | None = None) -> "Server":
+        """Serve ``methods`` (before ``start``); ``on_stop`` runs once every call has
+        ended on ``stop`` (a service's own connections, say). Returns the server."""
+        if self._started:
+            raise RuntimeError("methods are registered before the server starts")
+        taken = self.methods.keys() & methods.keys()
+        if taken:
+            raise ValueError(f"already registered: {sorted(taken)}")
+        self.methods.update(methods)
+        if on_stop is not None:
+            self._on_stop.append(on_stop)
+        return self
+
+    def start(self) -> "Server":
         self._started = True
         self._acceptor.start()
         return self
@@ -524,13 +567,13 @@ class ShardServer:
         it is at its cap, else one of the source holding most when the peer is
         full); None to refuse it."""
         live = [c for c in self._conns if not c.broken]  # ones already closing are on their way out
-        mine = [c for c in live if c.claimant.host == host]
+        mine = [c for c in live if c.caller.host_group == host]
         if len(mine) >= self.max_connections_per_source:
             return _longest_idle(mine)
         if len(live) < self.max_connections:
             return True
-        for source, _ in Counter(c.claimant.host for c in live).most_common():
-            victim = _longest_idle([c for c in live if c.claimant.host == source])
+        for source, _ in Counter(c.caller.host_group for c in live).most_common():
+            victim = _longest_idle([c for c in live if c.caller.host_group == source])
             if victim is not None:
                 return victim
         return None
@@ -625,9 +668,8 @@ class ShardServer:
             c.thread.join()
         for fd in (self._stop_r, self._stop_w):
             os.close(fd)
-        close = getattr(self.servicer, "close", None)
-        if close is not None:
-            close()  # the ring's connections to next hops
+        for on_stop in self._on_stop:
+            on_stop()
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled (from a trio nursery)."""

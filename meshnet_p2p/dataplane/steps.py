@@ -1,0 +1,181 @@
+"""What a session's messages do to its shard: steps, rollbacks and attestations.
+
+A step is checked by the session's protocol state (session_state.py: its
+epoch, deadline, idempotency step and credit), refused before it counts if
+malformed, computed by the engine, added to the session's digests (what an
+attestation signs), and, on a ring, its output copied to the owner's stream and
+forwarded to the next hop (ring.py). One step or rollback of a session at a
+time, under its ring seat's lock, whichever stream it came on.
+"""
+
+from __future__ import annotations
+
+import time
+
+from meshnet_p2p.engine.contract import DecodeRequest, PrefillRequest, StatusCode
+from meshnet_p2p.trust.certification import Attestation
+from . import wire
+from .ring import ATTACH_TOKEN_BYTES, forwards
+from .session_state import Verdict
+from .wire import ErrorCode as E, PayloadError, bundle_from_proto, reply_error as _error
+
+ENGINE_CODES = {
+    StatusCode.NOT_LOADED: E.INTERNAL,
+    StatusCode.LOAD_FAILED: E.INTERNAL,
+    StatusCode.INVALID_ARGUMENT: E.INVALID_ARGUMENT,
+    StatusCode.UNKNOWN_SESSION: E.UNKNOWN_SESSION,
+    StatusCode.SESSION_EXISTS: E.INVALID_ARGUMENT,
+    StatusCode.CAPACITY_EXHAUSTED: E.CAPACITY,
+    StatusCode.CONTEXT_EXHAUSTED: E.CONTEXT_EXHAUSTED,
+    StatusCode.POSITION_MISMATCH: E.POSITION_MISMATCH,
+    StatusCode.BAD_TENSOR: E.BAD_TENSOR,
+    StatusCode.WRONG_INPUT: E.WRONG_INPUT,
+    StatusCode.CANCELLED: E.CANCELLED,
+    StatusCode.INTERNAL: E.INTERNAL,
+}
+
+VERDICT_ERRORS = {
+    Verdict.CANCELLED: (E.CANCELLED, "work was cancelled", False),
+    Verdict.EPOCH_STALE: (E.EPOCH_STALE, "step carries a stale route epoch", False),
+    Verdict.DEADLINE: (E.DEADLINE_EXCEEDED, "the step's deadline has passed", False),
+    Verdict.NO_CREDIT: (E.FLOW_CONTROL, "no flow-control credit left; top up in-band", True),
+    Verdict.NOT_OPEN: (E.PROTOCOL, "step before SessionOpen", False),
+}
+
+
+class Steps:
+    """A servicer's step machinery; ``state``: its per-session record (a
+    SessionState with its ring seat)."""
+
+    def __init__(self, engine, *, caps, limits, stats, now_ms, identity, peer_id: str) -> None:
+        self.engine = engine
+        self.caps = caps
+        self.limits = limits
+        self.stats = stats
+        self.now_ms = now_ms
+        self.identity = identity  # signs attestations of what a session computed
+        self.peer_id = peer_id
+
+    def rollback(self, sid: str, state, msg):
+        """Rewind the session to ``position``: a client's retry, or a ring's failover to a newer route."""
+        with state.ring.lock:
+            verdict = state.check_rollback(msg.route_epoch)
+            if verdict is not Verdict.APPLY:
+                code, detail, retryable = VERDICT_ERRORS[verdict]
+                return _error(code, f"rollback refused: {detail}", retryable=retryable)
+            if len(msg.attach_token) > ATTACH_TOKEN_BYTES:  # refused before anything changes
+                return _error(E.INVALID_ARGUMENT, f"an attach token is at most {ATTACH_TOKEN_BYTES} bytes")
+            if msg.route_epoch > state.epoch:  # a newer route: this hop forwards nothing more until relinked
+                state.ring.unlink()
+                if msg.attach_token:  # and only the new route's previous hop may feed it
+                    state.ring.attach_token = msg.attach_token
+            status = self.engine.rollback(sid, msg.position)
+            if not status.ok:
+                return _error(ENGINE_CODES[status.code], status.message)
+            state.rolled_back(msg.route_epoch, msg.position)
+            state.inputs.rollback(msg.position)
+            state.outputs.rollback(msg.position)
+        return wire.reply_ack()
+
+    def _after_step(self, state, step, result, response, attached: bool):
+        """Under the ring lock: for a step the ring fed, send the owner its copy (first,
+        ~0.07 ms: a next hop that holds the forward back must not make the client blame
+        this one), then forward the output to the next hop, within a deadline."""
+        ring = state.ring
+        if attached and ring.push is not None:
+            ring.push(response)
+        link = ring.link
+        if link is not None and link.epoch == step.route_epoch == state.epoch:
+            out = response.result
+            tail = result.token is not None
+            if forwards(is_tail=tail, decode=step.decode, new_position=result.position,
+                        forward_until=link.forward_until, is_eog=tail and result.token.is_eog,
+                        stop_at_eog=link.stop_at_eog):
+                if tail:
+                    link.forward(result.position, True, token_id=result.token.token_id)
+                else:
+                    link.forward(step.position, step.decode, hidden=out.hidden)
+        return None if attached else response
+
+    def attest(self, sid: str, state):
+        if self.identity is None:
+            return _error(E.PROTOCOL, "this peer serves without an identity and cannot attest")
+        c = self.caps
+        a = Attestation(self.peer_id, sid, c.model_digest, c.recipe_digest, c.start, c.end, state.steps_done,
+                        state.inputs.hexdigest(), state.outputs.hexdigest()).signed_by(self.identity)
+        return wire.reply_attestation(a)
+
+    def step(self, sid: str, state, step, *, attached: bool = False):
+        """The reply to a step; for a step the ring fed (``attached``), None on
+        success (the owner got its copy) and the error otherwise, which the owner
+        gets too unless it is only an older route's step."""
+        t0 = time.perf_counter()
+        with state.ring.lock:
+            reply = self._step_locked(sid, state, step, attached, t0)
+        if reply is not None and reply.HasField("error"):
+            self.stats.step_errors.add(E.Name(reply.error.code))
+        if attached and reply is not None and reply.HasField("error") and reply.error.code != E.EPOCH_STALE \
+                and state.ring.push is not None:
+            state.ring.push(reply)
+        return reply
+
+    def _step_locked(self, sid: str, state, step, attached: bool, t0: float):
+        wid, n = step.work_id, step.idempotency_step
+        verdict = state.check_step(wid, n, step.route_epoch, step.deadline_unix_ms, self.now_ms())
+        if verdict is Verdict.DUPLICATE:
+            return wire.reply_ack(wid, n, duplicate=True)
+        if verdict is not Verdict.APPLY:
+            code, detail, retryable = VERDICT_ERRORS[verdict]
+            return _error(code, detail, work_id=wid, step=n, retryable=retryable)
+        hidden = None
+        if step.HasField("hidden"):
+            try:
+                hidden = bundle_from_proto(step.hidden)
+            except PayloadError as e:
+                return _error(E.PAYLOAD_CORRUPT, str(e), work_id=wid, step=n)
+        tokens = tuple(step.token_ids) if hidden is None else None
+        if len(step.token_ids) > self.limits.max_prefill_tokens:
+            return _error(E.OVERSIZED, f"{len(step.token_ids)} tokens exceed {self.limits.max_prefill_tokens}", work_id=wid, step=n)
+        try:  # a malformed step is refused before it counts: no credit spent, its idempotency step still free
+            if step.decode:
+                if tokens is not None and len(tokens) != 1:
+                    return _error(E.INVALID_ARGUMENT, "a decode step carries exactly one token", work_id=wid, step=n)
+                request = DecodeRequest(sid, step.position, token_id=tokens[0] if tokens else None, hidden=hidden)
+            else:
+                request = PrefillRequest(sid, step.position, token_ids=tokens, hidden=hidden)
+        except ValueError as e:  # request types refuse malformed steps (no input, negative position)
+            return _error(E.INVALID_ARGUMENT, str(e), work_id=wid, step=n)
+        state.applied(n, step.route_epoch)
+        state.running = wid
+        t1 = time.perf_counter()
+        try:
+            result = self.engine.decode(request) if step.decode else self.engine.prefill(request)
+        finally:
+            state.running = None
+        t2 = time.perf_counter()
+        if not result.status.ok:
+            s = result.status
+            return _error(ENGINE_CODES[s.code], s.message, work_id=wid, step=n, retryable=s.retryable)
+        # what this step computed, for an attestation (a few microseconds per step)
+        if hidden is not None:
+            state.inputs.hidden(step.position, hidden)
+        else:
+            state.inputs.tokens(step.position, tokens)
+        if result.token is not None:
+            state.outputs.token(result.position - 1, result.token.token_id)
+        else:
+            state.outputs.hidden(step.position, result.hidden)
+        state.steps_done += 1
+        response = wire.reply_result(wid, n, result.position, step.route_epoch, token=result.token,
+                                     hidden=result.hidden)
+        reply = self._after_step(state, step, result, response, attached)
+        self._count_step(step.decode, result.position - step.position, t0, t1, t2)
+        return reply
+
+    def _count_step(self, decode: bool, rows: int, t0: float, t1: float, t2: float) -> None:
+        s, kind = self.stats, "decode" if decode else "prefill"
+        s.steps.add(kind)
+        s.tokens.add(kind, rows)
+        s.step_seconds["queue"].observe(t1 - t0)
+        s.step_seconds["compute"].observe(t2 - t1)
+        s.step_seconds["reply"].observe(time.perf_counter() - t2)
