@@ -397,7 +397,8 @@ async def test_relay_refuses_unknown_peers_and_unproven_identities(relay):
     stranger = Identity.generate()
     # nobody reserved: a CONNECT for them is refused
     stream = await trio.open_tcp_stream("127.0.0.1", relay.multiaddr.port)
-    await stream.send_all(f"CONNECT {str(stranger.peer_id).lower()}.peer:443 HTTP/1.1\r\n\r\n".encode())
+    target = f"{str(stranger.peer_id).lower()}.peer:443"
+    await stream.send_all(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
     assert (await stream.receive_some(100)).startswith(b"HTTP/1.1 404")
     await stream.aclose()
     # claiming an identity without its key

@@ -61,10 +61,10 @@ from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.core.guard import Guard
 from meshnet_p2p.core.identity import Identity, IdentityError, PeerId
 from meshnet_p2p.core.multiaddr import Multiaddr
+from meshnet_p2p.dataplane.transport.connect import BUSY, ESTABLISHED, ConnectError, ConnectHead, target_peer
 from .circuits import CIRCUIT_LIMIT, Circuit, Reclaim, Refuse, admit_circuit, circuit_source, per_source_limit
 
 PEER_DOMAIN = b"meshnet-relay-reserve-v1\0"
-PEER_HOST_SUFFIX = ".peer"  # a CONNECT target is <lowercase peer id>.peer:443
 RELAY_DOMAIN = b"meshnet-relay-accept-v1\0"
 log = logging.getLogger(__name__)
 MAX_LINE = 8192
@@ -77,11 +77,6 @@ MAX_RESERVATIONS_PER_GROUP = 8  # reservations from one source network (IPv4 /24
 
 class RelayError(MeshnetError):
     pass
-
-
-def relay_target(peer_id: PeerId) -> str:
-    """What a client CONNECTs to on a relay to reach ``peer_id`` (sent unresolved)."""
-    return f"{str(peer_id).lower()}{PEER_HOST_SUFFIX}:443"
 
 
 @dataclass(frozen=True)
@@ -123,16 +118,6 @@ class _LineReader:
             self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
         return line.rstrip(b"\r")
-
-    async def http_head(self) -> list[bytes]:
-        lines = []
-        while True:
-            line = await self.line()
-            if not line:
-                return lines
-            lines.append(line)
-            if len(lines) > 64:
-                raise RelayError("too many header lines")
 
 
 class _TokenBucket:
@@ -284,7 +269,7 @@ class Relay:
                 await self._reserve(stream, reader, first)
             elif first.startswith(b"MESHNET-ATTACH "):
                 await self._attach(stream, reader, first)
-        except (RelayError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
+        except (RelayError, ConnectError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
                 trio.BusyResourceError, IdentityError, ValueError):
             pass
         except Exception as e:  # one connection's bug or bytes must never end the relay
@@ -352,18 +337,20 @@ class Relay:
                 self._tokens.pop(token, None)
 
     async def _client(self, stream, reader: _LineReader, first: bytes) -> None:
+        head = ConnectHead()  # a malformed or oversized head: ConnectError, closed unanswered
         with trio.fail_after(self.limits.handshake_timeout):
-            await reader.http_head()
-        parts = first.decode(errors="replace").split()
-        target = parts[1] if len(parts) >= 2 else ""
-        host = target.rsplit(":", 1)[0].lower()
-        if not host.endswith(PEER_HOST_SUFFIX):
-            await stream.send_all(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+            # the request line was read to tell CONNECT from the control lines: hand it back
+            target = head.receive(first + b"\r\n" + reader.buf)
+            while target is None:
+                target = head.receive(await stream.receive_some(4096))
+        peer = target_peer(target)
+        if peer is None:
+            await stream.send_all(head.answer(400))
             self.refusals["bad_target"] += 1  # (a client's mistake: not among stats["refused"])
             return
-        res = self.reservations.get(host[: -len(PEER_HOST_SUFFIX)])
+        res = self.reservations.get(peer)
         if res is None:
-            await stream.send_all(b"HTTP/1.1 404 Not Found\r\n\r\n")
+            await stream.send_all(head.answer(404))
             self.refusals["no_reservation"] += 1
             return
         source = _client_source(stream)
@@ -371,7 +358,7 @@ class Relay:
         decision = admit_circuit([Circuit(c.token, c.source, now - c.last_active) for c in res.circuits.values()],
                                  source, capacity=self.limits.max_connections_per_peer, per_source=self.limits.per_source)
         if isinstance(decision, Refuse):
-            await stream.send_all(b"HTTP/1.1 429 Too Many Requests\r\n\r\n")
+            await stream.send_all(head.answer(BUSY))
             self._refuse(decision.reason)
             if decision.reason == CIRCUIT_LIMIT:
                 res.turned_away += 1
@@ -393,9 +380,9 @@ class Relay:
                     data_stream, data_reader, attached = await recv.receive()
                 started = trio.current_time()
                 try:
-                    await stream.send_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                    await stream.send_all(head.answer(ESTABLISHED))
                     self.stats["spliced"] += 1
-                    await _splice(stream, data_stream, res.bucket, self.transform, first=(reader.buf, data_reader.buf),
+                    await _splice(stream, data_stream, res.bucket, self.transform, first=(head.early, data_reader.buf),
                                   count=lambda direction, n: self._count_circuit(res, circuit, direction, n))
                 finally:
                     attached.set()
