@@ -481,13 +481,14 @@ async def test_relay_limits_connections_per_peer_and_splices_bytes(relay):
 
 
 def test_relay_bandwidth_bucket_bounds_bytes_per_second():
-    from meshnet_p2p.nat.relay import _TokenBucket
+    from meshnet_p2p.core.ratelimit import TokenBucket
+    from meshnet_p2p.nat.relay import _take
 
     async def main():
-        bucket = _TokenBucket(rate=1000.0, burst=500.0)
+        bucket = TokenBucket(burst=500.0, rate=1000.0, now=trio.current_time())
         start = trio.current_time()
         for _ in range(10):
-            await bucket.take(250)  # 2,500 bytes: 500 of burst, then 2,000 at 1,000/s
+            await _take(bucket, 250)  # 2,500 bytes: 500 of burst, then 2,000 at 1,000/s
         return trio.current_time() - start
 
     elapsed = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

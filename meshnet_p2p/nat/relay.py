@@ -61,6 +61,7 @@ from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.core.guard import Guard
 from meshnet_p2p.core.identity import Identity, IdentityError, PeerId
 from meshnet_p2p.core.multiaddr import Multiaddr
+from meshnet_p2p.core.ratelimit import TokenBucket
 from meshnet_p2p.dataplane.transport.connect import BUSY, ESTABLISHED, ConnectError, ConnectHead, target_peer
 from .circuits import CIRCUIT_LIMIT, Circuit, Reclaim, Refuse, admit_circuit, circuit_source, per_source_limit
 
@@ -120,21 +121,10 @@ class _LineReader:
         return line.rstrip(b"\r")
 
 
-class _TokenBucket:
-    def __init__(self, rate: float, burst: float) -> None:
-        self.rate, self.burst = rate, burst
-        self.tokens = burst
-        self.at = trio.current_time()
-
-    async def take(self, n: int) -> None:
-        while True:
-            now = trio.current_time()
-            self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
-            self.at = now
-            if self.tokens >= min(n, self.burst):
-                self.tokens -= n
-                return
-            await trio.sleep((min(n, self.burst) - self.tokens) / self.rate)
+async def _take(bucket: TokenBucket, n: int) -> None:
+    """Wait until ``bucket`` lets ``n`` bytes through (see TokenBucket.take), and take them."""
+    while (wait := bucket.take(trio.current_time(), n)) > 0:
+        await trio.sleep(wait)
 
 
 @dataclass(eq=False)
@@ -156,7 +146,7 @@ class _Circuit:
 class _Reservation:
     peer_id: PeerId
     control: trio.abc.Stream
-    bucket: _TokenBucket
+    bucket: TokenBucket  # bytes a second over all of the peer's circuits
     group: str | None = None  # the network it reserved from
     send_lock: trio.Lock = field(default_factory=trio.Lock)
     pending: dict[str, trio.MemorySendChannel] = field(default_factory=dict)
@@ -187,7 +177,7 @@ def _client_source(stream) -> str:
     return "local" if host is None else circuit_source(host)
 
 
-async def _splice(a: trio.abc.Stream, b: trio.abc.Stream, bucket: _TokenBucket | None,
+async def _splice(a: trio.abc.Stream, b: trio.abc.Stream, bucket: TokenBucket | None,
                   transform: Callable[[bytes, str], bytes] | None = None, first: tuple[bytes, bytes] = (b"", b""),
                   count: Callable[[str, int], None] | None = None) -> int:
     """Copy bytes both ways until either side closes; returns bytes moved.
@@ -204,7 +194,7 @@ async def _splice(a: trio.abc.Stream, b: trio.abc.Stream, bucket: _TokenBucket |
                 if not data:
                     break
                 if bucket is not None:
-                    await bucket.take(len(data))
+                    await _take(bucket, len(data))
                 await dst.send_all(transform(data, direction) if transform else data)
                 moved += len(data)
                 if count is not None:
@@ -308,8 +298,8 @@ class Relay:
             return
         if old is not None:
             await trio.aclose_forcefully(old.control)  # the newest control connection wins
-        res = _Reservation(peer, stream, _TokenBucket(self.limits.bytes_per_second_per_peer, self.limits.burst_bytes),
-                           group=group)
+        bucket = TokenBucket(self.limits.burst_bytes, self.limits.bytes_per_second_per_peer, trio.current_time())
+        res = _Reservation(peer, stream, bucket, group=group)
         self.reservations[key] = res
         self.stats["reservations"] += 1
         async with res.send_lock:  # a client's OPEN may be sent on this stream from now on

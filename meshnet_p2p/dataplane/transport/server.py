@@ -32,6 +32,7 @@ from concurrent import futures
 import trio
 
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
+from meshnet_p2p.core.ratelimit import TokenBucket
 from meshnet_p2p.core.stats import Counters
 from . import grpc_core
 from .driver import Driver
@@ -463,7 +464,7 @@ class ShardServer:
         self._conns: set[_Connection] = set()
         # bytes read and written on client connections, connections served: read by metrics
         self.stats = Counters(("bytes_in", "bytes_out", "connections"))
-        self._call_budgets: dict[str, grpc_core.Budget] = {}  # per source (charge_call)
+        self._call_budgets: dict[str, TokenBucket] = {}  # per source (charge_call)
         self._budget_lock = threading.Lock()
         self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.host = host
@@ -566,8 +567,8 @@ class ShardServer:
             if budget is None:
                 if len(self._call_budgets) >= 4 * self.max_connections:  # forget sources quiet long enough to be full
                     self._call_budgets = {h: b for h, b in self._call_budgets.items() if b.level(now) < b.burst}
-                budget = self._call_budgets[host] = grpc_core.Budget(int(2 * CALLS_PER_SOURCE_PER_S),
-                                                                     CALLS_PER_SOURCE_PER_S, now)
+                budget = self._call_budgets[host] = TokenBucket(int(2 * CALLS_PER_SOURCE_PER_S),
+                                                                CALLS_PER_SOURCE_PER_S, now)
             budget.charge(now)
 
     def read_pause(self, host: str) -> float:
