@@ -8,6 +8,7 @@ does too, given the channel option ``grpc.http_proxy``); the relay asks the peer
 its control connection, to open a *data* connection for that client, and
 splices the two byte streams. TLS runs end to end, client to peer: the relay
 sees ciphertext only, and any byte it changed would fail the TLS record MAC.
+Both ends of CONNECT are ``dataplane/transport/connect.py`` (on h11).
 
 Limits: reservations in total, concurrent connections (circuits) per peer and
 per client source to one peer, shared fairly when they run short
