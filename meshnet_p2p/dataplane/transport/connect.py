@@ -35,8 +35,9 @@ BUSY = 429  # the relay's answer when the peer's circuits are all held
 
 
 class ConnectError(MeshnetError):
-    """CONNECT through a relay failed. ``status`` is the relay's refusal (404, 429,
-    ...) when it answered one, else None (it closed, or did not speak HTTP)."""
+    """CONNECT through a relay failed. A client's: ``status`` is the relay's refusal
+    (404, 429, ...) when it answered one, else None (it closed, or did not speak
+    HTTP). The relay's: the client's head is none it accepts (``status`` None)."""
 
     def __init__(self, message: str, status: int | None = None, answer: str = "") -> None:
         super().__init__(message)
