@@ -16,10 +16,11 @@ import sys
 
 import atheris
 
-with atheris.instrument_imports(include=["meshnet_p2p", "h2", "hpack", "hyperframe"]):
+with atheris.instrument_imports(include=["meshnet_p2p", "h2", "hpack", "hyperframe", "h11"]):
     from meshnet_p2p._proto import shard_runtime_pb2 as pb
     from meshnet_p2p.swarm.capability import TYPES
     from meshnet_p2p.dataplane.transport import grpc_core
+    from meshnet_p2p.dataplane.transport.connect import ConnectDialog, ConnectError, ConnectHead
     from meshnet_p2p.dataplane.wire import PayloadError, bundle_from_proto
     from meshnet_p2p.dataplane.transport.tls import TlsBindingError, peer_of_der
     from meshnet_p2p.dht import wire
@@ -153,6 +154,16 @@ def http2(data: bytes) -> None:
         pass
 
 
+def connect(data: bytes) -> None:
+    """Raw bytes as a client's CONNECT head to a relay, and as a relay's answer to a client."""
+    for feed in (ConnectHead().receive, ConnectDialog("x.peer:443").receive):
+        try:
+            feed(data)
+            feed(b"")
+        except ConnectError:
+            pass
+
+
 def certificate(data: bytes) -> None:
     try:
         peer_of_der(data)
@@ -161,7 +172,7 @@ def certificate(data: bytes) -> None:
 
 
 TARGETS = {f.__name__: f for f in (datagram, signed_datagram, dial_back, dial_result, record, bundle, gguf, http2,
-                                    certificate)}
+                                    connect, certificate)}
 
 
 def main(argv: list[str]) -> int:

@@ -397,7 +397,8 @@ async def test_relay_refuses_unknown_peers_and_unproven_identities(relay):
     stranger = Identity.generate()
     # nobody reserved: a CONNECT for them is refused
     stream = await trio.open_tcp_stream("127.0.0.1", relay.multiaddr.port)
-    await stream.send_all(f"CONNECT {str(stranger.peer_id).lower()}.peer:443 HTTP/1.1\r\n\r\n".encode())
+    target = f"{str(stranger.peer_id).lower()}.peer:443"
+    await stream.send_all(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
     assert (await stream.receive_some(100)).startswith(b"HTTP/1.1 404")
     await stream.aclose()
     # claiming an identity without its key
@@ -480,13 +481,14 @@ async def test_relay_limits_connections_per_peer_and_splices_bytes(relay):
 
 
 def test_relay_bandwidth_bucket_bounds_bytes_per_second():
-    from meshnet_p2p.nat.relay import _TokenBucket
+    from meshnet_p2p.core.ratelimit import TokenBucket
+    from meshnet_p2p.nat.relay import _take
 
     async def main():
-        bucket = _TokenBucket(rate=1000.0, burst=500.0)
+        bucket = TokenBucket(burst=500.0, rate=1000.0, now=trio.current_time())
         start = trio.current_time()
         for _ in range(10):
-            await bucket.take(250)  # 2,500 bytes: 500 of burst, then 2,000 at 1,000/s
+            await _take(bucket, 250)  # 2,500 bytes: 500 of burst, then 2,000 at 1,000/s
         return trio.current_time() - start
 
     elapsed = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

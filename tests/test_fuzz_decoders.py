@@ -56,8 +56,8 @@ from meshnet_p2p.nat.relay import (
     Relay,
     RelayError,
     RelayLimits,
-    relay_target,
 )
+from meshnet_p2p.dataplane.transport.connect import relay_target
 from meshnet_p2p.dataplane.servicer import Limits, ShardRuntimeServicer
 from meshnet_p2p.dataplane.wire import (
     MAX_FRAGMENTS,

@@ -1,8 +1,11 @@
 """GGUF parsing (strict, bounded, fuzzed) and cutting shards."""
 
+import ctypes
 import json
 import os
 import struct
+
+import gguf
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,7 +20,17 @@ from meshnet_p2p.engine.cut import (
     inspect_gguf,
     parse_layer_range,
 )
-from meshnet_p2p.engine.gguf import GGUFFormatError, OutTensor, ValueType, encode_kv, read_gguf, write_gguf
+from meshnet_p2p.engine.gguf import (
+    GGML_BLOCKS,
+    GGUFFormatError,
+    OutTensor,
+    ValueType,
+    encode_kv,
+    read_gguf,
+    tensor_nbytes,
+    write_gguf,
+)
+from meshnet_p2p.engine.llama_native import ggml_base
 from meshnet_p2p.engine.llama_engine import LlamaCppShardEngine
 
 from tests.swarm import meshnet_peer
@@ -54,6 +67,22 @@ def test_real_model_metadata_is_copied_byte_for_byte(shard_dir, model_path):
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "llama.rope.freq_base"):
         assert head.raw_entry(key) == src.raw_entry(key)
     assert head.get("llama.block_count") == 10
+
+
+def test_block_sizes_agree_with_the_linked_ggml():
+    """The tensor sizes come from gguf-py; the ggml that llama-cpp-python links is what
+    reads the shard, so every size we accept must be its size too."""
+    ggml = ggml_base()
+    ggml.ggml_blck_size.restype, ggml.ggml_blck_size.argtypes = ctypes.c_int64, [ctypes.c_int]
+    ggml.ggml_type_size.restype, ggml.ggml_type_size.argtypes = ctypes.c_size_t, [ctypes.c_int]
+    assert GGML_BLOCKS[0] == (1, 4) and GGML_BLOCKS[12] == (256, 144)  # F32, Q4_K
+    for ggml_type, (block, size) in GGML_BLOCKS.items():
+        assert (ggml.ggml_blck_size(ggml_type), ggml.ggml_type_size(ggml_type)) == (block, size), ggml_type
+    # the one type gguf-py sizes differently from ggml is refused, not mis-sized
+    q8_1 = gguf.GGMLQuantizationType.Q8_1
+    assert gguf.GGML_QUANT_SIZES[q8_1] != (ggml.ggml_blck_size(q8_1), ggml.ggml_type_size(q8_1))
+    with pytest.raises(GGUFFormatError, match="unsupported ggml tensor type id 9"):
+        tensor_nbytes(q8_1, (32,))
 
 
 @pytest.mark.parametrize("data", [b"", b"GGU", b"NOPE" + b"\0" * 100, b"GGUF" + struct.pack("<I", 7) + b"\0" * 16])

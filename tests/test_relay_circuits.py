@@ -18,7 +18,8 @@ import trio.testing
 
 from meshnet_p2p.nat import relay as relay_mod
 from meshnet_p2p.dataplane.stub import ShardClient, open_channel
-from meshnet_p2p.nat.relay import Relay, RelayLimits, attach_to_relay, hold_reservation, relay_target
+from meshnet_p2p.dataplane.transport.connect import ConnectDialog, relay_target
+from meshnet_p2p.nat.relay import Relay, RelayLimits, attach_to_relay, hold_reservation
 from meshnet_p2p.dataplane.transport.server import Server
 from meshnet_p2p.dataplane.servicer import ShardRuntimeServicer
 from meshnet_p2p.dataplane.transport.tls import make_tls_credentials
@@ -48,7 +49,7 @@ async def connect(relay: Relay, peer_id, source: str = "127.0.0.1", *, tls: bool
     (TLS done with the peer when ``tls``: the peer's certificate is public, a
     stranger can complete it) on 200, else the relay's status line."""
     s = await trio.open_tcp_stream("127.0.0.1", relay.multiaddr.port, local_address=source)
-    await s.send_all(f"CONNECT {relay_target(peer_id)} HTTP/1.1\r\n\r\n".encode())
+    await s.send_all(ConnectDialog(relay_target(peer_id)).request)
     head = b""
     while b"\r\n\r\n" not in head:
         chunk = await s.receive_some(1024)

@@ -6,7 +6,7 @@ a dial a client asks for. Sessions are free to open and release, so the bounds
 are over time, never per session:
 
 - link attempts per client network, per client identity and per peer (token
-  buckets, ``grpc_core.Budget``): a client that asks for more is told so
+  buckets, ``core.ratelimit.TokenBucket``): a client that asks for more is told so
   before anything is dialled;
 - a target whose dial failed before it proved its TLS identity is not dialled
   again for a while (doubling on each new failure): a thousand links naming
@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Hashable
 
-from meshnet_p2p.dataplane.transport.grpc_core import Budget
+from meshnet_p2p.core.ratelimit import TokenBucket
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,8 @@ class _Failed:
 class LinkGuard:
     def __init__(self, bounds: LinkBounds = LinkBounds()) -> None:
         self.bounds = bounds
-        self._buckets: dict[tuple[str, str], Budget] = {}  # per network, per client
-        self._peer: Budget | None = None  # this peer's own, over every client
+        self._buckets: dict[tuple[str, str], TokenBucket] = {}  # per network, per client
+        self._peer: TokenBucket | None = None  # this peer's own, over every client
         self._failed: dict[Hashable, _Failed] = {}
 
     def admit(self, network: str, client: str | None, now: float) -> bool:
@@ -54,7 +54,7 @@ class LinkGuard:
         (its source's host group) may be attempted now; if so it is counted."""
         b = self.bounds
         if self._peer is None:
-            self._peer = Budget(*b.per_peer, now)
+            self._peer = TokenBucket(*b.per_peer, now)
         buckets = [self._bucket(("network", network), *b.per_network, now),
                    self._bucket(("client", client or f"anonymous@{network}"), *b.per_client, now), self._peer]
         if any(bucket.level(now) < 1 for bucket in buckets):
@@ -83,12 +83,12 @@ class LinkGuard:
         """A dial to ``target`` reached a peer that proved its identity: no backoff."""
         self._failed.pop(target, None)
 
-    def _bucket(self, key: tuple[str, str], burst: int, rate: float, now: float) -> Budget:
+    def _bucket(self, key: tuple[str, str], burst: int, rate: float, now: float) -> TokenBucket:
         bucket = self._buckets.get(key)
         if bucket is None:
             if len(self._buckets) >= self.bounds.max_tracked:  # forget the ones that refilled: they hold nothing
                 self._buckets = {k: v for k, v in self._buckets.items() if v.level(now) < v.burst}
                 while len(self._buckets) >= self.bounds.max_tracked:
                     self._buckets.pop(next(iter(self._buckets)))
-            bucket = self._buckets[key] = Budget(burst, rate, now)
+            bucket = self._buckets[key] = TokenBucket(burst, rate, now)
         return bucket

@@ -24,7 +24,7 @@ from meshnet_p2p.core.errors import MeshnetError, sanitize
 from meshnet_p2p.core.identity import PeerId
 from meshnet_p2p.dataplane.transport.channel import CallStream, Channel, ChannelError
 from meshnet_p2p.dataplane.transport.pool import ChannelPool
-from meshnet_p2p.nat.relay import relay_target
+from meshnet_p2p.dataplane.transport.connect import relay_target
 from .wire import PayloadError, bundle_from_proto, bundle_to_proto
 from meshnet_p2p.dataplane.transport.tls import TLS_NAME, TlsCredentials, default_client_credentials
 

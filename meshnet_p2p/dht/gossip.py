@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshnet_p2p.core.ratelimit import TokenBucket
 from meshnet_p2p.core.records import Record
 
 
@@ -31,12 +32,6 @@ _ENTRY_OVERHEAD = 14  # a bin header (<= 5 bytes) and a seq (<= 9)
 
 
 @dataclass
-class _Bucket:
-    tokens: float
-    at_ms: int
-
-
-@dataclass
 class GossipState:
     rate_per_s: float = 20.0
     burst: float = 40.0
@@ -45,7 +40,7 @@ class GossipState:
     max_records: int = 16_384  # in total, over every topic
     max_signers: int = 65_536  # rate buckets kept at once (pruned as they refill)
     topics: dict[str, dict[bytes, Record]] = field(default_factory=dict)
-    _buckets: dict[bytes, _Bucket] = field(default_factory=dict)
+    _buckets: dict[bytes, TokenBucket] = field(default_factory=dict)
     # topics the node's policy calls short-lived (a certifier index naming a model nobody
     # announces: free to make up, issue 24 #3) hold at most this share of topics and records
     short_share: float = 0.25
@@ -82,12 +77,9 @@ class GossipState:
                 self._prune_buckets(now_ms)
                 if len(self._buckets) >= self.max_signers:
                     return "full"
-            bucket = self._buckets[signer] = _Bucket(self.burst, now_ms)
-        bucket.tokens = min(self.burst, bucket.tokens + (now_ms - bucket.at_ms) / 1000 * self.rate_per_s)
-        bucket.at_ms = now_ms
-        if bucket.tokens < 1:
+            bucket = self._buckets[signer] = TokenBucket(self.burst, self.rate_per_s, now_ms, ticks_per_s=1000)
+        if not bucket.spend(now_ms):
             return "rate-limited"
-        bucket.tokens -= 1
         held = self.topics.setdefault(topic, {})
         if signer not in held:
             self._count += 1
@@ -100,7 +92,7 @@ class GossipState:
     def _prune_buckets(self, now_ms: int) -> None:
         """Forget signers whose bucket has refilled: a fresh bucket is the same."""
         refill_ms = self.burst / self.rate_per_s * 1000
-        for signer in [s for s, b in self._buckets.items() if now_ms - b.at_ms >= refill_ms]:
+        for signer in [s for s, b in self._buckets.items() if now_ms - b.at >= refill_ms]:
             del self._buckets[signer]
 
     def known(self, topic: Any, signer: Any, seq: Any) -> bool:

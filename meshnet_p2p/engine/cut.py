@@ -31,10 +31,11 @@ import struct
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from gguf import GGMLQuantizationType
+
 from meshnet_p2p.core.errors import MeshnetError
 from .adapters import ArchitectureAdapter, adapter_for
 from .gguf import (
-    GGML_TYPE_F32,
     GGUFFile,
     GGUFFormatError,
     OutTensor,
@@ -318,7 +319,7 @@ def cut_shard(
                 tensors.append(OutTensor(f"blk.{idx - start}.{rest}", t.dims, t.ggml_type, t.nbytes, source_offset))
         elif t.name == adapter.token_embd and not (head or tail):
             dummy = struct.pack(f"<{n_embd}f", *([0.0] * n_embd))
-            tensors.append(OutTensor(t.name, (n_embd, 1), GGML_TYPE_F32, len(dummy), data=dummy))
+            tensors.append(OutTensor(t.name, (n_embd, 1), GGMLQuantizationType.F32, len(dummy), data=dummy))
         elif t.name == adapter.output and not tail:
             continue
         else:

@@ -1,11 +1,21 @@
-"""A small, strict GGUF reader and a streaming GGUF writer.
+"""A small, strict GGUF reader and a streaming GGUF writer; the format's tables from gguf-py.
 
-Why our own and not gguf-py: we need the raw byte span of every metadata entry
-(so a shard copies the source's metadata verbatim, bit for bit, except the few
-keys it must change), hard bounds on every count and length (a truncated or
-hostile file must give a typed error, never a huge allocation), and a writer
-that copies tensor bytes from the source file in fixed-size chunks (no
-whole-model copy in memory). The format is documented in ggml's docs/gguf.md.
+The tables that move with every llama.cpp release (metadata value types, ggml
+tensor types and their block sizes) come from the ``gguf`` package (gguf-py,
+kept in llama.cpp's own repository, pinned beside llama-cpp-python).
+
+Reading and writing stay ours: gguf-py's ``GGUFReader`` bounds nothing (a
+40-byte file declaring a 2**40-element array keeps it looping; a truncated
+string raises a bare IndexError), takes a path only (no bytes for the fuzzers),
+builds a numpy view per array element (4.0 s against our 0.25 s on the
+embedded 135M model), and its writer can neither copy a metadata entry's raw
+bytes nor stream tensor bytes from a source file. We need the raw byte span of
+every metadata entry (so a shard copies the source's metadata verbatim, bit for
+bit, except the few keys it must change), hard bounds on every count and length
+(a truncated or hostile file must give a typed error, never a huge allocation
+or an endless loop), and a writer that copies tensor bytes from the source file
+in fixed-size chunks (no whole-model copy in memory). The format is documented
+in ggml's docs/gguf.md.
 
 Only GGUF v2 and v3 little-endian files are read; v1 is long obsolete.
 """
@@ -16,13 +26,14 @@ import contextlib
 import os
 import struct
 from dataclasses import dataclass
-from enum import IntEnum
 from typing import Any, BinaryIO, Callable, Iterable, Iterator, Mapping, Sequence
+
+import gguf
 
 from meshnet_p2p.core.errors import MeshnetError
 
 GGUF_MAGIC = b"GGUF"
-DEFAULT_ALIGNMENT = 32
+DEFAULT_ALIGNMENT = gguf.GGUF_DEFAULT_ALIGNMENT
 GGML_MAX_DIMS = 4
 
 # Bounds. Generous for real models, small enough that a corrupt count fails fast.
@@ -36,21 +47,8 @@ class GGUFFormatError(MeshnetError):
     """The file is not a well-formed GGUF file (bad magic, truncated, corrupt)."""
 
 
-class ValueType(IntEnum):
-    UINT8 = 0
-    INT8 = 1
-    UINT16 = 2
-    INT16 = 3
-    UINT32 = 4
-    INT32 = 5
-    FLOAT32 = 6
-    BOOL = 7
-    STRING = 8
-    ARRAY = 9
-    UINT64 = 10
-    INT64 = 11
-    FLOAT64 = 12
-
+# The metadata value types (UINT8 = 0 ... FLOAT64 = 12), as gguf-py names them.
+ValueType = gguf.GGUFValueType
 
 _SCALAR_FMT = {
     ValueType.UINT8: "<B",
@@ -66,48 +64,20 @@ _SCALAR_FMT = {
     ValueType.FLOAT64: "<d",
 }
 
-# ggml tensor types: id -> (name, elements per block, bytes per block).
-GGML_TYPES: Mapping[int, tuple[str, int, int]] = {
-    0: ("F32", 1, 4),
-    1: ("F16", 1, 2),
-    2: ("Q4_0", 32, 18),
-    3: ("Q4_1", 32, 20),
-    6: ("Q5_0", 32, 22),
-    7: ("Q5_1", 32, 24),
-    8: ("Q8_0", 32, 34),
-    9: ("Q8_1", 32, 40),
-    10: ("Q2_K", 256, 84),
-    11: ("Q3_K", 256, 110),
-    12: ("Q4_K", 256, 144),
-    13: ("Q5_K", 256, 176),
-    14: ("Q6_K", 256, 210),
-    15: ("Q8_K", 256, 292),
-    16: ("IQ2_XXS", 256, 66),
-    17: ("IQ2_XS", 256, 74),
-    18: ("IQ3_XXS", 256, 98),
-    19: ("IQ1_S", 256, 50),
-    20: ("IQ4_NL", 32, 18),
-    21: ("IQ3_S", 256, 110),
-    22: ("IQ2_S", 256, 82),
-    23: ("IQ4_XS", 256, 136),
-    24: ("I8", 1, 1),
-    25: ("I16", 1, 2),
-    26: ("I32", 1, 4),
-    27: ("I64", 1, 8),
-    28: ("F64", 1, 8),
-    29: ("IQ1_M", 256, 56),
-    30: ("BF16", 1, 2),
-    34: ("TQ1_0", 256, 54),
-    35: ("TQ2_0", 256, 66),
-    39: ("MXFP4", 32, 17),
+# ggml tensor type id -> (elements per block, bytes per block), from gguf-py. Types
+# it does not list (removed ones, and any newer than the pinned release) are refused,
+# and so is Q8_1: gguf-py keeps its old 40-byte block where ggml's is 36 bytes (ggml
+# uses it for activations only, no model file holds it), so refused, not mis-sized.
+# tests/test_gguf_cut.py checks every size against the ggml that llama-cpp-python links.
+GGML_BLOCKS: Mapping[int, tuple[int, int]] = {
+    int(t): size for t, size in gguf.GGML_QUANT_SIZES.items() if t is not gguf.GGMLQuantizationType.Q8_1
 }
-GGML_TYPE_F32 = 0
 
 
 def tensor_nbytes(ggml_type: int, dims: Sequence[int]) -> int:
     """Bytes of a tensor's data; dims are GGUF order (ne0 first)."""
     try:
-        _name, block, size = GGML_TYPES[ggml_type]
+        block, size = GGML_BLOCKS[ggml_type]
     except KeyError:
         raise GGUFFormatError(f"unsupported ggml tensor type id {ggml_type}") from None
     n = 1

@@ -25,6 +25,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from gguf import GGMLQuantizationType, LlamaFileType
+
 MODEL_DOMAIN = "meshnet.model-artifact.v1"
 RECIPE_DOMAIN = "meshnet.runtime-recipe.v2"
 TOKENIZER_DOMAIN = "meshnet.tokenizer.v1"
@@ -53,7 +55,7 @@ RECIPE_LABELS = ("recipe_name", "recipe_version")
 
 BACKEND = "llama.cpp-cpu"
 COMPUTE_DTYPE = "f32"  # ggml's CPU backend accumulates matmuls and norms in float32
-KV_CACHE_GGML_TYPE = 1  # GGML_TYPE_F16, set as cparams.type_k and type_v
+KV_CACHE_GGML_TYPE = int(GGMLQuantizationType.F16)  # set as cparams.type_k and type_v
 FLASH_ATTN_TYPE = 0  # LLAMA_FLASH_ATTN_TYPE_DISABLED (AUTO enables it on these CPUs)
 KV_UNIFIED = False  # one KV stream per sequence: sessions never share attention numerics
 BOUNDARY_SCHEMA_VERSION = 1  # the hidden-state bundle crossing a seam
@@ -63,48 +65,16 @@ DEFAULT_RECIPE_NAME = "default"
 DEFAULT_RECIPE_VERSION = "1"
 
 _FLASH_ATTN_TYPES = {-1: None, 0: False, 1: True}  # AUTO has no fixed answer: refused
-_KV_TYPES = {0: "f32", 1: "f16", 30: "bf16", 8: "q8_0", 2: "q4_0", 3: "q4_1", 6: "q5_0", 7: "q5_1", 20: "iq4_nl"}
+# The KV cache types a recipe can name (llama.cpp's CPU backend supports these), by their ggml names.
+_KV_TYPES = {int(GGMLQuantizationType[n]): n.lower() for n in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL")}
 
-# llama.cpp's enum llama_ftype (general.file_type) -> name. Gaps are removed types.
+# llama.cpp's enum llama_ftype (general.file_type) -> name ("Q4_K_M"), from gguf-py.
+# Gaps are removed types; a type newer than the pinned gguf-py is named "ftype-<n>"
+# (tests/test_recipe.py checks that the reader refuses such a file's tensors anyway).
+LLAMA_FTYPE_GUESSED = int(LlamaFileType.GUESSED)
 LLAMA_FTYPES: Mapping[int, str] = {
-    0: "F32",
-    1: "F16",
-    2: "Q4_0",
-    3: "Q4_1",
-    7: "Q8_0",
-    8: "Q5_0",
-    9: "Q5_1",
-    10: "Q2_K",
-    11: "Q3_K_S",
-    12: "Q3_K_M",
-    13: "Q3_K_L",
-    14: "Q4_K_S",
-    15: "Q4_K_M",
-    16: "Q5_K_S",
-    17: "Q5_K_M",
-    18: "Q6_K",
-    19: "IQ2_XXS",
-    20: "IQ2_XS",
-    21: "Q2_K_S",
-    22: "IQ3_XS",
-    23: "IQ3_XXS",
-    24: "IQ1_S",
-    25: "IQ4_NL",
-    26: "IQ3_S",
-    27: "IQ3_M",
-    28: "IQ2_S",
-    29: "IQ2_M",
-    30: "IQ4_XS",
-    31: "IQ1_M",
-    32: "BF16",
-    36: "TQ1_0",
-    37: "TQ2_0",
-    38: "MXFP4_MOE",
-    39: "NVFP4",
-    40: "Q1_0",
-    41: "Q2_0",
+    int(t): t.name.removeprefix("MOSTLY_").removeprefix("ALL_") for t in LlamaFileType if t is not LlamaFileType.GUESSED
 }
-LLAMA_FTYPE_GUESSED = 1024
 
 
 class RecipeError(ValueError):

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 
 import trio
 
-from .relay import relay_target
+from meshnet_p2p.dataplane.transport.connect import ConnectDialog, ConnectError, relay_target
 from meshnet_p2p.dataplane.transport.tls import TLS_NAME, TlsBindingError, client_context, peer_of_der
 from meshnet_p2p.dht import wire
 from meshnet_p2p.dht.node import DHTNode
@@ -56,6 +56,7 @@ DEFAULT_DIALERS = 3
 CHECK_TIMEOUT = 5.0  # a dialer's dials take up to 3 s (dht.node.DIAL_TIMEOUT), then its answer travels
 DIAL_TIMEOUT = 3.0
 RELAY_DIAL_TIMEOUT = 5.0  # through a relay: its CONNECT, its OPEN to the peer, the peer's attach, then TLS
+MAX_RELAY_ANSWER = 4096  # the relay's answer to CONNECT
 
 __all__ = ["Reachability", "DialReport", "ReachabilityError", "check_reachability", "choose_dialers", "tls_dial_check",
            "relay_dial_check"]
@@ -128,20 +129,17 @@ async def relay_dial_check(peer_id: PeerId, relay: Multiaddr, timeout: float = R
     with trio.move_on_after(timeout):
         try:
             raw = await trio.open_tcp_stream(relay.host, relay.port)
-            target = relay_target(peer_id)
-            await raw.send_all(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
-            head = b""
-            while b"\r\n\r\n" not in head:  # the relay's answer, up to the blank line (nothing follows it yet)
-                chunk = await raw.receive_some(1)
-                if not chunk or len(head) > 4096:
-                    raise trio.BrokenResourceError("the relay closed or rambled")
-                head += chunk
-            if not head.startswith(b"HTTP/1.1 200"):
-                outcome = (False, "the relay refused: " + head.split(b"\r\n", 1)[0].decode(errors="replace")[:40])
-            else:
-                stream = trio.SSLStream(raw, _client_context(), server_hostname=TLS_NAME)
-                await stream.do_handshake()
-                outcome = _identity_outcome(stream, peer_id)
+            dialog = ConnectDialog(relay_target(peer_id), max_answer=MAX_RELAY_ANSWER)
+            await raw.send_all(dialog.request)
+            # the relay's answer a byte at a time: TLS follows it on this stream, and
+            # SSLStream could not be handed bytes read past the answer
+            while dialog.receive(await raw.receive_some(1)) is None:
+                pass
+            stream = trio.SSLStream(raw, _client_context(), server_hostname=TLS_NAME)
+            await stream.do_handshake()
+            outcome = _identity_outcome(stream, peer_id)
+        except ConnectError as e:
+            outcome = (False, "the relay refused: " + e.answer[:40]) if e.status is not None else (False, "the relay closed")
         except (trio.BrokenResourceError, ssl.SSLError):
             outcome = (False, "tls failed" if stream is not None else "the relay closed")
         except OSError:

@@ -8,6 +8,7 @@ does too, given the channel option ``grpc.http_proxy``); the relay asks the peer
 its control connection, to open a *data* connection for that client, and
 splices the two byte streams. TLS runs end to end, client to peer: the relay
 sees ciphertext only, and any byte it changed would fail the TLS record MAC.
+Both ends of CONNECT are ``dataplane/transport/connect.py`` (on h11).
 
 Limits: reservations in total, concurrent connections (circuits) per peer and
 per client source to one peer, shared fairly when they run short
@@ -61,10 +62,11 @@ from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.core.guard import Guard
 from meshnet_p2p.core.identity import Identity, IdentityError, PeerId
 from meshnet_p2p.core.multiaddr import Multiaddr
+from meshnet_p2p.core.ratelimit import TokenBucket
+from meshnet_p2p.dataplane.transport.connect import BUSY, ESTABLISHED, ConnectError, ConnectHead, target_peer
 from .circuits import CIRCUIT_LIMIT, Circuit, Reclaim, Refuse, admit_circuit, circuit_source, per_source_limit
 
 PEER_DOMAIN = b"meshnet-relay-reserve-v1\0"
-PEER_HOST_SUFFIX = ".peer"  # a CONNECT target is <lowercase peer id>.peer:443
 RELAY_DOMAIN = b"meshnet-relay-accept-v1\0"
 log = logging.getLogger(__name__)
 MAX_LINE = 8192
@@ -77,11 +79,6 @@ MAX_RESERVATIONS_PER_GROUP = 8  # reservations from one source network (IPv4 /24
 
 class RelayError(MeshnetError):
     pass
-
-
-def relay_target(peer_id: PeerId) -> str:
-    """What a client CONNECTs to on a relay to reach ``peer_id`` (sent unresolved)."""
-    return f"{str(peer_id).lower()}{PEER_HOST_SUFFIX}:443"
 
 
 @dataclass(frozen=True)
@@ -124,32 +121,11 @@ class _LineReader:
         line, self.buf = self.buf.split(b"\n", 1)
         return line.rstrip(b"\r")
 
-    async def http_head(self) -> list[bytes]:
-        lines = []
-        while True:
-            line = await self.line()
-            if not line:
-                return lines
-            lines.append(line)
-            if len(lines) > 64:
-                raise RelayError("too many header lines")
 
-
-class _TokenBucket:
-    def __init__(self, rate: float, burst: float) -> None:
-        self.rate, self.burst = rate, burst
-        self.tokens = burst
-        self.at = trio.current_time()
-
-    async def take(self, n: int) -> None:
-        while True:
-            now = trio.current_time()
-            self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
-            self.at = now
-            if self.tokens >= min(n, self.burst):
-                self.tokens -= n
-                return
-            await trio.sleep((min(n, self.burst) - self.tokens) / self.rate)
+async def _take(bucket: TokenBucket, n: int) -> None:
+    """Wait until ``bucket`` lets ``n`` bytes through (see TokenBucket.take), and take them."""
+    while (wait := bucket.take(trio.current_time(), n)) > 0:
+        await trio.sleep(wait)
 
 
 @dataclass(eq=False)
@@ -171,7 +147,7 @@ class _Circuit:
 class _Reservation:
     peer_id: PeerId
     control: trio.abc.Stream
-    bucket: _TokenBucket
+    bucket: TokenBucket  # bytes a second over all of the peer's circuits
     group: str | None = None  # the network it reserved from
     send_lock: trio.Lock = field(default_factory=trio.Lock)
     pending: dict[str, trio.MemorySendChannel] = field(default_factory=dict)
@@ -202,7 +178,7 @@ def _client_source(stream) -> str:
     return "local" if host is None else circuit_source(host)
 
 
-async def _splice(a: trio.abc.Stream, b: trio.abc.Stream, bucket: _TokenBucket | None,
+async def _splice(a: trio.abc.Stream, b: trio.abc.Stream, bucket: TokenBucket | None,
                   transform: Callable[[bytes, str], bytes] | None = None, first: tuple[bytes, bytes] = (b"", b""),
                   count: Callable[[str, int], None] | None = None) -> int:
     """Copy bytes both ways until either side closes; returns bytes moved.
@@ -219,7 +195,7 @@ async def _splice(a: trio.abc.Stream, b: trio.abc.Stream, bucket: _TokenBucket |
                 if not data:
                     break
                 if bucket is not None:
-                    await bucket.take(len(data))
+                    await _take(bucket, len(data))
                 await dst.send_all(transform(data, direction) if transform else data)
                 moved += len(data)
                 if count is not None:
@@ -284,7 +260,7 @@ class Relay:
                 await self._reserve(stream, reader, first)
             elif first.startswith(b"MESHNET-ATTACH "):
                 await self._attach(stream, reader, first)
-        except (RelayError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
+        except (RelayError, ConnectError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
                 trio.BusyResourceError, IdentityError, ValueError):
             pass
         except Exception as e:  # one connection's bug or bytes must never end the relay
@@ -323,8 +299,8 @@ class Relay:
             return
         if old is not None:
             await trio.aclose_forcefully(old.control)  # the newest control connection wins
-        res = _Reservation(peer, stream, _TokenBucket(self.limits.bytes_per_second_per_peer, self.limits.burst_bytes),
-                           group=group)
+        bucket = TokenBucket(self.limits.burst_bytes, self.limits.bytes_per_second_per_peer, trio.current_time())
+        res = _Reservation(peer, stream, bucket, group=group)
         self.reservations[key] = res
         self.stats["reservations"] += 1
         async with res.send_lock:  # a client's OPEN may be sent on this stream from now on
@@ -352,18 +328,20 @@ class Relay:
                 self._tokens.pop(token, None)
 
     async def _client(self, stream, reader: _LineReader, first: bytes) -> None:
+        head = ConnectHead()  # a malformed or oversized head: ConnectError, closed unanswered
         with trio.fail_after(self.limits.handshake_timeout):
-            await reader.http_head()
-        parts = first.decode(errors="replace").split()
-        target = parts[1] if len(parts) >= 2 else ""
-        host = target.rsplit(":", 1)[0].lower()
-        if not host.endswith(PEER_HOST_SUFFIX):
-            await stream.send_all(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+            # the request line was read to tell CONNECT from the control lines: hand it back
+            target = head.receive(first + b"\r\n" + reader.buf)
+            while target is None:
+                target = head.receive(await stream.receive_some(4096))
+        peer = target_peer(target)
+        if peer is None:
+            await stream.send_all(head.answer(400))
             self.refusals["bad_target"] += 1  # (a client's mistake: not among stats["refused"])
             return
-        res = self.reservations.get(host[: -len(PEER_HOST_SUFFIX)])
+        res = self.reservations.get(peer)
         if res is None:
-            await stream.send_all(b"HTTP/1.1 404 Not Found\r\n\r\n")
+            await stream.send_all(head.answer(404))
             self.refusals["no_reservation"] += 1
             return
         source = _client_source(stream)
@@ -371,7 +349,7 @@ class Relay:
         decision = admit_circuit([Circuit(c.token, c.source, now - c.last_active) for c in res.circuits.values()],
                                  source, capacity=self.limits.max_connections_per_peer, per_source=self.limits.per_source)
         if isinstance(decision, Refuse):
-            await stream.send_all(b"HTTP/1.1 429 Too Many Requests\r\n\r\n")
+            await stream.send_all(head.answer(BUSY))
             self._refuse(decision.reason)
             if decision.reason == CIRCUIT_LIMIT:
                 res.turned_away += 1
@@ -393,9 +371,9 @@ class Relay:
                     data_stream, data_reader, attached = await recv.receive()
                 started = trio.current_time()
                 try:
-                    await stream.send_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                    await stream.send_all(head.answer(ESTABLISHED))
                     self.stats["spliced"] += 1
-                    await _splice(stream, data_stream, res.bucket, self.transform, first=(reader.buf, data_reader.buf),
+                    await _splice(stream, data_stream, res.bucket, self.transform, first=(head.early, data_reader.buf),
                                   count=lambda direction, n: self._count_circuit(res, circuit, direction, n))
                 finally:
                     attached.set()

@@ -25,10 +25,9 @@ from typing import Callable
 
 from meshnet_p2p.core.errors import MeshnetError
 from . import grpc_core
+from .connect import ConnectDialog, ConnectError
 from .driver import Driver
 from .tls import TlsCredentials, client_context, handshake
-
-MAX_RELAY_RESPONSE = 8192
 
 
 class ChannelError(MeshnetError):
@@ -168,22 +167,16 @@ class Channel(Driver):
             self.write_locked()
 
     def _connect_through_relay(self, deadline: float) -> bytes:
-        self.send_raw(f"CONNECT {self._relay_target} HTTP/1.1\r\nHost: {self._relay_target}\r\n\r\n".encode())
-        head = b""
-        while b"\r\n\r\n" not in head:
-            if len(head) > MAX_RELAY_RESPONSE:
-                raise ChannelError("UNAVAILABLE", "the relay's answer to CONNECT is too long")
-            data = self._recv_raw(deadline)
-            if not data:
-                raise ChannelError("UNAVAILABLE", "the relay closed the connection")
-            head += data
-        head, _, rest = head.partition(b"\r\n\r\n")
-        status = head.split(b"\r\n", 1)[0].decode("latin-1")
-        parts = status.split()
-        if len(parts) < 2 or parts[1] != "200":
-            # 429: the peer's circuits are all held now, a limit (busy: wait and ask again), not a fault
-            raise ChannelError("UNAVAILABLE", f"the relay refused: {status[:80]}", refused=parts[1:2] == ["429"])
-        return rest
+        dialog = ConnectDialog(self._relay_target)
+        self.send_raw(dialog.request)
+        while True:
+            try:
+                early = dialog.receive(self._recv_raw(deadline))
+            except ConnectError as e:
+                # busy (429): the peer's circuits are all held now, a limit (wait and ask again), not a fault
+                raise ChannelError("UNAVAILABLE", str(e), refused=e.busy) from None
+            if early is not None:
+                return early
 
     def _recv_raw(self, deadline: float | None) -> bytes:
         data = self.recv_by(deadline)

@@ -40,6 +40,7 @@ import h2.settings
 import hyperframe.frame
 
 from meshnet_p2p.core.errors import MeshnetError
+from meshnet_p2p.core.ratelimit import TokenBucket
 
 
 def _frame_repr(frame) -> str:
@@ -182,34 +183,6 @@ class PingAcked:
 Event = Message | StreamEnded | ConnectionEnded | RequestStarted | RequestEnded | StreamReset | PingAcked
 
 
-class Budget:
-    """A token bucket: ``spend`` says whether one more is within it; ``charge``
-    takes one regardless, into debt, and ``debt_s`` says how long it lasts."""
-
-    __slots__ = ("tokens", "burst", "rate", "at")
-
-    def __init__(self, burst: int, rate: float, now: float) -> None:
-        self.tokens, self.burst, self.rate, self.at = float(burst), burst, rate, now
-
-    def level(self, now: float) -> float:
-        return min(self.burst, self.tokens + (now - self.at) * self.rate)
-
-    def spend(self, now: float) -> bool:
-        self.tokens, self.at = self.level(now), now
-        if self.tokens < 1:
-            return False
-        self.tokens -= 1
-        return True
-
-    def charge(self, now: float) -> None:
-        """Spend one even without it: the debt (at most one burst) is paid back first."""
-        self.tokens, self.at = max(-self.burst, self.level(now) - 1), now
-
-    def debt_s(self, now: float) -> float:
-        """Seconds until the bucket is out of debt (0 if it is not in debt)."""
-        return max(0.0, -self.level(now) / self.rate)
-
-
 _DataFrame = hyperframe.frame.DataFrame
 
 
@@ -298,7 +271,7 @@ class GrpcConnection:
         self._streams: dict[int, _Stream] = {}
         self._credit = 0  # bytes consumed since the last connection WINDOW_UPDATE
         now = clock()
-        self._budgets = {name: Budget(burst, rate, now) for name, (burst, rate) in BUDGETS.items()}
+        self._budgets = {name: TokenBucket(burst, rate, now) for name, (burst, rate) in BUDGETS.items()}
         self.goaway: ConnectionEnded | None = None  # what the peer's GOAWAY said
         self.closed = False  # we sent GOAWAY (or a protocol error did): h2 takes nothing more
         self.last_received = now  # when the peer last sent anything (keepalive)

@@ -42,6 +42,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 
 import trio
 
+from meshnet_p2p.core.ratelimit import TokenBucket
 from meshnet_p2p.core.stats import Counters
 from . import grpc_core
 from .driver import Driver
@@ -493,7 +494,7 @@ class Server:
         self._conns: set[_Connection] = set()
         # bytes read and written on client connections, connections served: read by metrics
         self.stats = Counters(("bytes_in", "bytes_out", "connections"))
-        self._call_budgets: dict[str, grpc_core.Budget] = {}  # per source (charge_call)
+        self._call_budgets: dict[str, TokenBucket] = {}  # per source (charge_call)
         self._budget_lock = threading.Lock()
         self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.host = host
@@ -609,8 +610,8 @@ class Server:
             if budget is None:
                 if len(self._call_budgets) >= 4 * self.max_connections:  # forget sources quiet long enough to be full
                     self._call_budgets = {h: b for h, b in self._call_budgets.items() if b.level(now) < b.burst}
-                budget = self._call_budgets[host] = grpc_core.Budget(int(2 * CALLS_PER_SOURCE_PER_S),
-                                                                     CALLS_PER_SOURCE_PER_S, now)
+                budget = self._call_budgets[host] = TokenBucket(int(2 * CALLS_PER_SOURCE_PER_S),
+                                                                CALLS_PER_SOURCE_PER_S, now)
             budget.charge(now)
 
     def read_pause(self, host: str) -> float:
