@@ -9,14 +9,14 @@ import trio
 import trio.testing
 
 from meshnet_p2p.swarm.capability import model_key
-from meshnet_p2p.trust.certification import UNANNOUNCED_LIFETIME_MS, index_key, lifetime_cap, sign_index
+from meshnet_p2p.trust.evidence import index_key, sign_index
 from meshnet_p2p.dht import wire
 from meshnet_p2p.dht.gossip import DIGEST_BUDGET_BYTES, GossipState
 from meshnet_p2p.dht.node import STORE_BURST, STORE_RATE_PER_S, DHTNode, Request
 from meshnet_p2p.nat.dialer import serve_dial_backs
 from meshnet_p2p.dht.storage import ValueStore
 from meshnet_p2p.core.identity import Identity
-from meshnet_p2p.swarm.node import TYPES
+from meshnet_p2p.swarm.node import TYPES, UNANNOUNCED_LIFETIME_MS, lifetime_cap
 from meshnet_p2p.core.records import Record, RecordVerifier, wall_ms
 from meshnet_p2p.testing import FakeNetwork, sample_report, start_swarm, swarm_identity
 

@@ -37,16 +37,14 @@ from hypothesis import strategies as st
 
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
 from meshnet_p2p.swarm.capability import CAPABILITY, MODEL_INDEX, MODELS_KEY
-from meshnet_p2p.trust.certification import (
-    CERT_INDEX,
+from meshnet_p2p.trust.attestation import TOKENS_DOMAIN, Attestation, ids_digest
+from meshnet_p2p.trust.evidence import (
     CERTIFICATE,
-    TOKENS_DOMAIN,
+    CERT_INDEX,
     WHOLE_MODEL,
-    Attestation,
     Evidence,
     RouteRun,
     expected_digests,
-    ids_digest,
     index_key,
 )
 from meshnet_p2p.nat import relay as relay_mod

@@ -36,7 +36,7 @@ from meshnet_p2p.engine.contract import (
     StatusCode,
     check_session_id,
 )
-from meshnet_p2p.trust.certification import Attestation
+from meshnet_p2p.trust.attestation import Attestation
 from meshnet_p2p.engine.recipe import explain_mismatch
 from meshnet_p2p.engine.sessions import context_refusal
 from meshnet_p2p.core.identity import Identity

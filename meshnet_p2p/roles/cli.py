@@ -509,7 +509,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _trust(args: argparse.Namespace, seeds: list):
     """The trust policy of a client command: bootstrap peers, --identity, --trust, --trust-file."""
-    from meshnet_p2p.trust.certification import TrustPolicy
+    from meshnet_p2p.trust.policy import TrustPolicy
 
     own = _load_or_create_identity(args.identity) if getattr(args, "identity", None) else None
     return TrustPolicy.default(seeds, own=own, extra=args.trust, trust_file=args.trust_file)

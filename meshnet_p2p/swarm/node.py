@@ -19,7 +19,7 @@ import trio
 
 from . import capability
 from .capability import model_key
-from meshnet_p2p.trust.certification import CERT_INDEX, CERT_INDEX_TYPE, CERTIFICATE, CERTIFICATE_TYPE, lifetime_cap
+from meshnet_p2p.trust.evidence import CERT_INDEX, CERT_INDEX_TYPE, CERTIFICATE, CERTIFICATE_TYPE, model_of_key
 from meshnet_p2p.dht.node import DHTConfig, DHTNode
 from meshnet_p2p.dht.routing import Contact
 from meshnet_p2p.dht.transport import UdpTransport
@@ -40,6 +40,21 @@ TYPES: dict[str, PayloadType] = {**capability.TYPES, CERTIFICATE: CERTIFICATE_TY
 
 class BootstrapError(MeshnetError):
     pass
+
+
+UNANNOUNCED_LIFETIME_MS = 10 * 60_000  # twice the DHT's republish period: a certifier's re-put renews it
+
+
+def lifetime_cap(key: str, holds: Callable[[str], bool]) -> int | None:
+    """This node's storage policy for the DHT (dht.node.LifetimeCap): evidence or
+    an index naming a model nobody announces (no ``model/<digest>`` report the
+    node holds from a peer it knows is live) lives minutes, not the day it
+    claims, and goes first when a node needs room. Such keys cost a flood
+    nothing to make up (issue 24 #3); a certified model is one peers serve."""
+    model = model_of_key(key)
+    if model is None or holds(model_key(model)):
+        return None
+    return UNANNOUNCED_LIFETIME_MS
 
 
 def parse_listen(text: str, flag: str = "--listen") -> tuple[str, int]:
