@@ -24,7 +24,7 @@ with atheris.instrument_imports(include=["meshnet_p2p", "h2", "hpack", "hyperfra
     from meshnet_p2p.dataplane.wire import PayloadError, bundle_from_proto
     from meshnet_p2p.dataplane.transport.tls import TlsBindingError, peer_of_der
     from meshnet_p2p.dht import wire
-    from meshnet_p2p.nat.dialback import DialbackRejected, dial_target, verify_dial_result
+    from meshnet_p2p.nat.dialback import DialbackRejected, dial_target, parse_dial_back, parse_dial_result, verify_dial_result
     from meshnet_p2p.engine.gguf import GGUFFormatError, read_gguf
     from meshnet_p2p.core.identity import Identity
     from meshnet_p2p.core.records import RecordRejected, RecordVerifier
@@ -101,13 +101,13 @@ def dial_back(data: bytes) -> None:
         return
     try:
         msg = wire.decode(sealed, NOW, ME)
-        addrs, _ = wire.parse_dial_back(msg.body)
+        addrs, _ = parse_dial_back(msg.body)
         for a in addrs:
             dial_target(a, ALICE.peer_id)
     except wire.BadDatagram:
         pass
     try:
-        wire.parse_dial_result(body)
+        parse_dial_result(body)
     except wire.BadDatagram:
         pass
 

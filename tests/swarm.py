@@ -59,7 +59,7 @@ def certified_span(addr: str, model_path: str, start: int):
     """The span of the swarm's certified recipe that starts at layer ``start``, as a client sees it."""
     import trio
 
-    from meshnet_p2p.trust.certification import TrustPolicy
+    from meshnet_p2p.trust.policy import TrustPolicy
     from meshnet_p2p.engine.cut import inspect_gguf
     from meshnet_p2p.swarm.view import survey
 

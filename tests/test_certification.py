@@ -9,25 +9,25 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from meshnet_p2p.trust.certification import (
+from meshnet_p2p.trust.attestation import (
     SEAM_DOMAIN,
     TOKENS_DOMAIN,
-    TWO_ROUTES,
-    WHOLE_MODEL,
     Attestation,
     CertificationError,
+    RowDigest,
+    ids_digest,
+)
+from meshnet_p2p.trust.evidence import (
+    TWO_ROUTES,
+    WHOLE_MODEL,
     Evidence,
     EvidenceRefused,
     Refusal,
     RouteRun,
-    RowDigest,
-    TrustPolicy,
-    certified,
     check_evidence,
-    evaluate,
     expected_digests,
-    ids_digest,
 )
+from meshnet_p2p.trust.policy import TrustPolicy, certified, evaluate
 from meshnet_p2p.engine.recipe import recipe_digest
 from meshnet_p2p.core.identity import Identity
 from meshnet_p2p.core.multiaddr import Multiaddr
@@ -271,7 +271,7 @@ def test_any_hop_field_replaced_gives_a_reason_never_an_exception(hop, name, val
 
 
 def test_a_certifiers_index_names_only_its_own_key():
-    from meshnet_p2p.trust.certification import sign_index
+    from meshnet_p2p.trust.evidence import sign_index
 
     verifier = RecordVerifier(TYPES)
     rec = verifier.verify(sign_index(CERTIFIER, MODEL, [RECIPE, OTHER, RECIPE], now_ms=wall_ms()), wall_ms())
@@ -286,7 +286,7 @@ def test_a_certifiers_index_names_only_its_own_key():
                        values, max_size=7))
 def test_index_validators_give_a_reason_never_an_exception(content):
     from meshnet_p2p.swarm.capability import _valid_index as model_index
-    from meshnet_p2p.trust.certification import _valid_index as cert_index
+    from meshnet_p2p.trust.evidence import _valid_index as cert_index
 
     for check in (model_index, cert_index):
         assert check(content) is None or isinstance(check(content), str)

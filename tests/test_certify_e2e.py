@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 import trio
 
-from meshnet_p2p.trust.certification import TrustPolicy
+from meshnet_p2p.trust.policy import TrustPolicy
 from meshnet_p2p.client.session import _route_fingerprint, connect
 from meshnet_p2p.dataplane.stub import ShardError
 from meshnet_p2p.engine.cut import inspect_gguf

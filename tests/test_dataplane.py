@@ -86,7 +86,7 @@ def test_capability_and_a_step_through_a_real_shard(middle):
 
 
 def test_a_peer_attests_what_a_session_computed(middle):
-    from meshnet_p2p.trust.certification import SEAM_DOMAIN, Attestation, RowDigest
+    from meshnet_p2p.trust.attestation import SEAM_DOMAIN, Attestation, RowDigest
 
     c = middle.client()
     fp = c.capability().fingerprint

@@ -15,7 +15,7 @@ import pytest
 import trio
 import trio.testing
 
-from meshnet_p2p.trust.certification import index_key, sign_index
+from meshnet_p2p.trust.evidence import index_key, sign_index
 from meshnet_p2p.roles.certify import certifier_homes, storage_problem
 from meshnet_p2p.dht import node as node_module
 from meshnet_p2p.dht import wire

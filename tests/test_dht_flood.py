@@ -9,13 +9,14 @@ import trio
 import trio.testing
 
 from meshnet_p2p.swarm.capability import model_key
-from meshnet_p2p.trust.certification import UNANNOUNCED_LIFETIME_MS, index_key, lifetime_cap, sign_index
+from meshnet_p2p.trust.evidence import index_key, sign_index
 from meshnet_p2p.dht import wire
 from meshnet_p2p.dht.gossip import DIGEST_BUDGET_BYTES, GossipState
-from meshnet_p2p.dht.node import STORE_BURST, STORE_RATE_PER_S, DHTNode
+from meshnet_p2p.dht.node import STORE_BURST, STORE_RATE_PER_S, DHTNode, Request
+from meshnet_p2p.nat.dialer import serve_dial_backs
 from meshnet_p2p.dht.storage import ValueStore
 from meshnet_p2p.core.identity import Identity
-from meshnet_p2p.swarm.node import TYPES
+from meshnet_p2p.swarm.node import TYPES, UNANNOUNCED_LIFETIME_MS, lifetime_cap
 from meshnet_p2p.core.records import Record, RecordVerifier, wall_ms
 from meshnet_p2p.testing import FakeNetwork, sample_report, start_swarm, swarm_identity
 
@@ -189,15 +190,16 @@ async def test_a_background_task_that_throws_is_counted_and_the_node_runs_on(aut
             b.ping = aboom
             b._check_later(a.contact())
         else:
-            b._dial_result_record = boom
-            b.dial_back = None
+            server = serve_dial_backs(b, None)
+            server._result_record = boom
             msg = wire.Message("dial_back", wire.new_rpc_id(), a.peer_id, wall_ms(), {})
-            b._nursery.start_soon(b._dial_back_job, msg, a.addr, ["/ip4/10.0.0.1/tcp/1"], b"n" * 16, [False], 100)
+            b.start_soon(server._job, Request(msg, a.addr, 100, True), ["/ip4/10.0.0.1/tcp/1"], b"n" * 16, [False])
         await trio.sleep(2)
         assert b.stats["loop_errors_" + loop] == 1
         for name in ("request", "ping"):
             b.__dict__.pop(name, None)
-        assert b._pushing == 0 and not b._verifying and not b._pinging and b._dials_in_flight == 0
+        assert b._pushing == 0 and not b._verifying and not b._pinging
+        assert task != "dial" or server.dials_in_flight == 0
         assert await a.ping(b.contact()) is not None
         nursery.cancel_scope.cancel()
 

@@ -9,7 +9,7 @@ import trio
 
 from meshnet_p2p import Client
 from meshnet_p2p.swarm.capability import CapabilityReport, model_key
-from meshnet_p2p.trust.certification import TrustPolicy
+from meshnet_p2p.trust.policy import TrustPolicy
 from meshnet_p2p.dataplane.transport.tls import make_tls_credentials
 from meshnet_p2p.engine.cut import inspect_gguf
 from meshnet_p2p.engine.tokenizer import Tokenizer
@@ -705,7 +705,7 @@ def test_five_hundred_long_key_records_do_not_end_a_swarm(tmp_path, model_path, 
     pull digests once grew past a datagram, `wire.encode` raised, and every process
     of the swarm died within 3.1 s. Now the swarm serves on, with the whole model's
     tokens, and every process is alive after many pull periods."""
-    from meshnet_p2p.trust.certification import index_key, sign_index
+    from meshnet_p2p.trust.evidence import index_key, sign_index
 
     boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"])
     try:

@@ -70,7 +70,7 @@ async def test_the_relay_keeper_counts_a_failing_search_and_searches_again(autoj
 
 
 async def test_the_monitor_counts_a_survey_that_breaks_and_surveys_again(autojump_clock):
-    from meshnet_p2p.trust.certification import TrustPolicy
+    from meshnet_p2p.trust.policy import TrustPolicy
     from meshnet_p2p.roles.monitor import Monitor
 
     monitor = Monitor(aboom, TrustPolicy(), interval_s=3.0, clock=lambda: 0)

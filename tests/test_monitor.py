@@ -15,7 +15,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshnet_p2p.swarm.capability import CapabilityReport
-from meshnet_p2p.trust.certification import Certificate, TrustPolicy
+from meshnet_p2p.trust.policy import Certificate, TrustPolicy
 from meshnet_p2p.engine.recipe import recipe_digest
 from meshnet_p2p.core.identity import Identity
 from meshnet_p2p.roles.monitor import MAX_EVENTS, Monitor, create_app, diff_events, layer_counts, monitor_doc, serve_app

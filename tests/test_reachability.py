@@ -33,12 +33,14 @@ from meshnet_p2p.nat.dialback import (
     DialReport,
     decide,
     dial_target,
+    parse_dial_result,
     sign_dial_result,
     verify_dial_result,
 )
 from meshnet_p2p.core.identity import Identity, PeerId
 from meshnet_p2p.core.multiaddr import Multiaddr
 from meshnet_p2p.swarm.node import node_multiaddr, start_node
+from meshnet_p2p.nat.dialer import serve_dial_backs
 from meshnet_p2p.nat.reachability import ReachabilityError, check_reachability, choose_dialers, tls_dial_check
 from meshnet_p2p.core.records import RecordVerifier, sign_record, wall_ms
 
@@ -71,12 +73,16 @@ def data_plane(identity: Identity | None, host: str = "127.0.0.1"):
         srv.stop(0)
 
 
+server_of: dict = {}  # node -> its dial-back server (nat/dialer.py)
+
+
 async def node(nursery, *, host: str = "127.0.0.1", dial=tls_dial_check, boot: DHTNode | None = None,
                client_mode: bool = False) -> DHTNode:
-    n = await start_node(nursery, ident(), listen=f"{host}:0", client_mode=client_mode,
-                         bootstrap=[node_multiaddr(boot)] if boot is not None else ())
-    n.dial_back = dial
-    return n
+    def serve(n: DHTNode) -> None:  # as a role does (reachability.dial_checks); None: it refuses, "not a dialer"
+        server_of[n] = serve_dial_backs(n, dial)
+
+    return await start_node(nursery, ident(), listen=f"{host}:0", client_mode=client_mode, serve=serve,
+                            bootstrap=[node_multiaddr(boot)] if boot is not None else ())
 
 
 async def swarm(nursery, dials, *, host: str = "127.0.0.1") -> tuple[DHTNode, list[DHTNode]]:
@@ -172,25 +178,25 @@ async def test_in_flight_and_per_source_bounds_refuse_and_the_node_keeps_serving
         waiting.start_soon(ask, body(*(tcp(me, 2000 + i) for i in range(4))))
         with trio.fail_after(5):
             await all_started.wait()
-        assert dialer._dials_in_flight == 8
+        assert server_of[dialer].dials_in_flight == 8
         busy = await asker.request(to, "dial_back", body(tcp(me, 3000)))
         assert busy.kind == "dial_result" and busy.body == {"refused": "busy"}
         assert (await asker.ping(to)).kind == "pong"  # the node serves everything else meanwhile
         assert (await asker.request(to, "find_node", {"target": bytes(32)})).kind == "nodes"
         release.set()
-    assert [wire.parse_dial_result(a.body)[1] for a in answers] == [None, None]
-    assert dialer._dials_in_flight == 0
+    assert [parse_dial_result(a.body)[1] for a in answers] == [None, None]
+    assert server_of[dialer].dials_in_flight == 0
     # this source had 2 requests served this minute (the one refused busy got nothing and does
     # not count): a 3rd and 4th are served, a 5th refused
     for port in (4000, 4500):
         served = await asker.request(to, "dial_back", body(tcp(me, port)), timeout=5)
-        assert wire.parse_dial_result(served.body)[0] is not None
+        assert parse_dial_result(served.body)[0] is not None
     fifth = await asker.request(to, "dial_back", body(tcp(me, 5000)))
     assert fifth.body == {"refused": "rate limited"}
     # another source IP is still served
     other = await node(nursery, host="127.0.0.2", dial=None, boot=dialer)
     reply = await other.request(to, "dial_back", body(tcp(other.peer_id, 6000, "127.0.0.2")), timeout=5)
-    assert wire.parse_dial_result(reply.body)[0] is not None
+    assert parse_dial_result(reply.body)[0] is not None
     assert dialer.stats["dial_back_refused_busy"] == 1 and dialer.stats["dial_back_refused_rate_limited"] == 1
     assert dialer.stats["dial_back_served"] == 5
 
@@ -260,7 +266,7 @@ def test_a_dial_result_fits_the_amplification_bound_whatever_was_asked():
         record = sign_dial_result(dialer, asker.peer_id, nonce, results, "ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff",
                                   now_ms=now)
         reply = wire.encode(dialer, "dial_result", wire.new_rpc_id(), {"result": record}, now, to=asker.peer_id)
-        assert len(reply) <= 3 * len(request) and len(record) <= wire.MAX_DIAL_RESULT_BYTES
+        assert len(reply) <= 3 * len(request) and len(record) <= dialback.MAX_RESULT_BYTES
 
 
 # --- (f), (g): answers not to believe, and a liar among honest dialers -------------------------------
@@ -279,21 +285,21 @@ async def test_forged_replayed_and_mismatched_results_are_discarded(nursery):
             args = {"identity": d.identity, "subject": subject, "nonce": nonce, "results": results} | change
             return sign_dial_result(args["identity"], args["subject"], args["nonce"], args["results"], observed,
                                     now_ms=wall_ms())
-        d._dial_result_record = make
+        server_of[d]._result_record = make
 
     forge(wrong_nonce, nonce=os.urandom(16))
     forge(wrong_subject, subject=stranger.peer_id)
     forge(other_signer, identity=stranger)
     forge(extra_addr, results=[(tcp(asker.peer_id, 1), True, "ok"), (tcp(asker.peer_id, 2), True, "ok")])
     first = []
-    genuine = replayer._dial_result_record
+    genuine = server_of[replayer]._result_record
 
     def replay(subject, nonce, results, observed):
         if not first:
             first.append(genuine(subject, nonce, results, observed))
         return first[0]
 
-    replayer._dial_result_record = replay
+    server_of[replayer]._result_record = replay
     addr = tcp(asker.peer_id, free_port())
     found = await check_reachability(asker, [addr], want=5)
     assert [r.dialer for r in found.evidence] == [replayer.peer_id]  # the only honest answer (so far)

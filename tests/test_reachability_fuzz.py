@@ -1,5 +1,5 @@
 """Property tests of the reachability checks' parsers of network input: the
-dial_back and dial_result bodies (dht/wire.py), the dialer's address check,
+dial_back and dial_result bodies, the dialer's address check,
 the meshnet/dialback/v1 record and what an asker believes of it (dialback.py),
 and a running dialer fed any signed dial_back body.
 
@@ -21,8 +21,10 @@ from hypothesis import strategies as st
 
 from meshnet_p2p.nat import dialback
 from meshnet_p2p.dht import wire
-from meshnet_p2p.dht.node import DHTNode
-from meshnet_p2p.nat.dialback import DialbackRejected, dial_target, sign_dial_result, valid_content, verify_dial_result
+from meshnet_p2p.dht.node import DHTNode, Request
+from meshnet_p2p.nat.dialback import (DialbackRejected, dial_target, parse_dial_back, parse_dial_result, sign_dial_result,
+                                      valid_content, verify_dial_result)
+from meshnet_p2p.nat.dialer import serve_dial_backs
 from meshnet_p2p.core.identity import Identity, PeerId
 from meshnet_p2p.core.multiaddr import Multiaddr, ip_of
 from meshnet_p2p.core.records import DOMAIN as RECORD_DOMAIN
@@ -72,7 +74,7 @@ to_dial = st.fixed_dictionaries({"addrs": st.lists(dialable, min_size=1, max_siz
 @given(dial_back_bodies | well_formed)
 def test_dial_back_bodies_parse_to_bounded_values_or_raise_bad_datagram(body):
     try:
-        addrs, nonce = wire.parse_dial_back(body)
+        addrs, nonce = parse_dial_back(body)
     except wire.BadDatagram:
         return
     assert 1 <= len(addrs) <= 4 and len(set(addrs)) == len(addrs)
@@ -84,11 +86,11 @@ def test_dial_back_bodies_parse_to_bounded_values_or_raise_bad_datagram(body):
                        st.one_of(mp_values, st.binary(max_size=5000), st.text(max_size=80)), max_size=3))
 def test_dial_result_bodies_parse_to_one_bounded_value_or_raise_bad_datagram(body):
     try:
-        record, refused = wire.parse_dial_result(body)
+        record, refused = parse_dial_result(body)
     except wire.BadDatagram:
         return
     assert (record is None) != (refused is None)
-    assert record is None or (isinstance(record, bytes) and len(record) <= wire.MAX_DIAL_RESULT_BYTES)
+    assert record is None or (isinstance(record, bytes) and len(record) <= dialback.MAX_RESULT_BYTES)
     assert refused is None or (isinstance(refused, str) and len(refused) <= 64)
 
 
@@ -178,7 +180,8 @@ def test_a_dialer_answers_any_signed_dial_back_body_or_drops_it_and_keeps_servin
 
     async def main() -> None:
         net = FakeNetwork()
-        node = DHTNode(BOB, net.endpoint(), {}, now_ms=lambda: NOW, dial_back=dial)
+        node = DHTNode(BOB, net.endpoint(), {}, now_ms=lambda: NOW)
+        server = serve_dial_backs(node, dial)
         asker = net.endpoint()
         assert asker.local_addr[0] == ASKER_IP
         async with trio.open_nursery() as nursery:
@@ -186,27 +189,27 @@ def test_a_dialer_answers_any_signed_dial_back_body_or_drops_it_and_keeps_servin
             datagram = wire.encode(ALICE, "dial_back", b"abcdefgh", body, NOW, to=BOB.peer_id)
             msg = wire.decode(datagram, NOW, BOB.peer_id)
             try:
-                answer = node._dial_back_in(msg, asker.local_addr, len(datagram), proven)
+                answer = server(Request(msg, asker.local_addr, len(datagram), proven))
             except wire.BadDatagram:
                 answer = "dropped"
             event("dropped" if answer == "dropped" else "dials" if answer is None else
                   f"answered now: {answer[0]} {next(iter(answer[1]))}")
             if isinstance(answer, tuple):
                 kind, reply = answer
-                assert kind in wire.RESPONSES
+                assert kind in {"cookie", dialback.DIAL_RESULT}
                 wire.encode(BOB, kind, msg.rpc_id, reply, NOW, to=ALICE.peer_id)
                 if kind == "dial_result" and "result" in reply:
-                    addrs, nonce = wire.parse_dial_back(body)
+                    addrs, nonce = parse_dial_back(body)
                     got = verify_dial_result(reply["result"], dialer=BOB.peer_id, subject=ALICE.peer_id, nonce=nonce,
                                              addrs=addrs, now_ms=NOW)
                     assert not any(ok for _, ok, _ in got.results)  # nothing was dialled
             elif answer is None:  # a task dials, then answers the asker
-                addrs, nonce = wire.parse_dial_back(body)
+                addrs, nonce = parse_dial_back(body)
                 with trio.fail_after(30):
                     data, _ = await asker.receive()
                 reply = wire.decode(data, NOW, ALICE.peer_id)
                 assert reply.kind == "dial_result" and reply.rpc_id == b"abcdefgh"
-                record, _ = wire.parse_dial_result(reply.body)
+                record, _ = parse_dial_result(reply.body)
                 got = verify_dial_result(record, dialer=BOB.peer_id, subject=ALICE.peer_id, nonce=nonce, addrs=addrs,
                                          now_ms=NOW)
                 for text, ok, why in got.results:
@@ -214,7 +217,7 @@ def test_a_dialer_answers_any_signed_dial_back_body_or_drops_it_and_keeps_servin
                         assert (ok, why) == (False, dialback.NOT_FROM_SOURCE)
                     else:
                         assert (ok, why) == ((False, "timeout") if slow else (True, "ok"))
-                assert node._dials_in_flight == 0
+                assert server.dials_in_flight == 0
             # the same body through the receive loop, then a ping: answered
             await asker.send(wire.encode(ALICE, "dial_back", b"ijklmnop", body, NOW, to=BOB.peer_id), node.addr)
             await asker.send(wire.encode(ALICE, "ping", b"qrstuvwx", {}, NOW, to=BOB.peer_id), node.addr)

@@ -10,7 +10,7 @@ import trio
 import trio.testing
 
 from meshnet_p2p.swarm.capability import model_key
-from meshnet_p2p.trust.certification import Certificate, TrustPolicy
+from meshnet_p2p.trust.policy import Certificate, TrustPolicy
 from meshnet_p2p.dht.node import DHTConfig
 from meshnet_p2p.engine.recipe import recipe_digest
 from meshnet_p2p.core.identity import Identity

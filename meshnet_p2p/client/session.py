@@ -37,7 +37,8 @@ from typing import Callable, Sequence
 import trio
 
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
-from meshnet_p2p.trust.certification import SEAM_DOMAIN, Attestation, CertificationError, RowDigest, TrustPolicy
+from meshnet_p2p.trust.attestation import SEAM_DOMAIN, Attestation, CertificationError, RowDigest
+from meshnet_p2p.trust.policy import TrustPolicy
 from meshnet_p2p.dataplane.stub import (
     SessionStream,
     ShardClient,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from meshnet_p2p.trust.certification import SEAM_DOMAIN, RowDigest
+from meshnet_p2p.trust.attestation import SEAM_DOMAIN, RowDigest
 
 
 class Verdict(str, Enum):
@@ -37,7 +37,7 @@ class SessionState:
     cancelled_work: set[str] = field(default_factory=set)
     last_step: int = -1  # highest idempotency step applied
     running: str | None = None  # work id of the step in the engine now
-    # What this session computed, for a signed attestation (certification.py):
+    # What this session computed, for a signed attestation (trust/attestation.py):
     # running digests of every applied step's input and output.
     inputs: RowDigest = field(default_factory=lambda: RowDigest(SEAM_DOMAIN))
     outputs: RowDigest = field(default_factory=lambda: RowDigest(SEAM_DOMAIN))

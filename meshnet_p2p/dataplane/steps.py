@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from meshnet_p2p.engine.contract import DecodeRequest, PrefillRequest, StatusCode
-from meshnet_p2p.trust.certification import Attestation
+from meshnet_p2p.trust.attestation import Attestation
 from . import wire
 from .ring import ATTACH_TOKEN_BYTES, forwards
 from .session_state import Verdict

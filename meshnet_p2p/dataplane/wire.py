@@ -168,7 +168,7 @@ def reply_released(session_id: str) -> pb.SessionResponse:
 
 
 def reply_attestation(a) -> pb.SessionResponse:
-    """A signed trust.certification.Attestation, as a Session reply."""
+    """A signed trust.attestation.Attestation, as a Session reply."""
     return pb.SessionResponse(attestation=pb.Attestation(
         peer_id=a.peer_id, session_id=a.session_id, model_digest=a.model_digest, recipe_digest=a.recipe_digest,
         start=a.start, end=a.end, steps=a.steps, input_digest=a.input_digest, output_digest=a.output_digest,

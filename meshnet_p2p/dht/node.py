@@ -8,11 +8,12 @@ nursery owned by :meth:`DHTNode.run`.
 A node in *client mode* (behind NAT, unreachable from outside) asks and
 stores but says so in every request, so nobody adds it to a routing table.
 
-A node given a ``dial_back`` function (by its role: the DHT knows no TLS)
-answers ``dial_back`` requests, the dialer side of reachability checks
-(:mod:`meshnet_p2p.nat.dialback`): it dials the asker's addresses back, only at the
-IP the request came from and only once that address has shown it receives,
-within bounds, and answers with a result it signs.
+A role serves request kinds of its own through :meth:`DHTNode.serve_requests`
+(the dialer side of NAT reachability checks, ``dial_back``, is one:
+:mod:`meshnet_p2p.nat.dialer`). The node does for those what it does for every
+request (signature, freshness, replay, size, the sender's table entry, the
+amplification bound on the answer, a counted drop of a malformed one); the
+handler owns what the request means, and answers at once or later from a task.
 """
 
 from __future__ import annotations
@@ -22,13 +23,12 @@ import hmac
 import logging
 import os
 import random
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Mapping
 
 import trio
 
-from meshnet_p2p.nat import dialback
 from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.core.guard import Guard
 from meshnet_p2p.core.identity import Identity, PeerId
@@ -62,21 +62,15 @@ MAX_SEEDS = 16  # bootstrap contacts kept for rejoining
 REJOIN_BELOW = 4  # a table this small (a partition emptied it) looks for its seeds again
 REJOIN_MAX_BACKOFF_S = 300.0
 REPLY_BUDGET_BYTES = 40_000  # records per reply, so a reply stays one datagram (wire.MAX_DATAGRAM)
-# dial_back (the dialer side of reachability checks)
-MAX_DIALS_IN_FLIGHT = 8  # addresses being dialled at once, over every request
-DIAL_BACKS_PER_SOURCE = 4  # dial_back requests one source IP may have answered per window...
-DIAL_BACK_WINDOW_MS = 60_000  # ...of this long
-MAX_DIAL_BACK_SOURCES = 4096  # source IPs whose recent requests are remembered
-DIAL_TIMEOUT = 3.0  # one dial, connect and TLS handshake
 # stores per source network (netgroup.ip_group; a loopback or private address counts alone): an
 # office of 16 volunteers stores ~2 records each per announce (30 s), 32 at once: 8x that at once, 16x on average
 STORE_BURST = 256
 STORE_RATE_PER_S = 32.0
 
-DialBack = Callable[[PeerId, str], Awaitable[tuple[bool, str]]]
+Answer = tuple[str, dict[str, Any]]  # a reply's kind and body
 # lifetime_cap(key, holds) -> the longest (ms) a value stored under ``key`` by another node may
 # live here, or None; ``holds(key)`` says whether this node holds a live value under a key (in
-# its store or gossip). The role's policy (certification.lifetime_cap): the DHT knows no key names.
+# its store or gossip). The swarm's policy (swarm.node.lifetime_cap): the DHT knows no key names.
 LifetimeCap = Callable[[str, Callable[[str], bool]], "int | None"]
 LOOKUP_OPS = ("find_node", "get", "put")
 
@@ -97,6 +91,25 @@ class DHTConfig:
     max_pages: int = 16
     # disjoint lookup paths (S/Kademlia): one colluding group captures at most the paths it meets
     lookup_paths: int = 3
+
+
+@dataclass(frozen=True)
+class Request:
+    """A request of a kind a role serves (:meth:`DHTNode.serve_requests`), as the
+    node took it in: signed by ``msg.sender`` and fresh, not a replay, within the
+    datagram bound; its sender already noted (routing-table rules)."""
+
+    msg: wire.Message
+    addr: Addr  # the address it came from
+    size: int  # its datagram's bytes: an answer to an unproven address stays within AMPLIFICATION times this
+    proven: bool  # has ``addr`` shown it receives (an answer to us, or our cookie)? Else it may be spoofed
+
+
+# A role's request handler: the answer to send now, or None when a task it started
+# (DHTNode.start_soon) answers later (DHTNode.answer), or never. wire.BadDatagram: the
+# request is malformed (dropped, counted bad_requests); any other exception is a bug
+# that costs that one request (counted loop_errors_receive), never the node.
+Handler = Callable[[Request], "Answer | None"]
 
 
 class Stored(int):
@@ -125,7 +138,6 @@ class DHTNode:
         config: DHTConfig | None = None,
         *,
         now_ms: Callable[[], int] = wall_ms,
-        dial_back: DialBack | None = None,
         lifetime_cap: LifetimeCap | None = None,
     ) -> None:
         self.identity = identity
@@ -157,11 +169,7 @@ class DHTNode:
         self._nursery: trio.Nursery | None = None
         self._seeds: list[Contact] = []  # the bootstrap contacts, to find the swarm again through
         self._seed_retry: dict[Addr, tuple[float, float]] = {}  # seed address -> (next try, last wait)
-        # dial(requester, address) -> (answered with the requester's certificate?, why): the role's
-        # dialer (reachability.tls_dial_check); None: this node refuses dial_back ("not a dialer")
-        self.dial_back: DialBack | None = dial_back
-        self._dials_in_flight = 0
-        self._dial_back_sources: OrderedDict[str, deque[int]] = OrderedDict()  # source IP -> when it asked
+        self._handlers: dict[str, Handler] = {}  # request kinds roles serve (serve_requests)
 
     @property
     def addr(self) -> Addr:
@@ -184,6 +192,38 @@ class DHTNode:
     def stop(self) -> None:
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
+
+    # --- request kinds a role serves -------------------------------------------------------
+
+    def serve_requests(self, kind: str, handler: Handler) -> None:
+        """Answer requests of ``kind`` (one the DHT does not serve itself) with
+        ``handler``; see :class:`Request` and :data:`Handler`. Without one, such
+        a request is dropped (counted bad_datagrams), as any unknown kind."""
+        if kind in wire.REQUESTS or kind in wire.RESPONSES or not 0 < len(kind) <= wire.MAX_KIND_CHARS:
+            raise ValueError(f"cannot serve {kind!r}: the DHT's own kind, or not a kind name")
+        self._handlers[kind] = handler
+
+    @property
+    def running(self) -> bool:
+        """Inside :meth:`run` (it starts tasks): what :meth:`start_soon` needs."""
+        return self._nursery is not None
+
+    def start_soon(self, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+        """Run ``fn(*args)`` in the node's nursery (a handler's slow answer); the
+        node must be :attr:`running`. The task guards itself: what escapes it ends the node."""
+        if self._nursery is None:
+            raise RuntimeError("the node is not running")
+        self._nursery.start_soon(fn, *args)
+
+    async def answer(self, request: Request, kind: str, body: dict[str, Any]) -> None:
+        """Answer ``request`` later (from a handler's task), under the same rules
+        as an answer returned at once."""
+        await self._reply(request.msg, request.addr, kind, body, request.size, request.proven)
+
+    def cookie_answer(self, request: Request) -> Answer:
+        """The answer that asks ``request``'s source to prove it receives there
+        (ask again with this cookie) before a handler acts on it."""
+        return "cookie", {"cookie": self._cookie(request.addr)}
 
     # --- requests out --------------------------------------------------------------------
 
@@ -270,8 +310,15 @@ class DHTNode:
         if self._replayed(msg):
             self.stats["replayed_datagrams"] += 1
             return
-        if msg.kind in wire.RESPONSES:
+        handler = self._handlers.get(msg.kind)
+        if msg.kind not in wire.REQUESTS and handler is None:
+            # an answer: to one of ours by its rpc id, whatever its kind (a role's
+            # requests get answers of the role's kinds); else an unknown kind
             pending = self._pending.get(msg.rpc_id)
+            if pending is None and msg.kind not in wire.RESPONSES:
+                self.stats["bad_datagrams"] += 1
+                log.debug("dropped a %r from %s: no such request, nor an answer we wait for", msg.kind[:32], addr)
+                return
             if pending is None or (pending[0] is not None and pending[0] != msg.sender) or pending[2] != addr:
                 self.stats["unexpected_responses"] += 1
                 return
@@ -285,12 +332,12 @@ class DHTNode:
             except trio.WouldBlock:
                 pass
             return
-        self.stats["received_" + msg.kind] += 1  # a request (wire.REQUESTS: a fixed set)
+        self.stats["received_" + msg.kind] += 1  # a request (wire.REQUESTS or a served kind: a fixed set)
         proven = self._receives(addr, msg.body.get("cookie"))
         self._heard_from(msg.sender, addr, client=bool(msg.body.get("client")))
         try:
-            if msg.kind == "dial_back":  # dials take seconds: answered now (a refusal) or by a task
-                answer = self._dial_back_in(msg, addr, len(data), proven)
+            if handler is not None:  # a role's kind: answered now, or by the handler's task
+                answer = handler(Request(msg, addr, len(data), proven))
                 if answer is None:
                     return
                 kind, body = answer
@@ -342,109 +389,6 @@ class DHTNode:
             if reply is None:
                 return
         await self.transport.send(reply, addr)
-
-    # --- dial_back: the dialer side of reachability checks -----------------------------------
-
-    def _dial_back_in(self, msg: wire.Message, addr: Addr, request_bytes: int,
-                      proven: bool) -> tuple[str, dict[str, Any]] | None:
-        """A dial_back request: BadDatagram if malformed; else the answer to send
-        now (a refusal, a cookie, or a result that needed no dial), or None when
-        a task dials and answers. In order: only a server-mode node with a dial
-        function dials; only an IP, tcp, a port, the asker's /p2p; only from an
-        address that has shown it receives (else a cookie: a spoofed source gets
-        nothing dialled); per source IP 4 requests a minute; 8 dials at once."""
-        addrs, nonce = wire.parse_dial_back(msg.body)
-        targets = []
-        for text in addrs:
-            target, why = dialback.dial_target(text, msg.sender)
-            if why == dialback.NOT_A_MULTIADDR:
-                raise wire.BadDatagram(f"addrs entry is not a multiaddr: {text[:80]!r}")
-            targets.append((target, why))
-        if self.dial_back is None or self.config.client_mode or self._nursery is None:
-            return self._refuse(dialback.NOT_A_DIALER)
-        refusal = next((why for _, why in targets if why is not None), None)
-        if refusal is not None:
-            return self._refuse(refusal)
-        if not proven:
-            self.stats["dial_back_cookies"] += 1
-            return "cookie", {"cookie": self._cookie(addr)}
-        # the anti-abuse rule (libp2p AutoNAT's): dial only the IP the request came from
-        dial = [dialback.same_ip(t.host, addr[0]) for t, _ in targets]
-        n = sum(dial)
-        if self._dials_in_flight + n > MAX_DIALS_IN_FLIGHT:
-            return self._refuse(dialback.BUSY)  # (not counted against the source: it got nothing)
-        # per source network, not address: an IPv6 /64 or a /24 holds addresses by the thousand
-        if not self._dial_back_allowed(network_of(addr[0])):
-            return self._refuse(dialback.RATE_LIMITED)
-        self.stats["dial_back_accepted"] += 1
-        self.stats["dial_back_not_from_source"] += len(addrs) - n
-        if n == 0:  # nothing to dial: the answer is known now
-            results = [(a, False, dialback.NOT_FROM_SOURCE) for a in addrs]
-            self.stats["dial_back_served"] += 1
-            return "dial_result", {"result": self._dial_result_record(msg.sender, nonce, results, addr[0])}
-        self._dials_in_flight += n
-        self._nursery.start_soon(self._dial_back_job, msg, addr, addrs, nonce, dial, request_bytes)
-        return None
-
-    def _refuse(self, reason: str) -> tuple[str, dict[str, Any]]:
-        self.stats["dial_back_refused_" + reason.replace(" ", "_")] += 1
-        return "dial_result", {"refused": reason}
-
-    def _dial_back_allowed(self, source: str) -> bool:
-        """Count a request from ``source`` (an IP) unless it already made
-        DIAL_BACKS_PER_SOURCE in the last DIAL_BACK_WINDOW_MS."""
-        now = self.now_ms()
-        recent = self._dial_back_sources.get(source)
-        if recent is None:
-            while len(self._dial_back_sources) >= MAX_DIAL_BACK_SOURCES:  # the least recently asking go first
-                self._dial_back_sources.popitem(last=False)
-            recent = self._dial_back_sources[source] = deque()
-        self._dial_back_sources.move_to_end(source)
-        while recent and recent[0] <= now - DIAL_BACK_WINDOW_MS:
-            recent.popleft()
-        if len(recent) >= DIAL_BACKS_PER_SOURCE:
-            return False
-        recent.append(now)
-        return True
-
-    async def _dial_back_job(self, msg: wire.Message, addr: Addr, addrs: list[str], nonce: bytes, dial: list[bool],
-                             request_bytes: int) -> None:
-        results: list[tuple[str, bool, str]] = [(a, False, dialback.NOT_FROM_SOURCE) for a in addrs]
-        async with Guard("dial_back", self.stats, backoff=False):  # a bug here costs one answer, never the node
-            try:
-                async def one(i: int) -> None:
-                    results[i] = (addrs[i], *await self._dial_one(msg.sender, addrs[i]))
-
-                async with trio.open_nursery() as nursery:
-                    for i in range(len(addrs)):
-                        if dial[i]:
-                            nursery.start_soon(one, i)
-            finally:
-                self._dials_in_flight -= sum(dial)
-            body = {"result": self._dial_result_record(msg.sender, nonce, results, addr[0])}
-            self.stats["dial_back_served"] += 1
-            await self._reply(msg, addr, "dial_result", body, request_bytes, proven=True)  # proven before any dial
-
-    async def _dial_one(self, requester: PeerId, addr_text: str) -> tuple[bool, str]:
-        """One dial through the role's function, bounded; its failures are results."""
-        self.stats["dial_back_dials"] += 1
-        outcome: tuple[bool, str] = (False, "timeout")
-        with trio.move_on_after(DIAL_TIMEOUT):
-            try:
-                got = await self.dial_back(requester, addr_text)
-            except Exception as e:  # the role's dialer must not take the node down
-                log.warning("dial_back function failed on %s: %r", addr_text[:80], e)
-                got = (False, "dial failed")
-            if isinstance(got, tuple) and len(got) == 2 and isinstance(got[0], bool) and isinstance(got[1], str):
-                outcome = (got[0], got[1][:dialback.MAX_REASON_CHARS])
-            else:
-                outcome = (False, "dial failed")
-        self.stats["dial_back_ok" if outcome[0] else "dial_back_failed"] += 1
-        return outcome
-
-    def _dial_result_record(self, subject: PeerId, nonce: bytes, results: list[tuple[str, bool, str]],
-                            observed: str) -> bytes:
-        return dialback.sign_dial_result(self.identity, subject, nonce, results, observed, now_ms=self.now_ms())
 
     # --- who may enter the table, and who has proved it receives ---------------------------
 
@@ -560,9 +504,6 @@ class DHTNode:
             after, upto = self.gossip.parse_bound(body.get("after")), self.gossip.parse_bound(body.get("upto"))
             missing = self.gossip.missing_from(have, budget=REPLY_BUDGET_BYTES, after=after, upto=upto)
             return "gossip_records", {"records": [r.wire for r in missing]}
-        if msg.kind == "dial_back":  # the receive loop answers these (_dial_back_in): a dial takes seconds
-            wire.parse_dial_back(body)
-            raise wire.BadDatagram("dial_back is answered by the receive loop, not here")
         raise wire.BadDatagram(f"no handler for {msg.kind}")
 
     def _verify(self, wire_record: bytes) -> Record | None:

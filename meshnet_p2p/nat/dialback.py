@@ -1,18 +1,20 @@
 """Dial-back results (AutoNAT-style reachability checks), as pure data.
 
 A peer about to announce a data-plane address asks several other peers to
-dial it back (the DHT's ``dial_back`` request, carrying a fresh nonce). Each
-dialer answers with a ``meshnet/dialback/v1`` record it signs::
+dial it back (a ``dial_back`` DHT request, carrying a fresh nonce, that
+:mod:`.dialer` serves). Each dialer answers (a ``dial_result``) with a
+``meshnet/dialback/v1`` record it signs::
 
     {"subject": requester peer id, "nonce": the request's nonce,
      "results": [[addr, ok, reason], ...],  # the addresses asked, in order
      "observed": the requester's source IP as the dialer saw it}
 
-Here: the record type and its validator (never raises), the checks a dialer
-makes before dialling an address (:func:`dial_target`), what an asker checks
+Here: the request and answer bodies (:func:`parse_dial_back`,
+:func:`parse_dial_result`), the record type and its validator (never raises),
+the checks a dialer makes before dialling an address (:func:`dial_target`), what an asker checks
 before believing an answer (:func:`verify_dial_result`), and the decision over
 several dialers' answers (:func:`decide`), which one lying dialer cannot turn
-when three or more answered. No I/O: ``dht/node.py`` (the dialer) and
+when three or more answered. No I/O: ``dialer.py`` (the dialer) and
 ``reachability.py`` (the asker) do that.
 """
 
@@ -26,6 +28,11 @@ from meshnet_p2p.core.errors import MeshnetError, sanitize
 from meshnet_p2p.core.identity import Identity, IdentityError, PeerId
 from meshnet_p2p.core.multiaddr import Multiaddr, MultiaddrError, ip_of
 from meshnet_p2p.core.records import PayloadType, RecordRejected, RecordVerifier, sign_record, never_raising
+from meshnet_p2p.dht.wire import BadDatagram
+
+# the DHT request kind and its answer's
+DIAL_BACK = "dial_back"  # {"addrs": [multiaddr, ...], "nonce": 16 bytes}: "dial these back, tell me (signed) what answered"
+DIAL_RESULT = "dial_result"  # {"result": a signed meshnet/dialback/v1 record} or {"refused": why}
 
 DIALBACK = "meshnet/dialback/v1"
 DIALBACK_TTL_MS = 60_000  # an answer to one request, read at once
@@ -33,7 +40,8 @@ MAX_DIALBACK_LIFETIME_MS = 5 * 60_000
 MAX_ADDRS = 4
 MAX_ADDR_CHARS = 512
 NONCE_BYTES = 16
-MAX_REASON_CHARS = 64
+MAX_REASON_CHARS = 64  # in a result, and a refusal's
+MAX_RESULT_BYTES = 4096  # the signed record in a dial_result (well under one datagram)
 MAX_OBSERVED_CHARS = 64
 _FIELDS = {"subject", "nonce", "results", "observed"}
 
@@ -61,6 +69,41 @@ class DialbackRejected(MeshnetError):
     def __init__(self, reason: str, detail: str = "") -> None:
         self.reason = reason
         super().__init__(f"dial-back result discarded ({reason}){': ' + detail if detail else ''}")
+
+
+# --- the request and answer bodies ------------------------------------------------------------
+
+
+def parse_dial_back(body: dict[str, Any]) -> tuple[list[str], bytes]:
+    """A dial_back request's addresses (1 to 4 distinct strings of at most 512
+    chars, not yet parsed as multiaddrs) and its 16-byte nonce; BadDatagram for
+    anything else. Other keys (cookie, client) are the envelope's business."""
+    addrs = body.get("addrs")
+    if not isinstance(addrs, list) or not 1 <= len(addrs) <= MAX_ADDRS:
+        raise BadDatagram(f"addrs must be a list of 1 to {MAX_ADDRS} multiaddrs")
+    if not all(isinstance(a, str) and len(a) <= MAX_ADDR_CHARS for a in addrs):
+        raise BadDatagram(f"each of addrs must be a str of at most {MAX_ADDR_CHARS} chars")
+    if len(set(addrs)) != len(addrs):
+        raise BadDatagram("addrs has duplicates")
+    nonce = body.get("nonce")
+    if not (isinstance(nonce, bytes) and len(nonce) == NONCE_BYTES):
+        raise BadDatagram(f"nonce must be {NONCE_BYTES} bytes")
+    return list(addrs), nonce
+
+
+def parse_dial_result(body: dict[str, Any]) -> tuple[bytes | None, str | None]:
+    """A dial_result's (signed record, None) or (None, refusal reason); exactly
+    one of the two. The record is only bytes here: the asker verifies it."""
+    result, refused = body.get("result"), body.get("refused")
+    if (result is None) == (refused is None):
+        raise BadDatagram("a dial_result carries exactly one of result and refused")
+    if result is not None:
+        if not (isinstance(result, bytes) and len(result) <= MAX_RESULT_BYTES):
+            raise BadDatagram(f"result must be a signed record of at most {MAX_RESULT_BYTES} bytes")
+        return result, None
+    if not (isinstance(refused, str) and len(refused) <= MAX_REASON_CHARS):
+        raise BadDatagram(f"refused must be a str of at most {MAX_REASON_CHARS} chars")
+    return None, refused
 
 
 # --- the record --------------------------------------------------------------------------------

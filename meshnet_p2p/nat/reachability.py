@@ -2,7 +2,7 @@
 
 A volunteer asks several other server-mode peers from its routing table
 (distinct networks first, bootstrap peers only if too few others exist) to
-dial its addresses back (the DHT's ``dial_back``, a fresh nonce each). Each
+dial its addresses back (a ``dial_back`` DHT request, a fresh nonce each). Each
 dialer answers with a result it signs (``meshnet/dialback/v1``, see
 :mod:`meshnet_p2p.nat.dialback`); answers that do not verify, or are about another
 asker, nonce or address list, are discarded and counted, never believed.
@@ -10,14 +10,15 @@ asker, nonce or address list, are discarded and counted, never believed.
 reachable / unreachable / unknown, so that one lying dialer cannot turn the
 outcome once three answered.
 
-:func:`tls_dial_check` is the dial itself, which roles hand to their DHT node
-(``DHTNode(..., dial_back=tls_dial_check)``): a TCP connection and a TLS
+:func:`tls_dial_check` is the dial itself, which a dialer
+(:mod:`meshnet_p2p.nat.dialer`) runs for others; roles make their DHT node one
+with :func:`dial_checks` (``start_node(..., serve=dial_checks)``): a TCP connection and a TLS
 handshake (ALPN h2) whose certificate must carry the asker's identity. No
 client certificate, no gRPC: completing the handshake proves the holder of the
 certificate's key answered, and the certificate's libp2p extension proves
 whose key that is.
 
-    node.dial_back = tls_dial_check            # this node dials others back
+    dial_checks(node)                          # this node dials others back
     found = await check_reachability(node, [str(my_tcp_multiaddr)], avoid=bootstrap_ids)
     if found.status == "reachable": announce found.reachable
 """
@@ -38,6 +39,8 @@ from meshnet_p2p.dht.node import DHTNode
 from meshnet_p2p.dht.routing import Contact
 from meshnet_p2p.core.netgroup import network_of
 from .dialback import (
+    DIAL_BACK,
+    DIAL_RESULT,
     KNOWN_REFUSALS,
     MAX_ADDRS,
     NONCE_BYTES,
@@ -46,20 +49,22 @@ from .dialback import (
     Reachability,
     decide,
     dial_target,
+    parse_dial_result,
     verify_dial_result,
 )
+from .dialer import DialBackServer, serve_dial_backs
 from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.core.identity import PeerId
 from meshnet_p2p.core.multiaddr import Multiaddr
 
 DEFAULT_DIALERS = 3
-CHECK_TIMEOUT = 5.0  # a dialer's dials take up to 3 s (dht.node.DIAL_TIMEOUT), then its answer travels
+CHECK_TIMEOUT = 5.0  # a dialer's dials take up to 3 s (dialer.DIAL_TIMEOUT), then its answer travels
 DIAL_TIMEOUT = 3.0
 RELAY_DIAL_TIMEOUT = 5.0  # through a relay: its CONNECT, its OPEN to the peer, the peer's attach, then TLS
 MAX_RELAY_ANSWER = 4096  # the relay's answer to CONNECT
 
 __all__ = ["Reachability", "DialReport", "ReachabilityError", "check_reachability", "choose_dialers", "tls_dial_check",
-           "relay_dial_check"]
+           "relay_dial_check", "dial_checks"]
 
 
 class ReachabilityError(MeshnetError):
@@ -67,6 +72,12 @@ class ReachabilityError(MeshnetError):
 
 
 # --- the dialer's dial ------------------------------------------------------------------------
+
+
+def dial_checks(node: DHTNode) -> DialBackServer:
+    """Make ``node`` a dialer for others' reachability checks, dialling with
+    :func:`tls_dial_check` (a role's ``start_node(..., serve=dial_checks)``)."""
+    return serve_dial_backs(node, tls_dial_check)
 
 
 def _client_context() -> ssl.SSLContext:
@@ -229,12 +240,12 @@ async def check_reachability(node: DHTNode, addrs: Sequence[str], *, want: int =
         _count(node, "reachability_asked")
         reply = None
         with trio.move_on_after(timeout):  # (a cookie round trip included)
-            reply = await node.request(c, "dial_back", {"addrs": addrs, "nonce": nonce}, timeout=timeout)
-        if reply is None or reply.kind != "dial_result":
+            reply = await node.request(c, DIAL_BACK, {"addrs": addrs, "nonce": nonce}, timeout=timeout)
+        if reply is None or reply.kind != DIAL_RESULT:
             _count(node, "reachability_silent")
             return
         try:
-            record, why = wire.parse_dial_result(reply.body)
+            record, why = parse_dial_result(reply.body)
         except wire.BadDatagram:
             _count(node, "reachability_discarded_malformed")
             return

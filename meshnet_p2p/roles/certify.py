@@ -26,21 +26,19 @@ from typing import Callable, Sequence
 
 import trio
 
-from meshnet_p2p.trust.certification import (
-    TOKENS_DOMAIN,
-    TWO_ROUTES,
-    WHOLE_MODEL,
-    CertificationError,
-    Evidence,
-    RouteRun,
-    TrustPolicy,
+from meshnet_p2p.trust.attestation import TOKENS_DOMAIN, CertificationError, ids_digest
+from meshnet_p2p.trust.evidence import (
     MAX_HOPS,
     MAX_IDS,
+    TWO_ROUTES,
+    WHOLE_MODEL,
+    Evidence,
+    RouteRun,
     cert_key,
-    ids_digest,
     index_key,
     sign_index,
 )
+from meshnet_p2p.trust.policy import TrustPolicy
 from meshnet_p2p.client.session import RouteSession
 from meshnet_p2p.client.generation import generate
 from meshnet_p2p.engine.contract import SamplingParams

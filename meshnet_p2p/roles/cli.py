@@ -364,7 +364,7 @@ def _bootstrap(args: argparse.Namespace) -> int:
     from meshnet_p2p.core.lifecycle import until_signalled
 
     from meshnet_p2p.swarm.node import bootstrap_addrs, node_multiaddr, parse_listen, start_node
-    from meshnet_p2p.nat.reachability import tls_dial_check
+    from meshnet_p2p.nat.reachability import dial_checks
 
     parse_listen(args.listen)  # a bad flag fails before anything starts
     metrics = _metrics_listen(args)
@@ -375,7 +375,7 @@ def _bootstrap(args: argparse.Namespace) -> int:
         async with trio.open_nursery() as nursery:
             # it also tells joining peers whether their address answers (reachability.py)
             node = await start_node(nursery, identity, listen=args.listen, bootstrap=seeds, require_bootstrap=False,
-                                    dial_back=tls_dial_check)
+                                    serve=dial_checks)
             if metrics is not None:
                 from .metrics import DhtCollector
 
@@ -396,7 +396,7 @@ def _relay(args: argparse.Namespace) -> int:
     from meshnet_p2p.core.guard import Guard
     from meshnet_p2p.core.multiaddr import Multiaddr, announced
     from meshnet_p2p.swarm.node import advertised_host, bootstrap_addrs, parse_listen, start_node
-    from meshnet_p2p.nat.reachability import tls_dial_check
+    from meshnet_p2p.nat.reachability import dial_checks
     from meshnet_p2p.core.records import wall_ms
     from meshnet_p2p.swarm.relay_offers import RELAY_ANNOUNCE_INTERVAL_S, RELAYS_KEY, sign_relay_record
 
@@ -421,7 +421,7 @@ def _relay(args: argparse.Namespace) -> int:
             addr = announce or here
             if seeds:
                 node = await start_node(nursery, identity, listen=f"{host}:0", bootstrap=seeds, require_bootstrap=False,
-                                        dial_back=tls_dial_check)
+                                        serve=dial_checks)
 
                 async def publish() -> None:  # peers behind NAT find this relay, its limits and load, here
                     guard = Guard("relay_publish", node.stats)  # a failure: counted, tried again, relaying goes on
@@ -509,7 +509,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _trust(args: argparse.Namespace, seeds: list):
     """The trust policy of a client command: bootstrap peers, --identity, --trust, --trust-file."""
-    from meshnet_p2p.trust.certification import TrustPolicy
+    from meshnet_p2p.trust.policy import TrustPolicy
 
     own = _load_or_create_identity(args.identity) if getattr(args, "identity", None) else None
     return TrustPolicy.default(seeds, own=own, extra=args.trust, trust_file=args.trust_file)

@@ -33,7 +33,7 @@ from meshnet_p2p.core.multiaddr import Multiaddr, ip_of
 from meshnet_p2p.swarm.node import advertised_host, peers_for_model, start_node
 from meshnet_p2p.swarm.placement import Span, choose_span
 from meshnet_p2p.nat.dialback import UNKNOWN, UNREACHABLE, Reachability
-from meshnet_p2p.nat.reachability import ReachabilityError, check_reachability, tls_dial_check
+from meshnet_p2p.nat.reachability import ReachabilityError, check_reachability, dial_checks
 from .progress import StatusLine
 from meshnet_p2p.core.records import wall_ms
 from meshnet_p2p.nat.keeper import RelayKeeper
@@ -126,7 +126,7 @@ async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> Non
 async def _serving(opts, engine, info, source_sha, digest, key, print_line, status: StatusLine) -> None:
     async with trio.open_nursery() as nursery:
         node = await start_node(nursery, opts.identity, listen=f"{opts.listen_host}:0", bootstrap=opts.bootstrap,
-                                dial_back=tls_dial_check)  # it checks others' reachability, as they check its
+                                serve=dial_checks)  # it checks others' reachability, as they check its
         if opts.layers is None:
             reports = await peers_for_model(node, digest)
             num = opts.num_layers or max(1, info.source_layers // 3)

@@ -180,9 +180,10 @@ class DhtCollector(Collector):
         from meshnet_p2p.dht.node import LOOKUP_OPS
         from meshnet_p2p.dht.wire import REQUESTS
         from meshnet_p2p.core.records import Reject
+        from meshnet_p2p.nat.dialback import DIAL_BACK
 
         st = dict(self.node.stats)  # one copy: the node's task may count while this reads
-        kinds = sorted(REQUESTS)
+        kinds = sorted(REQUESTS | {DIAL_BACK})  # the DHT's own kinds and the one the roles add (nat/dialer.py)
         yield _labelled("meshnet_dht_requests_sent_total", "requests sent, by kind", "kind",
                         {k: st.get("sent_" + k, 0) for k in kinds}, kinds)
         yield _labelled("meshnet_dht_requests_received_total", "requests received, by kind", "kind",

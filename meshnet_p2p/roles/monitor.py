@@ -26,7 +26,7 @@ from meshnet_p2p.core.errors import MeshnetError, sanitize, unwrap_errors
 if TYPE_CHECKING:  # cli.py imports this module to build its parser: the rest loads when the role runs
     import trio
 
-    from meshnet_p2p.trust.certification import TrustPolicy
+    from meshnet_p2p.trust.policy import TrustPolicy
     from meshnet_p2p.swarm.placement import Span
     from .status import Survey
 
@@ -393,7 +393,7 @@ async def _serve(seeds: list, trust: TrustPolicy, host: str, port: int, interval
 def run(args: argparse.Namespace, print_line=lambda line: print(line, flush=True)) -> int:
     import trio
 
-    from meshnet_p2p.trust.certification import TrustPolicy
+    from meshnet_p2p.trust.policy import TrustPolicy
     from meshnet_p2p.swarm.node import bootstrap_addrs, parse_listen
 
     host, port = parse_listen(args.listen)

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import trio
 
 from meshnet_p2p.swarm.capability import MODELS_KEY
-from meshnet_p2p.trust.certification import TrustPolicy
+from meshnet_p2p.trust.policy import TrustPolicy
 from meshnet_p2p.core.errors import MeshnetError, unwrap_errors
 from meshnet_p2p.core.identity import Identity
 from meshnet_p2p.swarm.placement import Span

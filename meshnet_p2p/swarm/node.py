@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 import socket
 import pathlib
-from typing import Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import trio
 
 from . import capability
 from .capability import model_key
-from meshnet_p2p.trust.certification import CERT_INDEX, CERT_INDEX_TYPE, CERTIFICATE, CERTIFICATE_TYPE, lifetime_cap
+from meshnet_p2p.trust.evidence import CERT_INDEX, CERT_INDEX_TYPE, CERTIFICATE, CERTIFICATE_TYPE, model_of_key
 from meshnet_p2p.dht.node import DHTConfig, DHTNode
 from meshnet_p2p.dht.routing import Contact
 from meshnet_p2p.dht.transport import UdpTransport
@@ -40,6 +40,21 @@ TYPES: dict[str, PayloadType] = {**capability.TYPES, CERTIFICATE: CERTIFICATE_TY
 
 class BootstrapError(MeshnetError):
     pass
+
+
+UNANNOUNCED_LIFETIME_MS = 10 * 60_000  # twice the DHT's republish period: a certifier's re-put renews it
+
+
+def lifetime_cap(key: str, holds: Callable[[str], bool]) -> int | None:
+    """This node's storage policy for the DHT (dht.node.LifetimeCap): evidence or
+    an index naming a model nobody announces (no ``model/<digest>`` report the
+    node holds from a peer it knows is live) lives minutes, not the day it
+    claims, and goes first when a node needs room. Such keys cost a flood
+    nothing to make up (issue 24 #3); a certified model is one peers serve."""
+    model = model_of_key(key)
+    if model is None or holds(model_key(model)):
+        return None
+    return UNANNOUNCED_LIFETIME_MS
 
 
 def parse_listen(text: str, flag: str = "--listen") -> tuple[str, int]:
@@ -104,21 +119,24 @@ async def start_node(
     client_mode: bool = False,
     types: Mapping[str, PayloadType] = TYPES,
     require_bootstrap: bool = True,
-    dial_back=None,
+    serve: Callable[[DHTNode], Any] | None = None,
 ) -> DHTNode:
     """Bind, start and (if bootstrap peers are given) join. Raises
     :class:`BootstrapError` if none of the bootstrap peers answered with the key
     its multiaddr names. Without ``listen``, the node binds every local address
     (a client reaching bootstrap peers on other hosts; nobody dials a client).
-    ``dial_back``: how this node checks, for peers that ask, whether their
-    data-plane address answers (reachability.tls_dial_check), if it does."""
+    ``serve``: registers the role's request kinds on the node before it starts
+    (DHTNode.serve_requests; e.g. reachability.dial_checks: this node checks, for
+    peers that ask, whether their data-plane address answers)."""
     bootstrap = [a if isinstance(a, Multiaddr) else Multiaddr.parse(a) for a in bootstrap]
     if listen is None:
         listen = "[::]:0" if any(a.components[0][0] == "ip6" for a in bootstrap) else "0.0.0.0:0"
     host, port = parse_listen(listen)
     transport = await UdpTransport.bind(host, port)
-    node = DHTNode(identity, transport, types, DHTConfig(client_mode=client_mode), dial_back=dial_back,
+    node = DHTNode(identity, transport, types, DHTConfig(client_mode=client_mode),
                    lifetime_cap=lifetime_cap)  # evidence for models nobody announces lives minutes
+    if serve is not None:
+        serve(node)
     await nursery.start(node.run)
     seeds = [contact_of(a) for a in bootstrap]
     seeds = [c for c in seeds if c.peer_id != identity.peer_id]

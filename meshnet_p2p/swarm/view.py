@@ -16,7 +16,8 @@ from typing import Any, Iterable, Sequence
 import trio
 
 from .capability import model_key
-from meshnet_p2p.trust.certification import Certificate, EvidenceRefused, TrustPolicy, cert_key, certified, index_key
+from meshnet_p2p.trust.evidence import EvidenceRefused, cert_key, index_key
+from meshnet_p2p.trust.policy import Certificate, TrustPolicy, certified
 from meshnet_p2p.engine.recipe import explain_mismatch
 from meshnet_p2p.core.errors import MeshnetError, unwrap_errors
 from meshnet_p2p.core.identity import Identity, IdentityError, PeerId

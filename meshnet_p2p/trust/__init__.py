@@ -1,6 +1,7 @@
 """What a client believes about a recipe and a hop: what each hop attests
-about what it computed, certification evidence and its check, and the
-client's trust policy over certifiers.
+about what it computed (attestation: what the data plane needs), certification
+evidence, its check and its records (evidence), and the client's trust policy
+over certifiers (policy).
 
 May import: core, engine.
 """

@@ -1,5 +1,5 @@
-"""Certification: signed evidence that a recipe ran distributed and gave the
-whole model's tokens, and the trust policy that decides whose evidence counts.
+"""Certification evidence: a signed record that a recipe ran distributed and
+gave the whole model's tokens, its check, and the certifier's index records.
 
 A fingerprint (model digest + recipe digest) first seen in the swarm is
 *dark*: visible, routable for certification only. It becomes *certified* for
@@ -23,34 +23,25 @@ What the evidence proves, and how it is checked (all pure functions here):
   recipe (``whole-model``), or a second route with no peer in common
   (``two-routes``), and the certifier signed the whole record.
 
-Whose evidence counts is each node's own policy (:class:`TrustPolicy`):
-by default its bootstrap peers' keys and its own.
+Whose evidence counts is each node's own policy (:mod:`.policy`); what a hop
+attests is :mod:`.attestation`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import re
-import struct
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-from meshnet_p2p.swarm.capability import model_key
-from meshnet_p2p.engine.contract import TensorBundle
 from meshnet_p2p.engine.recipe import recipe_digest
-from meshnet_p2p.core.errors import MeshnetError
-from meshnet_p2p.core.identity import Identity, IdentityError, PeerId
-from meshnet_p2p.core.records import PayloadType, Record, canonical, sign_record
+from meshnet_p2p.core.identity import Identity, PeerId
+from meshnet_p2p.core.records import PayloadType, sign_record
+from .attestation import PROMPT_DOMAIN, SEAM_DOMAIN, TOKENS_DOMAIN, Attestation, CertificationError, RowDigest, ids_digest
 
 CERTIFICATE = "meshnet/certificate/v1"
 CERT_INDEX = "meshnet/certified-index/v1"  # which recipes of a model one certifier certified
 CERTIFICATE_TTL_MS = 24 * 3600 * 1000  # the longest a record may live; certify again to renew
-ATTEST_DOMAIN = b"meshnet-hop-attestation-v1\0"
-# what crosses a boundary: one hop's output digest is the next hop's input digest, so one domain
-SEAM_DOMAIN = b"meshnet-seam-v1\0"
-PROMPT_DOMAIN = b"meshnet-prompt-v1\0"
-TOKENS_DOMAIN = b"meshnet-generated-v1\0"
 
 WHOLE_MODEL = "whole-model"
 TWO_ROUTES = "two-routes"
@@ -62,10 +53,6 @@ MAX_HOPS = 12  # per route: two routes of 12 hops still fit one record
 MAX_INDEXED = 32  # recipes one certifier's index names per model
 MAX_LAYERS = 100_000
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-
-
-class CertificationError(MeshnetError):
-    pass
 
 
 class Refusal(str, Enum):
@@ -101,8 +88,6 @@ def index_key(model_digest: str, certifier: str) -> str:
     return f"certs/{model_digest}/{certifier}"
 
 
-UNANNOUNCED_LIFETIME_MS = 10 * 60_000  # twice the DHT's republish period: a certifier's re-put renews it
-
 
 def model_of_key(key: str) -> str | None:
     """The model a certification key (:func:`cert_key`, :func:`index_key`) names, or None."""
@@ -111,96 +96,6 @@ def model_of_key(key: str) -> str | None:
         return parts[1] if _HEX64.fullmatch(parts[1]) else None
     return None
 
-
-def lifetime_cap(key: str, holds: Callable[[str], bool]) -> int | None:
-    """The DHT's lifetime policy (dht.node.LifetimeCap): evidence or an index naming a
-    model nobody announces (no ``model/<digest>`` report the node holds from a
-    peer it knows is live) lives minutes, not the day it claims, and goes first
-    when a node needs room. Such keys cost a flood nothing to make up (issue 24
-    #3); a certified model is one peers serve."""
-    model = model_of_key(key)
-    if model is None or holds(model_key(model)):
-        return None
-    return UNANNOUNCED_LIFETIME_MS
-
-
-# --- what a hop computed -------------------------------------------------------------------
-
-
-class RowDigest:
-    """A running sha256 over the steps a hop took in (or gave out), one frame per
-    step: its position, and its token ids or hidden-state bytes. The peer and
-    the client each keep one per hop; they must agree."""
-
-    def __init__(self, domain: bytes) -> None:
-        self._h = hashlib.sha256(domain)
-
-    def tokens(self, position: int, ids: Sequence[int]) -> None:
-        self._h.update(struct.pack("<cQI", b"T", position, len(ids)))
-        self._h.update(struct.pack(f"<{len(ids)}I", *ids))
-
-    def token(self, position: int, token_id: int) -> None:
-        self._h.update(struct.pack("<cQI", b"O", position, token_id))
-
-    def hidden(self, position: int, bundle: TensorBundle) -> None:
-        self._h.update(struct.pack("<cQI", b"H", position, len(bundle.tensors)))
-        for t in sorted(bundle.tensors, key=lambda t: t.name):
-            self._h.update(t.name.encode() + b"\0" + t.dtype.encode() + b"\0")
-            self._h.update(struct.pack(f"<I{len(t.shape)}Q", len(t.shape), *t.shape))
-            self._h.update(t.data)
-
-    def rollback(self, position: int) -> None:
-        """A rewind is part of the record too: work after it is not the same work."""
-        self._h.update(struct.pack("<cQ", b"R", position))
-
-    def hexdigest(self) -> str:
-        return self._h.hexdigest()
-
-
-def ids_digest(domain: bytes, ids: Sequence[int]) -> str:
-    return hashlib.sha256(domain + struct.pack(f"<{len(ids)}I", *ids)).hexdigest()
-
-
-@dataclass(frozen=True)
-class Attestation:
-    """A hop's signed statement of what it computed in one session."""
-
-    peer_id: str
-    session_id: str
-    model_digest: str
-    recipe_digest: str
-    start: int
-    end: int
-    steps: int
-    input_digest: str
-    output_digest: str
-    signature: bytes = b""
-
-    def signed_bytes(self) -> bytes:
-        return ATTEST_DOMAIN + canonical([self.peer_id, self.session_id, self.model_digest, self.recipe_digest,
-                                          self.start, self.end, self.steps, self.input_digest, self.output_digest])
-
-    def signed_by(self, identity: Identity) -> "Attestation":
-        if str(identity.peer_id) != self.peer_id:
-            raise CertificationError("an attestation is signed by the peer it names")
-        return replace(self, signature=identity.sign(self.signed_bytes()))
-
-    def verifies(self) -> bool:
-        try:
-            return len(self.signature) == 64 and PeerId.from_string(self.peer_id).verify(self.signature, self.signed_bytes())
-        except (IdentityError, ValueError):
-            return False
-
-    def to_content(self) -> dict[str, Any]:
-        return {"peer_id": self.peer_id, "session": self.session_id, "model_digest": self.model_digest,
-                "recipe_digest": self.recipe_digest, "layers": [self.start, self.end], "steps": self.steps,
-                "input_digest": self.input_digest, "output_digest": self.output_digest, "signature": self.signature}
-
-    @classmethod
-    def from_content(cls, c: Mapping[str, Any]) -> "Attestation":
-        layers = c["layers"]
-        return cls(c["peer_id"], c["session"], c["model_digest"], c["recipe_digest"], layers[0], layers[1],
-                   c["steps"], c["input_digest"], c["output_digest"], c["signature"])
 
 
 # --- one certification run -------------------------------------------------------------------
@@ -479,108 +374,3 @@ def sign_index(identity: Identity, model_digest: str, recipes: Sequence[str], *,
     content = {"key": index_key(model_digest, str(identity.peer_id)), "certifier": str(identity.peer_id),
                "model_digest": model_digest, "recipes": list(dict.fromkeys(recipes))[:MAX_INDEXED]}
     return sign_record(identity, CERT_INDEX, content, seq=now_ms, now_ms=now_ms, ttl_ms=ttl_ms)
-
-
-# --- whose evidence counts -------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TrustPolicy:
-    """The certifiers whose evidence this node accepts (peer ID strings)."""
-
-    certifiers: frozenset[str] = frozenset()
-
-    @classmethod
-    def default(cls, bootstrap: Iterable[Any] = (), *, own: PeerId | Identity | None = None,
-                extra: Iterable[str] = (), trust_file: str | None = None) -> "TrustPolicy":
-        """Its bootstrap peers' keys (from their multiaddrs), its own, ``--trust``
-        peer IDs and a trust file's (one peer ID a line, ``#`` comments)."""
-        out: set[str] = set()
-        for b in bootstrap:
-            peer = getattr(b, "peer_id", None)
-            if peer is None and isinstance(b, str):
-                from meshnet_p2p.core.multiaddr import Multiaddr
-
-                peer = Multiaddr.parse(b).peer_id
-            if peer is not None:
-                out.add(str(peer))
-        if own is not None:
-            out.add(str(own.peer_id if isinstance(own, Identity) else own))
-        texts = list(extra)
-        if trust_file:
-            try:
-                with open(trust_file) as f:
-                    texts += [line.split("#", 1)[0].strip() for line in f]
-            except OSError as e:
-                raise CertificationError(f"cannot read trust file {trust_file}: {e.strerror or e}") from None
-        for text in filter(None, texts):
-            try:
-                out.add(str(PeerId.from_string(text)))
-            except IdentityError as e:
-                raise CertificationError(f"--trust {text[:60]!r} is not a peer ID: {e}") from None
-        return cls(frozenset(out))
-
-    def trusts(self, peer_id: str) -> bool:
-        return peer_id in self.certifiers
-
-
-@dataclass(frozen=True)
-class Certificate:
-    """A recipe certified for this node: by whom, how, on which route."""
-
-    model_digest: str
-    recipe_digest: str
-    certifier: str
-    method: str
-    issued_at_ms: int
-    route: tuple[tuple[str, int, int], ...]  # (peer, start, end) of the first route
-    n_layer: int = 0
-    expires_at_ms: int = 0
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"certifier": self.certifier, "method": self.method, "issued_at_ms": self.issued_at_ms,
-                "expires_at_ms": self.expires_at_ms,
-                "route": [{"peer_id": p, "layers": [a, b]} for p, a, b in self.route]}
-
-
-def evaluate(record: Record, trust: TrustPolicy, *, model_digest: str, n_layer: int | None = None) -> Certificate:
-    """A verified certificate record -> the Certificate it grants this node, or
-    :class:`EvidenceRefused` with the reason."""
-    c = record.content
-    if record.payload_type != CERTIFICATE:
-        raise EvidenceRefused(Refusal.MALFORMED, f"a {record.payload_type} record is not evidence")
-    certifier = c.get("certifier")
-    if str(record.signer) != certifier:
-        raise EvidenceRefused(Refusal.BAD_SIGNATURE, "the record is not signed by the certifier it names")
-    if not trust.trusts(certifier):  # checked before the evidence: it costs nothing to check
-        raise EvidenceRefused(Refusal.UNTRUSTED, f"certifier {certifier} is not one this node trusts "
-                              "(add it with --trust PEER_ID or a trust file)")
-    refusal = check_evidence(c)
-    if refusal is not None:
-        raise EvidenceRefused(*refusal)
-    if c["model_digest"] != model_digest:
-        raise EvidenceRefused(Refusal.OTHER_FINGERPRINT, "the evidence names another model")
-    if n_layer is not None and c["n_layer"] != n_layer:
-        raise EvidenceRefused(Refusal.OTHER_FINGERPRINT, f"the evidence is for {c['n_layer']} layers, the model has {n_layer}")
-    hops = sorted(c["routes"][0]["hops"], key=lambda h: h["layers"][0])
-    return Certificate(c["model_digest"], c["recipe_digest"], c["certifier"], c["method"], record.issued_at_ms,
-                       tuple((h["peer_id"], h["layers"][0], h["layers"][1]) for h in hops), c["n_layer"],
-                       record.expires_at_ms)
-
-
-def certified(records: Iterable[Record], trust: TrustPolicy, *, model_digest: str, n_layer: int | None = None,
-              refused: list[tuple[Record, EvidenceRefused]] | None = None) -> dict[str, Certificate]:
-    """recipe digest -> the newest Certificate this node accepts for it. Refused
-    evidence is appended to ``refused`` as (record, error) when given."""
-    out: dict[str, Certificate] = {}
-    for rec in records:
-        try:
-            cert = evaluate(rec, trust, model_digest=model_digest, n_layer=n_layer)
-        except EvidenceRefused as e:
-            if refused is not None:
-                refused.append((rec, e))
-            continue
-        old = out.get(cert.recipe_digest)
-        if old is None or cert.issued_at_ms > old.issued_at_ms:
-            out[cert.recipe_digest] = cert
-    return out

@@ -1,0 +1,104 @@
+"""What a hop attests about what it computed in one session: running
+digests of the rows it took in and gave out (:class:`RowDigest`), and the
+statement it signs (:class:`Attestation`). The data plane keeps these
+(dataplane/session_state.py, servicer.py) and the client checks them; the
+certification evidence that carries them is :mod:`.evidence`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass, replace
+from typing import Any, Mapping, Sequence
+
+from meshnet_p2p.engine.contract import TensorBundle
+from meshnet_p2p.core.errors import MeshnetError
+from meshnet_p2p.core.identity import Identity, IdentityError, PeerId
+from meshnet_p2p.core.records import canonical
+
+ATTEST_DOMAIN = b"meshnet-hop-attestation-v1\0"
+# what crosses a boundary: one hop's output digest is the next hop's input digest, so one domain
+SEAM_DOMAIN = b"meshnet-seam-v1\0"
+PROMPT_DOMAIN = b"meshnet-prompt-v1\0"
+TOKENS_DOMAIN = b"meshnet-generated-v1\0"
+
+
+class CertificationError(MeshnetError):
+    """Anything certification refuses (the trust package's error)."""
+
+
+class RowDigest:
+    """A running sha256 over the steps a hop took in (or gave out), one frame per
+    step: its position, and its token ids or hidden-state bytes. The peer and
+    the client each keep one per hop; they must agree."""
+
+    def __init__(self, domain: bytes) -> None:
+        self._h = hashlib.sha256(domain)
+
+    def tokens(self, position: int, ids: Sequence[int]) -> None:
+        self._h.update(struct.pack("<cQI", b"T", position, len(ids)))
+        self._h.update(struct.pack(f"<{len(ids)}I", *ids))
+
+    def token(self, position: int, token_id: int) -> None:
+        self._h.update(struct.pack("<cQI", b"O", position, token_id))
+
+    def hidden(self, position: int, bundle: TensorBundle) -> None:
+        self._h.update(struct.pack("<cQI", b"H", position, len(bundle.tensors)))
+        for t in sorted(bundle.tensors, key=lambda t: t.name):
+            self._h.update(t.name.encode() + b"\0" + t.dtype.encode() + b"\0")
+            self._h.update(struct.pack(f"<I{len(t.shape)}Q", len(t.shape), *t.shape))
+            self._h.update(t.data)
+
+    def rollback(self, position: int) -> None:
+        """A rewind is part of the record too: work after it is not the same work."""
+        self._h.update(struct.pack("<cQ", b"R", position))
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+def ids_digest(domain: bytes, ids: Sequence[int]) -> str:
+    return hashlib.sha256(domain + struct.pack(f"<{len(ids)}I", *ids)).hexdigest()
+
+
+@dataclass(frozen=True)
+class Attestation:
+    """A hop's signed statement of what it computed in one session."""
+
+    peer_id: str
+    session_id: str
+    model_digest: str
+    recipe_digest: str
+    start: int
+    end: int
+    steps: int
+    input_digest: str
+    output_digest: str
+    signature: bytes = b""
+
+    def signed_bytes(self) -> bytes:
+        return ATTEST_DOMAIN + canonical([self.peer_id, self.session_id, self.model_digest, self.recipe_digest,
+                                          self.start, self.end, self.steps, self.input_digest, self.output_digest])
+
+    def signed_by(self, identity: Identity) -> "Attestation":
+        if str(identity.peer_id) != self.peer_id:
+            raise CertificationError("an attestation is signed by the peer it names")
+        return replace(self, signature=identity.sign(self.signed_bytes()))
+
+    def verifies(self) -> bool:
+        try:
+            return len(self.signature) == 64 and PeerId.from_string(self.peer_id).verify(self.signature, self.signed_bytes())
+        except (IdentityError, ValueError):
+            return False
+
+    def to_content(self) -> dict[str, Any]:
+        return {"peer_id": self.peer_id, "session": self.session_id, "model_digest": self.model_digest,
+                "recipe_digest": self.recipe_digest, "layers": [self.start, self.end], "steps": self.steps,
+                "input_digest": self.input_digest, "output_digest": self.output_digest, "signature": self.signature}
+
+    @classmethod
+    def from_content(cls, c: Mapping[str, Any]) -> "Attestation":
+        layers = c["layers"]
+        return cls(c["peer_id"], c["session"], c["model_digest"], c["recipe_digest"], layers[0], layers[1],
+                   c["steps"], c["input_digest"], c["output_digest"], c["signature"])
