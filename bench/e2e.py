@@ -20,7 +20,7 @@ import argparse
 import statistics
 import sys
 
-from meshnet_p2p.client.session import Client
+from meshnet_p2p.client import Client
 from meshnet_p2p.engine.contract import SamplingParams
 from meshnet_p2p.engine.cut import sha256_file
 from meshnet_p2p.engine.tokenizer import Tokenizer

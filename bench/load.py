@@ -33,7 +33,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from meshnet_p2p.client.session import Client
+from meshnet_p2p.client import Client
 from meshnet_p2p.engine.contract import DecodeRequest, LoadRequest, OpenRequest, PrefillRequest, SamplingParams
 from meshnet_p2p.engine.cut import sha256_file
 from meshnet_p2p.engine.llama_engine import LlamaCppShardEngine

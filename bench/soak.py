@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import trio
 
-from meshnet_p2p.client.session import Client, connect
+from meshnet_p2p.client import Client, connect
 from meshnet_p2p.engine.contract import SamplingParams
 from meshnet_p2p.engine.cut import sha256_file
 from meshnet_p2p.engine.tokenizer import Tokenizer

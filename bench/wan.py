@@ -25,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from meshnet_p2p.client.session import Client
+from meshnet_p2p.client import Client
 from meshnet_p2p.engine.contract import SamplingParams
 from meshnet_p2p.engine.cut import sha256_file
 from meshnet_p2p.engine.tokenizer import Tokenizer

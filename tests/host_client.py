@@ -15,7 +15,7 @@ client pauses.
 import json
 import sys
 
-from meshnet_p2p.client.session import Client
+from meshnet_p2p.client import Client
 
 
 def main() -> None:

@@ -10,8 +10,10 @@ import pytest
 import trio
 
 from meshnet_p2p.trust.policy import TrustPolicy
-from meshnet_p2p.client.session import _route_fingerprint, connect
+from meshnet_p2p.client import connect
+from meshnet_p2p.client.hop import route_fingerprint
 from meshnet_p2p.dataplane.stub import ShardError
+from meshnet_p2p.engine.contract import SamplingParams
 from meshnet_p2p.engine.cut import inspect_gguf
 from meshnet_p2p.engine.tokenizer import Tokenizer
 from meshnet_p2p.core.identity import Identity
@@ -107,7 +109,7 @@ def test_a_peer_with_another_micro_batch_size_forms_its_own_dark_recipe(tmp_path
         client = connect(view.recipe(dark["recipe_digest"]).spans[0], 10)
         try:
             with pytest.raises(ShardError) as e:
-                client.session(_route_fingerprint(good), max_tokens=8)
+                client.open_session(route_fingerprint(good), max_tokens=8, sampling=SamplingParams())
             assert e.value.code_name == "FINGERPRINT_MISMATCH"
             assert [m.split()[0] for m in e.value.mismatches] == ["n_ubatch"]
         finally:

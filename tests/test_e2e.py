@@ -50,7 +50,7 @@ def test_three_joined_peers_generate_exactly_the_whole_model(tmp_path, reference
 
 CLIENT_ONLY = """
 import json, sys
-from meshnet_p2p.client.session import Client
+from meshnet_p2p.client import Client
 r = Client([sys.argv[1]]).generate(sys.argv[2], 24, stop_at_eog=False)
 print(json.dumps({"steps": r.steps, "engines": sorted(m for m in sys.modules if m.startswith("meshnet_p2p.engine."))}))
 """

@@ -315,7 +315,7 @@ def test_a_flood_of_cheap_calls_from_one_source_does_not_stop_a_generation(swarm
     flood's, and with the turns alone the generation failed as reported. (The
     bound, 20x the quiet latency or 0.1 s, leaves room for a loaded machine:
     52 ms was seen with two test suites running at once.)"""
-    from meshnet_p2p.client.session import connect
+    from meshnet_p2p.client import connect
 
     def health_s(n: int = 10) -> float:
         """Median seconds of a Health call from the client's own address, on a fresh connection."""

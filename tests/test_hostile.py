@@ -469,7 +469,7 @@ def test_anonymous_clients_share_a_small_budget(full_peer):
 
 def _hold_every_session(addr: str, model_path: str, hog: Identity) -> list:
     """Open every session of every peer of the certified recipe as one client, and hold them."""
-    from meshnet_p2p.client.session import connect
+    from meshnet_p2p.client import connect
     from meshnet_p2p.dataplane.transport.tls import make_client_credentials
 
     info = inspect_gguf(model_path)
@@ -559,7 +559,8 @@ def test_a_stranger_who_knows_every_session_id_cannot_cancel_a_generation(tmp_pa
     head learns only its own) and sends Cancel and Release for each from its own
     connection, mid-generation. Before sessions belonged to their connection,
     the tail cancelled and the client failed over (and banned an honest peer)."""
-    from meshnet_p2p.client.session import RouteSession, connect
+    from meshnet_p2p.client import RouteOptions, connect
+    from meshnet_p2p.client.star import StarRoute
     from meshnet_p2p.client.generation import generate
     from meshnet_p2p.dataplane.transport.tls import make_client_credentials
     from meshnet_p2p.engine.contract import SamplingParams
@@ -568,8 +569,8 @@ def test_a_stranger_who_knows_every_session_id_cannot_cancel_a_generation(tmp_pa
     try:
         client = Client([addr], model_path=model_path, step_timeout=5.0)
         ids = Tokenizer(model_path).encode(PROMPT)
-        session = RouteSession(lambda: trio.run(client.spans), client.n_layer, max_tokens=len(ids) + 16,
-                               sampling=SamplingParams(), step_timeout=5.0)
+        session = StarRoute.open(lambda: trio.run(client.spans), client.n_layer,
+                                 RouteOptions(max_tokens=len(ids) + 16, sampling=SamplingParams(), step_timeout=5.0))
         stranger = make_client_credentials(Identity.generate())
         answers = []
 
@@ -678,7 +679,7 @@ def test_silent_session_calls_do_not_keep_real_sessions_out(tmp_path, model_path
     one source's 16 connections x 32 calls took all 32 and a real route's
     session was refused. Now a Session takes a worker only once its SessionOpen
     has come, and silent calls cost their connection only."""
-    from meshnet_p2p.client.session import connect
+    from meshnet_p2p.client import connect
 
     boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"])
     clients = []

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from meshnet_p2p.client.session import Client, GenerationError, RequestRefused, RouteSession
+from meshnet_p2p.client import Client, GenerationError, RequestRefused, RouteOptions, open_route
 from meshnet_p2p.engine.contract import SamplingParams
 from meshnet_p2p.engine.tokenizer import Tokenizer
 
@@ -60,7 +60,7 @@ def test_a_full_peer_makes_clients_wait_and_a_request_too_long_is_refused(tmp_pa
         import trio
 
         # One user holds the only session of every peer...
-        holder = RouteSession(lambda: trio.run(spans), client.n_layer, max_tokens=64, sampling=SamplingParams())
+        holder = open_route(lambda: trio.run(spans), client.n_layer, RouteOptions(max_tokens=64))
         # ...so a second one is told each peer is full, and waits: no ban, no failure.
         events: list[str] = []
         busy = threading.Event()
@@ -82,16 +82,15 @@ def test_a_full_peer_makes_clients_wait_and_a_request_too_long_is_refused(tmp_pa
         assert not [e for e in events if "failed" in e], events
 
         # A user who cannot wait long is told why when its own deadline passes.
-        holder = RouteSession(lambda: trio.run(spans), client.n_layer, max_tokens=64, sampling=SamplingParams())
+        holder = open_route(lambda: trio.run(spans), client.n_layer, RouteOptions(max_tokens=64))
         try:
             with pytest.raises(GenerationError, match="busy"):
-                RouteSession(lambda: trio.run(spans), client.n_layer, max_tokens=64, sampling=SamplingParams(),
-                             open_timeout=1.0)
+                open_route(lambda: trio.run(spans), client.n_layer, RouteOptions(max_tokens=64, open_timeout=1.0))
             # A prompt longer than any route holds is the request's error, naming both numbers, at
             # once even while every peer is busy: no waiting for a turn that could never serve it.
             with pytest.raises(RequestRefused) as e:
-                RouteSession(lambda: trio.run(spans), client.n_layer, max_tokens=40_000, sampling=SamplingParams(),
-                             open_timeout=600.0)
+                open_route(lambda: trio.run(spans), client.n_layer,
+                           RouteOptions(max_tokens=40_000, open_timeout=600.0))
             assert "holds at most 2048" in str(e.value), str(e.value)
         finally:
             holder.close()
@@ -113,7 +112,7 @@ def test_generations_that_start_together_share_one_survey(model_path, monkeypatc
 
     import trio
 
-    from meshnet_p2p.client import session as client_mod
+    from meshnet_p2p.client import api as client_mod
     from meshnet_p2p.swarm.placement import NoRoute
 
     calls = []
@@ -143,11 +142,11 @@ def test_generations_that_start_together_share_one_survey(model_path, monkeypatc
 def test_a_busy_peers_hint_cannot_stall_a_client():
     """retry_after_ms costs a peer nothing to inflate: the client waits at most
     its own ceiling (4 s, +25% jitter), and backs off when the hint is small."""
-    from meshnet_p2p.client.session import BACKOFF_MAX_S, _backoff
+    from meshnet_p2p.client.search import BACKOFF_MAX_S, backoff
 
-    assert max(_backoff(0, 10**6) for _ in range(100)) <= BACKOFF_MAX_S * 1.25
-    assert max(_backoff(0, 0.0) for _ in range(100)) <= 0.25 * 1.25
-    assert min(_backoff(10, 0.0) for _ in range(100)) >= BACKOFF_MAX_S * 0.75
+    assert max(backoff(0, 10**6) for _ in range(100)) <= BACKOFF_MAX_S * 1.25
+    assert max(backoff(0, 0.0) for _ in range(100)) <= 0.25 * 1.25
+    assert min(backoff(10, 0.0) for _ in range(100)) >= BACKOFF_MAX_S * 0.75
 
 
 def test_sixteen_cli_clients_from_one_host_all_generate_exactly(tmp_path, model_path, references):

@@ -192,11 +192,10 @@ class _Stream:
         self.session_id = "s" * 32
         self.sent = []
 
-    def signal(self, request, epoch, timeout=None):
-        self.sent.append(request)
+    def link(self, order, timeout=None):
+        self.sent.append(order)
         if self.answer is not None:
             raise self.answer
-        return pb.SessionResponse(ack=pb.Ack())
 
 
 class _Peer:
@@ -208,20 +207,21 @@ class _Peer:
 
 
 def _route(hops):
-    from meshnet_p2p.client.session import RouteSession, _Hop
+    from meshnet_p2p.client import RouteOptions
+    from meshnet_p2p.client.hop import Hop
+    from meshnet_p2p.client.ring import RingRoute
+    from meshnet_p2p.client.search import RouteSearch
     from meshnet_p2p.swarm.placement import Span
 
-    route = object.__new__(RouteSession)  # only what _link_ring reads
-    route.epoch, route.step_timeout, route.max_tokens, route.stop_at_eog = 0, 1.0, 64, True
-    route.spans = []
+    search = RouteSearch(lambda: [], RouteOptions(max_tokens=64, ring=True, step_timeout=1.0))
 
     class _Record:
         content = {"tls_cert": "", "addrs": ["/ip4/127.0.0.1/tcp/1"]}
         seq, expires_at_ms, wire = 1, wall_ms() + 60_000, b"report"
 
-    route.hops = [_Hop(Span(f"peer{i}", i * 10, i * 10 + 10, record=_Record()), _Peer(alive), stream, 64,
-                       attach_token=b"t" * 32) for i, (stream, alive) in enumerate(hops)]
-    return route
+    hops = [Hop(Span(f"peer{i}", i * 10, i * 10 + 10, record=_Record()), _Peer(alive), stream, 64,
+                attach_token=b"t" * 32) for i, (stream, alive) in enumerate(hops)]
+    return RingRoute(hops, search, 10 * len(hops))  # no I/O: the hops are stand-ins
 
 
 def test_a_hop_that_cannot_reach_a_live_next_hop_is_the_one_at_fault():
@@ -233,11 +233,11 @@ def test_a_hop_that_cannot_reach_a_live_next_hop_is_the_one_at_fault():
     def link_failed():
         return ShardError(pb.Error(code=pb.LINK_FAILED, detail="cannot reach the next hop"))
 
-    assert _route([(_Stream(link_failed()), True), (_Stream(), True)])._link_ring()[0] == 0  # next hop takes ours
-    assert _route([(_Stream(link_failed()), True), (_Stream(), False)])._link_ring()[0] == 1  # it takes nobody's
+    assert _route([(_Stream(link_failed()), True), (_Stream(), True)])._link()[0] == 0  # next hop takes ours
+    assert _route([(_Stream(link_failed()), True), (_Stream(), False)])._link()[0] == 1  # it takes nobody's
     full = ShardError(pb.Error(code=pb.CAPACITY, detail="no worker", retryable=True))
-    assert _route([(_Stream(), True), (_Stream(full), True), (_Stream(), True)])._link_ring()[0] == 2  # busy next
-    assert _route([(_Stream(), True), (_Stream(), True)])._link_ring() is None
+    assert _route([(_Stream(), True), (_Stream(full), True), (_Stream(), True)])._link()[0] == 2  # busy next
+    assert _route([(_Stream(), True), (_Stream(), True)])._link() is None
 
 
 def test_a_link_carries_the_next_hops_newest_report():
@@ -246,18 +246,18 @@ def test_a_link_carries_the_next_hops_newest_report():
     from meshnet_p2p.swarm.placement import Span
 
     route = _route([(_Stream(), True), (_Stream(), True)])
-    assert route._link_ring() is None
-    assert [h.stream.sent[0].link.next_report for h in route.hops] == [b"report", b"report"]
-    assert route.hops[0].stream.sent[0].link.peer_id == "peer1"
+    assert route._link() is None
+    assert [h.stream.sent[0].next_report for h in route.hops] == [b"report", b"report"]
+    assert route.hops[0].stream.sent[0].peer_id == "peer1"
 
     class _Newer:
         content = {}
         seq, expires_at_ms, wire = 2, wall_ms() + 60_000, b"newer report"
 
-    route.spans = [Span("peer1", 10, 20, record=_Newer())]
-    assert route._link_ring() is None
-    assert route.hops[0].stream.sent[1].link.next_report == b"newer report"
-    assert route.hops[1].stream.sent[1].link.next_report == b"report"
+    route.search.spans = [Span("peer1", 10, 20, record=_Newer())]
+    assert route._link() is None
+    assert route.hops[0].stream.sent[1].next_report == b"newer report"
+    assert route.hops[1].stream.sent[1].next_report == b"report"
 
     class _Expiring:
         content = {}
@@ -267,15 +267,15 @@ def test_a_link_carries_the_next_hops_newest_report():
         content = {}
         seq, expires_at_ms, wire = 4, wall_ms() + 120_000, b"fresh report"
 
-    route.spans = [Span("peer1", 10, 20, record=_Expiring())]  # about to expire: the client surveys again
-    route.spans_provider = lambda: [Span("peer1", 10, 20, record=_Fresh())]
-    assert route._link_ring() is None
-    assert route.hops[0].stream.sent[2].link.next_report == b"fresh report"
+    route.search.spans = [Span("peer1", 10, 20, record=_Expiring())]  # about to expire: the client surveys again
+    route.search.spans_provider = lambda: [Span("peer1", 10, 20, record=_Fresh())]
+    assert route._link() is None
+    assert route.hops[0].stream.sent[2].next_report == b"fresh report"
 
     class _Leaving:
         content = {"departing": True}
         seq, expires_at_ms, wire = 5, wall_ms() + 120_000, b"leaving report"
 
-    route.spans.append(Span("peer1", 10, 20, record=_Leaving()))  # it said it leaves: its session still serves
-    assert route._link_ring() is None
-    assert route.hops[0].stream.sent[3].link.next_report == b"fresh report"
+    route.search.spans.append(Span("peer1", 10, 20, record=_Leaving()))  # it said it leaves: its session still serves
+    assert route._link() is None
+    assert route.hops[0].stream.sent[3].next_report == b"fresh report"

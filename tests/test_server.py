@@ -465,15 +465,15 @@ def test_a_call_the_peer_turned_away_before_any_work_bans_no_peer():
     the request's error: the route search sets that peer aside, as a full one,
     and does not ban it. Anything else from the transport still counts as the
     peer's fault."""
-    from meshnet_p2p.client.session import _is_full
+    from meshnet_p2p.client.errors import is_full
     from meshnet_p2p.dataplane.stub import ShardConnectionError
 
     refused = ChannelError("UNAVAILABLE", "the peer reset the stream (HTTP/2 error 7)", refused=True)
     queued_out = ChannelError("RESOURCE_EXHAUSTED", "over 64 calls from your address wait already")
     lost = ChannelError("UNAVAILABLE", "connection lost")
     assert refused.refused and queued_out.refused and not lost.refused
-    assert _is_full(ShardConnectionError.of(refused)) and _is_full(ShardConnectionError.of(queued_out))
-    assert not _is_full(ShardConnectionError.of(lost))
+    assert is_full(ShardConnectionError.of(refused)) and is_full(ShardConnectionError.of(queued_out))
+    assert not is_full(ShardConnectionError.of(lost))
 
 
 def test_a_thread_that_reads_for_itself_sends_the_standby_poller_aside():

@@ -4,3 +4,11 @@ process, and the :class:`Client` API on top.
 
 May import: core, engine, dht, trust, swarm, dataplane.
 """
+
+from .api import Client, GenerationResult, open_route
+from .errors import GenerationError, RequestRefused
+from .hop import connect
+from .options import PeerMeasures, RouteOptions
+
+__all__ = ["Client", "GenerationError", "GenerationResult", "PeerMeasures", "RequestRefused", "RouteOptions",
+           "connect", "open_route"]

@@ -3,8 +3,9 @@ then a token at a time, whatever the route is made of.
 
 A route is anything with ``n_ubatch`` and ``step(position, token_ids, decode)``
 returning the tail's reply (``token_id``, ``is_eog``): a chain of engines in
-this process (local.py), a chain of peers the client drives (client.py), and
-later a ring of peers that forward to each other. They share this loop, so
+this process (local.py's LocalSession), a chain of peers the client drives
+(star.py's StarRoute), and a ring of peers that forward to each other
+(ring.py's RingRoute). They share this loop, so
 the local baseline and the network run the same steps in the same order, and
 a process that only drives a network route imports no llama.cpp engine here.
 """

@@ -1,6 +1,9 @@
 """The client side of the data plane: a channel pinned to one peer's TLS
 certificate (direct, or through a relay's CONNECT splice), and a Session
-stream wrapper with one reply per request.
+stream wrapper with one reply per request. The protocol's own calls take and
+return protobuf messages (tests speak the wire with them); the typed calls a
+route uses (``peer_capability``, ``open_session``, ``link``, ``rollback``,
+``attestation``) take and return the values of wire.py.
 
 The calls block and do their own I/O on the calling thread (``channel.py``):
 use them from plain threads, or from trio through ``trio.to_thread.run_sync``
@@ -19,13 +22,27 @@ from typing import Callable, Sequence
 from google.protobuf.message import DecodeError
 
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
-from meshnet_p2p.engine.contract import TensorBundle
+from meshnet_p2p.engine.contract import SamplingParams, TensorBundle
+from meshnet_p2p.trust.attestation import Attestation
 from meshnet_p2p.core.errors import MeshnetError, sanitize
 from meshnet_p2p.core.identity import PeerId
 from meshnet_p2p.dataplane.transport.channel import CallStream, Channel, ChannelError
 from meshnet_p2p.dataplane.transport.pool import ChannelPool
 from meshnet_p2p.dataplane.transport.connect import relay_target
-from .wire import PayloadError, bundle_from_proto, bundle_to_proto
+from .wire import (
+    Fingerprint,
+    LinkOrder,
+    PayloadError,
+    PeerCapability,
+    attestation_from_proto,
+    bundle_from_proto,
+    bundle_to_proto,
+    capability_from_proto,
+    fingerprint_to_proto,
+    link_to_proto,
+    rollback_to_proto,
+    sampling_to_proto,
+)
 from meshnet_p2p.dataplane.transport.tls import TLS_NAME, TlsCredentials, default_client_credentials
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["ShardRuntime"].full_name
@@ -137,6 +154,10 @@ class ShardClient:
     def capability(self) -> pb.Capability:
         return self._unary("GetCapability", pb.CapabilityRequest(), pb.Capability)
 
+    def peer_capability(self) -> PeerCapability:
+        """What the peer says it serves: its fingerprint and layers."""
+        return capability_from_proto(self.capability())
+
     def health(self) -> pb.HealthReport:
         return self._unary("Health", pb.HealthRequest(), pb.HealthReport)
 
@@ -169,6 +190,14 @@ class ShardClient:
                              route_epoch=route_epoch, sampling=sampling or pb.Sampling(), credits=credits,
                              timeout=self.timeout if timeout == -1.0 else timeout, record=record,
                              attach_token=attach_token)
+
+    def open_session(self, fingerprint: Fingerprint, *, max_tokens: int, sampling: SamplingParams,
+                     session_id: str | None = None, route_epoch: int = 0, timeout: float | None = -1.0,
+                     attach_token: bytes = b"") -> "SessionStream":
+        """:meth:`session` with typed values: what a route opens each hop with."""
+        return self.session(fingerprint_to_proto(fingerprint), max_tokens=max_tokens, session_id=session_id,
+                            route_epoch=route_epoch, sampling=sampling_to_proto(sampling), timeout=timeout,
+                            attach_token=attach_token)
 
     def close(self) -> None:
         if self._release is not None:
@@ -306,6 +335,15 @@ class SessionStream:
                                        f"{resp.WhichOneof('kind') or 'nothing'}")
         return resp
 
+    def link(self, order: LinkOrder, timeout: float | None = None) -> None:
+        """Tell the peer where this session's output goes (the ring); returns once acknowledged."""
+        self.signal(link_to_proto(order), order.route_epoch, timeout)
+
+    def rollback(self, position: int, route_epoch: int, attach_token: bytes, timeout: float | None = None) -> None:
+        """Roll the session back to ``position`` on route ``route_epoch``, the previous
+        hop to attach with ``attach_token`` from now on; returns once acknowledged."""
+        self.signal(rollback_to_proto(position, route_epoch, attach_token), route_epoch, timeout)
+
     def _skip_older(self, epoch: int, timeout: float | None, also: str | None = None) -> pb.SessionResponse:
         """The next response that is not a result of a route older than ``epoch``
         (the ring's copies still on their way), nor of kind ``also``."""
@@ -346,6 +384,10 @@ class SessionStream:
         if resp.WhichOneof("kind") != "attestation":
             raise ShardConnectionError(f"unexpected reply to an attest request: {resp.WhichOneof('kind')}")
         return resp.attestation
+
+    def attestation(self, timeout: float | None = None) -> Attestation:
+        """:meth:`attest` as the trust layer's value (its signature not checked here)."""
+        return attestation_from_proto(self.attest(timeout))
 
     def cancel(self, work_id: str = "", reason: str = "") -> None:
         """In-band cancel. The peer answers with a CANCELLED error (raised by the next receive)."""

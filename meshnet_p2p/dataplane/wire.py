@@ -1,15 +1,20 @@
 """Tensor bundles on the wire: named tensors split into fragments, each tensor
-checked for exact tiling and its CRC32C before anything uses its bytes."""
+checked for exact tiling and its CRC32C before anything uses its bytes; and
+the typed values a client's calls take and return (fingerprint, sampling,
+capability, ring link and rollback, attestation), converted here only."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from typing import Mapping
 
 import google_crc32c
 
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
-from meshnet_p2p.engine.contract import Tensor, TensorBundle
+from meshnet_p2p.engine.contract import SamplingParams, Tensor, TensorBundle
 from meshnet_p2p.engine.seam import seam_itemsize
+from meshnet_p2p.trust.attestation import Attestation
 
 MAX_TENSORS = 8
 MAX_FRAGMENTS = 1024
@@ -211,3 +216,73 @@ def forward_request(position: int, decode: bool, route_epoch: int, *, token_id: 
 
 def credit_request(credits: int) -> bytes:
     return pb.SessionRequest(credit=pb.CreditTopUp(credits=credits)).SerializeToString()
+
+
+# --- the client's calls (dataplane/stub.py): typed values in and out ---------------------------------
+# A client drives peers through these values, never through protobuf messages.
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What a session is opened for: the model and recipe, each axis spelled out
+    (a peer of another recipe refuses, naming the axes that differ)."""
+
+    model_digest: str
+    recipe_digest: str
+    recipe_axes: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PeerCapability:
+    """What a peer says it serves (GetCapability), as a route checks it against its report."""
+
+    fingerprint: Fingerprint
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class LinkOrder:
+    """Where a ring hop sends its output (docs/ring.md): the next hop, named by its signed report."""
+
+    route_epoch: int
+    peer_id: str
+    next_report: bytes
+    session_id: str
+    attach_token: bytes
+    forward_until: int
+    stop_at_eog: bool
+
+
+def fingerprint_to_proto(fp: Fingerprint) -> pb.Fingerprint:
+    return pb.Fingerprint(model_digest=fp.model_digest, recipe_digest=fp.recipe_digest,
+                          recipe_axes=dict(fp.recipe_axes))
+
+
+def fingerprint_from_proto(msg: pb.Fingerprint) -> Fingerprint:
+    return Fingerprint(msg.model_digest, msg.recipe_digest, dict(msg.recipe_axes))
+
+
+def sampling_to_proto(s: SamplingParams) -> pb.Sampling:
+    return pb.Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
+
+
+def capability_from_proto(cap: pb.Capability) -> PeerCapability:
+    return PeerCapability(fingerprint_from_proto(cap.fingerprint), cap.layers.start, cap.layers.end)
+
+
+def link_to_proto(link: LinkOrder) -> pb.SessionRequest:
+    return pb.SessionRequest(link=pb.LinkSignal(
+        route_epoch=link.route_epoch, peer_id=link.peer_id, next_report=link.next_report,
+        session_id=link.session_id, attach_token=link.attach_token, forward_until=link.forward_until,
+        stop_at_eog=link.stop_at_eog))
+
+
+def rollback_to_proto(position: int, route_epoch: int, attach_token: bytes) -> pb.SessionRequest:
+    return pb.SessionRequest(rollback=pb.RollbackSignal(position=position, route_epoch=route_epoch,
+                                                        attach_token=attach_token))
+
+
+def attestation_from_proto(m: pb.Attestation) -> Attestation:
+    return Attestation(m.peer_id, m.session_id, m.model_digest, m.recipe_digest, m.start, m.end, m.steps,
+                       m.input_digest, m.output_digest, m.signature)

@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
-from meshnet_p2p.client.session import Client, GenerationError
+from meshnet_p2p.client import Client, GenerationError
 from meshnet_p2p.core.stats import Counters
 from meshnet_p2p.engine.contract import SamplingParams
 from meshnet_p2p.core.errors import MeshnetError

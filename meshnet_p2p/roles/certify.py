@@ -39,7 +39,8 @@ from meshnet_p2p.trust.evidence import (
     sign_index,
 )
 from meshnet_p2p.trust.policy import TrustPolicy
-from meshnet_p2p.client.session import RouteSession
+from meshnet_p2p.client import RouteOptions
+from meshnet_p2p.client.star import StarRoute
 from meshnet_p2p.client.generation import generate
 from meshnet_p2p.engine.contract import SamplingParams
 from meshnet_p2p.engine.recipe import explain_mismatch
@@ -88,9 +89,9 @@ def certification_planner(exclude: set[str]):
 def run_route(spans: list[Span], n_layer: int, prompt: list[int], max_tokens: int, *, step_timeout: float,
               exclude: set[str] = frozenset(), log: Callable[[str], None] = lambda m: None) -> RouteRun:
     """One attested greedy generation through a route of the given spans, no failover."""
-    session = RouteSession(lambda: spans, n_layer, max_tokens=len(prompt) + max_tokens, sampling=SamplingParams(),
-                           step_timeout=step_timeout, max_failovers=0, on_event=log,
-                           planner=certification_planner(set(exclude)), attest=True)
+    opts = RouteOptions(max_tokens=len(prompt) + max_tokens, sampling=SamplingParams(), step_timeout=step_timeout,
+                        max_failovers=0, on_event=log, planner=certification_planner(set(exclude)), attest=True)
+    session = StarRoute.open(lambda: spans, n_layer, opts)
     try:
         run = generate(session, prompt, max_tokens, stop_at_eog=False)
         return RouteRun(run.steps, run.token_ids, session.attestations(), session.session_id)

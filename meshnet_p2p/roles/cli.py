@@ -557,7 +557,7 @@ def _status(args: argparse.Namespace) -> int:
 
 def _api(args: argparse.Namespace) -> int:
     from .api import serve_api
-    from meshnet_p2p.client.session import Client
+    from meshnet_p2p.client import Client
     from meshnet_p2p.swarm.node import parse_listen
 
     host, port = parse_listen(args.listen)
@@ -592,10 +592,16 @@ def _join(args: argparse.Namespace) -> int:
     return _run_listener(args.listen, join, opts, _print_line, doing="serve")
 
 
+def _write_out(text: str) -> None:
+    """Generated text to stdout as it comes."""
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
 def _generate_network(args: argparse.Namespace, sampling) -> int:
     import re
 
-    from meshnet_p2p.client.session import Client
+    from meshnet_p2p.client import Client
 
     seeds = _required_seeds(args, ", or --local")
     digest = None
@@ -607,8 +613,8 @@ def _generate_network(args: argparse.Namespace, sampling) -> int:
     events = (lambda msg: print(f"[{sanitize(msg)}]", file=sys.stderr, flush=True))
     client = Client(seeds, model_path=model, model_digest=digest, step_timeout=args.step_timeout, on_event=events,
                     trust=_trust(args, seeds), ring=not args.star)
-    on_token = None if args.json else (lambda text: (sys.stdout.write(text), sys.stdout.flush()))
-    result = client.generate(args.prompt, args.max_tokens, sampling, chat=args.chat, on_token=on_token)
+    result = client.generate(args.prompt, args.max_tokens, sampling, chat=args.chat,
+                             on_token=None if args.json else _write_out)
     if args.json:
         print(json.dumps({
             "token_ids": result.token_ids,
@@ -641,6 +647,7 @@ def _generate(args: argparse.Namespace) -> int:
     from meshnet_p2p.engine.cut import inspect_gguf, sha256_file
     from meshnet_p2p.engine.tokenizer import Tokenizer
     from meshnet_p2p.client.local import LocalRoute, parse_split
+    from meshnet_p2p.client.text import TextStream, prompt_ids
     from .progress import TerminalProgress
 
     t0 = time.perf_counter()
@@ -652,8 +659,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise MeshnetError(f"{model} is a shard (layers {info.start}:{info.end}); --local needs the whole model")
     ranges = parse_split(args.split, info.source_layers)
     tokenizer = Tokenizer(model)
-    text = tokenizer.chat_prompt(args.prompt) if args.chat else args.prompt
-    prompt = tokenizer.encode(text)
+    prompt = prompt_ids(tokenizer, args.prompt, args.chat)
     route = LocalRoute.from_model(
         model,
         ranges,
@@ -667,14 +673,8 @@ def _generate(args: argparse.Namespace) -> int:
     )
     load_ms = (time.perf_counter() - t0) * 1000
     try:
-        stream = tokenizer.stream_decoder()
-        on_token = None
-        if not args.json:
-            def on_token(tok: int) -> None:
-                sys.stdout.write(stream.feed(tok))
-                sys.stdout.flush()
-
-        gen = route.generate(prompt, args.max_tokens, sampling, on_token=on_token)
+        text = TextStream(tokenizer, None if args.json else _write_out)
+        gen = route.generate(prompt, args.max_tokens, sampling, on_token=text.on_token)
     finally:
         route.close()
     if args.json:
@@ -695,8 +695,8 @@ def _generate(args: argparse.Namespace) -> int:
         }
         print(json.dumps(doc))
     else:
-        sys.stdout.write(stream.flush() + "\n")
-        sys.stdout.flush()
+        text.finish()
+        _write_out("\n")
         print(
             f"[{len(gen.token_ids)} tokens, first after {gen.ttft_ms:.0f} ms, {gen.decode_tokens_per_s:.1f} tok/s, "
             f"route {' -> '.join(f'{c.start}:{c.end}' for c in route.caps)}]",

@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Callable, TextIO
 
-from meshnet_p2p.client.session import Client
+from meshnet_p2p.client import Client
 from .peer_process import Swarm
 
 DEFAULT_PROMPT = "Explain in two sentences why the sky is blue."

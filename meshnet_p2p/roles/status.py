@@ -48,7 +48,7 @@ def covered_ranges(spans: Sequence[Span]) -> list[tuple[int, int]]:
 
 def probe(span: Span) -> float | None:
     """A Health round trip to the peer over the data plane, in ms, or None."""
-    from meshnet_p2p.client.session import connect
+    from meshnet_p2p.client import connect
 
     try:
         client = connect(span, PROBE_TIMEOUT_S)

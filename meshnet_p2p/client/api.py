@@ -1,0 +1,203 @@
+"""The client: find a route through the swarm and generate tokens through it.
+
+    client = Client(bootstrap=["/ip4/127.0.0.1/udp/4001/p2p/12D3KooW..."])
+    result = client.generate("The capital of France is", max_tokens=32)   # plain code
+    result = await client.agenerate(...)                                  # from trio
+
+Discovery: a DHT node in client mode fetches the signed capability reports
+for the model; only reports that agree on the recipe form a route (a peer on
+another recipe would compute other numbers). The route is the cheapest chain
+of peers covering every layer (:func:`meshnet_p2p.swarm.placement.plan_route`),
+found by search.py.
+
+By default the route is a ring (ring.py, docs/ring.md): each peer forwards its
+output to the next, the tail its token to the head, and every hop sends the
+client a copy, so a token costs one network crossing per hop. With
+``ring=False`` (a star, star.py) the client carries every hidden state itself,
+two crossings a hop. Either way the client keeps each hop's inputs. When a peer
+dies, stalls past the step deadline or answers with an error, the client bans
+it for a while, plans a replacement for just that span of layers, replays the
+span's inputs into the replacement (rebuilding its cache), rolls a ring's other
+hops back to the step that failed, and goes on (failover.py). With greedy
+sampling (or a seed) the output is the same as without the failure.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.core.multiaddr import Multiaddr
+from meshnet_p2p.core.stats import ClientStats
+from meshnet_p2p.dataplane.transport.pool import ChannelPool
+from meshnet_p2p.dataplane.transport.tls import make_client_credentials
+from meshnet_p2p.engine.contract import SamplingParams
+from meshnet_p2p.swarm.placement import Span
+from meshnet_p2p.swarm.view import routable_spans, survey
+from meshnet_p2p.trust.policy import TrustPolicy
+
+from . import bridge
+from .chain import Chain
+from .errors import GenerationError, RequestRefused
+from .generation import Generation, generate
+from .options import PeerMeasures, RouteOptions
+from .ring import RingRoute
+from .star import StarRoute
+from .text import TextStream, prompt_ids
+
+SPANS_MAX_AGE_S = 5.0  # a generation may start from a survey this recent (a failover always surveys afresh)
+
+
+def open_route(spans_provider: Callable[[], list[Span]], n_layer: int, opts: RouteOptions,
+               measures: PeerMeasures | None = None) -> Chain:
+    """A route over every layer, opened: a ring or a star as ``opts.ring`` says."""
+    return (RingRoute if opts.ring else StarRoute).open(spans_provider, n_layer, opts, measures)
+
+
+@dataclass
+class GenerationResult(Generation):
+    """A generation through the swarm: the local one's figures, plus its text and route."""
+
+    text: str = ""
+    route: list[dict] = field(default_factory=list)
+    failovers: int = 0
+
+
+class Client:
+    """Generates through the swarm, on recipes this client holds certified only.
+
+    ``trust``: whose certificates count (default: the bootstrap peers' keys, and
+    ``identity``'s if given, see :class:`TrustPolicy`)."""
+
+    def __init__(self, bootstrap: Sequence[str | Multiaddr], *, model_path: str | None = None,
+                 model_digest: str | None = None, step_timeout: float = 10.0, max_failovers: int = 4,
+                 on_event: Callable[[str], None] | None = None, trust: TrustPolicy | None = None,
+                 identity: Identity | None = None, ring: bool = True) -> None:
+        from meshnet_p2p.engine.cut import inspect_gguf
+        from meshnet_p2p.engine.tokenizer import Tokenizer
+        from meshnet_p2p.engine.models import default_model_path
+
+        self.bootstrap = list(bootstrap)
+        path = model_path or default_model_path()
+        info = inspect_gguf(path)  # hashes an uncut model; a shard carries its source's digest
+        self.n_layer = info.source_layers
+        self.model_digest = model_digest or info.model_digest
+        self.tokenizer = Tokenizer(path)
+        # the file name up to its first dot: "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct"
+        self.model_name = os.path.basename(path).split(".")[0] or self.model_digest
+        self.step_timeout = step_timeout
+        self.max_failovers = max_failovers
+        self.on_event = on_event
+        self.ring = ring  # peers forward hidden states to each other (docs/ring.md)
+        self.pool = ChannelPool()  # one connection per peer for all of this client's generations
+        self.trust = trust if trust is not None else TrustPolicy.default(self.bootstrap, own=identity)
+        self.measures = PeerMeasures()  # round trips and decode costs, kept across generations
+        # peers count this client's sessions under its identity (the process's own when none is given)
+        self.client_creds = make_client_credentials(identity) if identity is not None else None
+        self._survey_lock = threading.Lock()  # the last survey, shared by generations that start together
+        self._survey: tuple[float, list[Span]] | None = None
+        self._surveying: threading.Event | None = None
+        self.stats = ClientStats()  # generations, tokens, failovers: read by the api role's metrics
+
+    def close(self) -> None:
+        """Close the connections this client keeps to peers (generations under way fail)."""
+        self.pool.close()
+
+    async def spans(self, *, max_age_s: float = 0.0) -> list[Span]:
+        """The spans of the certified recipe a route is planned over (RecipeNotCertified if none).
+        With ``max_age_s``, a survey that recent (or one under way) is shared: sixteen users
+        starting at once make one survey, not sixteen bursts at the bootstrap peers."""
+        while max_age_s > 0:
+            with self._survey_lock:
+                if self._survey is not None and time.monotonic() - self._survey[0] <= max_age_s:
+                    return self._survey[1]
+                under_way = self._surveying
+                if under_way is None:
+                    break
+            await bridge.wait_event(under_way)  # then look again (it may have failed: survey then)
+        mine = threading.Event()
+        with self._survey_lock:
+            self._surveying = self._surveying or mine
+        try:
+            spans = routable_spans(await survey(self.bootstrap, self.model_digest, self.n_layer, self.trust), self.trust)
+            with self._survey_lock:
+                self._survey = (time.monotonic(), spans)
+            return spans
+        finally:
+            with self._survey_lock:
+                if self._surveying is mine:
+                    self._surveying = None
+            mine.set()
+
+    def _provider(self, run: bridge.AsyncRunner) -> Callable[[], list[Span]]:
+        """A route's spans: a recent survey at first, a fresh one each time it looks
+        again (after failures, the swarm may have changed)."""
+        looks = itertools.count()
+
+        def provide() -> list[Span]:
+            return run(functools.partial(self.spans, max_age_s=0.0 if next(looks) else SPANS_MAX_AGE_S))
+        return provide
+
+    def generate(self, prompt: str, max_tokens: int = 64, sampling: SamplingParams | None = None, *,
+                 chat: bool = False, on_token: Callable[[str], None] | None = None, stop_at_eog: bool = True) -> GenerationResult:
+        """From plain (non-trio) code."""
+        return bridge.from_plain_code(functools.partial(
+            self._generate, prompt=prompt, max_tokens=max_tokens, sampling=sampling or SamplingParams(),
+            chat=chat, on_token=on_token, stop_at_eog=stop_at_eog))
+
+    async def agenerate(self, prompt: str, max_tokens: int = 64, sampling: SamplingParams | None = None, *,
+                        chat: bool = False, on_token: Callable[[str], None] | None = None,
+                        stop_at_eog: bool = True) -> GenerationResult:
+        """From trio: the token loop runs in one worker thread (blocking gRPC), and
+        route discovery comes back to this trio loop."""
+        return await bridge.from_trio(functools.partial(
+            self._generate, prompt=prompt, max_tokens=max_tokens, sampling=sampling or SamplingParams(),
+            chat=chat, on_token=on_token, stop_at_eog=stop_at_eog))
+
+    def _generate(self, run: bridge.AsyncRunner, **request) -> GenerationResult:
+        try:
+            result = self._run(self._provider(run), **request)
+        except Exception:
+            self.stats.generations.add("failed")
+            raise
+        s = self.stats
+        s.generations.add("completed")
+        s.tokens.add("prompt", result.prompt_tokens)
+        s.tokens.add("generated", len(result.token_ids))
+        s.first_token_seconds.observe(result.ttft_ms / 1000)
+        return result
+
+    def route_options(self, max_tokens: int, sampling: SamplingParams, stop_at_eog: bool) -> RouteOptions:
+        """What this client opens a route with, for ``max_tokens`` positions in all."""
+        return RouteOptions(max_tokens=max_tokens, sampling=sampling, ring=self.ring, stop_at_eog=stop_at_eog,
+                            step_timeout=self.step_timeout, max_failovers=self.max_failovers,
+                            client_creds=self.client_creds, pool=self.pool,
+                            on_event=self.on_event or (lambda msg: None))
+
+    def _run(self, provider, *, prompt, max_tokens, sampling, chat, on_token, stop_at_eog) -> GenerationResult:
+        ids = prompt_ids(self.tokenizer, prompt, chat)
+        if not ids:
+            raise GenerationError("the prompt is empty")
+        try:
+            route = open_route(provider, self.n_layer, self.route_options(len(ids) + max_tokens, sampling, stop_at_eog),
+                               self.measures)
+        except RequestRefused as e:  # say what was asked, beside what the peers said they hold
+            raise RequestRefused(f"the prompt has {len(ids)} tokens and max_tokens asks for {max_tokens} more "
+                                 f"({len(ids) + max_tokens} positions in all): {e}") from None
+        text = TextStream(self.tokenizer, on_token)
+        try:
+            run = generate(route, ids, max_tokens, stop_at_eog=stop_at_eog, on_token=text.on_token)
+            text.finish()
+            return GenerationResult(prompt_tokens=len(ids), token_ids=run.token_ids, ttft_ms=run.ttft_ms,
+                                    decode_ms=run.decode_ms, stopped=run.stopped, steps=run.steps,
+                                    text=self.tokenizer.decode(run.token_ids),
+                                    route=route.route(), failovers=route.failovers)
+        finally:
+            self.stats.failovers.add("failovers", route.failovers)  # a failed generation's too
+            route.close()

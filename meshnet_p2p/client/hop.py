@@ -1,0 +1,131 @@
+"""One hop of a route: connecting to the peer its signed report names, checking
+at first contact that it serves what it announced, and opening the route's
+session on it. A hop keeps what it was given, for replay and attestation."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from meshnet_p2p.core.errors import MeshnetError
+from meshnet_p2p.core.identity import PeerId
+from meshnet_p2p.core.multiaddr import Multiaddr
+from meshnet_p2p.dataplane.ring import ATTACH_TOKEN_BYTES
+from meshnet_p2p.dataplane.stub import SessionStream, ShardClient, lease_channel
+from meshnet_p2p.dataplane.transport.pool import ChannelPool
+from meshnet_p2p.dataplane.transport.tls import TlsCredentials, cert_identity
+from meshnet_p2p.dataplane.wire import Fingerprint, PeerCapability
+from meshnet_p2p.swarm.placement import Span
+from meshnet_p2p.trust.attestation import SEAM_DOMAIN, RowDigest
+
+from .options import PeerMeasures, RouteOptions
+
+CONNECT_TIMEOUT_S = 3.0  # a candidate's first contact (TCP, TLS, GetCapability)
+
+
+def connect(span: Span, timeout: float, client_creds: TlsCredentials | None = None,
+            pool: ChannelPool | None = None) -> ShardClient:
+    """A data-plane client for the peer of ``span``: direct, or through the relay
+    its report names, with TLS pinned to the certificate its signed report carries,
+    presenting ``client_creds`` (default: this process's client certificate).
+    With ``pool``, on a channel shared with other sessions to the same peer."""
+    c = span.record.content
+    cert = c.get("tls_cert", "").encode()
+    peer = PeerId.from_string(c["peer_id"])
+    if cert_identity(cert) != peer:  # a report cannot pass off another peer's certificate
+        raise MeshnetError(f"the TLS certificate in {peer}'s report belongs to another peer")
+    if c.get("relay"):
+        relay = Multiaddr.parse(c["relay"])
+        way = {"relay": (relay.host, relay.port)}
+    else:
+        addr = Multiaddr.parse(c["addrs"][0])
+        if addr.peer_id != peer:
+            raise MeshnetError(f"report of {peer} advertises an address of another peer")
+        way = {"address": (addr.host, addr.port)}
+    channel, release = lease_channel(pool, cert, peer_id=peer, client=client_creds, **way)
+    return ShardClient(channel, timeout=timeout, release=release)
+
+
+def route_fingerprint(report: dict) -> Fingerprint:
+    """The fingerprint a route opens every hop with: its model and recipe, each axis spelled out."""
+    return Fingerprint(report["model_digest"], report["recipe_digest"],
+                       {k: str(v) for k, v in (report.get("recipe") or {}).items()})
+
+
+def route_n_ubatch(report: dict, cap: PeerCapability) -> int:
+    """The route's micro-batch size: from the report's axes (which hash to its
+    recipe digest), else what the peer says; a peer cannot crash us with it."""
+    value = (report.get("recipe") or {}).get("n_ubatch", cap.fingerprint.recipe_axes.get("n_ubatch"))
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if not 0 < n <= 1 << 16:
+        raise MeshnetError(f"{report['peer_id']} states no usable n_ubatch ({str(value)[:20]!r})")
+    return n
+
+
+@dataclass
+class Contact:
+    span: Span
+    client: ShardClient  # connected, its peer checked against its report
+    cap: PeerCapability
+
+
+@dataclass
+class Hop:
+    span: Span
+    client: ShardClient
+    stream: SessionStream
+    n_ubatch: int  # the route's recipe: prefill steps must be whole micro-batches of it
+    history: list[tuple[int, object, bool]] = field(default_factory=list)  # (position, input, decode)
+    attach_token: bytes = b""  # what the ring's previous hop attaches with (ring routes only)
+    # what this hop was given and gave back, as the peer's attestation must state it
+    inputs: RowDigest = field(default_factory=lambda: RowDigest(SEAM_DOMAIN))
+    outputs: RowDigest = field(default_factory=lambda: RowDigest(SEAM_DOMAIN))
+    steps: int = 0
+
+    def close(self) -> None:
+        try:
+            self.stream.close()
+        finally:
+            self.client.close()
+
+
+def first_contact(span: Span, opts: RouteOptions, measures: PeerMeasures) -> Contact:
+    """Connect, and check the peer is what its report says (raises MeshnetError)."""
+    c = span.record.content
+    peer = PeerId.from_string(c["peer_id"])
+    # first contact: a short bound
+    client = connect(span, min(opts.step_timeout, CONNECT_TIMEOUT_S), opts.client_creds, opts.pool)
+    try:
+        cap = client.peer_capability()  # also sets up the connection (TLS handshake)
+        client.timeout = opts.step_timeout
+        t0 = time.perf_counter()
+        client.health()
+        measures.latency_ms[span.peer_id] = (time.perf_counter() - t0) * 1000  # a round trip, used when re-planning
+        if cap.fingerprint.model_digest != c["model_digest"] or cap.fingerprint.recipe_digest != c["recipe_digest"]:
+            raise MeshnetError(f"{peer} serves another model or recipe than it announced")
+        if (cap.start, cap.end) != (span.start, span.end):
+            raise MeshnetError(f"{peer} serves other layers than it announced")
+    except BaseException:
+        client.close()
+        raise
+    return Contact(span, client, cap)
+
+
+def open_hop(contact: Contact, opts: RouteOptions, epoch: int) -> Hop:
+    """Open the route's session on a contacted peer."""
+    c, client = contact.span.record.content, contact.client
+    token = os.urandom(ATTACH_TOKEN_BYTES) if opts.ring else b""
+    try:
+        # open with the route's fingerprint, not the peer's: a peer of another recipe refuses, naming the axes
+        # each hop its own random session ID: no peer on the route learns the ID another hop knows
+        stream = client.open_session(route_fingerprint(c), max_tokens=opts.max_tokens, session_id=uuid.uuid4().hex,
+                                     route_epoch=epoch, timeout=None, sampling=opts.sampling, attach_token=token)
+    except BaseException:
+        client.close()
+        raise
+    return Hop(contact.span, client, stream, route_n_ubatch(c, contact.cap), attach_token=token)

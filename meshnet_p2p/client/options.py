@@ -1,0 +1,46 @@
+"""What a route is opened with: one generation's request and limits
+(:class:`RouteOptions`), and what the client measured of peers, kept across
+its generations (:class:`PeerMeasures`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from meshnet_p2p.dataplane.transport.pool import ChannelPool
+from meshnet_p2p.dataplane.transport.tls import TlsCredentials
+from meshnet_p2p.engine.contract import SamplingParams
+from meshnet_p2p.swarm.placement import plan_route
+
+
+@dataclass(frozen=True)
+class RouteOptions:
+    max_tokens: int  # KV positions each hop reserves (prompt + generated)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    ring: bool = False  # peers forward to each other (docs/ring.md); else the client carries every hop
+    stop_at_eog: bool = True  # where the ring's tail stops feeding the head, as generate() stops
+    step_timeout: float = 10.0  # a hop's answer to one step
+    open_timeout: float = 60.0  # seconds to find and open a route, across candidates
+    max_failovers: int = 4
+    ban_seconds: float = 60.0  # how long a peer at fault is left out of plans
+    attest: bool = False  # keep each hop's digests, to check its attestation (certification only)
+    planner: Callable[..., list] = plan_route  # or a certifier's (at least two peers, some banned)
+    client_creds: TlsCredentials | None = None  # the certificate presented to peers (default: this process's)
+    pool: ChannelPool | None = None  # channels shared with the owner's other sessions (None: one per hop)
+    on_event: Callable[[str], None] = lambda msg: None
+
+    def __post_init__(self) -> None:
+        if self.ring and self.attest:
+            raise ValueError("a ring route does not attest: certification drives every hop itself")
+
+
+@dataclass
+class PeerMeasures:
+    """Per peer, what re-planning goes by instead of what reports claim."""
+
+    latency_ms: dict[str, float] = field(default_factory=dict)  # a measured round trip
+    measured_ms: dict[str, float] = field(default_factory=dict)  # ms per decode step, smoothed
+
+    def decode_step(self, peer: str, ms: float) -> None:
+        old = self.measured_ms.get(peer)
+        self.measured_ms[peer] = ms if old is None else 0.8 * old + 0.2 * ms

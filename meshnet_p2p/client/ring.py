@@ -1,0 +1,153 @@
+"""A ring route (docs/ring.md): each peer forwards its output to the next, the
+tail its token to the head, and every hop sends the client a copy (one network
+crossing a token per hop). The client reads the copies in route order; the
+first that does not come names the hop at fault, which is replaced while the
+others roll back to the failed step on a new route epoch, and the ring is
+linked again."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from meshnet_p2p.core.records import wall_ms
+from meshnet_p2p.dataplane.ring import LINK_TIMEOUT_S
+from meshnet_p2p.dataplane.stub import ShardConnectionError, ShardError
+from meshnet_p2p.dataplane.wire import LinkOrder
+
+from .chain import Chain
+from .errors import GenerationError
+from .failover import Fault, blame, replace_failed, rollback_others
+from .hop import CONNECT_TIMEOUT_S, Hop
+
+REPORT_MARGIN_MS = 15_000  # a ring link sends a report at least this far from expiry (a peer checks it)
+
+
+class RingRoute(Chain):
+    ring = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._ring_next: int | None = None  # the position the ring feeds the head itself next
+
+    def _ready(self) -> None:
+        self._recover(0, self._link())
+
+    @property
+    def _forward_until(self) -> int:
+        return self.opts.max_tokens - 1  # generate()'s last decode step is at max_tokens - 2
+
+    def step(self, position: int, token_ids: Sequence[int], decode: bool):
+        """One step of the ring: sent to the head unless the tail fed it already,
+        then every hop's copy read in route order (each the next one's input,
+        kept for failover). The first hop whose copy does not come is the one
+        that failed: it is replaced, the others rolled back to ``position``."""
+        token_ids = tuple(token_ids)
+        timeout = self.opts.step_timeout
+        for _ in range(self.opts.max_failovers + 2):  # each pass either returns or spends a failover
+            fault = None
+            if self._ring_next != position:
+                try:
+                    self.hops[0].stream.send_step(position, token_ids=token_ids, decode=decode,
+                                                  idempotency_step=position + 1)
+                except ShardConnectionError as e:
+                    fault = (0, e)
+            if fault is None and self._ring_next == position and len(self.hops) > 1 \
+                    and not self.hops[0].stream.readable(timeout / 2):
+                # the head's copy of a step the tail was to feed is late: the missing part may be
+                # the tail's forward (killed after its copy), not the head. Feed the head ourselves
+                # (the same step number: it is taken once), so whoever then fails to answer is the
+                # one blamed; waiting it out would cancel the head's stream and blame the head.
+                try:
+                    self.hops[0].stream.send_step(position, token_ids=token_ids, decode=decode,
+                                                  idempotency_step=position + 1)
+                except ShardConnectionError as e:
+                    fault = (0, e)
+            if fault is None:
+                reply, fault = self._collect(position, token_ids, decode)
+            if fault is None:
+                nxt = position + 1
+                self._ring_next = nxt if decode and nxt < self._forward_until and \
+                    not (reply.is_eog and self.opts.stop_at_eog) else None
+                return reply
+            self._recover(position, fault)
+        raise GenerationError(f"gave up after {self.opts.max_failovers} failovers")
+
+    def _collect(self, position: int, token_ids: tuple[int, ...], decode: bool):
+        """Each hop's result for the step at ``position``: (the tail's reply, None),
+        or (None, (index of the hop at fault, why))."""
+        rows = 1 if decode else len(token_ids)
+        payload: object = token_ids
+        reply = None
+        for i, hop in enumerate(self.hops):
+            try:
+                reply = hop.stream.next_result(self.epoch, timeout=self.opts.step_timeout)
+                if reply.position != position + rows:
+                    raise ShardConnectionError(f"{hop.span.peer_id} sent the result of another step "
+                                               f"(position {reply.position}, not {position + rows})")
+                self.check_kind(hop, reply)
+            except (ShardConnectionError, ShardError) as e:
+                return None, (i, e)
+            hop.history.append((position, payload, decode))  # what it computed: replayed on failover
+            payload = reply.hidden
+        return reply, None
+
+    def _recover(self, position: int, fault: Fault | None) -> None:
+        """Replace the hop at fault (and any that fails meanwhile), roll the others
+        back to ``position`` on a new route epoch, and link the ring again. Steps
+        of the old route still on their way are refused (EPOCH_STALE) or passed over."""
+        failed: set[int] = set()  # indices into self.hops still to replace (closed already)
+        while fault is not None:
+            index, error = fault
+            blame(self, self.hops[index], error, "rerouting the ring")
+            failed.add(index)
+            self.epoch += 1
+            self._ring_next = None
+            for hop in self.hops:  # what is past `position` is computed again, on the new route
+                hop.history = [h for h in hop.history if h[0] < position]
+            fault = rollback_others(self, failed, position) or replace_failed(self, failed) or self._link()
+
+    def _link(self) -> Fault | None:
+        """Tell every hop where its output goes: the next hop, the tail's to the head.
+        Returns the hop at fault and why, if a link could not be made."""
+        k = len(self.hops)
+        for i, hop in enumerate(self.hops):
+            nxt = self.hops[(i + 1) % k]
+            # the hop dials only what the next hop's signed report binds: the newest one we hold
+            order = LinkOrder(route_epoch=self.epoch, peer_id=nxt.span.peer_id, next_report=self._report_of(nxt),
+                              session_id=nxt.stream.session_id, attach_token=nxt.attach_token,
+                              forward_until=self._forward_until, stop_at_eog=self.opts.stop_at_eog)
+            try:
+                # the peer dials within LINK_TIMEOUT_S: wait past that, so its verdict comes first
+                hop.stream.link(order, timeout=self.opts.step_timeout + LINK_TIMEOUT_S)
+            except ShardError as e:
+                if e.code_name == "CAPACITY":  # the next hop had no worker for the attach: busy, not faulty
+                    return (i + 1) % k, e
+                if e.code_name == "LINK_LIMITED":  # it makes no more links for us now: route around it, no ban
+                    return i, e
+                if e.code_name == "LINK_FAILED":  # it could not reach the next hop, or that one would not take
+                    # the attach: if it takes one from this client, the fault is the linking hop's (its
+                    # network, or a lie that would spend our failovers on its successors one after
+                    # another); else the next hop's (dead, or one that answers everything but attaches)
+                    return (i if self._takes_attach(nxt) else (i + 1) % k), e
+                return i, e
+            except ShardConnectionError as e:
+                return i, e
+        return None
+
+    def _report_of(self, hop: Hop) -> bytes:
+        """The newest signed report of ``hop``'s peer this route holds (a long generation
+        outlives the one it opened with: reports live minutes), surveyed afresh once if
+        that one is about to expire."""
+        def newest():  # a report saying it leaves is refused: its session still serves till it ends
+            mine = [s.record for s in self.search.spans if s.peer_id == hop.span.peer_id and s.record is not None]
+            return max([hop.span.record, *mine], key=lambda r: (not r.content.get("departing"), r.seq))
+        record = newest()
+        if record.expires_at_ms - wall_ms() < REPORT_MARGIN_MS:
+            self.search.survey()
+            record = newest()
+        return record.wire
+
+    def _takes_attach(self, hop: Hop) -> bool:
+        """Whether ``hop``'s session takes, from this client, the attach its previous hop was asked to make."""
+        return hop.client.can_attach(hop.stream.session_id, hop.attach_token, self.epoch,
+                                     min(self.opts.step_timeout, CONNECT_TIMEOUT_S))

@@ -1,0 +1,190 @@
+"""The client's seams, without a swarm: opening a route refuses cleanly and
+leaves nothing open, the trio bridge, streamed text, and the typed values the
+client hands the data plane (converted to protobuf in dataplane/wire.py only)."""
+
+import threading
+
+import pytest
+import trio
+
+from meshnet_p2p._proto import shard_runtime_pb2 as pb
+from meshnet_p2p.client import GenerationError, RouteOptions, open_route
+from meshnet_p2p.client import bridge
+from meshnet_p2p.client.hop import Hop, route_fingerprint
+from meshnet_p2p.client.ring import RingRoute
+from meshnet_p2p.client.search import RouteSearch
+from meshnet_p2p.client.star import StarRoute
+from meshnet_p2p.client.text import TextStream, prompt_ids
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.dataplane import wire
+from meshnet_p2p.dataplane.stub import ShardConnectionError
+from meshnet_p2p.engine.contract import SamplingParams
+from meshnet_p2p.swarm.placement import Span
+from meshnet_p2p.trust.attestation import Attestation
+
+
+# --- opening a route -------------------------------------------------------------------------------
+
+def test_options_refuse_an_attesting_ring():
+    with pytest.raises(ValueError, match="does not attest"):
+        RouteOptions(max_tokens=8, ring=True, attest=True)
+
+
+def test_a_route_refuses_options_of_the_other_kind_before_any_io():
+    surveyed = []
+    search = RouteSearch(lambda: surveyed.append(1) or [], RouteOptions(max_tokens=8, ring=True))
+    with pytest.raises(ValueError, match="ring=False"):
+        StarRoute([], search, 30)
+    with pytest.raises(ValueError):
+        RingRoute.open(lambda: surveyed.append(1) or [], 30, RouteOptions(max_tokens=8))
+    assert surveyed == []  # constructing surveys nothing; a refused open neither
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_a_route_with_no_peers_is_a_generation_error(ring):
+    with pytest.raises(GenerationError, match="could not open a route for layers 0-29"):
+        open_route(lambda: [], 30, RouteOptions(max_tokens=8, ring=ring, open_timeout=1.0))
+
+
+class _Stream:
+    session_id = "s" * 32
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def link(self, order, timeout=None):
+        raise ShardConnectionError("gone")
+
+    def release(self, timeout=None):
+        self.log.append("released")
+
+    def close(self):
+        self.log.append("stream closed")
+
+
+class _Client:
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def close(self):
+        self.log.append("client closed")
+
+
+class _Record:
+    content = {}
+    seq, expires_at_ms, wire = 1, 2**62, b"report"
+
+
+def test_a_ring_that_cannot_link_closes_every_hop_it_opened(monkeypatch):
+    log: list[str] = []
+
+    def open_chain(self, start, end, epoch):
+        return [Hop(Span(f"p{i}", i * 15, i * 15 + 15, record=_Record()), _Client(log), _Stream(log), 64)
+                for i in range(2)]
+
+    monkeypatch.setattr(RouteSearch, "open_chain", open_chain)
+    with pytest.raises(GenerationError, match="gave up after 0 failovers"):
+        RingRoute.open(lambda: [], 30, RouteOptions(max_tokens=8, ring=True, max_failovers=0))
+    # no failover left to spend: every hop released and its connection let go
+    assert log == ["released", "client closed"] * 2
+
+
+# --- the bridge ------------------------------------------------------------------------------------
+
+async def _where() -> trio.lowlevel.TrioToken:
+    return trio.lowlevel.current_trio_token()
+
+
+def test_from_plain_code_runs_each_async_call_in_a_loop_of_its_own():
+    tokens = bridge.from_plain_code(lambda run: [run(_where), run(_where)])
+    assert tokens[0] != tokens[1]
+
+
+async def test_from_trio_runs_blocking_work_in_a_thread_and_async_calls_come_back():
+    mine = threading.get_ident()
+    thread, token = await bridge.from_trio(lambda run: (threading.get_ident(), run(_where)))
+    assert thread != mine and token == trio.lowlevel.current_trio_token()
+
+
+async def test_wait_event_does_not_block_the_loop():
+    event = threading.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(bridge.wait_event, event)
+        await trio.sleep(0)  # the loop runs on while the event is unset
+        event.set()
+
+
+# --- text ------------------------------------------------------------------------------------------
+
+class _Tokenizer:
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def chat_prompt(self, text):
+        return f"<{text}>"
+
+    def stream_decoder(self):
+        class Decoder:
+            held = b""
+
+            def feed(self, token):  # a byte a token: a character may take several
+                self.held += bytes([token])
+                try:
+                    text, self.held = self.held.decode(), b""
+                    return text
+                except UnicodeDecodeError:
+                    return ""
+
+            def flush(self):
+                return self.held.decode(errors="replace")
+        return Decoder()
+
+
+def test_prompt_ids_apply_the_chat_template_only_when_asked():
+    assert prompt_ids(_Tokenizer(), "hi", False) == [104, 105]
+    assert prompt_ids(_Tokenizer(), "hi", True) == [60, 104, 105, 62]
+
+
+def test_text_stream_hands_on_whole_characters_and_the_rest_at_finish():
+    out: list[str] = []
+    text = TextStream(_Tokenizer(), out.append)
+    for b in "é".encode() + b"a" + "é".encode()[:1]:
+        text.on_token(b)
+    text.finish()
+    assert out == ["", "é", "a", "", "\ufffd"]
+    assert TextStream(_Tokenizer(), None).on_token is None
+    TextStream(_Tokenizer(), None).finish()  # nothing to stream, nothing to flush
+
+
+# --- the typed values the client hands the data plane ------------------------------------------------
+
+def test_route_fingerprint_spells_out_every_axis():
+    fp = route_fingerprint({"model_digest": "m", "recipe_digest": "r", "recipe": {"n_ubatch": 64, "seam": "f32"}})
+    msg = wire.fingerprint_to_proto(fp)
+    assert (msg.model_digest, msg.recipe_digest, dict(msg.recipe_axes)) == ("m", "r", {"n_ubatch": "64", "seam": "f32"})
+    assert wire.fingerprint_from_proto(msg) == fp
+
+
+def test_link_rollback_sampling_and_capability_convert_field_for_field():
+    order = wire.LinkOrder(route_epoch=3, peer_id="p", next_report=b"r", session_id="s", attach_token=b"t" * 32,
+                           forward_until=9, stop_at_eog=True)
+    link = wire.link_to_proto(order).link
+    assert (link.route_epoch, link.peer_id, link.next_report, link.session_id, link.attach_token,
+            link.forward_until, link.stop_at_eog) == (3, "p", b"r", "s", b"t" * 32, 9, True)
+    rollback = wire.rollback_to_proto(5, 3, b"n" * 32).rollback
+    assert (rollback.position, rollback.route_epoch, rollback.attach_token) == (5, 3, b"n" * 32)
+    s = wire.sampling_to_proto(SamplingParams(0.5, 40, 0.9, 7))
+    assert (round(s.temperature, 3), s.top_k, round(s.top_p, 3), s.seed) == (0.5, 40, 0.9, 7)
+    cap = pb.Capability(fingerprint=pb.Fingerprint(model_digest="m", recipe_digest="r", recipe_axes={"a": "1"}))
+    cap.layers.start, cap.layers.end = 10, 20
+    assert wire.capability_from_proto(cap) == wire.PeerCapability(wire.Fingerprint("m", "r", {"a": "1"}), 10, 20)
+
+
+def test_an_attestation_converts_to_the_trust_layers_value_and_still_verifies():
+    me = Identity.generate()
+    a = Attestation(str(me.peer_id), "s" * 32, "m", "r", 0, 10, 3, "i" * 64, "o" * 64).signed_by(me)
+    m = pb.Attestation(peer_id=a.peer_id, session_id=a.session_id, model_digest=a.model_digest,
+                       recipe_digest=a.recipe_digest, start=a.start, end=a.end, steps=a.steps,
+                       input_digest=a.input_digest, output_digest=a.output_digest, signature=a.signature)
+    back = wire.attestation_from_proto(m)
+    assert back == a and back.verifies()
