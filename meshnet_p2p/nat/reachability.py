@@ -52,14 +52,13 @@ from .dialback import (
     parse_dial_result,
     verify_dial_result,
 )
-from .dialer import DialBackServer, serve_dial_backs
+from .dialer import DIAL_TIMEOUT, DialBackServer, serve_dial_backs
 from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.core.identity import PeerId
 from meshnet_p2p.core.multiaddr import Multiaddr
 
 DEFAULT_DIALERS = 3
 CHECK_TIMEOUT = 5.0  # a dialer's dials take up to 3 s (dialer.DIAL_TIMEOUT), then its answer travels
-DIAL_TIMEOUT = 3.0
 RELAY_DIAL_TIMEOUT = 5.0  # through a relay: its CONNECT, its OPEN to the peer, the peer's attach, then TLS
 MAX_RELAY_ANSWER = 4096  # the relay's answer to CONNECT
 
