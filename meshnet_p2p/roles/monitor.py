@@ -373,6 +373,7 @@ async def _serve(seeds: list, trust: TrustPolicy, host: str, port: int, interval
 
     from meshnet_p2p.core.identity import Identity
     from meshnet_p2p.core.lifecycle import until_signalled
+    from meshnet_p2p.core.local_addrs import listen_urls
     from meshnet_p2p.swarm.node import start_node
     from .status import survey_node
 
@@ -380,8 +381,9 @@ async def _serve(seeds: list, trust: TrustPolicy, host: str, port: int, interval
         node = await start_node(nursery, Identity.generate(), bootstrap=seeds, client_mode=True)
         monitor = Monitor(lambda: survey_node(node, trust, keep_departing=True), trust, interval_s=interval_s)
         await nursery.start(monitor.run)
-        url = await serve_app(nursery, create_app(monitor.current), host, port)
-        print_line(f"monitor on {url}/")
+        bound = await serve_app(nursery, create_app(monitor.current), host, port)
+        for url in listen_urls(host, bound):  # on a wildcard: a line per local address, loopback last
+            print_line(f"listening on {url}/")  # like every long-running role
         if metrics is not None:
             from .metrics import DhtCollector, metrics_url, serve_metrics
 

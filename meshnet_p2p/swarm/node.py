@@ -25,6 +25,7 @@ from meshnet_p2p.dht.routing import Contact
 from meshnet_p2p.dht.transport import UdpTransport
 from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.core.local_addrs import is_wildcard, listen_multiaddrs
 from meshnet_p2p.core.multiaddr import Multiaddr, MultiaddrError, ip_of
 from meshnet_p2p.core.records import PayloadType, Record, keep_newest
 from .relay_offers import TYPES as RELAY_TYPES
@@ -90,9 +91,16 @@ def contact_of(addr: Multiaddr) -> Contact:
     return Contact.of(addr.peer_id, addr.host, addr.port)
 
 
-def node_multiaddr(node: DHTNode) -> Multiaddr:
+def node_multiaddrs(node: DHTNode) -> list[Multiaddr]:
+    """Every address the node answers at, loopback last: its own, or for a node
+    bound to a wildcard (no ``listen``) one per local address (local_addrs)."""
     host, port = node.addr
-    return Multiaddr.for_socket(host, "udp", port, node.peer_id)
+    return listen_multiaddrs(host, "udp", port, node.peer_id)
+
+
+def node_multiaddr(node: DHTNode) -> Multiaddr:
+    """The address to reach the node at from this machine: its own, or loopback for a wildcard."""
+    return node_multiaddrs(node)[-1]
 
 
 async def start_node(
@@ -145,7 +153,7 @@ def advertised_host(listen_host: str, bootstrap) -> str:
     """Where others dial a peer that listens on ``listen_host``: that host, or for a
     wildcard the local address this machine reaches its bootstrap peers from (its
     own public address, or its LAN address behind NAT: then dial-backs say so)."""
-    if listen_host not in ("0.0.0.0", "::", ""):
+    if not is_wildcard(listen_host):
         return listen_host
     for b in bootstrap:
         a = Multiaddr.parse(b) if isinstance(b, str) else b
