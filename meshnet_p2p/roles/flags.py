@@ -21,11 +21,15 @@ def positive(text: str) -> int:
     return value
 
 
-def nonneg_float(text: str) -> float:
+def number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def nonneg_float(text: str) -> float:
+    value = number(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
     return value
