@@ -129,3 +129,14 @@ async def test_a_wildcard_bootstrap_prints_addresses_that_work(listen, loopback,
         with trio.fail_after(30):
             await proc.wait()
     assert proc.returncode == 0
+
+
+def test_a_wildcard_peer_process_is_dialled_at_loopback():
+    """PeerProcess.address(), what tests and benches dial: the loopback line of a wildcard listen."""
+    from meshnet_p2p.roles.peer_process import PeerProcess
+
+    proc = PeerProcess("bootstrap", "--listen", "0.0.0.0:0")
+    try:
+        assert proc.address(30).startswith("/ip4/127.0.0.1/udp/")
+    finally:
+        assert proc.stop() == 0
