@@ -152,13 +152,17 @@ async def peers_for_model(node: DHTNode, model_digest: str) -> list[Record]:
 def advertised_host(listen_host: str, bootstrap) -> str:
     """Where others dial a peer that listens on ``listen_host``: that host, or for a
     wildcard the local address this machine reaches its bootstrap peers from (its
-    own public address, or its LAN address behind NAT: then dial-backs say so)."""
+    own public address, or its LAN address behind NAT: then dial-backs say so), of the
+    wildcard's family (the data plane's and the relay's IPv6 sockets are v6-only);
+    loopback when no bootstrap peer of that family is routable."""
     if not is_wildcard(listen_host):
         return listen_host
     for b in bootstrap:
         a = Multiaddr.parse(b) if isinstance(b, str) else b
         if a.host is None or ip_of(a.host) is None:
             continue
+        if (":" in a.host) != (":" in listen_host):
+            continue  # a route of the other family names an address this socket does not answer at (v6only)
         family = socket.AF_INET6 if ":" in a.host else socket.AF_INET
         try:
             with socket.socket(family, socket.SOCK_DGRAM) as s:
@@ -166,4 +170,4 @@ def advertised_host(listen_host: str, bootstrap) -> str:
                 return s.getsockname()[0]
         except OSError:
             continue
-    return "127.0.0.1"
+    return "::1" if ":" in listen_host else "127.0.0.1"
