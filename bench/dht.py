@@ -29,6 +29,7 @@ from meshnet_p2p.swarm.node import node_multiaddr, start_node
 from meshnet_p2p.core.records import wall_ms
 
 from _report import print_report  # bench/ is on sys.path when a bench runs
+from _smoke import parse_args
 
 GOSSIP_MODEL = "99" * 32
 
@@ -193,7 +194,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--bootstrap", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = parse_args(ap, nodes=12, frozen=0.2, lookups=20, keys=4, local=3, workers=2, gossip_timeout=5.0)
     if args.worker:
         trio.run(worker, args.worker, args.bootstrap)
         return 0

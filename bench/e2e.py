@@ -29,6 +29,7 @@ from meshnet_p2p.engine.models import default_model_path
 from meshnet_p2p.roles.peer_process import Swarm
 
 from _report import print_report  # bench/ is on sys.path when a bench runs
+from _smoke import parse_args
 
 PROMPT = ("The history of clockmaking is a story of patience. Early water clocks measured hours by the flow "
           "of water through a small opening, while mechanical clocks in medieval towers used weights and gears.")
@@ -40,7 +41,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads per peer and for the whole model")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = parse_args(ap, tokens=4, reps=1, threads=1)
 
     model = default_model_path()
     with Swarm(("0:10", "10:20", "20:30"), "--threads", str(args.threads)) as swarm:

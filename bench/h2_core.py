@@ -1,7 +1,7 @@
 """What the `h2` library's protocol core costs per gRPC-like round trip, in memory
 (issue 12 groundwork; see docs/h2-migration.md).
 
-    python bench/h2_core.py [N]
+    python bench/h2_core.py [N] [--smoke]
 
 One client and one server H2Connection, one bidirectional stream, N ping-pong
 messages of a 5-byte prefix + 2,304 bytes (one SmolLM2 hidden row) each way,
@@ -17,7 +17,7 @@ from h2.config import H2Configuration
 from h2.events import DataReceived
 from h2.settings import SettingCodes
 
-N = int(sys.argv[1]) if len(sys.argv) > 1 else 10_000
+N = 10_000  # round trips (main sets it from the command line)
 PAYLOAD = b"x" * 2304
 MSG = struct.pack(">BI", 0, len(PAYLOAD)) + PAYLOAD  # 2309 bytes
 
@@ -80,6 +80,13 @@ def tiny_frames():
     return one, batched
 
 if __name__ == "__main__":
+    import argparse
+
+    from _smoke import parse_args  # bench/ is on sys.path when a bench runs
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("n", nargs="?", type=int, default=N, help="round trips")
+    N = parse_args(ap, n=200).n
     print(f"python {sys.version.split()[0]}  h2 {h2.__version__} hpack {hpack.__version__} hyperframe {hyperframe.__version__}")
     print(f"{N} round trips, message {len(MSG)} B each way, 1 stream\n")
     for big in (False, True):

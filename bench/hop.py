@@ -41,6 +41,7 @@ from meshnet_p2p.core.records import wall_ms
 
 from _grpc_floor import METHOD, SERVICE  # bench/ is on sys.path when a bench runs
 from _report import print_report
+from _smoke import parse_args
 
 
 def main() -> int:
@@ -51,7 +52,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                     help="llama.cpp threads, in-process and in the server alike (default: as serve and join, one per CPU)")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = parse_args(ap, tokens=6, block=3, threads=1)
 
     model = default_model_path()
     n_ctx = args.tokens + 8  # KV positions every way's session reserves

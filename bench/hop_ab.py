@@ -32,6 +32,7 @@ from meshnet_p2p.engine.llama_engine import LlamaCppShardEngine
 from meshnet_p2p.engine.models import default_model_path, ensure_shard
 
 from _report import print_report  # bench/ is on sys.path when a bench runs
+from _smoke import parse_args
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -67,13 +68,15 @@ class Worker:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--before", required=True, help="the other checkout (its root directory)")
+    ap.add_argument("--before", help="the other checkout (its root directory; with --smoke: this one)")
     ap.add_argument("--layers", default="10:20")
     ap.add_argument("--tokens", type=int, default=300)
     ap.add_argument("--block", type=int, default=10)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = parse_args(ap, tokens=6, block=3, threads=1, before=os.path.dirname(HERE))
+    if args.before is None:
+        ap.error("--before is required")
 
     import hashlib
 

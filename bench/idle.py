@@ -43,6 +43,7 @@ from meshnet_p2p.engine.llama_engine import LlamaCppShardEngine
 from meshnet_p2p.engine.models import default_model_path, ensure_shard
 
 from _report import print_report  # bench/ is on sys.path when a bench runs
+from _smoke import parse_args
 
 
 class ShardStepper:
@@ -116,7 +117,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40, help="measurements per gap and kind")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = parse_args(ap, gaps="0,2", steps=3, threads=1)
     start, end = (int(x) for x in args.span.split(":"))
     model = default_model_path()
     path = ensure_shard(model, start, end, sha256_file(model))

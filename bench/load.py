@@ -43,6 +43,7 @@ from meshnet_p2p.engine.models import default_model_path
 from meshnet_p2p.roles.peer_process import PeerProcess, Swarm
 
 from _report import print_report  # bench/ is on sys.path when a bench runs
+from _smoke import parse_args
 
 SUBJECTS = ["The capital of France", "Water", "The largest planet", "A good breakfast", "Python", "The moon",
             "Music", "The ocean", "A library", "Winter", "The oldest tree", "Mathematics", "A bicycle", "Coffee",
@@ -166,7 +167,7 @@ def main() -> int:
     ap.add_argument("--ceiling-threads", type=int, default=os.cpu_count() or 1,
                     help="llama.cpp threads of the ceiling's one process (default: every core, as the swarm has)")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = parse_args(ap, sessions="1,2", tokens=4)
     sizes = [int(x) for x in args.sessions.split(",")]
     model = default_model_path()
     tok = Tokenizer(model)

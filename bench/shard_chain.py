@@ -20,6 +20,8 @@ from meshnet_p2p.engine.tokenizer import Tokenizer
 from meshnet_p2p.client.local import LocalRoute, parse_split
 from meshnet_p2p.engine.models import default_model_path
 
+from _smoke import parse_args  # bench/ is on sys.path when a bench runs
+
 TEXT = (
     "The history of clockmaking is a story of patience. Early water clocks measured hours by the flow "
     "of water through a small opening, while mechanical clocks in medieval towers used weights, gears and "
@@ -39,7 +41,7 @@ def main() -> int:
     ap.add_argument("--n-ubatch", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = parse_args(ap, prompt_tokens=16, decode_tokens=8, reps=1, block=4, threads=1)
 
     model = args.model or default_model_path()
     digest = sha256_file(model)

@@ -33,6 +33,7 @@ from meshnet_p2p.engine.models import default_model_path
 from meshnet_p2p.roles.peer_process import Swarm
 
 from _report import print_report  # bench/ is on sys.path when a bench runs
+from _smoke import parse_args
 from load import prompts
 
 FD_SLACK = 8  # descriptors: a few connections may still be closing
@@ -66,7 +67,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = parse_args(ap, sessions=2, seconds=3.0, tokens=4)
     model = default_model_path()
     tok = Tokenizer(model)
     texts = prompts(args.sessions)

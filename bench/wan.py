@@ -35,6 +35,7 @@ from meshnet_p2p.core.multiaddr import Multiaddr
 from meshnet_p2p.roles.peer_process import PeerProcess, Swarm
 
 from _report import print_report  # bench/ is on sys.path when a bench runs
+from _smoke import parse_args
 
 PROMPT = ("The history of clockmaking is a story of patience. Early water clocks measured hours by the flow "
           "of water through a small opening, while mechanical clocks in medieval towers used weights and gears.")
@@ -119,7 +120,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads per peer and for the whole model")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = parse_args(ap, delays="2", tokens=4, reps=1, threads=1)
     model = default_model_path()
     whole = LocalRoute.from_model(model, [(0, 30)], source_sha256=sha256_file(model), n_threads=args.threads,
                                   max_sessions=1)

@@ -97,3 +97,46 @@ async def test_a_bootstrap_address_with_the_wrong_peer_id_is_refused(six_bootstr
             with pytest.raises(BootstrapError, match="another key"):
                 await start_node(nursery, Identity.generate(), bootstrap=[wrong])
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("listen, loopback, joiner", [("0.0.0.0:0", "/ip4/127.0.0.1/udp/", "127.0.0.1:0"),
+                                                      ("[::]:0", "/ip6/::1/udp/", "[::1]:0")])
+async def test_a_wildcard_bootstrap_prints_addresses_that_work(listen, loopback, joiner):
+    """bootstrap/README.md's `--listen 0.0.0.0:4001`: one line per local address,
+    loopback last, never the wildcard; the loopback one, passed on, lets a node join."""
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "meshnet_p2p", "bootstrap", "--listen", listen],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        lines, buf = [], b""
+        with trio.fail_after(30):
+            while not any(loopback in line for line in lines):  # loopback comes last
+                chunk = await proc.stdout.receive_some(4096)
+                assert chunk, f"it exited after {lines}"
+                buf += chunk
+                *done, buf = buf.split(b"\n")
+                lines += [d.decode() for d in done]
+        assert lines and all(line.startswith("listening on /ip") for line in lines), lines
+        assert not any("/0.0.0.0/" in line or "/ip6/::/" in line for line in lines), lines
+        assert loopback in lines[-1] and sum(loopback in line for line in lines) == 1, lines
+        addr = lines[-1].removeprefix("listening on ")
+        async with trio.open_nursery() as nursery:
+            with trio.fail_after(30):  # only through loopback: raises BootstrapError if nobody answered
+                await start_node(nursery, Identity.generate(), listen=joiner, bootstrap=[addr])
+            nursery.cancel_scope.cancel()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        with trio.fail_after(30):
+            await proc.wait()
+    assert proc.returncode == 0
+
+
+def test_a_wildcard_peer_process_is_dialled_at_loopback():
+    """PeerProcess.address(), what tests and benches dial: the loopback line of a wildcard listen."""
+    from meshnet_p2p.roles.peer_process import PeerProcess
+
+    proc = PeerProcess("bootstrap", "--listen", "0.0.0.0:0")
+    try:
+        assert proc.address().startswith("/ip4/127.0.0.1/udp/")
+    finally:
+        assert proc.stop() == 0

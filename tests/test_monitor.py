@@ -451,7 +451,7 @@ def test_the_page_follows_a_real_swarm_as_a_peer_leaves(tmp_path):
         monitor = Proc("monitor", "--bootstrap", swarm.addr, "--listen", "127.0.0.1:0", "--interval", "1",
                        "--metrics", "127.0.0.1:0")
         try:
-            url = monitor.wait_line("monitor on ", 60).removeprefix("monitor on ")
+            url = monitor.wait_line("listening on ", 60).removeprefix("listening on ")
             metrics = monitor.wait_line("metrics on ", 60).removeprefix("metrics on ")
             with browser() as d:
                 d.get(url)

@@ -50,3 +50,18 @@ def test_listen_parsing(text, expect):
 def test_bad_listen_is_refused(text):
     with pytest.raises(BootstrapError):
         parse_listen(text)
+
+
+@pytest.mark.parametrize("listen, seed, expect", [
+    ("127.0.0.1", "/ip4/127.0.0.1/udp/4001", "127.0.0.1"),  # a named host is itself
+    ("0.0.0.0", "/ip4/127.0.0.1/udp/4001", "127.0.0.1"),  # the address the route to the seed leaves from
+    ("::", "/ip6/::1/udp/4001", "::1"),
+    # a seed of the other family names an address the (v6-only) socket does not answer at: loopback of its own
+    ("0.0.0.0", "/ip6/::1/udp/4001", "127.0.0.1"),
+    ("::", "/ip4/127.0.0.1/udp/4001", "::1"),
+])
+def test_a_wildcard_is_announced_at_an_address_of_its_family(listen, seed, expect):
+    from meshnet_p2p.swarm.node import advertised_host
+
+    seed += f"/p2p/{Identity.generate().peer_id}"
+    assert advertised_host(listen, [seed]) == expect

@@ -26,6 +26,7 @@ from meshnet_p2p.core.stats import Counters
 from meshnet_p2p.engine.contract import SamplingParams
 from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.core.lifecycle import until_signalled
+from meshnet_p2p.core.local_addrs import listen_urls
 from meshnet_p2p.swarm.node import BootstrapError
 from meshnet_p2p.swarm.placement import NoRoute, plan_route
 
@@ -205,6 +206,19 @@ def _usage(result) -> dict[str, int]:
             "total_tokens": result.prompt_tokens + len(result.token_ids)}
 
 
+def run(args) -> int:
+    """The ``api`` command: a :class:`Client` of the swarm behind the HTTP API."""
+    from meshnet_p2p.swarm.node import parse_listen
+    from .flags import metrics_listen, model_path, print_line, required_seeds, run_listener, trust_policy
+
+    host, port = parse_listen(args.listen)
+    metrics = metrics_listen(args)
+    seeds = required_seeds(args)
+    client = Client(seeds, model_path=model_path(args.model) if args.model else None, step_timeout=args.step_timeout,
+                    trust=trust_policy(args, seeds))
+    return run_listener(args.listen, serve_api, client, client.model_name, host, port, print_line, metrics)
+
+
 async def serve_api(client: Client, model_name: str, host: str, port: int, print_line=print,
                     metrics: str | None = None) -> None:
     """``metrics``: HOST:PORT to serve Prometheus metrics at (the client's and the requests')."""
@@ -227,7 +241,8 @@ async def serve_api(client: Client, model_name: str, host: str, port: int, print
             stop = trio.Event()
             bound = await nursery.start(lambda task_status: serve(app, config, shutdown_trigger=stop.wait,
                                                                   task_status=task_status))
-            print_line(f"listening on {bound[0]}")
+            for url in listen_urls(host, bound[0]):  # on a wildcard: a line per local address, loopback last
+                print_line(f"listening on {url}")
             await until_signalled()
             stop.set()
         outer.cancel_scope.cancel()

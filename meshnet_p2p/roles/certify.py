@@ -148,6 +148,25 @@ def choose_recipe(views: list[RecipeView], wanted: str | None, n_layer: int) -> 
     return (dark or candidates)[0]
 
 
+def run(args) -> int:
+    """The ``certify`` command: progress on stdout, or with --json on stderr and the summary on stdout."""
+    import json
+    import sys
+
+    from .flags import load_or_create_identity, model_path, print_line, required_seeds
+
+    seeds = required_seeds(args)
+    opts = CertifyOptions(bootstrap=seeds, identity=load_or_create_identity(args.identity),
+                          model_path=model_path(args.model), recipe=args.recipe, method=args.method,
+                          prompt=args.prompt or DEFAULT_PROMPT, max_tokens=args.max_tokens,
+                          step_timeout=args.step_timeout)
+    log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print_line
+    summary = trio.run(certify, opts, log)
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
 async def certify(opts: CertifyOptions, log: Callable[[str], None] = print) -> dict:
     """Certify one recipe of the model in the swarm; returns a summary."""
     from meshnet_p2p.engine.cut import inspect_gguf, sha256_file

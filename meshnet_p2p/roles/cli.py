@@ -1,4 +1,5 @@
-"""``meshnet-peer``: the one place that parses flags and prints.
+"""``meshnet-peer``: the one place that parses flags; each command's body is in
+its role module (roles/<command>.py, ``run(args)``), except ``generate``'s, here.
 
 Every expected failure is a :class:`MeshnetError` and is printed as one line
 ``error: ...`` with exit status 2 (argparse uses 2 for bad flags too).
@@ -7,88 +8,22 @@ Every expected failure is a :class:`MeshnetError` and is printed as one line
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
-import os
 import sys
 from typing import Sequence
 
 from meshnet_p2p import __version__
 from meshnet_p2p.core.errors import MeshnetError, sanitize, unwrap_errors
+# the shared flag helpers (flags.py), by the names this module's parser and `generate` use
+from .flags import (
+    add_bootstrap as _add_bootstrap, add_engine_flags as _add_engine_flags, add_identity as _add_identity,
+    add_metrics as _add_metrics, add_trust as _add_trust, model_path as _model_path, nonneg_float as _nonneg_float,
+    positive as _positive, positive_float as _positive_float, required_seeds as _required_seeds,
+    trust_policy as _trust,
+)
 
 EXIT_ERROR = 2
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
-    return value
-
-
-def _nonneg_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = _nonneg_float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
-    return value
-
-
-def _add_identity(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--identity", help="key file (created if missing; default: a fresh identity per run)")
-
-
-def _add_bootstrap(p: argparse.ArgumentParser, help: str) -> None:
-    p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR", help=help)
-
-
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """What `serve` and `join` share: how the engine runs (defaults: EngineOptions')."""
-    from meshnet_p2p.engine.contract import EngineOptions
-
-    d = EngineOptions()
-    p.add_argument("--max-sessions", type=_positive, default=d.max_sessions,
-                   help="concurrent sessions (default: as many as --kv-memory holds at --n-ctx each, at most 32)")
-    p.add_argument("--kv-memory", type=_positive, default=d.kv_memory_mib, metavar="MIB",
-                   help=f"memory for the sessions' KV caches when --max-sessions is not given (default {d.kv_memory_mib})")
-    p.add_argument("--n-ubatch", type=_positive, default=d.n_ubatch)
-    p.add_argument("--n-ctx", type=_positive, default=d.n_ctx_per_session, help="KV tokens per session")
-    p.add_argument("--threads", type=_positive, default=d.n_threads)
-    p.add_argument("--idle-timeout", type=_positive_float, default=120.0, metavar="SECONDS",
-                   help="release a session that sends nothing for this long (default 120)")
-
-
-def _add_metrics(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics at http://HOST:PORT/metrics "
-                   "(port 0: any; docs/metrics.md)")
-
-
-def _metrics_listen(args: argparse.Namespace) -> str | None:
-    """--metrics, checked before anything starts (a bad value: one error line, exit 2)."""
-    if args.metrics is None:
-        return None
-    from .metrics import parse_metrics_listen
-
-    parse_metrics_listen(args.metrics)
-    return args.metrics
-
-
-def _add_trust(p: argparse.ArgumentParser) -> None:
-    """Whose certificates count, beyond the bootstrap peers' keys (and --identity's)."""
-    p.add_argument("--trust", action="append", default=[], metavar="PEER_ID",
-                   help="also accept certificates signed by this peer (repeatable)")
-    p.add_argument("--trust-file", metavar="PATH", help="a file of certifier peer IDs to accept, one a line")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -248,348 +183,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+# each command's body lives in the role module of its name, as ``run(args)``; imported when
+# it runs, so that a role's imports (llama.cpp's among them) load only for that role
+ROLES = frozenset({"shard", "identity", "demo", "join", "bootstrap", "relay", "serve", "api", "certify", "status",
+                   "monitor"})
+
+
 def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    handlers = {
-        "shard": _shard, "identity": _identity, "generate": _generate, "demo": _demo, "join": _join,
-        "bootstrap": _bootstrap, "relay": _relay, "serve": _serve, "api": _api,
-        "certify": _certify, "status": _status, "monitor": _monitor,
-    }
-    handler = handlers.get(args.command)
-    if handler is None:
+    if args.command == "generate":
+        return _generate(args)
+    if args.command not in ROLES:
         parser.error(f"unknown command {args.command!r}")
-    return handler(args)
-
-
-def _model_path(arg: str | None) -> str:
-    """A GGUF path, or the embedded model (no argument, or its name)."""
-    from meshnet_p2p.engine.models import DEFAULT_MODEL_NAME, ModelNotFound, default_model_path
-
-    if arg is None or arg == DEFAULT_MODEL_NAME:
-        return default_model_path()
-    if not os.path.isfile(arg):
-        raise ModelNotFound(f"no model file at {arg} (and it is not the name {DEFAULT_MODEL_NAME!r})")
-    return arg
-
-
-def _shard(args: argparse.Namespace) -> int:
-    from meshnet_p2p.engine.cut import cut_shard, inspect_gguf, parse_layer_range
-    from .progress import TerminalProgress
-
-    if args.shard_command == "cut":
-        start, end = parse_layer_range(args.layers)
-        model = _model_path(args.model)
-        info = cut_shard(model, start, end, args.out, progress=TerminalProgress(f"layers {start}:{end}"))
-        print(json.dumps(_info_doc(info)))
-        return 0
-    info = inspect_gguf(args.path)
-    print(json.dumps(_info_doc(info)))
-    return 0
-
-
-def _info_doc(info) -> dict:
-    return {
-        "path": info.path,
-        "architecture": info.architecture,
-        "layers": [info.start, info.end],
-        "source_layers": info.source_layers,
-        "role": info.role,
-        "source_sha256": info.source_sha256,
-        "model_digest": info.model_digest,
-        "weight_quantization": info.weight_quantization,
-        "tokenizer_digest": info.tokenizer_digest,
-        "data_sha256": info.data_sha256,
-    }
-
-
-def _identity(args: argparse.Namespace) -> int:
-    from meshnet_p2p.core.identity import Identity, default_identity_path
-
-    path = args.identity or default_identity_path()
-    if args.identity_command == "new":
-        ident = Identity.generate()
-        ident.save(path, overwrite=args.force)
-    else:
-        ident = Identity.load(path)
-    print(json.dumps({"peer_id": str(ident.peer_id), "path": os.path.abspath(path)}))
-    return 0
-
-
-def _engine_options(args: argparse.Namespace):
-    from meshnet_p2p.engine.contract import EngineOptions
-
-    return EngineOptions(max_sessions=args.max_sessions, n_ctx_per_session=args.n_ctx, kv_memory_mib=args.kv_memory,
-                         n_ubatch=args.n_ubatch, n_threads=args.threads)
-
-
-def _required_seeds(args: argparse.Namespace, alternative: str = "") -> list:
-    from meshnet_p2p.swarm.node import bootstrap_addrs
-
-    seeds = bootstrap_addrs(args.bootstrap)
-    if not seeds:
-        raise MeshnetError(f"{args.command} needs bootstrap peers (--bootstrap MULTIADDR or MESHNET_BOOTSTRAP){alternative}")
-    return seeds
-
-
-def _print_line(line: str) -> None:
-    print(line, flush=True)  # a line at a time: supervisors and tests read these as they come
-
-
-def _run_listener(listen: str, async_fn, *args, doing: str = "listen") -> int:
-    """trio.run a command that listens on ``listen``; a socket error raised
-    outside its nurseries becomes one line here (grouped ones, in main)."""
-    import trio
-
-    try:
-        trio.run(async_fn, *args)
-    except OSError as e:
-        raise MeshnetError(f"cannot {doing} on {listen}: {e.strerror or e}") from None
-    return 0
-
-
-def _load_or_create_identity(path: str | None):
-    from meshnet_p2p.core.identity import Identity
-
-    if path is None:
-        return Identity.generate()
-    if not os.path.exists(path):
-        ident = Identity.generate()
-        ident.save(path)
-        return ident
-    return Identity.load(path)
-
-
-def _bootstrap(args: argparse.Namespace) -> int:
-    import trio
-
-    from meshnet_p2p.core.lifecycle import until_signalled
-
-    from meshnet_p2p.swarm.node import bootstrap_addrs, node_multiaddr, parse_listen, start_node
-    from meshnet_p2p.nat.reachability import dial_checks
-
-    parse_listen(args.listen)  # a bad flag fails before anything starts
-    metrics = _metrics_listen(args)
-    identity = _load_or_create_identity(args.identity)
-    seeds = bootstrap_addrs(args.bootstrap)
-
-    async def serve() -> None:
-        async with trio.open_nursery() as nursery:
-            # it also tells joining peers whether their address answers (reachability.py)
-            node = await start_node(nursery, identity, listen=args.listen, bootstrap=seeds, require_bootstrap=False,
-                                    serve=dial_checks)
-            if metrics is not None:
-                from .metrics import DhtCollector
-
-                await _serve_metrics(nursery, metrics, "bootstrap", DhtCollector(node))
-            _print_line(f"listening on {node_multiaddr(node)}")
-            await until_signalled()
-            nursery.cancel_scope.cancel()
-
-    return _run_listener(args.listen, serve)
-
-
-def _relay(args: argparse.Namespace) -> int:
-    import trio
-
-    from meshnet_p2p.core.lifecycle import until_signalled
-
-    from meshnet_p2p.nat.relay import Relay, RelayLimits
-    from meshnet_p2p.core.guard import Guard
-    from meshnet_p2p.core.multiaddr import Multiaddr, announced
-    from meshnet_p2p.swarm.node import advertised_host, bootstrap_addrs, parse_listen, start_node
-    from meshnet_p2p.nat.reachability import dial_checks
-    from meshnet_p2p.core.records import wall_ms
-    from meshnet_p2p.swarm.relay_offers import RELAY_ANNOUNCE_INTERVAL_S, RELAYS_KEY, sign_relay_record
-
-    host, port = parse_listen(args.listen)
-    metrics = _metrics_listen(args)
-    identity = _load_or_create_identity(args.identity)
-    announce = announced(args.announce, identity.peer_id) if args.announce else None
-    seeds = bootstrap_addrs(args.bootstrap)
-    limits = RelayLimits(max_reservations=args.max_reservations, max_connections_per_peer=args.max_connections_per_peer,
-                         bytes_per_second_per_peer=args.max_mbps_per_peer * 1e6 / 8,
-                         max_circuits_per_source=args.max_circuits_per_source)
-
-    def splice_line(peer, moved: int, seconds: float) -> None:
-        _print_line(f"splice to {peer} closed: {moved} bytes in {seconds:.1f} s")
-
-    async def run() -> None:
-        relay = Relay(identity, limits, on_splice=splice_line)
-        async with trio.open_nursery() as nursery:
-            bound = await nursery.start(relay.serve, host, port)
-            # on every address: announced at the one this machine reaches its bootstrap peers from
-            here = Multiaddr.for_socket(advertised_host(host, seeds), "tcp", bound, identity.peer_id)
-            addr = announce or here
-            if seeds:
-                node = await start_node(nursery, identity, listen=f"{host}:0", bootstrap=seeds, require_bootstrap=False,
-                                        serve=dial_checks)
-
-                async def publish() -> None:  # peers behind NAT find this relay, its limits and load, here
-                    guard = Guard("relay_publish", node.stats)  # a failure: counted, tried again, relaying goes on
-                    while True:
-                        async with guard:
-                            record = sign_relay_record(identity, addr, {
-                                "max_reservations": limits.max_reservations,
-                                "max_connections_per_peer": limits.max_connections_per_peer,
-                                "bytes_per_second_per_peer": int(limits.bytes_per_second_per_peer)}, relay.load(),
-                                now_ms=wall_ms())
-                            try:
-                                await node.publish(RELAYS_KEY, record)
-                            except MeshnetError as e:  # others' refusal is theirs: keep relaying, try again
-                                _print_line(f"announce failed, retrying: {e}")
-                        await trio.sleep(RELAY_ANNOUNCE_INTERVAL_S)
-
-                nursery.start_soon(publish)
-            if metrics is not None:
-                from .metrics import DhtCollector, RelayCollector
-
-                await _serve_metrics(nursery, metrics, "relay", RelayCollector(relay),
-                                     *([DhtCollector(node)] if seeds else []))
-            _print_line(f"listening on {here}")
-            if announce is not None:
-                _print_line(f"announcing {announce}")
-            await until_signalled()
-            nursery.cancel_scope.cancel()
-
-    return _run_listener(args.listen, run)
-
-
-async def _serve_metrics(nursery, listen: str, role: str, *collectors) -> None:
-    from .metrics import metrics_url, serve_metrics
-
-    _print_line(f"metrics on {metrics_url(*await serve_metrics(nursery, listen, role, *collectors))}")
-
-
-def _monitor(args: argparse.Namespace) -> int:
-    from .monitor import run
-
-    return run(args)
-
-
-def _serve(args: argparse.Namespace) -> int:
-    from .serve import Limits, ServeOptions, serve
-    from meshnet_p2p.engine.cut import parse_layer_range, sha256_file
-    from meshnet_p2p.engine.models import ensure_shard
-    from meshnet_p2p.core.multiaddr import Multiaddr
-    from meshnet_p2p.swarm.node import parse_listen
-    from .progress import TerminalProgress
-
-    host, port = parse_listen(args.listen)
-    relay = Multiaddr.parse(args.relay) if args.relay else None
-    if args.shard:
-        if args.layers or args.model:
-            raise MeshnetError("give either --shard, or --model/--layers, not both")
-        shard = args.shard
-        if not os.path.isfile(shard):
-            raise MeshnetError(f"no shard file at {shard}")
-    elif args.layers:
-        start, end = parse_layer_range(args.layers)
-        model = _model_path(args.model)
-        progress = TerminalProgress(f"layers {start}:{end}")
-        shard = ensure_shard(model, start, end, sha256_file(model, progress), progress)
-    else:
-        raise MeshnetError("serve needs --shard PATH, or --layers A:B (with --model or the embedded model)")
-    opts = ServeOptions(shard, host, port, _load_or_create_identity(args.identity), relay=relay,
-                        engine=_engine_options(args), limits=Limits(max_message_bytes=args.max_message_bytes,
-                                                                    session_idle_ms=int(args.idle_timeout * 1000)))
-    return _run_listener(args.listen, serve, opts, _print_line, doing="serve")
-
-
-def _demo(args: argparse.Namespace) -> int:
-    import io
-
-    from .demo import DEFAULT_PROMPT, run_demo
-
-    model = _model_path(args.model) if args.model else None
-    out = io.StringIO() if args.json else sys.stdout
-    result = run_demo(args.prompt or DEFAULT_PROMPT, args.max_tokens, chat=not args.no_chat, model=model, out=out)
-    if args.json:
-        print(json.dumps(result))
-    return 0
-
-
-def _trust(args: argparse.Namespace, seeds: list):
-    """The trust policy of a client command: bootstrap peers, --identity, --trust, --trust-file."""
-    from meshnet_p2p.trust.policy import TrustPolicy
-
-    own = _load_or_create_identity(args.identity) if getattr(args, "identity", None) else None
-    return TrustPolicy.default(seeds, own=own, extra=args.trust, trust_file=args.trust_file)
-
-
-def _certify(args: argparse.Namespace) -> int:
-    import trio
-
-    from .certify import DEFAULT_PROMPT, CertifyOptions, certify
-
-    seeds = _required_seeds(args)
-    opts = CertifyOptions(bootstrap=seeds, identity=_load_or_create_identity(args.identity),
-                          model_path=_model_path(args.model), recipe=args.recipe, method=args.method,
-                          prompt=args.prompt or DEFAULT_PROMPT, max_tokens=args.max_tokens,
-                          step_timeout=args.step_timeout)
-    log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else _print_line
-    summary = trio.run(certify, opts, log)
-    if args.json:
-        print(json.dumps(summary))
-    return 0
-
-
-def _status(args: argparse.Namespace) -> int:
-    import re
-
-    import trio
-
-    from .status import format_status, swarm_status
-
-    seeds = _required_seeds(args)
-    models = []
-    for m in args.model:
-        if re.fullmatch(r"[0-9a-f]{64}", m):
-            models.append((m, "", 0))
-        else:
-            from meshnet_p2p.engine.cut import inspect_gguf
-
-            path = _model_path(m)
-            info = inspect_gguf(path)
-            models.append((info.model_digest, os.path.basename(path).split(".")[0], info.source_layers))
-    doc = trio.run(lambda: swarm_status(seeds, _trust(args, seeds), models, probe_peers=not args.no_probe))
-    print(json.dumps(doc) if args.json else format_status(doc))
-    return 0
-
-
-def _api(args: argparse.Namespace) -> int:
-    from .api import serve_api
-    from meshnet_p2p.client import Client
-    from meshnet_p2p.swarm.node import parse_listen
-
-    host, port = parse_listen(args.listen)
-    metrics = _metrics_listen(args)
-    seeds = _required_seeds(args)
-    client = Client(seeds, model_path=_model_path(args.model) if args.model else None, step_timeout=args.step_timeout,
-                    trust=_trust(args, seeds))
-    return _run_listener(args.listen, serve_api, client, client.model_name, host, port, _print_line, metrics)
-
-
-def _join(args: argparse.Namespace) -> int:
-    from meshnet_p2p.dataplane.servicer import Limits
-    from meshnet_p2p.engine.cut import parse_layer_range
-    from meshnet_p2p.core.multiaddr import Multiaddr, announced
-    from meshnet_p2p.swarm.node import parse_listen
-    from .join import JoinOptions, join
-    from .progress import TerminalProgress
-
-    host, port = parse_listen(args.listen)
-    metrics = _metrics_listen(args)
-    layers = None if args.layers == "auto" else parse_layer_range(args.layers)
-    seeds = _required_seeds(args)
-    identity = _load_or_create_identity(args.identity)
-    opts = JoinOptions(
-        model_path=_model_path(args.model), layers=layers, num_layers=args.num_layers, listen_host=host,
-        listen_port=port, bootstrap=seeds, identity=identity,
-        relay=Multiaddr.parse(args.relay) if args.relay else None,
-        announce=announced(args.announce, identity.peer_id) if args.announce else None, engine=_engine_options(args),
-        public_name=args.public_name, progress=TerminalProgress("preparing the shard"),
-        limits=Limits(session_idle_ms=int(args.idle_timeout * 1000)), metrics=metrics,
-    )
-    return _run_listener(args.listen, join, opts, _print_line, doing="serve")
+    return importlib.import_module(f"{__package__}.{args.command}").run(args)
 
 
 def _write_out(text: str) -> None:

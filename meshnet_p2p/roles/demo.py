@@ -28,6 +28,21 @@ def thirds(n_layer: int) -> tuple[str, str, str]:
     return tuple(f"{a}:{b}" for a, b in itertools.pairwise(cuts))  # type: ignore[return-value]
 
 
+def run(args) -> int:
+    """The ``demo`` command: the story on stdout, or with --json only the result."""
+    import io
+    import json
+
+    from .flags import model_path
+
+    model = model_path(args.model) if args.model else None
+    out = io.StringIO() if args.json else sys.stdout
+    result = run_demo(args.prompt or DEFAULT_PROMPT, args.max_tokens, chat=not args.no_chat, model=model, out=out)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
 def run_demo(prompt: str = DEFAULT_PROMPT, max_tokens: int = 64, *, chat: bool = True, model: str | None = None,
              out: TextIO = sys.stdout, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> dict:
     from meshnet_p2p.engine.cut import inspect_gguf

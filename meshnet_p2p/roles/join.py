@@ -9,6 +9,7 @@ announce departure, refuse new sessions, let open ones finish (bounded), exit 0.
 
 from __future__ import annotations
 
+import argparse
 import os
 import time
 from ipaddress import ip_address
@@ -97,6 +98,31 @@ def measure_throughput(engine: LlamaCppShardEngine, steps: int = 8) -> float:
         return steps / (time.perf_counter() - t0)
     finally:
         engine.release(sid)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``join`` command: its flags become :class:`JoinOptions`."""
+    from meshnet_p2p.engine.cut import parse_layer_range
+    from meshnet_p2p.core.multiaddr import announced
+    from meshnet_p2p.swarm.node import parse_listen
+    from .flags import engine_options, load_or_create_identity, metrics_listen, model_path, print_line, \
+        required_seeds, run_listener
+    from .progress import TerminalProgress
+
+    host, port = parse_listen(args.listen)
+    metrics = metrics_listen(args)
+    layers = None if args.layers == "auto" else parse_layer_range(args.layers)
+    seeds = required_seeds(args)
+    identity = load_or_create_identity(args.identity)
+    opts = JoinOptions(
+        model_path=model_path(args.model), layers=layers, num_layers=args.num_layers, listen_host=host,
+        listen_port=port, bootstrap=seeds, identity=identity,
+        relay=Multiaddr.parse(args.relay) if args.relay else None,
+        announce=announced(args.announce, identity.peer_id) if args.announce else None, engine=engine_options(args),
+        public_name=args.public_name, progress=TerminalProgress("preparing the shard"),
+        limits=Limits(session_idle_ms=int(args.idle_timeout * 1000)), metrics=metrics,
+    )
+    return run_listener(args.listen, join, opts, print_line, doing="serve")
 
 
 async def join(opts: JoinOptions, print_line: Callable[[str], None] = print) -> None:
@@ -216,7 +242,8 @@ async def _serving(opts, engine, info, source_sha, digest, key, print_line, stat
         else:
             print_line(f"reachable via {circuit_addr(opts.relay, opts.identity.peer_id)}")
         await publish_all()
-        print_line(f"listening on {here}")
+        for local in plane.addrs:  # on every address: a line each, loopback last
+            print_line(f"listening on {local}")
         if addr != here and not reach.unreachable:
             print_line(f"announcing {addr}")
         print_line(f"recipe {caps.recipe_digest}")

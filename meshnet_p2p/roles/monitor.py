@@ -22,6 +22,7 @@ from collections import Counter, deque
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping
 
 from meshnet_p2p.core.errors import MeshnetError, sanitize, unwrap_errors
+from .flags import add_bootstrap, add_metrics, add_trust, metrics_listen, number  # light, as this module
 
 if TYPE_CHECKING:  # cli.py imports this module to build its parser: the rest loads when the role runs
     import trio
@@ -343,25 +344,18 @@ async def serve_app(nursery: trio.Nursery, app, host: str, port: int) -> str:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("monitor", help="serve a live web page of the swarm: models, coverage, peers, events")
-    p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR",
-                   help="bootstrap peers (repeatable; default $MESHNET_BOOTSTRAP)")
+    add_bootstrap(p, "bootstrap peers (repeatable; default $MESHNET_BOOTSTRAP)")
     p.add_argument("--listen", default=DEFAULT_LISTEN, help=f"HOST:PORT for the web page (port 0: any; default "
                    f"{DEFAULT_LISTEN})")
-    p.add_argument("--trust", action="append", default=[], metavar="PEER_ID",
-                   help="also accept certificates signed by this peer (repeatable)")
-    p.add_argument("--trust-file", metavar="PATH", help="a file of certifier peer IDs to accept, one a line")
+    add_trust(p)
     p.add_argument("--interval", type=_interval, default=3.0, metavar="SECONDS",
                    help="seconds between surveys of the swarm (default 3)")
-    p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics at http://HOST:PORT/metrics "
-                   "(port 0: any; docs/metrics.md)")
+    add_metrics(p)
     return p
 
 
 def _interval(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = number(text)
     if not 0.1 <= value <= 3600:
         raise argparse.ArgumentTypeError(f"{text!r} must be between 0.1 and 3600")
     return value
@@ -373,6 +367,7 @@ async def _serve(seeds: list, trust: TrustPolicy, host: str, port: int, interval
 
     from meshnet_p2p.core.identity import Identity
     from meshnet_p2p.core.lifecycle import until_signalled
+    from meshnet_p2p.core.local_addrs import listen_urls
     from meshnet_p2p.swarm.node import start_node
     from .status import survey_node
 
@@ -380,8 +375,9 @@ async def _serve(seeds: list, trust: TrustPolicy, host: str, port: int, interval
         node = await start_node(nursery, Identity.generate(), bootstrap=seeds, client_mode=True)
         monitor = Monitor(lambda: survey_node(node, trust, keep_departing=True), trust, interval_s=interval_s)
         await nursery.start(monitor.run)
-        url = await serve_app(nursery, create_app(monitor.current), host, port)
-        print_line(f"monitor on {url}/")
+        bound = await serve_app(nursery, create_app(monitor.current), host, port)
+        for url in listen_urls(host, bound):  # on a wildcard: a line per local address, loopback last
+            print_line(f"listening on {url}/")  # like every long-running role
         if metrics is not None:
             from .metrics import DhtCollector, metrics_url, serve_metrics
 
@@ -397,11 +393,7 @@ def run(args: argparse.Namespace, print_line=lambda line: print(line, flush=True
     from meshnet_p2p.swarm.node import bootstrap_addrs, parse_listen
 
     host, port = parse_listen(args.listen)
-    metrics = getattr(args, "metrics", None)
-    if metrics is not None:  # a bad value fails before anything starts
-        from .metrics import parse_metrics_listen
-
-        parse_metrics_listen(metrics)
+    metrics = metrics_listen(args)  # a bad value fails before anything starts
     seeds = bootstrap_addrs(args.bootstrap)
     if not seeds:
         raise MeshnetError("monitor needs bootstrap peers (--bootstrap MULTIADDR or MESHNET_BOOTSTRAP)")

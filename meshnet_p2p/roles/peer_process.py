@@ -12,6 +12,12 @@ import tempfile
 import threading
 
 from meshnet_p2p.core.errors import MeshnetError
+from meshnet_p2p.core.local_addrs import is_wildcard
+
+
+def _on_loopback(line: str) -> bool:
+    """Whether a ``listening on`` line names a loopback address (a multiaddr or a URL)."""
+    return any(mark in line for mark in ("/ip4/127.", "/ip6/::1/", "://127.", "://[::1]"))
 
 
 class OutputLines:
@@ -33,15 +39,18 @@ class OutputLines:
             self.ended = True
             self.changed.notify_all()
 
-    def wait_line(self, prefix: str, timeout: float = 120, *, after: int = 0) -> str:
-        """The first line starting with ``prefix`` (among those printed after the first
-        ``after``), waiting for it while the process writes."""
+    def wait_line(self, prefix: str, timeout: float = 120, *, after: int = 0, where=lambda line: True) -> str:
+        """The first line starting with ``prefix`` (and ``where`` holds for) among those
+        printed after the first ``after``, waiting for it while the process writes."""
+        def found() -> list[str]:
+            return [l for l in self.lines[after:] if l.startswith(prefix) and where(l)]
+
         with self.changed:
-            self.changed.wait_for(lambda: any(l.startswith(prefix) for l in self.lines[after:]) or self.ended, timeout)
-            found = [l for l in self.lines[after:] if l.startswith(prefix)]
-        if not found:
+            self.changed.wait_for(lambda: found() or self.ended, timeout)
+            lines = found()
+        if not lines:
             raise MeshnetError(self.missing(prefix))
-        return found[0]
+        return lines[0]
 
     def missing(self, prefix: str) -> str:
         return f"{self.p.args!r} printed no {prefix!r} line (its output: {self.lines[-5:]})"
@@ -58,8 +67,14 @@ class PeerProcess(OutputLines):
         return f"`meshnet-peer {' '.join(self.args[:2])}` printed no {prefix!r} line (its output: {self.lines[-5:]})"
 
     def address(self, timeout: float = 120) -> str:
-        """The multiaddr of its ``listening on`` line."""
-        return self.wait_line("listening on ", timeout).removeprefix("listening on ")
+        """The address of its ``listening on`` line: with ``--listen`` on one address,
+        that one; on every address (a wildcard, or no ``--listen``: a line per local
+        address, loopback last), the loopback one, the one this machine dials."""
+        listen = self.args[self.args.index("--listen") + 1] if "--listen" in self.args else ""
+        host = listen.rpartition(":")[0].strip("[]")
+        one = bool(host) and not is_wildcard(host)
+        return self.wait_line("listening on ", timeout, where=lambda line: one or _on_loopback(line)) \
+            .removeprefix("listening on ")
 
     def stop(self) -> int:
         """SIGTERM (after SIGCONT, in case it was frozen), then wait; kill if it hangs."""

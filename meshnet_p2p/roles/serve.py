@@ -3,13 +3,15 @@
 The building block ``join`` stands on, and a way for an operator (and the
 tests) to run a shard as its own process. It prints, when ready::
 
-    listening on /ip4/127.0.0.1/tcp/PORT/p2p/<peer id>
+    listening on /ip4/127.0.0.1/tcp/PORT/p2p/<peer id>      (on a wildcard: a line per local address, loopback last)
     tls-binding <hex of the signed record vouching for its TLS certificate>
     reachable via <relay multiaddr>/p2p-circuit/p2p/<peer id>      (with --relay)
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 from dataclasses import dataclass
 
 import trio
@@ -17,7 +19,9 @@ import trio
 from meshnet_p2p.engine.contract import EngineOptions
 from meshnet_p2p.engine.llama_engine import LlamaCppShardEngine
 from meshnet_p2p.core.guard import Guard
+from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.core.local_addrs import listen_multiaddrs
 from meshnet_p2p.core.multiaddr import Multiaddr
 from meshnet_p2p.core.lifecycle import until_signalled
 from meshnet_p2p.core.records import wall_ms
@@ -49,7 +53,7 @@ class DataPlane:
     servicer: ShardRuntimeServicer
     server: Server
     creds: TlsCredentials
-    addr: str  # this peer's gRPC multiaddr
+    addrs: list[str]  # this peer's gRPC multiaddrs: where it listens, or every local address for a wildcard
 
 
 async def start_data_plane(nursery: trio.Nursery, engine, identity: Identity, host: str, port: int, *,
@@ -65,7 +69,7 @@ async def start_data_plane(nursery: trio.Nursery, engine, identity: Identity, ho
     nursery.start_soon(_reap_idle_sessions, servicer)
     if relay is not None:
         await nursery.start(attach_to_relay, relay, identity, server.adopt)  # relayed clients go straight to the server
-    return DataPlane(servicer, server, creds, str(Multiaddr.for_socket(host, "tcp", server.port, identity.peer_id)))
+    return DataPlane(servicer, server, creds, [str(a) for a in listen_multiaddrs(host, "tcp", server.port, identity.peer_id)])
 
 
 async def _reap_idle_sessions(servicer: ShardRuntimeServicer) -> None:
@@ -83,7 +87,8 @@ async def serve(opts: ServeOptions, print_line=print) -> None:
         async with trio.open_nursery() as nursery:
             plane = await start_data_plane(nursery, engine, opts.identity, opts.listen_host, opts.listen_port,
                                            relay=opts.relay, limits=opts.limits)
-            print_line(f"listening on {plane.addr}")
+            for addr in plane.addrs:
+                print_line(f"listening on {addr}")
             print_line(f"tls-binding {sign_binding(opts.identity, plane.creds, now_ms=wall_ms()).hex()}")
             if opts.relay is not None:
                 print_line(f"reachable via {opts.relay}/p2p-circuit/p2p/{opts.identity.peer_id}")
@@ -93,4 +98,33 @@ async def serve(opts: ServeOptions, print_line=print) -> None:
         engine.close()
 
 
-__all__ = ["ServeOptions", "serve", "Limits", "start_data_plane"]
+def run(args: argparse.Namespace) -> int:
+    """The ``serve`` command: a shard file, or one cut (once, cached) from --model at --layers."""
+    from meshnet_p2p.engine.cut import parse_layer_range, sha256_file
+    from meshnet_p2p.engine.models import ensure_shard
+    from meshnet_p2p.swarm.node import parse_listen
+    from .flags import engine_options, load_or_create_identity, model_path, print_line, run_listener
+    from .progress import TerminalProgress
+
+    host, port = parse_listen(args.listen)
+    relay = Multiaddr.parse(args.relay) if args.relay else None
+    if args.shard:
+        if args.layers or args.model:
+            raise MeshnetError("give either --shard, or --model/--layers, not both")
+        shard = args.shard
+        if not os.path.isfile(shard):
+            raise MeshnetError(f"no shard file at {shard}")
+    elif args.layers:
+        start, end = parse_layer_range(args.layers)
+        model = model_path(args.model)
+        progress = TerminalProgress(f"layers {start}:{end}")
+        shard = ensure_shard(model, start, end, sha256_file(model, progress), progress)
+    else:
+        raise MeshnetError("serve needs --shard PATH, or --layers A:B (with --model or the embedded model)")
+    opts = ServeOptions(shard, host, port, load_or_create_identity(args.identity), relay=relay,
+                        engine=engine_options(args), limits=Limits(max_message_bytes=args.max_message_bytes,
+                                                                   session_idle_ms=int(args.idle_timeout * 1000)))
+    return run_listener(args.listen, serve, opts, print_line, doing="serve")
+
+
+__all__ = ["ServeOptions", "serve", "Limits", "start_data_plane", "run"]

@@ -160,6 +160,30 @@ async def swarm_status(bootstrap: Sequence[Any], trust: TrustPolicy, models: Seq
     return status_doc(survey, trust, rtt)
 
 
+def run(args) -> int:
+    """The ``status`` command: --model takes a GGUF path or a model digest (repeatable)."""
+    import json
+    import os
+    import re
+
+    from .flags import model_path, required_seeds, trust_policy
+
+    seeds = required_seeds(args)
+    models = []
+    for m in args.model:
+        if re.fullmatch(r"[0-9a-f]{64}", m):
+            models.append((m, "", 0))
+        else:
+            from meshnet_p2p.engine.cut import inspect_gguf
+
+            path = model_path(m)
+            info = inspect_gguf(path)
+            models.append((info.model_digest, os.path.basename(path).split(".")[0], info.source_layers))
+    doc = trio.run(lambda: swarm_status(seeds, trust_policy(args, seeds), models, probe_peers=not args.no_probe))
+    print(json.dumps(doc) if args.json else format_status(doc))
+    return 0
+
+
 def format_status(doc: dict[str, Any]) -> str:
     lines = []
     for r in doc.get("relays", []):

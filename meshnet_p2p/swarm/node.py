@@ -25,6 +25,7 @@ from meshnet_p2p.dht.routing import Contact
 from meshnet_p2p.dht.transport import UdpTransport
 from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.core.local_addrs import is_wildcard, listen_multiaddrs
 from meshnet_p2p.core.multiaddr import Multiaddr, MultiaddrError, ip_of
 from meshnet_p2p.core.records import PayloadType, Record, keep_newest
 from .relay_offers import TYPES as RELAY_TYPES
@@ -105,9 +106,16 @@ def contact_of(addr: Multiaddr) -> Contact:
     return Contact.of(addr.peer_id, addr.host, addr.port)
 
 
-def node_multiaddr(node: DHTNode) -> Multiaddr:
+def node_multiaddrs(node: DHTNode) -> list[Multiaddr]:
+    """Every address the node answers at, loopback last: its own, or for a node
+    bound to a wildcard (no ``listen``) one per local address (local_addrs)."""
     host, port = node.addr
-    return Multiaddr.for_socket(host, "udp", port, node.peer_id)
+    return listen_multiaddrs(host, "udp", port, node.peer_id)
+
+
+def node_multiaddr(node: DHTNode) -> Multiaddr:
+    """The address to reach the node at from this machine: its own, or loopback for a wildcard."""
+    return node_multiaddrs(node)[-1]
 
 
 async def start_node(
@@ -162,13 +170,17 @@ async def peers_for_model(node: DHTNode, model_digest: str) -> list[Record]:
 def advertised_host(listen_host: str, bootstrap) -> str:
     """Where others dial a peer that listens on ``listen_host``: that host, or for a
     wildcard the local address this machine reaches its bootstrap peers from (its
-    own public address, or its LAN address behind NAT: then dial-backs say so)."""
-    if listen_host not in ("0.0.0.0", "::", ""):
+    own public address, or its LAN address behind NAT: then dial-backs say so), of the
+    wildcard's family (the data plane's and the relay's IPv6 sockets are v6-only);
+    loopback when no bootstrap peer of that family is routable."""
+    if not is_wildcard(listen_host):
         return listen_host
     for b in bootstrap:
         a = Multiaddr.parse(b) if isinstance(b, str) else b
         if a.host is None or ip_of(a.host) is None:
             continue
+        if (":" in a.host) != (":" in listen_host):
+            continue  # a route of the other family names an address this socket does not answer at (v6only)
         family = socket.AF_INET6 if ":" in a.host else socket.AF_INET
         try:
             with socket.socket(family, socket.SOCK_DGRAM) as s:
@@ -176,4 +188,4 @@ def advertised_host(listen_host: str, bootstrap) -> str:
                 return s.getsockname()[0]
         except OSError:
             continue
-    return "127.0.0.1"
+    return "::1" if ":" in listen_host else "127.0.0.1"

@@ -1,0 +1,157 @@
+"""What the roles share between their flags and their bodies: flag types and
+groups (cli.py builds the parser with them) and turning flag values into things
+(a model path, an identity, bootstrap peers, a trust policy), printing a line,
+and running a listener so that a socket error is one line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from meshnet_p2p.core.errors import MeshnetError
+
+
+def positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def nonneg_float(text: str) -> float:
+    value = number(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be >= 0")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = nonneg_float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be > 0")
+    return value
+
+
+def add_identity(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--identity", help="key file (created if missing; default: a fresh identity per run)")
+
+
+def add_bootstrap(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--bootstrap", action="append", default=[], metavar="MULTIADDR", help=help)
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """What `serve` and `join` share: how the engine runs (defaults: EngineOptions')."""
+    from meshnet_p2p.engine.contract import EngineOptions
+
+    d = EngineOptions()
+    p.add_argument("--max-sessions", type=positive, default=d.max_sessions,
+                   help="concurrent sessions (default: as many as --kv-memory holds at --n-ctx each, at most 32)")
+    p.add_argument("--kv-memory", type=positive, default=d.kv_memory_mib, metavar="MIB",
+                   help=f"memory for the sessions' KV caches when --max-sessions is not given (default {d.kv_memory_mib})")
+    p.add_argument("--n-ubatch", type=positive, default=d.n_ubatch)
+    p.add_argument("--n-ctx", type=positive, default=d.n_ctx_per_session, help="KV tokens per session")
+    p.add_argument("--threads", type=positive, default=d.n_threads)
+    p.add_argument("--idle-timeout", type=positive_float, default=120.0, metavar="SECONDS",
+                   help="release a session that sends nothing for this long (default 120)")
+
+
+def add_metrics(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--metrics", metavar="HOST:PORT", help="serve Prometheus metrics at http://HOST:PORT/metrics "
+                   "(port 0: any; docs/metrics.md)")
+
+
+def add_trust(p: argparse.ArgumentParser) -> None:
+    """Whose certificates count, beyond the bootstrap peers' keys (and --identity's)."""
+    p.add_argument("--trust", action="append", default=[], metavar="PEER_ID",
+                   help="also accept certificates signed by this peer (repeatable)")
+    p.add_argument("--trust-file", metavar="PATH", help="a file of certifier peer IDs to accept, one a line")
+
+
+def metrics_listen(args: argparse.Namespace) -> str | None:
+    """--metrics, checked before anything starts (a bad value: one error line, exit 2)."""
+    if args.metrics is None:
+        return None
+    from .metrics import parse_metrics_listen
+
+    parse_metrics_listen(args.metrics)
+    return args.metrics
+
+
+async def serve_metrics(nursery, listen: str, role: str, *collectors) -> None:
+    from .metrics import metrics_url, serve_metrics as serve
+
+    print_line(f"metrics on {metrics_url(*await serve(nursery, listen, role, *collectors))}")
+
+
+def model_path(arg: str | None) -> str:
+    """A GGUF path, or the embedded model (no argument, or its name)."""
+    from meshnet_p2p.engine.models import DEFAULT_MODEL_NAME, ModelNotFound, default_model_path
+
+    if arg is None or arg == DEFAULT_MODEL_NAME:
+        return default_model_path()
+    if not os.path.isfile(arg):
+        raise ModelNotFound(f"no model file at {arg} (and it is not the name {DEFAULT_MODEL_NAME!r})")
+    return arg
+
+
+def engine_options(args: argparse.Namespace):
+    from meshnet_p2p.engine.contract import EngineOptions
+
+    return EngineOptions(max_sessions=args.max_sessions, n_ctx_per_session=args.n_ctx, kv_memory_mib=args.kv_memory,
+                         n_ubatch=args.n_ubatch, n_threads=args.threads)
+
+
+def required_seeds(args: argparse.Namespace, alternative: str = "") -> list:
+    from meshnet_p2p.swarm.node import bootstrap_addrs
+
+    seeds = bootstrap_addrs(args.bootstrap)
+    if not seeds:
+        raise MeshnetError(f"{args.command} needs bootstrap peers (--bootstrap MULTIADDR or MESHNET_BOOTSTRAP){alternative}")
+    return seeds
+
+
+def print_line(line: str) -> None:
+    print(line, flush=True)  # a line at a time: supervisors and tests read these as they come
+
+
+def run_listener(listen: str, async_fn, *args, doing: str = "listen") -> int:
+    """trio.run a command that listens on ``listen``; a socket error raised
+    outside its nurseries becomes one line here (grouped ones, in cli.main)."""
+    import trio
+
+    try:
+        trio.run(async_fn, *args)
+    except OSError as e:
+        raise MeshnetError(f"cannot {doing} on {listen}: {e.strerror or e}") from None
+    return 0
+
+
+def load_or_create_identity(path: str | None):
+    from meshnet_p2p.core.identity import Identity
+
+    if path is None:
+        return Identity.generate()
+    if not os.path.exists(path):
+        ident = Identity.generate()
+        ident.save(path)
+        return ident
+    return Identity.load(path)
+
+
+def trust_policy(args: argparse.Namespace, seeds: list):
+    """The trust policy of a client command: bootstrap peers, --identity, --trust, --trust-file."""
+    from meshnet_p2p.trust.policy import TrustPolicy
+
+    own = load_or_create_identity(args.identity) if getattr(args, "identity", None) else None
+    return TrustPolicy.default(seeds, own=own, extra=args.trust, trust_file=args.trust_file)
