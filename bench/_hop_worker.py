@@ -5,7 +5,8 @@ and a client, both from whichever meshnet_p2p is first on PYTHONPATH.
 
 Prints ``ready <tree>``, then for each ``START N`` line on stdin steps tokens
 START..START+N-1 and prints one JSON line: each step's seconds and the sha256
-of each output. Uses only API that trees before and after issue 12 share.
+of each output. Uses only API that trees before and after issue 12 share, in either layout
+(flat modules before issue 25, subpackages after).
 """
 
 from __future__ import annotations
@@ -17,13 +18,20 @@ import sys
 import time
 
 import meshnet_p2p
-from meshnet_p2p.dataplane.stub import ShardClient, open_channel
-from meshnet_p2p.dataplane.transport.tls import verify_binding
-from meshnet_p2p.core.multiaddr import Multiaddr
-from meshnet_p2p.roles.peer_process import PeerProcess
-from meshnet_p2p.core.records import wall_ms
+try:  # the layout of issue 25 on
+    from meshnet_p2p.dataplane.stub import ShardClient, open_channel
+    from meshnet_p2p.dataplane.transport.tls import verify_binding
+    from meshnet_p2p.core.multiaddr import Multiaddr
+    from meshnet_p2p.roles.peer_process import PeerProcess
+    from meshnet_p2p.core.records import wall_ms
+except ImportError:  # a tree before it: the same API, flat modules
+    from meshnet_p2p.dataplane.client import ShardClient, open_channel
+    from meshnet_p2p.dataplane.tls import verify_binding
+    from meshnet_p2p.multiaddr import Multiaddr
+    from meshnet_p2p.peer_process import PeerProcess
+    from meshnet_p2p.records import wall_ms
 
-from hop_ab import hidden_states
+from _hidden import hidden_states
 
 
 def main() -> int:

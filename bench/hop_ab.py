@@ -24,23 +24,17 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 
-from meshnet_p2p.engine.contract import HIDDEN, DecodeRequest, LoadRequest, OpenRequest, Tensor, TensorBundle
+from meshnet_p2p.engine.contract import DecodeRequest, LoadRequest, OpenRequest
 from meshnet_p2p.engine.cut import parse_layer_range, sha256_file
 from meshnet_p2p.engine.llama_engine import LlamaCppShardEngine
 from meshnet_p2p.engine.models import default_model_path, ensure_shard
 
+from _hidden import hidden_states
 from _report import print_report  # bench/ is on sys.path when a bench runs
 from _smoke import parse_args
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def hidden_states(n: int, n_embd: int) -> list[TensorBundle]:
-    rng = np.random.default_rng(0)  # the workers make the same ones
-    return [TensorBundle((Tensor(HIDDEN, "f32", (1, n_embd), (rng.standard_normal((1, n_embd)) * 0.1)
-                                 .astype(np.float32).tobytes()),)) for _ in range(n)]
 
 
 class Worker:
