@@ -40,17 +40,11 @@ from .wire import (
     capability_from_proto,
     fingerprint_to_proto,
     link_to_proto,
+    method_path,
     rollback_to_proto,
     sampling_to_proto,
 )
 from meshnet_p2p.dataplane.transport.tls import TLS_NAME, TlsCredentials, default_client_credentials
-
-_SERVICE = pb.DESCRIPTOR.services_by_name["ShardRuntime"].full_name
-
-
-def _path(method: str) -> str:
-    return f"/{_SERVICE}/{method}"
-
 
 class ShardError(MeshnetError):
     """The peer answered with a typed error."""
@@ -117,7 +111,7 @@ def open_attach(channel: Channel, session_id: str, attach_token: bytes, route_ep
     """A stream that attaches to the peer's open ``session_id`` (the ring), and its
     first answer (None: the stream ended unanswered). Raises ChannelError, or
     DecodeError for garbage; the caller ends the stream."""
-    call = channel.stream(_path("Session"), timeout=call_timeout, with_first_message=True)
+    call = channel.stream(method_path("Session"), timeout=call_timeout, with_first_message=True)
     try:
         call.send(pb.SessionRequest(attach=pb.AttachOpen(session_id=session_id, attach_token=attach_token,
                                                          route_epoch=route_epoch)).SerializeToString())
@@ -146,7 +140,7 @@ class ShardClient:
 
     def _unary(self, method: str, request, reply_type):
         try:
-            raw = self.channel.unary(_path(method), request.SerializeToString(), timeout=self.timeout)
+            raw = self.channel.unary(method_path(method), request.SerializeToString(), timeout=self.timeout)
         except ChannelError as e:
             raise ShardConnectionError.of(e) from None
         return _parse(reply_type, raw)
@@ -244,7 +238,7 @@ class SessionStream:
         self.record = record
         self.responses: list[bytes] = []  # with record=True: every response exactly as received
         try:
-            self._call: CallStream = client.channel.stream(_path("Session"), timeout=timeout, with_first_message=True)
+            self._call: CallStream = client.channel.stream(method_path("Session"), timeout=timeout, with_first_message=True)
         except ChannelError as e:
             raise ShardConnectionError.of(e) from None
         accepted = self.request(pb.SessionRequest(open=pb.SessionOpen(

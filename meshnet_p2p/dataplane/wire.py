@@ -129,8 +129,8 @@ def reply_error(code: int, detail: str, *, work_id: str = "", step: int = 0, ret
 
 
 def served_fingerprint(model_digest: str, recipe_digest: str, recipe: dict) -> pb.Fingerprint:
-    return pb.Fingerprint(model_digest=model_digest, recipe_digest=recipe_digest,
-                          recipe_axes={k: str(v) for k, v in recipe.items()})
+    """What this peer serves, each recipe axis spelled as text (as a client's Fingerprint has it)."""
+    return fingerprint_to_proto(Fingerprint(model_digest, recipe_digest, {k: str(v) for k, v in recipe.items()}))
 
 
 def layer_range(start: int, end: int, total: int) -> pb.LayerRange:
