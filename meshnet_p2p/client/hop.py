@@ -16,7 +16,7 @@ from meshnet_p2p.dataplane.ring import ATTACH_TOKEN_BYTES
 from meshnet_p2p.dataplane.stub import SessionStream, ShardClient, lease_channel
 from meshnet_p2p.dataplane.transport.pool import ChannelPool
 from meshnet_p2p.dataplane.transport.tls import TlsCredentials, cert_identity
-from meshnet_p2p.dataplane.wire import Fingerprint, PeerCapability
+from meshnet_p2p.dataplane.wire import Fingerprint, PeerCapability, recipe_fingerprint
 from meshnet_p2p.swarm.placement import Span
 from meshnet_p2p.trust.attestation import SEAM_DOMAIN, RowDigest
 
@@ -50,8 +50,7 @@ def connect(span: Span, timeout: float, client_creds: TlsCredentials | None = No
 
 def route_fingerprint(report: dict) -> Fingerprint:
     """The fingerprint a route opens every hop with: its model and recipe, each axis spelled out."""
-    return Fingerprint(report["model_digest"], report["recipe_digest"],
-                       {k: str(v) for k, v in (report.get("recipe") or {}).items()})
+    return recipe_fingerprint(report["model_digest"], report["recipe_digest"], report.get("recipe") or {})
 
 
 def route_n_ubatch(report: dict, cap: PeerCapability) -> int:

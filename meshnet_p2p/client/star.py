@@ -14,7 +14,6 @@ from .failover import replace_hop
 
 
 class StarRoute(Chain):
-    ring = False
 
     def step(self, position: int, token_ids: Sequence[int], decode: bool):
         """One step through every hop; returns the tail's reply."""

@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
-from meshnet_p2p.engine.contract import OpenRequest, SamplingParams, ShardEngine, check_session_id
+from meshnet_p2p.engine.contract import OpenRequest, ShardEngine, check_session_id
 from meshnet_p2p.engine.recipe import explain_mismatch
 from meshnet_p2p.engine.sessions import context_refusal
 from meshnet_p2p.core.identity import Identity
@@ -337,12 +337,8 @@ class ShardRuntimeServicer:
         if msg.max_tokens <= 0:  # the KV positions to reserve: zero would be a session that can do nothing
             self._forget(sid)
             return _error(E.INVALID_ARGUMENT, f"max_tokens must be positive, not {msg.max_tokens}", terminal=True), None
-        sampling_msg = msg.sampling
         try:
-            sampling = SamplingParams(
-                temperature=sampling_msg.temperature, top_k=sampling_msg.top_k,
-                top_p=sampling_msg.top_p or 1.0, seed=sampling_msg.seed,
-            )
+            sampling = wire.sampling_from_proto(msg.sampling)
             status = self.engine.open_session(OpenRequest(sid, msg.max_tokens, sampling))
         except ValueError as e:
             self._forget(sid)

@@ -129,8 +129,8 @@ def reply_error(code: int, detail: str, *, work_id: str = "", step: int = 0, ret
 
 
 def served_fingerprint(model_digest: str, recipe_digest: str, recipe: dict) -> pb.Fingerprint:
-    """What this peer serves, each recipe axis spelled as text (as a client's Fingerprint has it)."""
-    return fingerprint_to_proto(Fingerprint(model_digest, recipe_digest, {k: str(v) for k, v in recipe.items()}))
+    """What this peer serves, in the form a client opens a session with."""
+    return fingerprint_to_proto(recipe_fingerprint(model_digest, recipe_digest, recipe))
 
 
 def layer_range(start: int, end: int, total: int) -> pb.LayerRange:
@@ -254,6 +254,11 @@ class LinkOrder:
     stop_at_eog: bool
 
 
+def recipe_fingerprint(model_digest: str, recipe_digest: str, recipe: Mapping[str, object]) -> Fingerprint:
+    """A model and recipe with each axis spelled as text, as peers compare them."""
+    return Fingerprint(model_digest, recipe_digest, {k: str(v) for k, v in recipe.items()})
+
+
 def fingerprint_to_proto(fp: Fingerprint) -> pb.Fingerprint:
     return pb.Fingerprint(model_digest=fp.model_digest, recipe_digest=fp.recipe_digest,
                           recipe_axes=dict(fp.recipe_axes))
@@ -265,6 +270,11 @@ def fingerprint_from_proto(msg: pb.Fingerprint) -> Fingerprint:
 
 def sampling_to_proto(s: SamplingParams) -> pb.Sampling:
     return pb.Sampling(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
+
+
+def sampling_from_proto(s: pb.Sampling) -> SamplingParams:
+    """A session's sampling; an unset top_p (0) means none (1.0). Raises ValueError if out of range."""
+    return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0, seed=s.seed)
 
 
 def capability_from_proto(cap: pb.Capability) -> PeerCapability:

@@ -79,10 +79,8 @@ def dial_checks(node: DHTNode) -> DialBackServer:
     return serve_dial_backs(node, tls_dial_check)
 
 
-def _client_context() -> ssl.SSLContext:
-    # The certificate is self-signed and nobody's root: the check is the identity
-    # extension (peer_of_der), and the handshake proves the server holds its key.
-    return client_context(None)
+# client_context(None): the certificate is self-signed and nobody's root, so the check
+# is the identity extension (peer_of_der), and the handshake proves the server holds its key.
 
 
 async def tls_dial_check(peer_id: PeerId, addr_text: str, timeout: float = DIAL_TIMEOUT) -> tuple[bool, str]:
@@ -105,7 +103,7 @@ async def tls_dial_check(peer_id: PeerId, addr_text: str, timeout: float = DIAL_
             except BaseException:
                 sock.close()
                 raise
-            stream = trio.SSLStream(trio.SocketStream(sock), _client_context(), server_hostname=TLS_NAME)
+            stream = trio.SSLStream(trio.SocketStream(sock), client_context(None), server_hostname=TLS_NAME)
             await stream.do_handshake()
             outcome = _identity_outcome(stream, peer_id)
         except ConnectionRefusedError:
@@ -145,7 +143,7 @@ async def relay_dial_check(peer_id: PeerId, relay: Multiaddr, timeout: float = R
             # SSLStream could not be handed bytes read past the answer
             while dialog.receive(await raw.receive_some(1)) is None:
                 pass
-            stream = trio.SSLStream(raw, _client_context(), server_hostname=TLS_NAME)
+            stream = trio.SSLStream(raw, client_context(None), server_hostname=TLS_NAME)
             await stream.do_handshake()
             outcome = _identity_outcome(stream, peer_id)
         except ConnectError as e:

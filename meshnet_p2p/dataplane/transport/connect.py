@@ -127,6 +127,8 @@ class ConnectHead:
                 self._target = event.target.decode("latin-1")
             elif isinstance(event, h11.EndOfMessage):
                 return self._target
+            elif isinstance(event, h11.ConnectionClosed):
+                break  # said below, as a close before the head ended
             else:  # Data: a CONNECT carries no body
                 raise ConnectError("the CONNECT request has a body")
         if data == b"":
