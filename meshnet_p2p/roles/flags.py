@@ -130,8 +130,10 @@ def run_listener(listen: str, async_fn, *args, doing: str = "listen") -> int:
     outside its nurseries becomes one line here (grouped ones, in cli.main)."""
     import trio
 
+    from meshnet_p2p.core.lifecycle import catching_signals
+
     try:
-        trio.run(async_fn, *args)
+        trio.run(catching_signals, async_fn, *args)
     except OSError as e:
         raise MeshnetError(f"cannot {doing} on {listen}: {e.strerror or e}") from None
     return 0

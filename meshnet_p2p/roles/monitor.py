@@ -389,6 +389,7 @@ async def _serve(seeds: list, trust: TrustPolicy, host: str, port: int, interval
 def run(args: argparse.Namespace, print_line=lambda line: print(line, flush=True)) -> int:
     import trio
 
+    from meshnet_p2p.core.lifecycle import catching_signals
     from meshnet_p2p.trust.policy import TrustPolicy
     from meshnet_p2p.swarm.node import bootstrap_addrs, parse_listen
 
@@ -400,7 +401,7 @@ def run(args: argparse.Namespace, print_line=lambda line: print(line, flush=True
     trust = TrustPolicy.default(seeds, extra=args.trust, trust_file=args.trust_file)
     try:
         with unwrap_errors(MeshnetError, OSError):
-            trio.run(_serve, seeds, trust, host, port, args.interval, print_line, metrics)
+            trio.run(catching_signals, _serve, seeds, trust, host, port, args.interval, print_line, metrics)
     except OSError as e:  # the port taken, an address not ours
         raise MeshnetError(f"cannot serve the monitor on {args.listen}: {e.strerror or e}") from None
     return 0
