@@ -35,6 +35,7 @@ class Chain:
         self.session_id = uuid.uuid4().hex  # the route's own name (each hop's session has its own ID)
         self.epoch = 0
         self.failovers = 0
+        self.retired: list[Hop] = []  # hops failed over, kept for their transcripts (audits)
 
     @classmethod
     def open(cls, spans_provider: Callable[[], list[Span]], n_layer: int, opts: RouteOptions,
@@ -73,6 +74,7 @@ class Chain:
             self.search.measures.decode_step(hop.span.peer_id, (time.perf_counter() - t0) * 1000)
         self.check_kind(hop, reply)
         hop.history.append((position, payload, decode))  # only what it really computed is replayed
+        hop.replies.append(reply)  # and what it answered: audited by replay (transcript.py)
         if self.opts.attest:
             if hidden:
                 hop.inputs.hidden(position, payload)

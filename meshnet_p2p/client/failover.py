@@ -28,6 +28,7 @@ def blame(route: Chain, hop: Hop, error: Exception, then: str) -> None:
         route.search.ban(hop.span.peer_id)
     route.opts.on_event(f"peer {hop.span.peer_id} failed on layers {hop.span.start}-{hop.span.end - 1} "
                         f"({error}); {then}")
+    route.retired.append(hop)  # what it answered before it failed may still be audited
     hop.close()
 
 

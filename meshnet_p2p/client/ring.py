@@ -88,6 +88,7 @@ class RingRoute(Chain):
             except (ShardConnectionError, ShardError) as e:
                 return None, (i, e)
             hop.history.append((position, payload, decode))  # what it computed: replayed on failover
+            hop.replies.append(reply)  # and what it answered: audited by replay (transcript.py)
             payload = reply.hidden
         return reply, None
 
@@ -103,7 +104,9 @@ class RingRoute(Chain):
             self.epoch += 1
             self._ring_next = None
             for hop in self.hops:  # what is past `position` is computed again, on the new route
-                hop.history = [h for h in hop.history if h[0] < position]
+                keep = [i for i, h in enumerate(hop.history) if h[0] < position]
+                hop.history = [hop.history[i] for i in keep]
+                hop.replies = [hop.replies[i] for i in keep]
             fault = rollback_others(self, failed, position) or replace_failed(self, failed) or self._link()
 
     def _link(self) -> Fault | None:

@@ -1,0 +1,57 @@
+"""What one hop of a generation was given and answered, kept by the client so
+that the hop's work can be checked later by exact replay on other peers of
+the same recipe (audit.py) and, when it does not match, shown to others.
+
+A transcript is plain data taken from an open (or closed) hop: the peer and
+its span, the route's fingerprint and micro-batch size, the session's
+sampling, and each step it computed, in order, as (position, input, decode)
+with the peer's reply (its output, and its signed commitment when the peer
+sends one). Steps a ring rolled back are not in it: a rollback is exact, so
+the surviving steps replayed from an empty session reach the same state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from meshnet_p2p.dataplane.wire import Fingerprint
+from meshnet_p2p.engine.contract import SamplingParams, TensorBundle
+
+from .hop import Hop, route_fingerprint
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    position: int
+    input: object  # token ids (a tuple) for a head, else a TensorBundle
+    decode: bool
+    reply: object  # the peer's StepReply: .hidden, or .token_id and .is_eog; .commitment when signed
+
+    @property
+    def rows(self) -> int:
+        return len(self.input) if not isinstance(self.input, TensorBundle) else self.input.tensors[0].shape[0]
+
+
+@dataclass(frozen=True)
+class HopTranscript:
+    peer_id: str
+    start: int
+    end: int
+    n_layer: int
+    fingerprint: Fingerprint  # the route's: what every replayer is opened with
+    n_ubatch: int
+    sampling: SamplingParams
+    max_tokens: int  # KV positions the session reserved (a replay reserves as many)
+    session_id: str
+    steps: tuple[StepRecord, ...]
+
+    @property
+    def is_tail(self) -> bool:
+        return self.end == self.n_layer
+
+
+def transcript_of(hop: Hop, n_layer: int, sampling: SamplingParams, max_tokens: int) -> HopTranscript:
+    steps: Sequence[StepRecord] = [StepRecord(p, x, d, r) for (p, x, d), r in zip(hop.history, hop.replies)]
+    return HopTranscript(hop.span.peer_id, hop.span.start, hop.span.end, n_layer,
+                         route_fingerprint(hop.span.record.content), hop.n_ubatch, sampling, max_tokens,
+                         hop.stream.session_id, tuple(steps))
