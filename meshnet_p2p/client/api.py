@@ -44,14 +44,17 @@ from meshnet_p2p.trust.policy import TrustPolicy
 
 from . import bridge
 from .chain import Chain
+from .crosscheck import CrossCheckedRoute, OutputWithheld, peers_of
 from .errors import GenerationError, RequestRefused
 from .generation import Generation, generate
 from .options import PeerMeasures, RouteOptions
+from .records import AUDIT_RATE, PeerRecords
 from .ring import RingRoute
 from .star import StarRoute
 from .text import TextStream, prompt_ids
 
 SPANS_MAX_AGE_S = 5.0  # a generation may start from a survey this recent (a failover always surveys afresh)
+VERIFY_MODES = ("auto", "always", "off")
 
 
 def open_route(spans_provider: Callable[[], list[Span]], n_layer: int, opts: RouteOptions,
@@ -67,6 +70,7 @@ class GenerationResult(Generation):
     text: str = ""
     route: list[dict] = field(default_factory=list)
     failovers: int = 0
+    verification: dict = field(default_factory=dict)  # whether and how the output was checked
 
 
 class Client:
@@ -78,7 +82,8 @@ class Client:
     def __init__(self, bootstrap: Sequence[str | Multiaddr], *, model_path: str | None = None,
                  model_digest: str | None = None, step_timeout: float = 10.0, max_failovers: int = 4,
                  on_event: Callable[[str], None] | None = None, trust: TrustPolicy | None = None,
-                 identity: Identity | None = None, ring: bool = True) -> None:
+                 identity: Identity | None = None, ring: bool = True, verify: str = "auto",
+                 audit_rate: float = AUDIT_RATE) -> None:
         from meshnet_p2p.engine.cut import inspect_gguf
         from meshnet_p2p.engine.tokenizer import Tokenizer
         from meshnet_p2p.engine.models import default_model_path
@@ -104,6 +109,15 @@ class Client:
         self._survey: tuple[float, list[Span]] | None = None
         self._surveying: threading.Event | None = None
         self.stats = ClientStats()  # generations, tokens, failovers: read by the api role's metrics
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, not {verify!r}")
+        if not 0.0 <= audit_rate <= 1.0:
+            raise ValueError(f"audit_rate must be between 0 and 1, not {audit_rate!r}")
+        # "auto": a route that depends on a peer with no verified record is cross-checked by a second
+        # route; "always": every generation is; "off": none (docs/verification.md)
+        self.verify = verify
+        self.audit_rate = audit_rate
+        self.records = PeerRecords()  # what this client verified of each peer, and whom it caught
 
     def close(self) -> None:
         """Close the connections this client keeps to peers (generations under way fail)."""
@@ -125,7 +139,10 @@ class Client:
         with self._survey_lock:
             self._surveying = self._surveying or mine
         try:
-            spans = routable_spans(await survey(self.bootstrap, self.model_digest, self.n_layer, self.trust), self.trust)
+            view = await survey(self.bootstrap, self.model_digest, self.n_layer, self.trust)
+            spans = routable_spans(view, self.trust)
+            # the peers whose work a trusted certificate's evidence shows exact have a verified record
+            self.records.vouch(p for r in view.certified() for p, _, _ in r.certificate.route)
             with self._survey_lock:
                 self._survey = (time.monotonic(), spans)
             return spans
@@ -141,24 +158,34 @@ class Client:
         looks = itertools.count()
 
         def provide() -> list[Span]:
-            return run(functools.partial(self.spans, max_age_s=0.0 if next(looks) else SPANS_MAX_AGE_S))
+            spans = run(functools.partial(self.spans, max_age_s=0.0 if next(looks) else SPANS_MAX_AGE_S))
+            caught = self.records.caught()  # a peer proven to compute something else is never planned again
+            return [s for s in spans if s.peer_id not in caught] if caught else spans
         return provide
 
     def generate(self, prompt: str, max_tokens: int = 64, sampling: SamplingParams | None = None, *,
-                 chat: bool = False, on_token: Callable[[str], None] | None = None, stop_at_eog: bool = True) -> GenerationResult:
-        """From plain (non-trio) code."""
+                 chat: bool = False, on_token: Callable[[str], None] | None = None, stop_at_eog: bool = True,
+                 verify: str | None = None) -> GenerationResult:
+        """From plain (non-trio) code. ``verify``: this generation's mode (default: the client's)."""
         return bridge.from_plain_code(functools.partial(
             self._generate, prompt=prompt, max_tokens=max_tokens, sampling=sampling or SamplingParams(),
-            chat=chat, on_token=on_token, stop_at_eog=stop_at_eog))
+            chat=chat, on_token=on_token, stop_at_eog=stop_at_eog, verify=self._mode(verify)))
 
     async def agenerate(self, prompt: str, max_tokens: int = 64, sampling: SamplingParams | None = None, *,
                         chat: bool = False, on_token: Callable[[str], None] | None = None,
-                        stop_at_eog: bool = True) -> GenerationResult:
+                        stop_at_eog: bool = True, verify: str | None = None) -> GenerationResult:
         """From trio: the token loop runs in one worker thread (blocking gRPC), and
         route discovery comes back to this trio loop."""
         return await bridge.from_trio(functools.partial(
             self._generate, prompt=prompt, max_tokens=max_tokens, sampling=sampling or SamplingParams(),
-            chat=chat, on_token=on_token, stop_at_eog=stop_at_eog))
+            chat=chat, on_token=on_token, stop_at_eog=stop_at_eog, verify=self._mode(verify)))
+
+    def _mode(self, verify: str | None) -> str:
+        if verify is None:
+            return self.verify
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, not {verify!r}")
+        return verify
 
     def _generate(self, run: bridge.AsyncRunner, **request) -> GenerationResult:
         try:
@@ -180,13 +207,13 @@ class Client:
                             client_creds=self.client_creds, pool=self.pool,
                             on_event=self.on_event or (lambda msg: None))
 
-    def _run(self, provider, *, prompt, max_tokens, sampling, chat, on_token, stop_at_eog) -> GenerationResult:
+    def _run(self, provider, *, prompt, max_tokens, sampling, chat, on_token, stop_at_eog, verify) -> GenerationResult:
         ids = prompt_ids(self.tokenizer, prompt, chat)
         if not ids:
             raise GenerationError("the prompt is empty")
+        opts = self.route_options(len(ids) + max_tokens, sampling, stop_at_eog)
         try:
-            route = open_route(provider, self.n_layer, self.route_options(len(ids) + max_tokens, sampling, stop_at_eog),
-                               self.measures)
+            route = self._open_checked(provider, opts, verify)
         except RequestRefused as e:  # say what was asked, beside what the peers said they hold
             raise RequestRefused(f"the prompt has {len(ids)} tokens and max_tokens asks for {max_tokens} more "
                                  f"({len(ids) + max_tokens} positions in all): {e}") from None
@@ -197,7 +224,45 @@ class Client:
             return GenerationResult(prompt_tokens=len(ids), token_ids=run.token_ids, ttft_ms=run.ttft_ms,
                                     decode_ms=run.decode_ms, stopped=run.stopped, steps=run.steps,
                                     text=self.tokenizer.decode(run.token_ids),
-                                    route=route.route(), failovers=route.failovers)
+                                    route=route.route(), failovers=route.failovers,
+                                    verification=self._verification(route, verify))
         finally:
             self.stats.failovers.add("failovers", route.failovers)  # a failed generation's too
             route.close()
+
+    def _open_checked(self, provider, opts: RouteOptions, verify: str):
+        """The route a generation runs on: one route, or two disjoint ones cross-checked
+        step by step when it depends on a peer with no verified record (or always)."""
+        primary = open_route(provider, self.n_layer, opts, self.measures)
+        unverified = sorted(p for p in peers_of(primary) if not self.records.verified(p))
+        if verify == "off" or (verify == "auto" and not unverified):
+            return primary
+
+        def open_disjoint(exclude: set[str]) -> Chain:
+            return open_route(lambda: [s for s in provider() if s.peer_id not in exclude], self.n_layer, opts,
+                              self.measures)
+        try:
+            shadow = open_disjoint(peers_of(primary) | set(self.records.caught()))
+        except GenerationError as e:
+            if verify == "always":
+                primary.close()
+                raise OutputWithheld(f"verification needs two routes with no peer in common, and there is no "
+                                     f"second one: {e}") from None
+            opts.on_event(f"no second route to check peers with no verified record "
+                          f"({', '.join(p[-8:] for p in unverified)}): the output is not cross-checked ({e})")
+            return primary
+        except BaseException:
+            primary.close()
+            raise
+        return CrossCheckedRoute([primary, shadow], open_disjoint, self.records, on_event=opts.on_event)
+
+    def _verification(self, route, verify: str) -> dict:
+        if isinstance(route, CrossCheckedRoute):
+            return route.summary()
+        peers = sorted(peers_of(route))
+        unverified = [p for p in peers if not self.records.verified(p)]
+        if verify == "off":
+            mode = "off"
+        else:
+            mode = "unchecked" if unverified else "verified-peers"
+        return {"mode": mode, "unverified_peers": unverified}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 import trio
 from fastapi import FastAPI, Request
@@ -39,6 +39,7 @@ class CompletionRequest(BaseModel):
     top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0)
     stream: bool = False
+    verify: Literal["auto", "always", "off"] | None = None  # meshnet: how the output is checked (default: the server's)
 
 
 class ChatMessage(BaseModel):
@@ -55,6 +56,7 @@ class ChatRequest(BaseModel):
     top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
     seed: int | None = Field(default=None, ge=0)
     stream: bool = False
+    verify: Literal["auto", "always", "off"] | None = None
 
 
 def _error(status: int, message: str, kind: str) -> JSONResponse:
@@ -98,10 +100,12 @@ def create_app(client: Client, model_name: str) -> FastAPI:
             pass
         return {"object": "list", "data": data}
 
-    async def run(prompt: str, max_tokens: int, params: SamplingParams, stream: bool, make_chunk, make_final):
+    async def run(prompt: str, max_tokens: int, params: SamplingParams, stream: bool, make_chunk, make_final,
+                  verify: str | None = None):
         """The prompt goes to the swarm as is (a chat request's template is already applied)."""
         if not stream:
-            return make_final(await client.agenerate(prompt, max_tokens, params))
+            result = await client.agenerate(prompt, max_tokens, params, verify=verify)
+            return {**make_final(result), "meshnet_verification": result.verification}
         # every event is a dict until it is written out: text chunks, the final chunk, an error
         send, recv = trio.open_memory_channel[dict[str, Any]](1024)
         token = trio.lowlevel.current_trio_token()
@@ -114,8 +118,8 @@ def create_app(client: Client, model_name: str) -> FastAPI:
             async with send:
                 task_status.started()
                 try:
-                    result = await client.agenerate(prompt, max_tokens, params, on_token=on_token)
-                    await send.send(make_chunk("", result.stopped))
+                    result = await client.agenerate(prompt, max_tokens, params, on_token=on_token, verify=verify)
+                    await send.send({**make_chunk("", result.stopped), "meshnet_verification": result.verification})
                 except MeshnetError as e:
                     await send.send({"error": {"message": str(e), "type": "swarm_unavailable"}})
 
@@ -144,7 +148,7 @@ def create_app(client: Client, model_name: str) -> FastAPI:
             doc["usage"] = _usage(result)
             return doc
 
-        return await run(prompt, req.max_tokens or 16, sampling(req), req.stream, chunk, final)
+        return await run(prompt, req.max_tokens or 16, sampling(req), req.stream, chunk, final, req.verify)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest):
@@ -166,7 +170,7 @@ def create_app(client: Client, model_name: str) -> FastAPI:
                     "usage": _usage(result)}
 
         max_tokens = req.max_completion_tokens or req.max_tokens or 256
-        return await run(prompt, max_tokens, sampling(req), req.stream, chunk, final)
+        return await run(prompt, max_tokens, sampling(req), req.stream, chunk, final, req.verify)
 
     return app
 
@@ -215,7 +219,7 @@ def run(args) -> int:
     metrics = metrics_listen(args)
     seeds = required_seeds(args)
     client = Client(seeds, model_path=model_path(args.model) if args.model else None, step_timeout=args.step_timeout,
-                    trust=trust_policy(args, seeds))
+                    trust=trust_policy(args, seeds), verify=args.verify, audit_rate=args.audit_rate)
     return run_listener(args.listen, serve_api, client, client.model_name, host, port, print_line, metrics)
 
 

@@ -18,8 +18,8 @@ from meshnet_p2p.core.errors import MeshnetError, sanitize, unwrap_errors
 # the shared flag helpers (flags.py), by the names this module's parser and `generate` use
 from .flags import (
     add_bootstrap as _add_bootstrap, add_engine_flags as _add_engine_flags, add_identity as _add_identity,
-    add_metrics as _add_metrics, add_trust as _add_trust, model_path as _model_path, nonneg_float as _nonneg_float,
-    positive as _positive, positive_float as _positive_float, required_seeds as _required_seeds,
+    add_metrics as _add_metrics, add_trust as _add_trust, add_verify as _add_verify, model_path as _model_path,
+    nonneg_float as _nonneg_float, positive as _positive, positive_float as _positive_float, required_seeds as _required_seeds,
     trust_policy as _trust,
 )
 
@@ -108,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     api.add_argument("--listen", default="127.0.0.1:8000", help="HOST:PORT for HTTP (port 0: any)")
     api.add_argument("--model", help="GGUF model whose tokenizer to use (default: the embedded model)")
     api.add_argument("--step-timeout", type=float, default=10.0)
+    _add_verify(api)
     _add_trust(api)
     _add_identity(api)
     _add_metrics(api)
@@ -155,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    _add_verify(gen)
     gen.add_argument("--n-ubatch", type=_positive, default=64, help="micro-batch size (part of the recipe)")
     gen.add_argument("--seam-dtype", choices=("f32", "f16", "bf16"), default="f32")
     gen.add_argument("--threads", type=_positive, default=None)
@@ -217,7 +219,8 @@ def _generate_network(args: argparse.Namespace, sampling) -> int:
         model = _model_path(args.model)
     events = (lambda msg: print(f"[{sanitize(msg)}]", file=sys.stderr, flush=True))
     client = Client(seeds, model_path=model, model_digest=digest, step_timeout=args.step_timeout, on_event=events,
-                    trust=_trust(args, seeds), ring=not args.star)
+                    trust=_trust(args, seeds), ring=not args.star, verify=args.verify,
+                    audit_rate=args.audit_rate)
     result = client.generate(args.prompt, args.max_tokens, sampling, chat=args.chat,
                              on_token=None if args.json else _write_out)
     if args.json:
@@ -229,6 +232,7 @@ def _generate_network(args: argparse.Namespace, sampling) -> int:
             "route": result.route,
             "failovers": result.failovers,
             "model_digest": client.model_digest,
+            "verification": result.verification,
             "timing": {"ttft_ms": round(result.ttft_ms, 3), "decode_ms": round(result.decode_ms, 3),
                        "decode_tokens_per_s": round(result.decode_tokens_per_s, 3)},
         }))

@@ -78,6 +78,26 @@ def add_trust(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trust-file", metavar="PATH", help="a file of certifier peer IDs to accept, one a line")
 
 
+def audit_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be between 0 and 1")
+    return value
+
+
+def add_verify(p: argparse.ArgumentParser) -> None:
+    """How a generation's output is checked (docs/verification.md)."""
+    p.add_argument("--verify", nargs="?", const="always", default="auto", choices=("auto", "always", "off"),
+                   help="check every step on two routes with no peer in common (alone: always; auto, the default: "
+                        "when the route depends on a peer with no verified record; off: never)")
+    p.add_argument("--audit-rate", type=audit_rate, default=0.05, metavar="Q",
+                   help="at least this share of hop-sessions of peers with a verified record is audited by exact "
+                        "replay after the generation (peers without one: every session; default 0.05)")
+
+
 def metrics_listen(args: argparse.Namespace) -> str | None:
     """--metrics, checked before anything starts (a bad value: one error line, exit 2)."""
     if args.metrics is None:

@@ -1,0 +1,179 @@
+"""Cross-checked generation: two routes with no peer in common, stepped side by
+side, and a token handed on only when both computed it.
+
+Used when a route depends on a peer with no verified record (records.py), or
+always with ``verify="always"``. Honest peers of one certified recipe compute
+bit-identical outputs, so two honest routes give the same token at every step;
+a disagreement means at least one peer computed something else. It is settled
+by a third route, disjoint from both, brought to the same step by replaying the
+generation's steps (the same prompt chunks and tokens, so the same micro-batch
+structure): the route the third agrees with goes on, the other is dropped. A
+dropped route of one hop was given exactly the inputs the two others were, so
+its peer is proven wrong by two independent replays (caught, left out of every
+plan); a dropped route of several hops is handed to ``localize`` (an audit of
+each hop by replay) to find which one. When no third route exists, or it agrees
+with neither, the answer is withheld (:class:`OutputWithheld`), never guessed.
+"""
+
+from __future__ import annotations
+
+from concurrent import futures
+from typing import Callable, Sequence
+
+from meshnet_p2p.core.errors import MeshnetError
+
+from .chain import Chain
+from .errors import GenerationError
+from .records import PeerRecords
+
+
+class OutputWithheld(GenerationError):
+    """The routes disagreed and nothing could decide which one is right."""
+
+
+def same_output(a, b) -> bool:
+    return (a.token_id, bool(a.is_eog)) == (b.token_id, bool(b.is_eog))
+
+
+def peers_of(route: Chain) -> set[str]:
+    """Every peer that computed anything for ``route`` (failed-over ones too)."""
+    return {h.span.peer_id for h in [*route.hops, *route.retired]}
+
+
+def _describe(reply) -> str:
+    return "end of generation" if reply.is_eog else f"token {reply.token_id}"
+
+
+class CrossCheckedRoute:
+    """A Route (generation.py) over two disjoint routes; ``open_disjoint(exclude)``
+    opens another route over every layer, with none of the peers in ``exclude``."""
+
+    def __init__(self, routes: Sequence[Chain], open_disjoint: Callable[[set[str]], Chain], records: PeerRecords,
+                 *, localize: Callable[[Chain], list[str]] | None = None,
+                 on_event: Callable[[str], None] = lambda msg: None) -> None:
+        if len(routes) != 2:
+            raise ValueError("a cross-checked route steps two routes")
+        self.routes = list(routes)
+        self.open_disjoint = open_disjoint
+        self.records = records
+        self.localize = localize
+        self.on_event = on_event
+        self.steps: list[tuple[int, tuple[int, ...], bool]] = []  # every step so far, to bring a new route level
+        self.disputes: list[dict] = []
+        self.dropped: list[Chain] = []  # routes dropped (their hops' transcripts are still audited)
+        self._pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="cross-check")
+
+    @property
+    def n_ubatch(self) -> int:
+        return self.routes[0].n_ubatch  # one certified recipe: one micro-batch size
+
+    @property
+    def failovers(self) -> int:
+        return sum(r.failovers for r in [*self.routes, *self.dropped])
+
+    def route(self) -> list[dict]:
+        return self.routes[0].route()
+
+    def all_routes(self) -> list[Chain]:
+        return [*self.routes, *self.dropped]
+
+    def _excluded(self) -> set[str]:
+        return set().union(*(peers_of(r) for r in self.all_routes())) | set(self.records.caught())
+
+    def step(self, position: int, token_ids: Sequence[int], decode: bool):
+        token_ids = tuple(token_ids)
+        self.steps.append((position, token_ids, decode))
+        replies = self._step_both(position, token_ids, decode)
+        if same_output(*replies):
+            return replies[0]
+        return self._settle(position, replies)
+
+    def _step_both(self, position: int, token_ids: tuple[int, ...], decode: bool) -> list:
+        """Both routes' replies to one step, side by side; a route that gives up
+        (its failovers spent) is replaced by a new disjoint one brought level."""
+        pending = [self._pool.submit(r.step, position, token_ids, decode) for r in self.routes]
+        replies = []
+        for i, f in enumerate(pending):
+            try:
+                replies.append(f.result())
+            except GenerationError as e:
+                replies.append(self._replace(i, e))
+        return replies
+
+    def _replace(self, index: int, error: Exception):
+        """The route at ``index`` failed for good: a new one, disjoint from every route so far, brought
+        to the current step; its reply to that step. Without one the output would rest on one route."""
+        old = self.routes[index]
+        self.on_event(f"a cross-checking route failed ({error}); opening another")
+        old.close()
+        self.dropped.append(old)
+        try:
+            new = self.open_disjoint(self._excluded())
+        except MeshnetError as e:
+            raise OutputWithheld(f"a cross-checking route failed ({error}) and no other route with no peer in "
+                                 f"common could replace it ({e}); the answer is withheld") from None
+        self.routes[index] = new
+        return self._bring_level(new)
+
+    def _bring_level(self, route: Chain):
+        """Replay every step so far through ``route``; its reply to the last."""
+        reply = None
+        for position, token_ids, decode in self.steps:
+            reply = route.step(position, token_ids, decode)
+        return reply
+
+    def _settle(self, position: int, replies: list):
+        a, b = self.routes
+        what = f"at position {position} the routes disagree ({_describe(replies[0])} and {_describe(replies[1])})"
+        self.on_event(f"{what}; asking a third route")
+        try:
+            third = self.open_disjoint(self._excluded())
+        except MeshnetError as e:
+            raise OutputWithheld(f"{what}, and no third route with no peer in common could decide ({e}); "
+                                 "the answer is withheld") from None
+        try:
+            decider = self._bring_level(third)
+        except BaseException:
+            third.close()
+            raise
+        agree = [i for i, r in enumerate(replies) if same_output(r, decider)]
+        if len(agree) != 1:
+            third.close()
+            raise OutputWithheld(f"{what}, and a third route gave {_describe(decider)}: nothing decides; "
+                                 "the answer is withheld")
+        good, bad = self.routes[agree[0]], self.routes[1 - agree[0]]
+        caught = self._convict(bad, position, replies[1 - agree[0]], decider)
+        self.disputes.append({"position": position, "kept": good.route(), "dropped": bad.route(),
+                              "decided_by": third.route(), "caught": caught})
+        bad.close()
+        self.dropped.append(bad)
+        self.routes = [good, third]
+        return replies[agree[0]]
+
+    def _convict(self, bad: Chain, position: int, wrong, right) -> list[str]:
+        """Who on ``bad`` computed something else: proven for a route of one hop (it
+        took exactly the inputs the two routes that agree took), by ``localize`` else."""
+        hops = [*bad.hops, *bad.retired]
+        if len(hops) == 1:
+            peer = hops[0].span.peer_id
+            why = (f"gave {_describe(wrong)} at position {position} where two independent routes replaying "
+                   f"its inputs gave {_describe(right)}")
+            self.records.catch(peer, why)
+            self.on_event(f"peer {peer} caught: it {why}; it is left out from now on")
+            return [peer]
+        caught = self.localize(bad) if self.localize is not None else []
+        if not caught:
+            for h in hops:  # no proof against any one of them: none is blamed, every one is checked again
+                self.records.unconfirmed(h.span.peer_id)
+            self.on_event(f"route {[h.span.peer_id[-8:] for h in hops]} was outvoted; no single peer proven")
+        return caught
+
+    def summary(self) -> dict:
+        return {"mode": "cross-checked", "routes": [r.route() for r in self.routes], "disputes": self.disputes}
+
+    def close(self) -> None:
+        try:
+            for r in self.routes:
+                r.close()
+        finally:
+            self._pool.shutdown(wait=True)

@@ -1,0 +1,160 @@
+"""Cross-checked generation (client/crosscheck.py) over unit-test doubles of routes:
+what is handed on, what is settled by a third route, who is caught, and when the
+answer is withheld. The live attack is in tests/test_verified_compute.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+
+from meshnet_p2p.client.crosscheck import CrossCheckedRoute, OutputWithheld, peers_of
+from meshnet_p2p.client.errors import GenerationError
+from meshnet_p2p.client.generation import generate
+from meshnet_p2p.client.records import PeerRecords
+
+HONEST = [11, 12, 13, 14, 15, 16]
+
+
+@dataclass
+class FakeRoute:
+    """A route of ``peers`` answering the honest tokens, or ``lie(position)`` where it returns one."""
+
+    peers: list[str]
+    lie: object = None
+    fail_at: int | None = None
+    n_ubatch: int = 4
+    failovers: int = 0
+    closed: bool = False
+    seen: list = field(default_factory=list)
+    retired: list = field(default_factory=list)
+
+    @property
+    def hops(self):
+        return [SimpleNamespace(span=SimpleNamespace(peer_id=p)) for p in self.peers]
+
+    def step(self, position, token_ids, decode):
+        self.seen.append((position, tuple(token_ids), decode))
+        if self.fail_at is not None and position >= self.fail_at:
+            raise GenerationError("gave up after 4 failovers")
+        token = HONEST[min(len(self.seen) - 1, len(HONEST) - 1)]
+        if self.lie is not None and self.lie(position) is not None:
+            token = self.lie(position)
+        return SimpleNamespace(token_id=token, is_eog=False)
+
+    def route(self):
+        return [{"peer_id": p, "layers": [0, 1]} for p in self.peers]
+
+    def close(self):
+        self.closed = True
+
+
+def opener(*routes):
+    """open_disjoint over a queue of prepared routes, checking each is disjoint from what it must avoid."""
+    queue = list(routes)
+    asked = []
+
+    def open_disjoint(exclude):
+        asked.append(set(exclude))
+        for r in queue:
+            if not set(r.peers) & exclude:
+                queue.remove(r)
+                return r
+        raise GenerationError("no route")
+    open_disjoint.asked = asked
+    return open_disjoint
+
+
+def run(route, n=5):
+    return generate(route, [1, 2, 3], n, stop_at_eog=False).token_ids
+
+
+def test_two_honest_routes_hand_on_every_token():
+    a, b = FakeRoute(["a"]), FakeRoute(["b1", "b2"])
+    route = CrossCheckedRoute([a, b], opener(), PeerRecords())
+    assert run(route) == HONEST[:5]
+    assert a.seen == b.seen  # the same steps, in the same micro-batch structure
+    assert route.disputes == []
+
+
+def test_a_lying_one_hop_route_is_outvoted_caught_and_dropped():
+    records = PeerRecords()
+    liar = FakeRoute(["evil"], lie=lambda pos: 666)
+    honest, third = FakeRoute(["h1", "h2"]), FakeRoute(["h3", "h4"])
+    events = []
+    route = CrossCheckedRoute([liar, honest], opener(third), records, on_event=events.append)
+    assert run(route) == HONEST[:5]  # the liar's token is never handed on
+    assert "evil" in records.caught() and not records.verified("evil")
+    assert liar.closed and route.routes == [honest, third]
+    [dispute] = route.disputes
+    assert dispute["caught"] == ["evil"] and dispute["position"] == 0
+    assert third.seen == honest.seen  # brought level by replaying the same steps
+    assert any("caught" in e for e in events)
+
+
+def test_the_third_route_avoids_every_peer_of_both():
+    liar, honest, third = FakeRoute(["evil"], lie=lambda p: 666), FakeRoute(["h1"]), FakeRoute(["h3"])
+    open_disjoint = opener(third)
+    run(CrossCheckedRoute([liar, honest], open_disjoint, PeerRecords()))
+    assert {"evil", "h1"} <= open_disjoint.asked[0]
+
+
+def test_without_a_third_route_the_answer_is_withheld_and_nobody_is_blamed():
+    records = PeerRecords()
+    route = CrossCheckedRoute([FakeRoute(["evil"], lie=lambda p: 666), FakeRoute(["h1"])], opener(), records)
+    with pytest.raises(OutputWithheld, match="withheld"):
+        run(route)
+    assert records.caught() == {}
+
+
+def test_a_third_route_that_agrees_with_neither_withholds_the_answer():
+    route = CrossCheckedRoute([FakeRoute(["x"], lie=lambda p: 666), FakeRoute(["y"])],
+                              opener(FakeRoute(["z"], lie=lambda p: 777)), PeerRecords())
+    with pytest.raises(OutputWithheld, match="nothing decides"):
+        run(route)
+
+
+def test_a_liar_on_a_route_of_several_hops_is_left_to_localize_and_otherwise_nobody_is_caught():
+    records = PeerRecords()
+    bad = FakeRoute(["m1", "m2"], lie=lambda p: 666 if p >= 4 else None)
+    route = CrossCheckedRoute([bad, FakeRoute(["h1"])], opener(FakeRoute(["h2"])), records,
+                              localize=lambda r: [])
+    assert run(route) == HONEST[:5]
+    assert records.caught() == {}  # two hops: no proof against either without an audit
+    assert not records.verified("m1") and not records.verified("m2")
+    route2 = CrossCheckedRoute([FakeRoute(["m3", "m4"], lie=lambda p: 666), FakeRoute(["h5"])],
+                               opener(FakeRoute(["h6"])), records, localize=lambda r: ["m4"])
+    run(route2)
+    assert route2.disputes[0]["caught"] == ["m4"]
+
+
+def test_a_route_that_gives_up_is_replaced_by_a_disjoint_one_brought_level():
+    dying, honest, spare = FakeRoute(["d"], fail_at=5), FakeRoute(["h1"]), FakeRoute(["s"])
+    route = CrossCheckedRoute([dying, honest], opener(spare), PeerRecords())
+    assert run(route) == HONEST[:5]
+    assert route.routes[0] is spare and spare.seen == honest.seen
+    with pytest.raises(OutputWithheld, match="no other route"):
+        run(CrossCheckedRoute([FakeRoute(["d2"], fail_at=4), FakeRoute(["h2"])], opener(), PeerRecords()))
+
+
+def test_peers_of_a_route_include_those_failed_over():
+    r = FakeRoute(["a", "b"])
+    r.retired.append(SimpleNamespace(span=SimpleNamespace(peer_id="old")))
+    assert peers_of(r) == {"a", "b", "old"}
+
+
+def test_records_audit_every_session_until_verified_then_less_and_again_after_a_mismatch():
+    rec = PeerRecords()
+    assert rec.audit_probability("p", 0.05) == 1.0 and not rec.verified("p")
+    rec.matched("p")
+    assert rec.verified("p") and rec.audit_probability("p", 0.05) == 0.5
+    for _ in range(98):
+        rec.matched("p")
+    assert rec.audit_probability("p", 0.05) == 0.05
+    rec.unconfirmed("p")
+    assert not rec.verified("p") and rec.audit_probability("p", 0.05) == 1.0
+    rec.vouch(["v"])
+    assert rec.verified("v") and rec.audit_probability("v", 0.05) == 0.5
+    rec.catch("v", "lied")
+    assert not rec.verified("v") and rec.caught() == {"v": "lied"}
