@@ -1,0 +1,144 @@
+"""Audits by exact replay, their pure parts: which verdict from which comparisons,
+the plans replays and audited routes take, and the fraud proof's record."""
+
+import pytest
+
+from meshnet_p2p.client.audit import Decision, ReplayRun, Verdict, decide, planner_through, replay_planner
+from meshnet_p2p.engine.contract import HIDDEN, SamplingParams, Tensor, TensorBundle, TokenOutput
+from meshnet_p2p.swarm.placement import NoRoute, Span
+from meshnet_p2p.trust.fraud import MAX_PROOF_TOKENS, MAX_REPLAYERS, FraudProof, FraudProofError, InputStep, output_digest
+
+PEER = ("a", "b", "c", "d")  # the audited peer's output digest at each step
+
+
+def run(outputs, *replayers):
+    return ReplayRun(tuple(replayers) or ("r1",), tuple(outputs))
+
+
+# --- the decision ----------------------------------------------------------------------------------
+
+
+def test_no_chain_is_no_replayer_and_an_exact_replay_is_a_match():
+    assert decide(PEER, None, None) == Decision(Verdict.NO_REPLAYER)
+    assert decide(PEER, run(PEER), None) == Decision(Verdict.MATCH)
+
+
+def test_a_replay_cut_short_is_no_match():
+    with pytest.raises(ValueError):
+        decide(PEER, run(PEER[:2]), None)
+
+
+def test_one_replay_that_differs_blames_nobody():
+    assert decide(PEER, run(("a", "b", "X")), None) == Decision(Verdict.UNCONFIRMED, 2)
+
+
+def test_two_independent_replays_that_agree_against_the_peer_prove_a_mismatch():
+    assert decide(PEER, run(("a", "b", "X"), "r1"), run(("a", "b", "X"), "r2")) == Decision(Verdict.MISMATCH, 2)
+    assert decide(PEER, run(("X",), "r1"), run(("X",), "r2")) == Decision(Verdict.MISMATCH, 0)
+
+
+def test_a_second_replay_that_agrees_with_the_peer_makes_the_first_replayer_the_suspect():
+    d = decide(PEER, run(("a", "b", "X"), "r1", "r1b"), run(("a", "b", "c"), "r2"))
+    assert d == Decision(Verdict.UNDECIDED, 2, ("r1", "r1b"))
+
+
+def test_a_second_replay_that_differs_earlier_is_itself_the_odd_one():
+    d = decide(PEER, run(("a", "b", "X"), "r1"), run(("a", "Y"), "r2"))
+    assert d == Decision(Verdict.UNDECIDED, 2, ("r2",))
+
+
+def test_three_different_outputs_name_no_suspect():
+    assert decide(PEER, run(("a", "X"), "r1"), run(("a", "Y"), "r2")) == Decision(Verdict.UNDECIDED, 1)
+
+
+def test_a_second_replay_cut_short_decides_nothing():
+    with pytest.raises(ValueError):
+        decide(PEER, run(("a", "b", "X"), "r1"), run(("a",), "r2"))
+
+
+# --- plans ---------------------------------------------------------------------------------------
+
+
+def spans():
+    return [Span("h", 0, 10, 50.0), Span("m1", 10, 20, 50.0), Span("m2", 10, 20, 10.0), Span("m3", 10, 15, 500.0),
+            Span("m4", 15, 20, 500.0), Span("t", 20, 30, 50.0)]
+
+
+def test_a_replay_plans_the_exact_span_unless_the_seam_composes():
+    avoid = {"m1"}
+    exact = replay_planner(True, avoid)
+    assert [s.peer_id for s in exact(spans(), 10, 20)] == ["m2"]  # m3+m4 would be cheaper, but do not compose
+    assert [s.peer_id for s in replay_planner(False, avoid)(spans(), 10, 20)] == ["m3", "m4"]
+    avoid.add("m2")  # read at each plan: replayers used or failed drop out
+    with pytest.raises(NoRoute):
+        exact(spans(), 10, 20)
+
+
+def test_an_audited_route_goes_through_the_audited_peer():
+    plan = planner_through("m2")  # the slowest of the middle peers: never the cheapest plan
+    assert [s.peer_id for s in plan(spans(), 0, 30)] == ["h", "m2", "t"]
+    assert [s.peer_id for s in plan(spans(), 20, 30)] == ["t"]  # a failover elsewhere plans as usual
+    assert [s.peer_id for s in plan(spans(), 10, 20)] == ["m2"]  # a failover of its own span keeps it
+    with pytest.raises(NoRoute):  # the audited peer failed: no route without it
+        plan(spans(), 0, 30, banned={"m2"})
+
+
+# --- output digests and fraud proofs --------------------------------------------------------------
+
+
+def bundle(data: bytes) -> TensorBundle:
+    return TensorBundle((Tensor(HIDDEN, "f32", (1, len(data) // 4), data),))
+
+
+def test_an_output_digest_sees_every_bit():
+    base = output_digest(5, bundle(b"\0" * 16))
+    assert output_digest(5, bundle(b"\0" * 16)) == base
+    assert output_digest(5, bundle(b"\1" + b"\0" * 15)) != base
+    assert output_digest(6, bundle(b"\0" * 16)) != base
+    tok = output_digest(5, TokenOutput(7, False))
+    assert tok != output_digest(5, TokenOutput(7, True)) != output_digest(5, TokenOutput(8, False))
+    with pytest.raises(TypeError):
+        output_digest(5, (7,))
+
+
+def proof(**kw) -> FraudProof:
+    fields = dict(peer_id="cheat", model_digest="1" * 64, recipe_digest="2" * 64, start=0, end=10, session_id="s-1",
+                  step=2, position=9, peer_output="a" * 64, replay_output="b" * 64, replayers=("r1", "r2"),
+                  sampling=SamplingParams(0.7, 40, 0.9, 3),
+                  inputs=(InputStep(0, tuple(range(8)), False), InputStep(8, (8,), True), InputStep(9, (9,), True)))
+    return FraudProof(**{**fields, **kw})
+
+
+def test_a_fraud_proof_round_trips_through_its_content():
+    p = proof()
+    assert FraudProof.from_content(p.to_content()) == p
+    middle = proof(start=10, end=20, inputs=())
+    assert FraudProof.from_content(middle.to_content()) == middle
+
+
+@pytest.mark.parametrize("bad", [
+    dict(peer_output="b" * 64),  # outputs that agree prove nothing
+    dict(replayers=()), dict(replayers=("cheat",)), dict(replayers=tuple(f"r{i}" for i in range(MAX_REPLAYERS + 1))),
+    dict(model_digest="xyz"), dict(session_id="a b"), dict(start=10, end=10),
+    dict(start=10, end=20),  # inputs are a head's only
+    dict(inputs=(InputStep(0, tuple(range(8)), False),)),  # not every step up to the one that differs
+    dict(inputs=(InputStep(0, (1,), False), InputStep(2, (8,), True), InputStep(3, (9,), True))),  # a gap
+    dict(step=0, position=0, inputs=(InputStep(0, tuple(range(MAX_PROOF_TOKENS + 1)), False),)),
+    dict(step=0, position=0, inputs=(InputStep(0, (1, 2), True),)),
+])
+def test_a_fraud_proof_out_of_bounds_is_refused(bad):
+    with pytest.raises(FraudProofError):
+        proof(**bad)
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda c: c.update(type="other"), lambda c: c.pop("session"), lambda c: c.update(step=True),
+    lambda c: c.update(layers=[0]), lambda c: c.update(replayers="r1"), lambda c: c.update(peer_id="p" * 129),
+    lambda c: c["sampling"].update(top_p=2.0), lambda c: c["inputs"][0].__setitem__(1, "abc"),
+    lambda c: c.update(inputs=[[0, [1], "yes"]]),
+])
+def test_fraud_proof_content_from_anyone_is_checked(mutate):
+    c = proof().to_content()
+    mutate(c)
+    with pytest.raises(FraudProofError):
+        FraudProof.from_content(c)
