@@ -43,7 +43,7 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("audit")
-    boot, addr, joins = start_swarm(tmp, ["0:10", "10:20", "20:30", "10:20", "10:20"])
+    boot, addr, joins = start_swarm(tmp, ["0:10", "10:20", "20:30", "10:20", "10:20", "10:15", "15:20", "20:30"])
     try:
         yield addr, joins, {**os.environ, "MESHNET_CACHE_DIR": str(tmp)}
     finally:
@@ -51,19 +51,26 @@ def swarm(tmp_path_factory):
             p.stop()
 
 
-def test_an_honest_middle_hop_matches_exactly(swarm, model_path):
+def test_honest_hops_match_exactly(swarm, model_path):
     addr, joins, _ = swarm
-    honest = joins[1].peer_id
+    head, middle, tail, other_middles, sub_spans, other_tail = joins[0], joins[1], joins[2], joins[3:5], joins[5:7], joins[7]
     client = Client([addr], model_path=model_path, ring=False)
     try:
-        done, result = generate_and_audit(client, honest, PROMPT, 6)
+        done, result = generate_and_audit(client, middle.peer_id, PROMPT, 6)
+        # with a float32 seam, a chain of sub-spans replays the hop exactly too
+        _, on_cuts = generate_and_audit(client, middle.peer_id, PROMPT, 6, exclude={p.peer_id for p in other_middles})
+        _, at_tail = generate_and_audit(client, tail.peer_id, PROMPT, 6)  # a tail's sampled tokens are replayed too
+        _, at_head = generate_and_audit(client, head.peer_id, PROMPT, 6)
     finally:
         client.close()
-    assert done["route"][1]["peer_id"] == honest
+    assert done["route"][1]["peer_id"] == middle.peer_id
     assert result.verdict.value == "match", result.detail
     assert (result.start, result.end, result.steps) == (10, 20, 6)  # one prefill step, five decode steps
     [replayers] = result.replayers
-    assert honest not in replayers and result.proof is None
+    assert middle.peer_id not in replayers and result.proof is None
+    assert on_cuts.verdict.value == "match" and on_cuts.replayers == (tuple(p.peer_id for p in sub_spans),)
+    assert at_tail.verdict.value == "match" and at_tail.replayers == ((other_tail.peer_id,),)
+    assert at_head.verdict.value == "no-replayer" and at_head.replayers == ()  # nobody else serves layers 0-9
 
 
 def test_meshnet_peer_audit_on_an_honest_peer_exits_0_with_a_match(swarm):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 from meshnet_p2p.core.errors import MeshnetError, sanitize, unwrap_errors
 from .flags import add_bootstrap, add_trust, positive, positive_float  # light, as this module
@@ -46,9 +46,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def generate_and_audit(client: "Client", peer_id: str, prompt: str, max_tokens: int) -> tuple[dict, "AuditResult"]:
-    """A greedy generation through ``peer_id``, then the audit of its hop: what the
-    generation did (route, tokens), and the audit's result."""
+def generate_and_audit(client: "Client", peer_id: str, prompt: str, max_tokens: int, *,
+                       exclude: Iterable[str] = ()) -> tuple[dict, "AuditResult"]:
+    """A greedy generation through ``peer_id``, then the audit of its hop (replayed
+    on peers other than ``exclude``): what the generation did (route, tokens), and
+    the audit's result."""
     import dataclasses
 
     import trio
@@ -80,7 +82,7 @@ def generate_and_audit(client: "Client", peer_id: str, prompt: str, max_tokens: 
         done = {"route": route.route(), "token_ids": gen.token_ids}
     finally:
         route.close()  # before the audit: the replayers may be the same machines
-    return done, audit_hop(transcript, spans, opts, measures=client.measures)
+    return done, audit_hop(transcript, spans, opts, exclude=exclude, measures=client.measures)
 
 
 def exit_code(verdict) -> int:
