@@ -142,3 +142,118 @@ def test_fraud_proof_content_from_anyone_is_checked(mutate):
     mutate(c)
     with pytest.raises(FraudProofError):
         FraudProof.from_content(c)
+
+
+# --- the audit's driver, over a fake network (unit-test doubles of hops) --------------------------
+
+from types import SimpleNamespace  # noqa: E402
+
+from meshnet_p2p.client.audit import audit_hop  # noqa: E402
+from meshnet_p2p.client.errors import GenerationError  # noqa: E402
+from meshnet_p2p.client.hop import Hop  # noqa: E402
+from meshnet_p2p.client.options import RouteOptions  # noqa: E402
+from meshnet_p2p.client.search import RouteSearch  # noqa: E402
+from meshnet_p2p.client.transcript import HopTranscript, StepRecord  # noqa: E402
+from meshnet_p2p.dataplane.stub import ShardConnectionError  # noqa: E402
+from meshnet_p2p.dataplane.wire import Fingerprint  # noqa: E402
+
+REPORT = {"model_digest": "1" * 64, "recipe_digest": "2" * 64, "recipe": {"seam_dtype": "f16"}}
+
+
+def computed(position: int, given: TensorBundle, lie: bool) -> TensorBundle:
+    """What a middle hop 'computes' here: a function of its input and position (or not, if it lies)."""
+    data = bytes((b + position + (1 if lie else 0)) % 256 for b in given.tensors[0].data)
+    return bundle(data)
+
+
+class FakeStream:
+    def __init__(self, peer: str, net: dict) -> None:
+        self.peer, self.net, self.steps, self.released = peer, net, 0, False
+
+    def step(self, position, *, decode, timeout, idempotency_step=None, hidden=None, token_ids=None):
+        self.steps += 1
+        if self.peer in self.net["breaks"] and self.steps == 2:
+            raise ShardConnectionError(f"{self.peer} went away")
+        return SimpleNamespace(position=position + 1, hidden=computed(position, hidden, self.peer in self.net["liars"]),
+                               token_id=None, is_eog=False)
+
+    def release(self, timeout=None):
+        self.released = True
+
+
+@pytest.fixture
+def net(monkeypatch):
+    """Peers of layers 10:20 (r1 the cheapest, then r2, r3), sessions opened as the plan says."""
+    net = {"liars": set(), "breaks": set(), "opened": [], "spans": ["r1", "r2", "r3"]}
+
+    def open_chain(self, start, end, epoch):
+        try:
+            plan = self.opts.planner(self.spans, start, end, banned=self.banned_now())
+        except NoRoute as e:  # as the real search says it
+            raise GenerationError(str(e)) from None
+        hops = []
+        for s in plan:
+            stream = FakeStream(s.peer_id, net)
+            net["opened"].append(stream)
+            hops.append(Hop(s, SimpleNamespace(close=lambda: None), stream, 64))
+        return hops
+
+    monkeypatch.setattr(RouteSearch, "open_chain", open_chain)
+    return net
+
+
+def provider(net):
+    record = SimpleNamespace(content=REPORT)
+    return lambda: [Span(p, 10, 20, 100.0 - i, record=record) for i, p in enumerate(net["spans"])]
+
+
+def transcript(peer: str, lie: bool, n: int = 4) -> HopTranscript:
+    steps = []
+    for position in range(n):
+        given = bundle(bytes([position]) * 8)
+        steps.append(StepRecord(position, given, position > 0, SimpleNamespace(hidden=computed(position, given, lie))))
+    return HopTranscript(peer, 10, 20, 30, Fingerprint(REPORT["model_digest"], REPORT["recipe_digest"], {"seam_dtype": "f16"}),
+                         64, SamplingParams(), 16, "sess-1", tuple(steps))
+
+
+def audit(net, t, **kw):
+    return audit_hop(t, provider(net), RouteOptions(max_tokens=1), **kw)
+
+
+def test_an_honest_hop_is_replayed_once_and_every_session_released(net):
+    r = audit(net, transcript("p", lie=False))
+    assert (r.verdict, r.replayers, r.steps, r.proof) == (Verdict.MATCH, (("r1",),), 4, None)
+    assert [s.peer for s in net["opened"]] == ["r1"] and all(s.released for s in net["opened"])
+
+
+def test_a_lying_hop_is_proven_by_two_disjoint_replays(net):
+    r = audit(net, transcript("p", lie=True))
+    assert (r.verdict, r.replayers, r.step, r.position) == (Verdict.MISMATCH, (("r1",), ("r2",)), 0, 0)
+    assert r.proof.replayers == ("r1", "r2") and r.proof.peer_output != r.proof.replay_output
+    assert all(s.released for s in net["opened"])
+
+
+def test_one_replayer_that_differs_blames_nobody(net):
+    net["spans"] = ["r1"]
+    r = audit(net, transcript("p", lie=True))
+    assert (r.verdict, r.replayers, r.proof) == (Verdict.UNCONFIRMED, (("r1",),), None)
+
+
+def test_a_lying_replayer_is_outvoted_not_the_peer(net):
+    net["liars"].add("r1")
+    r = audit(net, transcript("p", lie=False))
+    assert (r.verdict, r.suspect, r.replayers, r.proof) == (Verdict.UNDECIDED, ("r1",), (("r1",), ("r2",)), None)
+
+
+def test_a_failing_replayer_is_set_aside_at_no_cost_to_the_peer(net):
+    net["breaks"].add("r1")
+    r = audit(net, transcript("p", lie=False))
+    assert (r.verdict, r.replayers) == (Verdict.MATCH, (("r2",),))
+    assert [s.peer for s in net["opened"]] == ["r1", "r2"] and all(s.released for s in net["opened"])
+
+
+def test_excluded_peers_and_the_peer_itself_never_replay(net):
+    r = audit(net, transcript("r1", lie=False), exclude={"r2"})
+    assert r.replayers == (("r3",),)
+    net["spans"] = ["r1", "r2"]
+    assert audit(net, transcript("r1", lie=False), exclude={"r2"}).verdict is Verdict.NO_REPLAYER
