@@ -1,9 +1,19 @@
-"""Audits by exact replay, their pure parts: which verdict from which comparisons,
-the plans replays and audited routes take, and the fraud proof's record."""
+"""Audits by exact replay without processes: which verdict from which comparisons,
+the plans replays and audited routes take, the fraud proof's record, and the
+driver over unit-test doubles of hops."""
+
+from types import SimpleNamespace
 
 import pytest
 
-from meshnet_p2p.client.audit import Decision, ReplayRun, Verdict, decide, planner_through, replay_planner
+from meshnet_p2p.client.audit import Decision, ReplayRun, Verdict, audit_hop, decide, planner_through, replay_planner
+from meshnet_p2p.client.errors import GenerationError
+from meshnet_p2p.client.hop import Hop
+from meshnet_p2p.client.options import RouteOptions
+from meshnet_p2p.client.search import RouteSearch
+from meshnet_p2p.client.transcript import HopTranscript, StepRecord
+from meshnet_p2p.dataplane.stub import ShardConnectionError
+from meshnet_p2p.dataplane.wire import Fingerprint
 from meshnet_p2p.engine.contract import HIDDEN, SamplingParams, Tensor, TensorBundle, TokenOutput
 from meshnet_p2p.swarm.placement import NoRoute, Span
 from meshnet_p2p.trust.fraud import MAX_PROOF_TOKENS, MAX_REPLAYERS, FraudProof, FraudProofError, InputStep, output_digest
@@ -146,16 +156,6 @@ def test_fraud_proof_content_from_anyone_is_checked(mutate):
 
 # --- the audit's driver, over a fake network (unit-test doubles of hops) --------------------------
 
-from types import SimpleNamespace  # noqa: E402
-
-from meshnet_p2p.client.audit import audit_hop  # noqa: E402
-from meshnet_p2p.client.errors import GenerationError  # noqa: E402
-from meshnet_p2p.client.hop import Hop  # noqa: E402
-from meshnet_p2p.client.options import RouteOptions  # noqa: E402
-from meshnet_p2p.client.search import RouteSearch  # noqa: E402
-from meshnet_p2p.client.transcript import HopTranscript, StepRecord  # noqa: E402
-from meshnet_p2p.dataplane.stub import ShardConnectionError  # noqa: E402
-from meshnet_p2p.dataplane.wire import Fingerprint  # noqa: E402
 
 REPORT = {"model_digest": "1" * 64, "recipe_digest": "2" * 64, "recipe": {"seam_dtype": "f16"}}
 
