@@ -1,0 +1,121 @@
+"""``meshnet-peer audit``: check one peer's work by exact replay, on demand.
+
+Runs a short greedy generation over a star route that goes through PEER (its
+span forced in, the cheapest chains of the certified recipe before and after
+it), keeps PEER's hop's transcript, and audits it (client/audit.py): replays
+its steps on other peers of the recipe and compares every output exactly.
+Prints the verdict (``--json``: one object). Exit status: 0 match, 3 mismatch
+(proven by two independent replays), 2 when it cannot decide (unconfirmed,
+undecided, no replayer), 1 on errors. docs/verification.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING, Iterable
+
+from meshnet_p2p.core.errors import MeshnetError, sanitize, unwrap_errors
+from .flags import add_bootstrap, add_trust, positive, positive_float  # light, as this module
+
+if TYPE_CHECKING:  # cli.py imports this module to build its parser: the rest loads when the role runs
+    from meshnet_p2p.client import Client
+    from meshnet_p2p.client.audit import AuditResult
+
+DEFAULT_PROMPT = "The capital of France is"
+DEFAULT_TOKENS = 8
+
+EXIT_MATCH = 0
+EXIT_ERROR = 1
+EXIT_UNDECIDED = 2
+EXIT_MISMATCH = 3
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("audit", help="check a peer's work: generate through it, replay its steps on other "
+                                            "peers of its recipe, compare exactly")
+    add_bootstrap(p, "bootstrap peers (repeatable; default $MESHNET_BOOTSTRAP)")
+    p.add_argument("--peer", required=True, metavar="PEER_ID", help="the peer to audit")
+    p.add_argument("--model", help="GGUF model (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="what the audited generation is given")
+    p.add_argument("--max-tokens", type=positive, default=DEFAULT_TOKENS, help="tokens the audited generation makes")
+    p.add_argument("--step-timeout", type=positive_float, default=10.0)
+    add_trust(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def generate_and_audit(client: "Client", peer_id: str, prompt: str, max_tokens: int, *,
+                       exclude: Iterable[str] = ()) -> tuple[dict, "AuditResult"]:
+    """A greedy generation through ``peer_id``, then the audit of its hop (replayed
+    on peers other than ``exclude``): what the generation did (route, tokens), and
+    the audit's result."""
+    import dataclasses
+
+    import trio
+
+    from meshnet_p2p.client.audit import audit_hop, planner_through
+    from meshnet_p2p.client.generation import generate
+    from meshnet_p2p.client.star import StarRoute
+    from meshnet_p2p.client.text import prompt_ids
+    from meshnet_p2p.client.transcript import transcript_of
+    from meshnet_p2p.engine.contract import SamplingParams
+
+    def spans():  # a fresh survey each time (a trio loop of its own: this code blocks)
+        return trio.run(client.spans)
+
+    found = spans()
+    if not any(s.peer_id == peer_id for s in found):
+        raise MeshnetError(f"{peer_id} serves no layers of the certified recipe ({len(found)} peers do)")
+    ids = prompt_ids(client.tokenizer, prompt, False)
+    if not ids:
+        raise MeshnetError("the prompt is empty")
+    sampling = SamplingParams()  # greedy
+    opts = dataclasses.replace(client.route_options(len(ids) + max_tokens, sampling, stop_at_eog=False),
+                               ring=False, max_failovers=0, planner=planner_through(peer_id))
+    route = StarRoute.open(spans, client.n_layer, opts, client.measures)
+    try:
+        gen = generate(route, ids, max_tokens, stop_at_eog=False)
+        hop = next(h for h in route.hops if h.span.peer_id == peer_id)  # the planner put it there; no failover moved it
+        transcript = transcript_of(hop, client.n_layer, sampling, opts.max_tokens)
+        done = {"route": route.route(), "token_ids": gen.token_ids}
+    finally:
+        route.close()  # before the audit: the replayers may be the same machines
+    return done, audit_hop(transcript, spans, opts, exclude=exclude, measures=client.measures)
+
+
+def exit_code(verdict) -> int:
+    from meshnet_p2p.client.audit import Verdict
+
+    return {Verdict.MATCH: EXIT_MATCH, Verdict.MISMATCH: EXIT_MISMATCH}.get(verdict, EXIT_UNDECIDED)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        with unwrap_errors(MeshnetError, OSError, ValueError):
+            return _run(args)
+    except (MeshnetError, OSError, ValueError) as e:  # may quote a peer: escaped before a terminal
+        print(f"error: {sanitize(e, 4000)}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+def _run(args: argparse.Namespace) -> int:
+    from meshnet_p2p.client import Client
+    from .flags import model_path, required_seeds, trust_policy
+
+    seeds = required_seeds(args)
+    events = (lambda msg: print(f"[{sanitize(msg)}]", file=sys.stderr, flush=True))
+    client = Client(seeds, model_path=model_path(args.model), step_timeout=args.step_timeout, on_event=events,
+                    trust=trust_policy(args, seeds), ring=False)
+    try:
+        done, result = generate_and_audit(client, args.peer, args.prompt, args.max_tokens)
+    finally:
+        client.close()
+    if args.json:
+        print(json.dumps({**result.to_json(), **done}))
+    else:
+        print(f"audit of {result.peer_id} (layers {result.start}-{result.end - 1}, {result.steps} steps): "
+              f"{result.verdict.value}")
+        print(f"  {result.detail}")
+    return exit_code(result.verdict)

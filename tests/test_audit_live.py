@@ -1,0 +1,112 @@
+"""Audits by exact replay on a real swarm of processes: a certified recipe whose
+middle span has three honest peers and one that perturbs its hidden states
+(one bit of one float, on decode steps only: its route's tokens do not change)."""
+
+import json
+import os
+import sys
+
+import pytest
+
+from meshnet_p2p.client import Client
+from meshnet_p2p.engine.tokenizer import Tokenizer
+from meshnet_p2p.roles.audit import generate_and_audit
+from meshnet_p2p.trust.fraud import FraudProof
+from tests.reference import reference_generate
+from tests.swarm import Proc, meshnet_peer, start_swarm
+
+# `meshnet-peer join` whose engine flips the lowest bit of the first float of every
+# hidden state a decode step gives out: a real shard behind the real data plane
+# and a validly signed report of the certified recipe, computing something else.
+# (Proc runs `python -m meshnet_p2p ARGS` after its prefix: argv[4:] are ARGS.)
+PERTURBING_JOIN = """
+import dataclasses, sys
+from meshnet_p2p.engine.contract import TensorBundle
+from meshnet_p2p.engine.llama_engine import LlamaCppShardEngine
+from meshnet_p2p.roles import cli, join
+
+class Perturbing(LlamaCppShardEngine):
+    def decode(self, request):
+        result = super().decode(request)
+        if result.hidden is None:
+            return result
+        t, *rest = result.hidden.tensors
+        t = dataclasses.replace(t, data=bytes([t.data[0] ^ 1]) + t.data[1:])
+        return dataclasses.replace(result, hidden=TensorBundle((t, *rest)))
+
+join.LlamaCppShardEngine = Perturbing
+raise SystemExit(cli.main(sys.argv[4:]))
+"""
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("audit")
+    boot, addr, joins = start_swarm(tmp, ["0:10", "10:20", "20:30", "10:20", "10:20", "10:15", "15:20", "20:30"])
+    try:
+        yield addr, joins, {**os.environ, "MESHNET_CACHE_DIR": str(tmp)}
+    finally:
+        for p in [*joins, boot]:
+            p.stop()
+
+
+def test_honest_hops_match_exactly(swarm, model_path):
+    addr, joins, _ = swarm
+    head, middle, tail, other_middles, sub_spans, other_tail = joins[0], joins[1], joins[2], joins[3:5], joins[5:7], joins[7]
+    client = Client([addr], model_path=model_path, ring=False)
+    try:
+        done, result = generate_and_audit(client, middle.peer_id, PROMPT, 6)
+        # with a float32 seam, a chain of sub-spans replays the hop exactly too
+        _, on_cuts = generate_and_audit(client, middle.peer_id, PROMPT, 6, exclude={p.peer_id for p in other_middles})
+        _, at_tail = generate_and_audit(client, tail.peer_id, PROMPT, 6)  # a tail's sampled tokens are replayed too
+        _, at_head = generate_and_audit(client, head.peer_id, PROMPT, 6)
+    finally:
+        client.close()
+    assert done["route"][1]["peer_id"] == middle.peer_id
+    assert result.verdict.value == "match", result.detail
+    assert (result.start, result.end, result.steps) == (10, 20, 6)  # one prefill step, five decode steps
+    [replayers] = result.replayers
+    assert middle.peer_id not in replayers and result.proof is None
+    assert on_cuts.verdict.value == "match" and on_cuts.replayers == (tuple(p.peer_id for p in sub_spans),)
+    assert at_tail.verdict.value == "match" and at_tail.replayers == ((other_tail.peer_id,),)
+    assert at_head.verdict.value == "no-replayer" and at_head.replayers == ()  # nobody else serves layers 0-9
+
+
+def test_meshnet_peer_audit_on_an_honest_peer_exits_0_with_a_match(swarm):
+    addr, joins, env = swarm
+    r = meshnet_peer("audit", "--bootstrap", addr, "--peer", joins[3].peer_id, "--max-tokens", "4", "--json",
+                     env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert (doc["verdict"], doc["peer"], doc["span"], doc["steps"]) == ("match", joins[3].peer_id, [10, 20], 4)
+    assert doc["replayers"] and joins[3].peer_id not in doc["replayers"][0]
+    assert doc["route"][1]["peer_id"] == joins[3].peer_id
+
+
+def test_a_middle_peer_that_perturbs_its_hidden_states_is_proven_to_mismatch(swarm, model_path):
+    addr, joins, env = swarm
+    cheater = Proc("join", "--layers", "10:20", "--bootstrap", addr, "--threads", "1", env=env,
+                   prefix=(sys.executable, "-c", PERTURBING_JOIN))
+    client = Client([addr], model_path=model_path, ring=False)
+    try:
+        cheater.address()
+        done, result = generate_and_audit(client, cheater.peer_id, PROMPT, 6)
+        r = meshnet_peer("audit", "--bootstrap", addr, "--peer", cheater.peer_id, "--max-tokens", "3", "--json",
+                         env=env, timeout=120)
+    finally:
+        client.close()
+        cheater.stop()
+    assert r.returncode == 3, r.stderr
+    assert json.loads(r.stdout)["verdict"] == "mismatch"
+    assert done["route"][1]["peer_id"] == cheater.peer_id
+    # what the user got is the whole model's: the cheat shows only in the hidden states
+    assert done["token_ids"] == reference_generate(model_path, Tokenizer(model_path).encode(PROMPT), 6, n_ubatch=64)[0]
+    assert result.verdict.value == "mismatch", result.detail
+    assert result.step == 1 and result.position > 0  # the prefill is honest; the first decode step is not
+    first, second = result.replayers  # two independent replays: disjoint, neither the cheater
+    assert not set(first) & set(second) and cheater.peer_id not in first + second
+    proof = result.proof
+    assert FraudProof.from_content(json.loads(json.dumps(proof.to_content()))) == proof
+    assert proof.peer_id == cheater.peer_id and proof.peer_output != proof.replay_output
+    assert (proof.start, proof.end, proof.step) == (10, 20, 1) and proof.inputs == ()  # a middle hop's are hidden states
