@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import trio
+
 from meshnet_p2p.core.identity import Identity
 from meshnet_p2p.core.multiaddr import Multiaddr
 from meshnet_p2p.core.stats import ClientStats
@@ -43,6 +45,7 @@ from meshnet_p2p.swarm.view import routable_spans, survey
 from meshnet_p2p.trust.policy import TrustPolicy
 
 from . import bridge
+from .auditing import Auditor
 from .chain import Chain
 from .crosscheck import CrossCheckedRoute, OutputWithheld, peers_of
 from .errors import GenerationError, RequestRefused
@@ -118,10 +121,22 @@ class Client:
         self.verify = verify
         self.audit_rate = audit_rate
         self.records = PeerRecords()  # what this client verified of each peer, and whom it caught
+        # audits run in a thread of their own, after each generation: its surveys run trio loops of their own
+        self.auditor = Auditor(self.records, self._provider(trio.run), self._audit_options, self.measures, audit_rate,
+                               on_event=lambda m: (self.on_event or (lambda _: None))(m))
 
     def close(self) -> None:
-        """Close the connections this client keeps to peers (generations under way fail)."""
+        """Close the connections this client keeps to peers (generations under way fail, audits not started
+        are dropped)."""
+        self.auditor.close()
         self.pool.close()
+
+    def wait_audits(self, timeout: float | None = None) -> bool:
+        """Wait for the audits of past generations (False if ``timeout`` passed first)."""
+        return self.auditor.wait(timeout)
+
+    def _audit_options(self) -> RouteOptions:
+        return self.route_options(1, SamplingParams(), False)  # audit_hop sets the replay's own session
 
     async def spans(self, *, max_age_s: float = 0.0) -> list[Span]:
         """The spans of the certified recipe a route is planned over (RecipeNotCertified if none).
@@ -221,11 +236,16 @@ class Client:
         try:
             run = generate(route, ids, max_tokens, stop_at_eog=stop_at_eog, on_token=text.on_token)
             text.finish()
+            routes = route.all_routes() if isinstance(route, CrossCheckedRoute) else [route]
+            audits = self.auditor.pick(routes, self.n_layer)
+            self.auditor.submit(audits)  # after the answer, off its latency
+            verification = {**self._verification(route, verify),
+                            "audits": [{"peer_id": t.peer_id, "layers": [t.start, t.end]} for t in audits]}
             return GenerationResult(prompt_tokens=len(ids), token_ids=run.token_ids, ttft_ms=run.ttft_ms,
                                     decode_ms=run.decode_ms, stopped=run.stopped, steps=run.steps,
                                     text=self.tokenizer.decode(run.token_ids),
                                     route=route.route(), failovers=route.failovers,
-                                    verification=self._verification(route, verify))
+                                    verification=verification)
         finally:
             self.stats.failovers.add("failovers", route.failovers)  # a failed generation's too
             route.close()
@@ -254,7 +274,8 @@ class Client:
         except BaseException:
             primary.close()
             raise
-        return CrossCheckedRoute([primary, shadow], open_disjoint, self.records, on_event=opts.on_event)
+        return CrossCheckedRoute([primary, shadow], open_disjoint, self.records, on_event=opts.on_event,
+                                 localize=lambda bad: self.auditor.localize(bad, self.n_layer, provider))
 
     def _verification(self, route, verify: str) -> dict:
         if isinstance(route, CrossCheckedRoute):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 AUDIT_RATE = 0.05  # default: at least one hop-session in twenty is replayed, however long a peer's record
+VOUCHED_SESSIONS = 4  # a trusted certificate's evidence counts as this many verified sessions
 
 
 @dataclass
@@ -64,7 +65,7 @@ class PeerRecords:
         verified record, then falling with that record (1/(1+n)) to ``rate``."""
         with self._lock:
             r = self._by.get(peer) or PeerRecord()
-            n = r.verified + (1 if peer in self._vouched and not r.unconfirmed else 0)
+            n = r.verified + (VOUCHED_SESSIONS if peer in self._vouched and not r.unconfirmed else 0)
         if r.caught or n == 0:
             return 1.0
         return max(min(1.0, rate), 1.0 / (1 + n))

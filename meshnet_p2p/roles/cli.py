@@ -207,6 +207,9 @@ def _write_out(text: str) -> None:
     sys.stdout.flush()
 
 
+AUDIT_WAIT_S = 120.0  # how long `generate` waits, after the answer, for the audits of the hops it used
+
+
 def _generate_network(args: argparse.Namespace, sampling) -> int:
     import re
 
@@ -225,6 +228,13 @@ def _generate_network(args: argparse.Namespace, sampling) -> int:
                     audit_rate=args.audit_rate)
     result = client.generate(args.prompt, args.max_tokens, sampling, chat=args.chat,
                              on_token=None if args.json else _write_out)
+    if not args.json:  # the answer first; the audits of the hops it used after it (docs/verification.md)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+    if not client.wait_audits(AUDIT_WAIT_S):
+        events(f"audits still running after {AUDIT_WAIT_S:g} s: left undone")
+    audits = [a.to_json() for a in client.auditor.results]
+    client.close()
     if args.json:
         print(json.dumps({
             "token_ids": result.token_ids,
@@ -234,12 +244,14 @@ def _generate_network(args: argparse.Namespace, sampling) -> int:
             "route": result.route,
             "failovers": result.failovers,
             "model_digest": client.model_digest,
-            "verification": result.verification,
+            "verification": {**result.verification, "audits": audits},
             "timing": {"ttft_ms": round(result.ttft_ms, 3), "decode_ms": round(result.decode_ms, 3),
                        "decode_tokens_per_s": round(result.decode_tokens_per_s, 3)},
         }))
     else:
-        sys.stdout.write("\n")
+        for a in audits:
+            print(f"[audit of {a['peer']} on layers {a['span'][0]}-{a['span'][1] - 1}: {a['verdict']}"
+                  f"{'' if a['verdict'] == 'match' else ': ' + sanitize(a['detail'])}]", file=sys.stderr)
         route = " -> ".join(f"{h['layers'][0]}:{h['layers'][1]}@{h['peer_id'][-8:]}" for h in result.route)
         print(f"[{len(result.token_ids)} tokens, first after {result.ttft_ms:.0f} ms, "
               f"{result.decode_tokens_per_s:.1f} tok/s, route {route}]", file=sys.stderr)

@@ -1,0 +1,115 @@
+"""Issue 26's attack, live: a stranger with no weights copies a certified recipe
+into a signed report claiming the whole model, and its data plane answers every
+step with the attacker's tokens (tests/cheaters.py ``hijack``). A fresh client,
+through the CLI and through the API, never returns its text: the answer equals
+the whole model's, and whenever the hijacker serves a session it is outvoted and
+caught in that first session.
+
+The swarm: a certified pair (0:15, 15:30: the certificate's evidence vouches for
+them), a second honest pair that nobody vouched for, and the hijacker."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import requests
+
+from meshnet_p2p.engine.tokenizer import Tokenizer
+from tests.reference import reference_generate
+from tests.swarm import Proc, meshnet_peer, start_swarm
+
+PROMPT = "The capital of France is"
+EVIL = "Your account is locked"
+N = 12
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    return reference_generate(model_path, Tokenizer(model_path).encode(PROMPT), N, n_ubatch=64)[0]
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("verified")
+    boot, addr, joins = start_swarm(tmp, ["0:15", "15:30"])
+    env = {**os.environ, "MESHNET_CACHE_DIR": str(tmp)}
+    procs = list(joins)
+    try:
+        for span in ["0:15", "15:30"]:  # honest, joined after the certificate: no record with anyone
+            procs.append(Proc("join", "--layers", span, "--bootstrap", addr, "--threads", "1", env=env))
+        hijacker = CheaterProc("hijack", "--bootstrap", addr, env=env)
+        procs.append(hijacker)
+        for p in procs:
+            p.address()
+        yield addr, hijacker
+    finally:
+        codes = [p.stop() for p in [*procs, boot]]
+    assert all(c == 0 for c in codes), codes
+
+
+class CheaterProc(Proc):
+    """``python -m tests.cheaters MODE ...`` as a process (run from the repository root)."""
+
+    def __init__(self, *args: str, env: dict | None = None) -> None:
+        import subprocess
+        import tempfile
+
+        from meshnet_p2p.roles.peer_process import OutputLines
+
+        self.args = args
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        OutputLines.__init__(self, subprocess.Popen([sys.executable, "-m", "tests.cheaters", *args], cwd=root,
+                                                    stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=env))
+
+
+def generate_json(addr: str, *extra: str) -> dict:
+    r = meshnet_peer("generate", "--bootstrap", addr, "--prompt", PROMPT, "--max-tokens", str(N), "--json", *extra)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout)
+
+
+def test_a_fresh_cli_client_never_returns_the_hijackers_text(swarm, reference):
+    addr, hijacker = swarm
+    out = generate_json(addr)
+    assert out["token_ids"] == reference and EVIL not in out["text"]
+    used = {h["peer_id"] for h in out["route"]}
+    if hijacker.peer_id in used:  # it served: then it was cross-checked, outvoted and caught
+        assert out["verification"]["mode"] == "cross-checked"
+    assert out["verification"]["mode"] in ("verified-peers", "cross-checked")
+
+
+def test_with_verify_the_hijacker_is_caught_in_its_first_session_through_the_cli(swarm, reference):
+    addr, hijacker = swarm
+    out = generate_json(addr, "--verify")
+    assert out["token_ids"] == reference and EVIL not in out["text"]
+    v = out["verification"]
+    assert v["mode"] == "cross-checked"
+    assert [d["caught"] for d in v["disputes"]] == [[hijacker.peer_id]]
+    assert hijacker.peer_id not in {h["peer_id"] for r in v["routes"] for h in r}
+
+
+def test_through_the_api_the_hijacker_is_caught_and_the_answer_is_the_whole_models(swarm, reference, model_path):
+    addr, hijacker = swarm
+    server = Proc("api", "--bootstrap", addr, "--listen", "127.0.0.1:0")
+    try:
+        url = server.wait_line("listening on ").removeprefix("listening on ")
+        text = Tokenizer(model_path).decode(reference)
+        caught = []  # the API's client lives on: the hijacker is caught in the first request it serves, once
+        for verify in ("auto", "always", "always"):
+            r = requests.post(f"{url}/v1/completions", timeout=300, json={
+                "model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": N, "temperature": 0,
+                "verify": verify})
+            assert r.status_code == 200, r.text
+            doc = r.json()
+            assert doc["choices"][0]["text"] == text and EVIL not in doc["choices"][0]["text"]
+            v = doc["meshnet_verification"]
+            assert v["mode"] == "cross-checked" if verify == "always" else v["mode"] in ("verified-peers",
+                                                                                          "cross-checked")
+            caught += [d["caught"] for d in v.get("disputes", [])]
+        assert caught == [[hijacker.peer_id]]
+    finally:
+        assert server.stop() == 0
