@@ -135,7 +135,7 @@ def _claimed_compute_ms(span: Span) -> float:
 def median_claim_ms_per_layer(spans: Iterable[Span]) -> float | None:
     """The median per-layer compute the reports of ``spans`` claim; of an even
     count, the slower of the middle two, so one fast liar beside one honest
-    peer moves nothing. (Many identities can still move it: a Sybil's claims
+    peer moves nothing, and beside more moves it at most onto an honest claim. (Many identities can still move it: a Sybil's claims
     buy it first contact, never a lower price than its own claim.)"""
     per_layer = sorted(_claimed_compute_ms(s) / (s.end - s.start) for s in spans if s.end > s.start)
     return per_layer[len(per_layer) // 2] if per_layer else None
@@ -160,12 +160,12 @@ def span_cost_ms(span: Span, latency_ms: dict[str, float] | None = None,
     time we ask). With ``prefer`` given, a peer outside it pays
     UNVERIFIED_PENALTY_MS_PER_LAYER for each of its layers."""
     layers = span.end - span.start
-    crowding = 1.0 / max(1, span.free_sessions)
+    extra = 1.0 / max(1, span.free_sessions)  # crowding
     if prefer is not None and span.peer_id not in prefer:
-        crowding += UNVERIFIED_PENALTY_MS_PER_LAYER * layers
+        extra += UNVERIFIED_PENALTY_MS_PER_LAYER * layers
     measured = (measured_ms or {}).get(span.peer_id)
     if _finite_nonneg(measured):
-        return float(measured) + crowding
+        return float(measured) + extra
     hop = (latency_ms or {}).get(span.peer_id, DEFAULT_HOP_MS * (2 if span.relayed else 1))
     if not _finite_nonneg(hop):
         hop = DEFAULT_HOP_MS
@@ -173,11 +173,11 @@ def span_cost_ms(span: Span, latency_ms: dict[str, float] | None = None,
     if ref_ms_per_layer is not None:  # what we measured bounds what a claim can win: nothing
         floor = ref_ms_per_layer * layers
         if compute < floor / CLAIM_ADVANTAGE:
-            return hop + floor + IMPLAUSIBLE_PENALTY_MS + crowding
+            return hop + floor + IMPLAUSIBLE_PENALTY_MS + extra
         compute = max(compute, floor)
     elif claim_floor_ms_per_layer is not None:
         compute = max(compute, claim_floor_ms_per_layer * layers)
-    return hop + compute + crowding
+    return hop + compute + extra
 
 
 def plan_route(
