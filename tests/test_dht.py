@@ -379,7 +379,8 @@ def test_choose_span_covers_missing_layers_first_and_plan_route_is_cheapest():
     spans.append(Span("c", 10, 20, 50.0))
     assert choose_span(spans, 30, 10) in {(0, 10), (10, 20), (20, 30)}
     spans += [Span("fast", 10, 20, 500.0), Span("full", 0, 30, 1000.0, free_sessions=0)]
-    assert [s.peer_id for s in plan_route(spans, 0, 30)] == ["a", "fast", "b"]
+    # a faster claim alone buys nothing (placement.py: claims cost something); measured, it wins
+    assert [s.peer_id for s in plan_route(spans, 0, 30, measured_ms={"fast": 3.0})] == ["a", "fast", "b"]
     assert [s.peer_id for s in plan_route(spans, 0, 30, banned={"fast"})] == ["a", "c", "b"]
     with pytest.raises(NoRoute, match="10-19"):
         plan_route(spans, 0, 30, banned={"fast", "c"})

@@ -4,8 +4,9 @@ import math
 
 import pytest
 
-from meshnet_p2p.swarm.placement import (DEFAULT_HOP_MS, DEFAULT_TOKENS_PER_S, MIN_UNMEASURED_MS_PER_TOKEN, Span,
-                                   plan_route, span_cost_ms)
+from meshnet_p2p.swarm.placement import (DEFAULT_HOP_MS, DEFAULT_TOKENS_PER_S, MIN_UNMEASURED_MS_PER_TOKEN,
+                                         UNVERIFIED_PENALTY_MS_PER_LAYER, Span, median_claim_ms_per_layer, plan_route,
+                                         span_cost_ms)
 
 
 def crowding(span: Span) -> float:
@@ -56,14 +57,70 @@ def test_a_huge_claim_beats_a_measured_5ms_peer_only_by_what_the_cap_allows():
     assert [s.peer_id for s in plan_route([claim, measured], 0, 10, measured_ms=m)] == ["claim"]
 
 
-def test_a_measured_slow_peer_loses_to_an_unmeasured_one_only_as_the_numbers_say():
+def test_an_unmeasured_claim_never_looks_faster_per_layer_than_a_measured_peer():
     slow = Span("slow", 0, 10, 1000.0)  # advertises 1 ms/token...
-    fresh = Span("fresh", 0, 10, 50.0)  # ...this one 20 ms, unmeasured: estimate 2 + 20 + 1 = 23 ms
-    estimate = span_cost_ms(fresh)
-    assert [s.peer_id for s in plan_route([slow, fresh], 0, 10)] == ["slow"]  # seeded by the claims
-    # measured: slow's real time decides, not its advertisement
-    assert [s.peer_id for s in plan_route([slow, fresh], 0, 10, measured_ms={"slow": estimate - 1.5})] == ["slow"]
-    assert [s.peer_id for s in plan_route([slow, fresh], 0, 10, measured_ms={"slow": estimate + 0.5})] == ["fresh"]
+    fresh = Span("fresh", 0, 10, 100_000.0)  # ...this one the most a report may claim, unmeasured
+    for ms in (5.0, 23.5, 80.0):  # however slow the measured peer turned out to be
+        m = {"slow": ms}
+        # priced at the measured per-layer time at least (plus its round trip): no advantage for a claim
+        assert span_cost_ms(fresh, None, m, ms / 10) >= ms + DEFAULT_HOP_MS
+        assert [s.peer_id for s in plan_route([slow, fresh], 0, 10, measured_ms=m)] == ["slow"]
+    # and the same claim for another span is priced at the measured per-layer time of this one
+    other = Span("other", 10, 20, 200.0)  # claims 5 ms, measured peers do 8 ms for 10 layers
+    assert span_cost_ms(other, None, {"slow": 8.0}, 0.8) == pytest.approx(DEFAULT_HOP_MS + 8.0 + 1.0)
+    # once measured, the fresh peer's own numbers decide
+    assert [s.peer_id for s in plan_route([slow, fresh], 0, 10, measured_ms={"slow": 8.0, "fresh": 7.0})] == ["fresh"]
+
+
+def test_with_nothing_measured_a_claim_is_priced_no_better_than_the_median_claim():
+    h1, h2 = Span("h1", 0, 15, 200.0, 2), Span("h2", 15, 30, 100.0, 2)  # 1/3 and 2/3 ms a layer
+    liar = Span("liar", 0, 30, 100_000.0, 4096)
+    # one liar moves the median at most onto an honest claim, never below the fastest one
+    assert median_claim_ms_per_layer([h1, h2, liar]) == pytest.approx(1 / 3)
+    assert median_claim_ms_per_layer([h2, liar]) == pytest.approx(2 / 3)  # of two: the slower
+    assert median_claim_ms_per_layer([liar]) == pytest.approx(MIN_UNMEASURED_MS_PER_TOKEN / 30)  # alone: its own
+    cost = span_cost_ms(liar, claim_floor_ms_per_layer=1 / 3)
+    assert cost == pytest.approx(DEFAULT_HOP_MS + 30 / 3 + 1 / 4096)  # 30 layers at the fastest honest rate
+    # before: 100,000 tok/s was priced at the 1 ms cap, a thirtieth of that
+    assert span_cost_ms(liar) == pytest.approx(DEFAULT_HOP_MS + MIN_UNMEASURED_MS_PER_TOKEN + 1 / 4096)
+
+
+def test_a_whole_model_claim_wins_a_first_route_only_by_the_round_trips_it_saves():
+    honest = [Span("h1", 0, 15, 200.0, 2), Span("h2", 15, 30, 200.0, 2)]  # 5 ms each, 2 ms round trips
+    liar = Span("liar", 0, 30, 100_000.0, 4096)
+    assert [s.peer_id for s in plan_route(honest + [liar], 0, 30)] == ["liar"]  # 2 + 10 < 2 x (2 + 5 + 0.5)
+    # with the round trip of one more hop on it, the same claim loses: it bought nothing per layer
+    assert [s.peer_id for s in plan_route(honest + [liar], 0, 30, latency_ms={"liar": 3 * DEFAULT_HOP_MS})] == [
+        "h1", "h2"]
+
+
+def test_a_crowd_of_liars_moves_the_median_only_to_their_own_claim():
+    """Many identities can move a median (documented): they buy first contact, never a
+    price below what they themselves claim."""
+    honest = [Span("h1", 0, 15, 200.0), Span("h2", 15, 30, 200.0)]
+    liars = [Span(f"l{i}", 0, 30, 100_000.0) for i in range(5)]
+    floor = median_claim_ms_per_layer(honest + liars)
+    assert floor == pytest.approx(MIN_UNMEASURED_MS_PER_TOKEN / 30)
+
+
+def test_verified_peers_are_preferred_and_no_preference_changes_nothing():
+    h1, h2 = Span("h1", 0, 15, 200.0, 4), Span("h2", 15, 30, 200.0, 4)
+    liar = Span("liar", 0, 30, 100_000.0, 4096)
+    spans = [h1, h2, liar]
+    assert [s.peer_id for s in plan_route(spans, 0, 30)] == ["liar"]  # by the round trip it saves
+    assert [s.peer_id for s in plan_route(spans, 0, 30, prefer=None)] == ["liar"]
+    assert [s.peer_id for s in plan_route(spans, 0, 30, prefer={"h1", "h2"})] == ["h1", "h2"]
+    # nobody verified: every route pays per layer, so the order is the one without a preference
+    assert [s.peer_id for s in plan_route(spans, 0, 30, prefer=set())] == ["liar"]
+    for s in spans:
+        assert span_cost_ms(s, prefer=set()) == pytest.approx(
+            span_cost_ms(s) + UNVERIFIED_PENALTY_MS_PER_LAYER * (s.end - s.start))
+        assert span_cost_ms(s, prefer={s.peer_id}) == span_cost_ms(s)
+    # measured peers pay it too
+    assert span_cost_ms(h1, None, {"h1": 4.0}, prefer=set()) == pytest.approx(4.0 + 0.25 + 15 * UNVERIFIED_PENALTY_MS_PER_LAYER)
+    # half verified: the route with more verified layers wins at equal compute
+    h2_fresh = Span("h2b", 15, 30, 200.0, 4)
+    assert [s.peer_id for s in plan_route([h1, h2_fresh, liar], 0, 30, prefer={"h1"})] == ["h1", "h2b"]
 
 
 def test_measures_are_summed_along_a_chain():
@@ -75,8 +132,8 @@ def test_measures_are_summed_along_a_chain():
 
 
 def test_existing_callers_keep_working_positionally():
-    spans = [Span("a", 0, 10, 50.0), Span("b", 0, 10, 60.0)]
-    assert [s.peer_id for s in plan_route(spans, 0, 10)] == ["b"]
+    spans = [Span("a", 0, 10, 50.0), Span("b", 0, 10, 40.0)]
+    assert [s.peer_id for s in plan_route(spans, 0, 10)] == ["a"]
     assert span_cost_ms(spans[0], {"a": 1.0}) == pytest.approx(1.0 + 20.0 + 1.0)
 
 
@@ -99,17 +156,20 @@ def test_span_from_a_verified_report_reads_the_validated_fields():
 
 
 def test_an_implausible_unmeasured_claim_is_tried_after_measured_honest_peers():
-    from meshnet_p2p.swarm.placement import IMPLAUSIBLE_PENALTY_MS, Span, plan_route, span_cost_ms
+    from meshnet_p2p.swarm.placement import Span, plan_route, span_cost_ms
 
     honest = [Span("h1", 0, 10, 300.0, 2), Span("h2", 10, 20, 300.0, 2), Span("h3", 20, 30, 300.0, 2)]
     liar = Span("liar", 0, 30, 100_000.0, 4096)
     measured = {"h1": 5.0, "h2": 5.0, "h3": 5.0}  # 0.5 ms a layer, measured
     assert [s.peer_id for s in plan_route(honest + [liar], 0, 30)] == ["liar"]  # nothing measured: the claim seeds
     assert [s.peer_id for s in plan_route(honest + [liar], 0, 30, measured_ms=measured)] == ["h1", "h2", "h3"]
-    # a claim within twice the best measured speed is plausible and competes on its numbers
+    # a claim within twice the best measured speed is plausible, but priced at the
+    # measured per-layer time (15 ms for 30 layers): it wins only by the round trips it saves
     near = Span("near", 0, 30, 1000.0 / 7.6, 4096)
-    assert span_cost_ms(near, None, measured, 0.5) < IMPLAUSIBLE_PENALTY_MS
-    assert [s.peer_id for s in plan_route(honest + [near], 0, 30, measured_ms=measured)] == ["near"]
+    assert span_cost_ms(near, None, measured, 0.5) == pytest.approx(DEFAULT_HOP_MS + 15.0 + 1 / 4096)
+    assert [s.peer_id for s in plan_route(honest + [near], 0, 30, measured_ms=measured)] == ["h1", "h2", "h3"]
+    assert [s.peer_id for s in plan_route(honest + [near], 0, 30, latency_ms={"near": 1.0}, measured_ms=measured)] == [
+        "near"]  # 1 + 15 < 3 x (5 + 0.5)
 
 
 def test_missing_layers_costs_what_the_spans_cost_not_what_a_claim_of_layers_costs():

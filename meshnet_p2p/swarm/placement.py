@@ -9,10 +9,16 @@ should use: pure functions of the capability reports (no network here).
   per-token time; full or departing peers and banned ones are left out. When
   there is no path it says which layers nobody serves.
 
-A report's throughput is the peer's own claim: it only seeds the cost of a
-peer not yet used (and cannot make one look faster than
-MIN_UNMEASURED_MS_PER_TOKEN of compute); once the client has timed a peer's
-decode steps, that measure replaces the claim.
+A report's throughput is the peer's own claim, and a claim costs something:
+it only seeds the cost of a peer not yet used, and never prices that peer's
+compute per layer below what the client already knows of others: the best
+per-layer time it measured, or with nothing measured the median per-layer
+claim (one liar cannot move a median). So a report alone cannot make a peer
+cheaper per layer than honest ones; a whole-model claim can still save the
+round trips of hops it replaces (verification, not routing, answers that).
+Once the client has timed a peer's decode steps, that measure replaces the
+claim. Peers outside ``prefer`` (those without a verified record) cost
+UNVERIFIED_PENALTY_MS_PER_LAYER more for each layer they would compute.
 """
 
 from __future__ import annotations
@@ -97,8 +103,21 @@ def _finite_nonneg(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
 
 
-CLAIM_ADVANTAGE = 2.0  # an unmeasured claim may look at most this much faster per layer than the best measured peer
-IMPLAUSIBLE_PENALTY_MS = 1000.0  # a claim beyond that is tried only after every plausible candidate
+CLAIM_ADVANTAGE = 2.0  # an unmeasured claim this much faster per layer than the best measured peer is implausible
+IMPLAUSIBLE_PENALTY_MS = 1000.0  # such a claim is tried only after every plausible candidate
+# A layer computed by a peer without a verified record costs this much more
+# (ms per token). Per layer, not per hop: an unverified peer is audited (its
+# steps replayed elsewhere) on every session, a cost that grows with the
+# layers it computes; and a per-hop charge would favour routes of fewer hops
+# -- the whole-model claim -- whenever nobody is verified yet, while a
+# per-layer one shifts every such route by the same amount (the order is the
+# same as without ``prefer``). 0.5 ms is about a layer's decode compute on
+# the embedded model (0.26-0.52 ms measured by join's measure_throughput on
+# a 2-core CPU), i.e. what replaying that layer in an audit costs; and one
+# unverified whole-model hop (30 layers: +15 ms) loses to a verified chain
+# that pays a few more round trips (2 ms each by default). Over a WAN a saved
+# round trip may outweigh it: there verification, not routing, is the defence.
+UNVERIFIED_PENALTY_MS_PER_LAYER = 0.5
 
 
 def best_measured_ms_per_layer(spans: Iterable[Span], measured_ms: dict[str, float] | None) -> float | None:
@@ -108,30 +127,57 @@ def best_measured_ms_per_layer(spans: Iterable[Span], measured_ms: dict[str, flo
     return min(rates) if rates else None
 
 
+def _claimed_compute_ms(span: Span) -> float:
+    tps = span.throughput if _finite_nonneg(span.throughput) and span.throughput > 0 else DEFAULT_TOKENS_PER_S
+    return max(1000.0 / tps, MIN_UNMEASURED_MS_PER_TOKEN)
+
+
+def median_claim_ms_per_layer(spans: Iterable[Span]) -> float | None:
+    """The median per-layer compute the reports of ``spans`` claim; of an even
+    count, the slower of the middle two, so one fast liar beside one honest
+    peer moves nothing, and beside more moves it at most onto an honest claim. (Many identities can still move it: a Sybil's claims
+    buy it first contact, never a lower price than its own claim.)"""
+    per_layer = sorted(_claimed_compute_ms(s) / (s.end - s.start) for s in spans if s.end > s.start)
+    return per_layer[len(per_layer) // 2] if per_layer else None
+
+
 def span_cost_ms(span: Span, latency_ms: dict[str, float] | None = None,
-                 measured_ms: dict[str, float] | None = None, ref_ms_per_layer: float | None = None) -> float:
+                 measured_ms: dict[str, float] | None = None, ref_ms_per_layer: float | None = None,
+                 prefer: set[str] | frozenset[str] | None = None, *,
+                 claim_floor_ms_per_layer: float | None = None) -> float:
     """Estimated ms per token through ``span``.
 
     ``measured_ms[peer]``, the per-token time the client measured for this
     peer (round trip plus compute of a decode step), replaces any estimate.
     Otherwise: the round trip (``latency_ms[peer]``, or DEFAULT_HOP_MS, twice
-    for a peer behind a relay: client to relay to peer) plus the compute the report claims, never below MIN_UNMEASURED_MS_PER_TOKEN. A peer
-    with one free session left is nudged below one with room (it may be gone
-    by the time we ask)."""
-    crowding = 1.0 / max(1, span.free_sessions)
+    for a peer behind a relay: client to relay to peer) plus the compute the
+    report claims, never below MIN_UNMEASURED_MS_PER_TOKEN, nor below
+    ``ref_ms_per_layer`` (the best measured) per layer -- a claim beyond
+    CLAIM_ADVANTAGE times faster than that is implausible and pays
+    IMPLAUSIBLE_PENALTY_MS -- nor, when nothing is measured, below
+    ``claim_floor_ms_per_layer`` (the median claim) per layer. A peer with one
+    free session left is nudged below one with room (it may be gone by the
+    time we ask). With ``prefer`` given, a peer outside it pays
+    UNVERIFIED_PENALTY_MS_PER_LAYER for each of its layers."""
+    layers = span.end - span.start
+    extra = 1.0 / max(1, span.free_sessions)  # crowding
+    if prefer is not None and span.peer_id not in prefer:
+        extra += UNVERIFIED_PENALTY_MS_PER_LAYER * layers
     measured = (measured_ms or {}).get(span.peer_id)
     if _finite_nonneg(measured):
-        return float(measured) + crowding
+        return float(measured) + extra
     hop = (latency_ms or {}).get(span.peer_id, DEFAULT_HOP_MS * (2 if span.relayed else 1))
     if not _finite_nonneg(hop):
         hop = DEFAULT_HOP_MS
-    tps = span.throughput if _finite_nonneg(span.throughput) and span.throughput > 0 else DEFAULT_TOKENS_PER_S
-    compute = max(1000.0 / tps, MIN_UNMEASURED_MS_PER_TOKEN)
-    if ref_ms_per_layer is not None:  # what we measured bounds what a claim can win
-        floor = ref_ms_per_layer * (span.end - span.start) / CLAIM_ADVANTAGE
-        if compute < floor:
-            return hop + floor + IMPLAUSIBLE_PENALTY_MS + crowding
-    return hop + compute + crowding
+    compute = _claimed_compute_ms(span)
+    if ref_ms_per_layer is not None:  # what we measured bounds what a claim can win: nothing
+        floor = ref_ms_per_layer * layers
+        if compute < floor / CLAIM_ADVANTAGE:
+            return hop + floor + IMPLAUSIBLE_PENALTY_MS + extra
+        compute = max(compute, floor)
+    elif claim_floor_ms_per_layer is not None:
+        compute = max(compute, claim_floor_ms_per_layer * layers)
+    return hop + compute + extra
 
 
 def plan_route(
@@ -142,11 +188,14 @@ def plan_route(
     banned: set[str] = frozenset(),
     latency_ms: dict[str, float] | None = None,
     measured_ms: dict[str, float] | None = None,
+    prefer: set[str] | frozenset[str] | None = None,
 ) -> list[Span]:
     """The cheapest chain of peers covering layers [start, end), boundary to boundary
-    (costs per :func:`span_cost_ms`; ``measured_ms`` beats advertised throughput)."""
+    (costs per :func:`span_cost_ms`; ``measured_ms`` beats advertised throughput;
+    ``prefer``: the peers with a verified record, None for no preference)."""
     usable = [s for s in spans if s.peer_id not in banned and not s.departing and s.free_sessions > 0 and s.start < s.end]
     ref = best_measured_ms_per_layer(usable, measured_ms)
+    floor = median_claim_ms_per_layer(usable) if ref is None else None
     edges: dict[int, list[Span]] = {}
     for s in usable:
         edges.setdefault(s.start, []).append(s)
@@ -162,7 +211,7 @@ def plan_route(
         for s in edges.get(at, []):
             if s.end > end:
                 continue
-            c = cost + span_cost_ms(s, latency_ms, measured_ms, ref)
+            c = cost + span_cost_ms(s, latency_ms, measured_ms, ref, prefer, claim_floor_ms_per_layer=floor)
             if c < best.get(s.end, float("inf")):
                 best[s.end] = c
                 prev[s.end] = s
