@@ -7,7 +7,13 @@ import subprocess
 import sys
 import tempfile
 
-from meshnet_p2p.roles.peer_process import PeerProcess, Swarm
+from meshnet_p2p.core.multiaddr import Multiaddr
+from meshnet_p2p.core.records import wall_ms
+from meshnet_p2p.dataplane.stub import ShardClient, open_channel
+from meshnet_p2p.dataplane.transport.tls import verify_binding
+from meshnet_p2p.roles.peer_process import OutputLines, PeerProcess, Swarm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def meshnet_peer(*args: str, timeout: float = 300, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
@@ -30,6 +36,31 @@ class Proc(PeerProcess):
     @property
     def peer_id(self) -> str:
         return self.address().rsplit("/", 1)[1]
+
+
+class Cheater(PeerProcess):
+    """``python -m tests.cheaters MODE ...`` as its own process (stopped like a role)."""
+
+    def __init__(self, mode: str, *args: str) -> None:
+        self.args = (mode, *args)
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+        OutputLines.__init__(self, subprocess.Popen([sys.executable, "-m", "tests.cheaters", *self.args], cwd=ROOT,
+                                                    env=env, stdout=subprocess.PIPE, stderr=self.stderr, text=True))
+
+    def missing(self, prefix: str) -> str:
+        self.stderr.seek(0)
+        return f"cheater {self.args[0]} printed no {prefix!r} line: {self.lines}; stderr: {self.stderr.read()[-2000:]}"
+
+    @property
+    def peer_id(self) -> str:
+        return self.address(60).rsplit("/", 1)[1]
+
+    def client(self) -> ShardClient:
+        addr = Multiaddr.parse(self.address(60))
+        binding = bytes.fromhex(self.wait_line("tls-binding ").split()[1])
+        cert = verify_binding(binding, addr.peer_id, wall_ms())
+        return ShardClient(open_channel(cert, address=(addr.host, addr.port)), timeout=30)
 
 
 def certify_swarm(addr: str, identity_path: str, *extra: str) -> dict:

@@ -4,24 +4,16 @@ peers' hidden states differ from an honest shard's on exactly the steps they
 say. Real processes, the real data plane; an honest engine in this process
 as the reference."""
 
-import os
-import subprocess
-import sys
-import tempfile
 
 import numpy as np
 import pytest
 import trio
 
 from meshnet_p2p import Client
-from meshnet_p2p.core.multiaddr import Multiaddr
-from meshnet_p2p.core.records import wall_ms
-from meshnet_p2p.dataplane.stub import ShardClient, open_channel
-from meshnet_p2p.dataplane.transport.tls import verify_binding
+from meshnet_p2p.dataplane.stub import ShardClient
 from meshnet_p2p.engine.contract import HIDDEN, DecodeRequest, OpenRequest, PrefillRequest, Tensor, TensorBundle
 from meshnet_p2p.engine.cut import inspect_gguf
 from meshnet_p2p.engine.tokenizer import Tokenizer
-from meshnet_p2p.roles.peer_process import OutputLines, PeerProcess
 from meshnet_p2p.swarm.capability import MAX_THROUGHPUT
 from meshnet_p2p.swarm.view import survey
 from meshnet_p2p.trust.policy import TrustPolicy
@@ -29,35 +21,9 @@ from meshnet_p2p.trust.policy import TrustPolicy
 from tests.cheaters import HIJACK_TEXT, PERTURBATION, perturbs
 from tests.conftest import N_UBATCH
 from tests.reference import reference_generate
-from tests.swarm import start_swarm
+from tests.swarm import Cheater, start_swarm
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = "The capital of France is"
-
-
-class Cheater(PeerProcess):
-    """``python -m tests.cheaters MODE ...`` as its own process (stopped like a role)."""
-
-    def __init__(self, mode: str, *args: str) -> None:
-        self.args = (mode, *args)
-        self.stderr = tempfile.TemporaryFile(mode="w+")
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
-        OutputLines.__init__(self, subprocess.Popen([sys.executable, "-m", "tests.cheaters", *self.args], cwd=ROOT,
-                                                    env=env, stdout=subprocess.PIPE, stderr=self.stderr, text=True))
-
-    def missing(self, prefix: str) -> str:
-        self.stderr.seek(0)
-        return f"cheater {self.args[0]} printed no {prefix!r} line: {self.lines}; stderr: {self.stderr.read()[-2000:]}"
-
-    @property
-    def peer_id(self) -> str:
-        return self.address(60).rsplit("/", 1)[1]
-
-    def client(self) -> ShardClient:
-        addr = Multiaddr.parse(self.address(60))
-        binding = bytes.fromhex(self.wait_line("tls-binding ").split()[1])
-        cert = verify_binding(binding, addr.peer_id, wall_ms())
-        return ShardClient(open_channel(cert, address=(addr.host, addr.port)), timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -103,13 +69,19 @@ def test_the_hijacker_claims_the_whole_model_and_answers_with_its_text(hijacked,
         client.close()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 26: verified compute")
 def test_a_fresh_client_never_returns_the_hijackers_text(hijacked, model_path, reference):
-    """The issue's first paragraph: the one-hop claim is the cheapest route (by the
-    round trip it saves, placement.py), and nothing checks what it computed."""
+    """The issue's first paragraph, which printed the hijacker's text before verified
+    compute: its one-hop claim was the cheapest route, and nothing checked what it
+    computed. Now peers a trusted certificate vouches for are preferred, and a route
+    through a peer with no record is cross-checked (tests/test_verified_compute.py)."""
     addr, hijacker, joins = hijacked
-    result = Client([addr], model_path=model_path, step_timeout=5.0).generate(PROMPT, 16, stop_at_eog=False)
-    assert HIJACK_TEXT[:20] not in result.text, result.route
+    events = []
+    client = Client([addr], model_path=model_path, step_timeout=5.0, on_event=events.append)
+    try:
+        result = client.generate(PROMPT, 16, stop_at_eog=False)
+    except Exception as e:
+        raise AssertionError(f"{e}; events: {events}; records: {client.records.snapshot()}") from e
+    assert HIJACK_TEXT[:20] not in result.text, (result.route, events)
     assert result.token_ids == reference
 
 

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 import requests
 
 from meshnet_p2p.engine.tokenizer import Tokenizer
 from tests.reference import reference_generate
-from tests.swarm import Proc, meshnet_peer, start_swarm
+from tests.swarm import Cheater, Proc, meshnet_peer, start_swarm
 
 PROMPT = "The capital of France is"
 EVIL = "Your account is locked"
@@ -40,7 +39,7 @@ def swarm(tmp_path_factory):
     try:
         for span in ["0:15", "15:30"]:  # honest, joined after the certificate: no record with anyone
             procs.append(Proc("join", "--layers", span, "--bootstrap", addr, "--threads", "1", env=env))
-        hijacker = CheaterProc("hijack", "--bootstrap", addr, env=env)
+        hijacker = Cheater("hijack", "--bootstrap", addr)
         procs.append(hijacker)
         for p in procs:
             p.address()
@@ -48,22 +47,6 @@ def swarm(tmp_path_factory):
     finally:
         codes = [p.stop() for p in [*procs, boot]]
     assert all(c == 0 for c in codes), codes
-
-
-class CheaterProc(Proc):
-    """``python -m tests.cheaters MODE ...`` as a process (run from the repository root)."""
-
-    def __init__(self, *args: str, env: dict | None = None) -> None:
-        import subprocess
-        import tempfile
-
-        from meshnet_p2p.roles.peer_process import OutputLines
-
-        self.args = args
-        self.stderr = tempfile.TemporaryFile(mode="w+")
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        OutputLines.__init__(self, subprocess.Popen([sys.executable, "-m", "tests.cheaters", *args], cwd=root,
-                                                    stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=env))
 
 
 def generate_json(addr: str, *extra: str) -> dict:

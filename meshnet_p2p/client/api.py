@@ -40,7 +40,7 @@ from meshnet_p2p.core.stats import ClientStats
 from meshnet_p2p.dataplane.transport.pool import ChannelPool
 from meshnet_p2p.dataplane.transport.tls import make_client_credentials
 from meshnet_p2p.engine.contract import SamplingParams
-from meshnet_p2p.swarm.placement import Span
+from meshnet_p2p.swarm.placement import Span, plan_route
 from meshnet_p2p.swarm.view import routable_spans, survey
 from meshnet_p2p.trust.policy import TrustPolicy
 
@@ -135,6 +135,11 @@ class Client:
         """Wait for the audits of past generations (False if ``timeout`` passed first)."""
         return self.auditor.wait(timeout)
 
+    def _plan(self, spans, start: int, end: int, **kw) -> list[Span]:
+        """The cheapest route, peers with a verified record preferred (placement.py's unverified charge)."""
+        return plan_route(spans, start, end, prefer={s.peer_id for s in spans if self.records.verified(s.peer_id)},
+                          **kw)
+
     def _audit_options(self) -> RouteOptions:
         return self.route_options(1, SamplingParams(), False)  # audit_hop sets the replay's own session
 
@@ -218,6 +223,7 @@ class Client:
     def route_options(self, max_tokens: int, sampling: SamplingParams, stop_at_eog: bool) -> RouteOptions:
         """What this client opens a route with, for ``max_tokens`` positions in all."""
         return RouteOptions(max_tokens=max_tokens, sampling=sampling, ring=self.ring, stop_at_eog=stop_at_eog,
+                            planner=self._plan,
                             step_timeout=self.step_timeout, max_failovers=self.max_failovers,
                             client_creds=self.client_creds, pool=self.pool,
                             on_event=self.on_event or (lambda msg: None))
