@@ -1144,13 +1144,27 @@ def _ring_servicer(credits: int = 3):
     return servicer, owner, pushed
 
 
+FEEDER = Identity.from_seed(b"\x0a" * 32)  # the ring's previous hop (layers 0-10), as its TLS proves it
+
+
 def _fed(position: int, epoch: int = 0) -> pb.SessionRequest:
-    return _step("", position + 1, epoch, position, True, [], _hidden(1, 64), 0)
+    """A step the previous hop forwards, with its signed commitment to it."""
+    from meshnet_p2p.dataplane.wire import commitment_to_proto
+    from meshnet_p2p.trust.commitment import Commitment, hidden_digest
+
+    request = _step("", position + 1, epoch, position, True, [], _hidden(1, 64), 0)
+    out = hidden_digest(position, bundle_from_proto(request.step.hidden))
+    c = Commitment(str(FEEDER.peer_id), "f" * 32, MODEL, RECIPE, 0, 10, epoch, position, position, True,
+                   bytes(32), out, bytes(32)).signed_by(FEEDER)
+    commitment_to_proto(c, request.step.upstream, forwarded=True)
+    return request
 
 
 def _attach_stream(servicer, token: bytes, epoch: int, steps) -> list:
+    from meshnet_p2p.dataplane.transport.server import Caller
+
     first = pb.SessionRequest(attach=pb.AttachOpen(session_id="s1", attach_token=token, route_epoch=epoch))
-    return list(servicer.Session(iter([first, *steps]), None))
+    return list(servicer.Session(iter([first, *steps]), Caller(str(FEEDER.peer_id), "feeder", 1)))
 
 
 def test_a_new_feeder_gets_the_credit_the_last_one_spent():

@@ -11,10 +11,12 @@ import time
 import pytest
 
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
-from meshnet_p2p.dataplane.stub import ShardError, open_attach
+from meshnet_p2p.dataplane.stub import ShardClient, ShardError, open_attach, open_channel
+from meshnet_p2p.dataplane.wire import WireCommitment, bundle_to_proto, commitment_to_proto
+from meshnet_p2p.trust.commitment import Commitment, hidden_digest
 from meshnet_p2p.dataplane.ring import MAX_LINKS_PER_SESSION
 from meshnet_p2p.swarm.capability import CapabilityReport
-from meshnet_p2p.dataplane.transport.tls import make_tls_credentials
+from meshnet_p2p.dataplane.transport.tls import make_client_credentials, make_tls_credentials
 from meshnet_p2p.core.identity import Identity
 from meshnet_p2p.core.records import wall_ms
 
@@ -39,11 +41,26 @@ def other(shard_dir, tmp_path_factory):
     assert s.stop() == 0
 
 
-def _attach(served, session_id: str, token: bytes, epoch: int = 0):
-    """A raw attach stream, as the ring's previous hop opens one; returns it and the first reply."""
-    c = served.client(timeout=30)
+FEEDER = Identity.from_seed(b"\x71" * 32)  # the ring's previous hop (layers 0-10) these tests play
+_FEEDER_CREDS: dict = {}
+
+
+def _attach(served, session_id: str, token: bytes, epoch: int = 0, identity: Identity = FEEDER):
+    """A raw attach stream, as the ring's previous hop opens one (presenting its
+    identity, as a ring link does); returns it and the first reply."""
+    creds = _FEEDER_CREDS.get(identity) or _FEEDER_CREDS.setdefault(identity, make_client_credentials(identity))
+    c = ShardClient(open_channel(served.cert, address=(served.addr.host, served.addr.port), client=creds),
+                    timeout=30)
     call, first = open_attach(c.channel, session_id, token, epoch, 30)
     return c, call, first
+
+
+def upstream(fp, position: int, bundle, epoch: int = 0, *, signer: Identity = FEEDER, rows: int = 1,
+             output=None) -> Commitment:
+    """The previous hop's signed commitment to the step whose output is ``bundle`` (or ``output``)."""
+    out = hidden_digest(position, bundle) if output is None else output
+    return Commitment(str(signer.peer_id), "f" * 32, fp.model_digest, fp.recipe_digest, 0, 10, epoch, 0,
+                      position, rows == 1, b"\1" * 32, out).signed_by(signer)
 
 
 @contextlib.contextmanager
@@ -58,11 +75,15 @@ def _owner(served):
         c.close()
 
 
-def _send_step(call, position: int, epoch: int = 0, rows: int = 1) -> None:
+def _send_step(call, position: int, epoch: int = 0, rows: int = 1, fp=None, commitment=None) -> None:
+    """Forward a step as the previous hop does: with its commitment (signed by FEEDER, given ``fp``)."""
     step = pb.Step(idempotency_step=position + 1, route_epoch=epoch, position=position, decode=rows == 1)
-    from meshnet_p2p.dataplane.wire import bundle_to_proto
-
-    bundle_to_proto(hidden(rows, seed=position), out=step.hidden)
+    given = hidden(rows, seed=position)
+    bundle_to_proto(given, out=step.hidden)
+    if commitment is None and fp is not None:
+        commitment = upstream(fp, position, given, epoch, rows=rows)
+    if commitment is not None:
+        commitment_to_proto(commitment, step.upstream, forwarded=True)
     call.send(pb.SessionRequest(step=step).SerializeToString())
 
 
@@ -94,10 +115,16 @@ def test_an_attach_needs_the_sessions_secret_and_feeds_its_owner(middle):
         assert not c.can_attach(owner.session_id, token, 1, timeout=10)  # not this route's epoch
         a, call, first = _attach(middle, owner.session_id, token)
         assert first.HasField("accepted")
-        _send_step(call, 0, rows=3)  # the ring's previous hop feeds it...
+        fp = c.capability().fingerprint
+        _send_step(call, 0, rows=3, fp=fp)  # the ring's previous hop feeds it...
         copy = owner.next_result(0, timeout=30)  # ...and the owner gets the copy
         assert copy.position == 3 and copy.hidden.tensors[0].shape == (3, 576)
         assert copy.raw.result.route_epoch == 0
+        # with the commitment it was taken with, whole, and its own to what it took in
+        sent = upstream(fp, 0, hidden(3, seed=0), rows=3)
+        assert copy.upstream == WireCommitment(sent.index, sent.input_digest, sent.output_digest, sent.signature,
+                                               sent.prev, sent.session_id, 0, 10, 0, False)
+        assert copy.commitment.input_digest == sent.output_digest
         # an attach stream carries steps and credit only
         call.send(pb.SessionRequest(release=pb.ReleaseSignal()).SerializeToString())
         reply = pb.SessionResponse.FromString(call.recv(deadline=time.monotonic() + 30))
@@ -113,11 +140,12 @@ def test_a_step_of_an_older_route_is_refused_and_never_reaches_the_owner(middle)
     with _owner(middle) as (c, owner, token):
         a, call, first = _attach(middle, owner.session_id, token)
         assert first.HasField("accepted")
-        _send_step(call, 0)
+        fp = c.capability().fingerprint
+        _send_step(call, 0, fp=fp)
         assert owner.next_result(0, timeout=30).position == 1
         # the client fails over: a rollback on a newer route
         owner.signal(pb.SessionRequest(rollback=pb.RollbackSignal(position=0, route_epoch=1)), 1, timeout=30)
-        _send_step(call, 0, epoch=0)  # the old route's step, still on its way
+        _send_step(call, 0, epoch=0, fp=fp)  # the old route's step, still on its way
         reply = pb.SessionResponse.FromString(call.recv(deadline=time.monotonic() + 30))
         assert reply.error.code == pb.EPOCH_STALE
         a.close()
@@ -125,6 +153,39 @@ def test_a_step_of_an_older_route_is_refused_and_never_reaches_the_owner(middle)
         # the owner's next message is the answer to its own next step: nothing of the old route came
         r = owner.step(0, hidden=hidden(1), idempotency_step=1, decode=True, timeout=30)
         assert r.position == 1 and r.raw.result.route_epoch == 1
+        owner.release()
+
+
+def test_a_forwarded_step_is_taken_only_as_its_previous_hop_committed_to_it(middle):
+    """A hop that forwards one thing and commits to another (or commits to nothing,
+    or in another peer's name) is refused with UPSTREAM_MISMATCH, on the attach
+    stream and to the owner, before the step counts: the step is still free."""
+    import dataclasses
+
+    stranger = Identity.from_seed(b"\x72" * 32)
+    with _owner(middle) as (c, owner, token):
+        fp = c.capability().fingerprint
+        a, call, first = _attach(middle, owner.session_id, token)
+        assert first.HasField("accepted")
+        honest = upstream(fp, 0, hidden(1, seed=0))
+        cheats = {
+            "none": None,
+            "other output": upstream(fp, 0, hidden(1, seed=0), output=hidden_digest(0, hidden(1, seed=9))),
+            "another signer": upstream(fp, 0, hidden(1, seed=0), signer=stranger),
+            "other layers": dataclasses.replace(honest, end=15).signed_by(FEEDER),
+            "bad signature": dataclasses.replace(honest, signature=bytes(64)),
+            "another epoch": upstream(fp, 0, hidden(1, seed=0), epoch=1),
+        }
+        for why, commitment in cheats.items():
+            _send_step(call, 0, commitment=commitment)
+            reply = pb.SessionResponse.FromString(call.recv(deadline=time.monotonic() + 30))
+            assert reply.error.code == pb.UPSTREAM_MISMATCH and not reply.error.terminal, why
+            with pytest.raises(ShardError) as e:  # the owner hears of it: its client blames the hop before
+                owner.next_result(0, timeout=30)
+            assert e.value.code_name == "UPSTREAM_MISMATCH", why
+        _send_step(call, 0, commitment=honest)  # nothing counted: the honest step is taken
+        assert owner.next_result(0, timeout=30).upstream.signature == honest.signature
+        a.close()
         owner.release()
 
 

@@ -1,6 +1,9 @@
 """One hop of a route: connecting to the peer its signed report names, checking
 at first contact that it serves what it announced, and opening the route's
-session on it. A hop keeps what it was given, for replay and attestation."""
+session on it. A hop keeps what it was given, for replay and attestation,
+and what it answered with its signed commitment to each step: checked on the
+spot against what was given and answered (:func:`check_commitment`, two
+sha256s), its signatures later (:func:`commitments_of`)."""
 
 from __future__ import annotations
 
@@ -13,12 +16,13 @@ from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.core.identity import PeerId
 from meshnet_p2p.core.multiaddr import Multiaddr
 from meshnet_p2p.dataplane.ring import ATTACH_TOKEN_BYTES
-from meshnet_p2p.dataplane.stub import SessionStream, ShardClient, lease_channel
+from meshnet_p2p.dataplane.stub import SessionStream, ShardClient, ShardConnectionError, StepReply, lease_channel
 from meshnet_p2p.dataplane.transport.pool import ChannelPool
 from meshnet_p2p.dataplane.transport.tls import TlsCredentials, cert_identity
 from meshnet_p2p.dataplane.wire import Fingerprint, PeerCapability, recipe_fingerprint
 from meshnet_p2p.swarm.placement import Span
 from meshnet_p2p.trust.attestation import SEAM_DOMAIN, RowDigest
+from meshnet_p2p.trust.commitment import Commitment, CommitmentError, hidden_digest, input_digest, token_digest
 
 from .options import PeerMeasures, RouteOptions
 
@@ -129,3 +133,67 @@ def open_hop(contact: Contact, opts: RouteOptions, epoch: int) -> Hop:
         client.close()
         raise
     return Hop(contact.span, client, stream, route_n_ubatch(c, contact.cap), attach_token=token)
+
+
+class DishonestHop(ShardConnectionError):
+    """A hop's signed commitments contradict what it was given or answered, or each
+    other, or a signature of it does not verify: ``peer_id`` is the hop at fault."""
+
+    def __init__(self, peer_id: str, message: str) -> None:
+        self.peer_id = peer_id
+        super().__init__(message)
+
+
+def output_digest(position: int, reply: StepReply) -> bytes:
+    """What a reply to the step at ``position`` gave out, as its commitment digests it."""
+    if reply.hidden is not None:
+        return hidden_digest(position, reply.hidden)
+    return token_digest(reply.position, reply.token_id, reply.is_eog)
+
+
+def check_commitment(hop: Hop, position: int, payload, reply: StepReply) -> None:
+    """On the spot (two sha256s, no signature): the reply's commitment, if the peer
+    sends one, names what this client gave ``hop`` at ``position`` and got back,
+    as the next step of its chain; raises DishonestHop otherwise. A peer that sends
+    no commitment at all (an older build) is unverified, not refused."""
+    w = reply.commitment
+    if w is None:
+        if hop.replies and hop.replies[0].commitment is not None:
+            raise DishonestHop(hop.span.peer_id, f"{hop.span.peer_id} stopped committing to its steps")
+        return
+    if w.index != len(hop.replies) or w.input_digest != input_digest(position, payload) or \
+            w.output_digest != output_digest(position, reply):
+        raise DishonestHop(hop.span.peer_id, f"{hop.span.peer_id}'s commitment at position {position} does not "
+                                             "name what it was given and answered")
+
+
+def complete(hop: Hop, reply: StepReply, position: int, decode: bool, prev: bytes) -> Commitment:
+    """The whole commitment a reply's wire form names, with what this client knows of the step."""
+    c = hop.span.record.content
+    return reply.commitment.complete(
+        peer_id=hop.span.peer_id, model_digest=c["model_digest"], recipe_digest=c["recipe_digest"],
+        route_epoch=reply.raw.result.route_epoch, session_id=hop.stream.session_id, start=hop.span.start,
+        end=hop.span.end, position=position, decode=decode, prev=prev)
+
+
+def commitments_of(hop: Hop, *, verify: bool = True) -> list[Commitment]:
+    """Every commitment ``hop`` sent for the steps it kept, whole and chained (and with
+    ``verify``, each signature checked: ~0.12 ms each); raises DishonestHop naming
+    it for one that does not verify. Empty for a peer that sends none."""
+    out: list[Commitment] = []
+    prev = None
+    for (position, _, decode), reply in zip(hop.history, hop.replies):
+        if reply.commitment is None:
+            if out:
+                raise DishonestHop(hop.span.peer_id, f"{hop.span.peer_id} stopped committing to its steps")
+            continue
+        try:
+            full = complete(hop, reply, position, decode, prev.link() if prev is not None else bytes(32))
+        except CommitmentError as e:
+            raise DishonestHop(hop.span.peer_id, f"{hop.span.peer_id} sent a malformed commitment: {e}") from None
+        if not full.follows(prev) or (verify and not full.verifies()):
+            raise DishonestHop(hop.span.peer_id, f"{hop.span.peer_id}'s commitment at position {position} "
+                                                 "is not signed by it as the next of its chain")
+        out.append(full)
+        prev = full
+    return out

@@ -3,7 +3,13 @@ tail its token to the head, and every hop sends the client a copy (one network
 crossing a token per hop). The client reads the copies in route order; the
 first that does not come names the hop at fault, which is replaced while the
 others roll back to the failed step on a new route epoch, and the ring is
-linked again."""
+linked again.
+
+Each copy carries the hop's signed commitment to its step and the previous
+hop's, which the hop took the step with: the two commitments of one hop for
+one step must be one. A hop that forwards one thing and copies the client
+another is refused by the next hop (UPSTREAM_MISMATCH) or has signed two
+commitments for one step: either way it is the one blamed (docs/ring.md)."""
 
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ from meshnet_p2p.dataplane.wire import LinkOrder
 from .chain import Chain
 from .errors import GenerationError
 from .failover import Fault, blame, replace_failed, rollback_others
-from .hop import CONNECT_TIMEOUT_S, Hop
+from .hop import CONNECT_TIMEOUT_S, DishonestHop, Hop, check_commitment, commitments_of
 
 REPORT_MARGIN_MS = 15_000  # a ring link sends a report at least this far from expiry (a peer checks it)
 
@@ -78,6 +84,7 @@ class RingRoute(Chain):
         rows = 1 if decode else len(token_ids)
         payload: object = token_ids
         reply = None
+        k = len(self.hops)
         for i, hop in enumerate(self.hops):
             try:
                 reply = hop.stream.next_result(self.epoch, timeout=self.opts.step_timeout)
@@ -85,12 +92,64 @@ class RingRoute(Chain):
                     raise ShardConnectionError(f"{hop.span.peer_id} sent the result of another step "
                                                f"(position {reply.position}, not {position + rows})")
                 self.check_kind(hop, reply)
-            except (ShardConnectionError, ShardError) as e:
+            except ShardError as e:
+                if e.code_name == "UPSTREAM_MISMATCH":  # it refused what the hop before it forwarded
+                    before = self.hops[(i - 1) % k]
+                    return None, ((i - 1) % k, DishonestHop(before.span.peer_id, f"{hop.span.peer_id} refused the "
+                                                            f"step {before.span.peer_id} forwarded: {e}"))
                 return None, (i, e)
+            except ShardConnectionError as e:
+                return None, (i, e)
+            fault = self._upstream_fault(i, reply)
+            if fault is None:
+                try:
+                    check_commitment(hop, position, payload, reply)
+                except DishonestHop as e:
+                    fault = i, e
+            if fault is not None:
+                return None, fault
             hop.history.append((position, payload, decode))  # what it computed: replayed on failover
             hop.replies.append(reply)  # and what it answered: audited by replay (transcript.py)
             payload = reply.hidden
         return reply, None
+
+    def _upstream_fault(self, i: int, reply) -> Fault | None:
+        """Whether hop ``i``'s copy names, as the commitment it took the step with, the one
+        the hop before it sent this client for that step (the head's: the tail's last).
+        Equal wire fields: one commitment, its signature checked after the generation.
+        Else signatures decide on the spot: a relayed one that does not verify is hop
+        ``i``'s fault (it must have checked it), two valid ones are the hop before's
+        (it signed two commitments for one step: equivocation)."""
+        k = len(self.hops)
+        j = (i - 1) % k
+        before = self.hops[j]
+        mine = before.replies[-1].commitment if before.replies else None
+        peer = self.hops[i].span.peer_id
+        if mine is None:  # the hop before is unverified (or the client fed the head itself)
+            return None
+        up = reply.upstream
+        if up is None:  # the client may have fed the head itself: only a later hop must name one
+            return None if i == 0 else (i, DishonestHop(peer, f"{peer}'s copy names no commitment of the hop "
+                                                              "it took the step from"))
+        if up.names(mine):
+            return None
+        try:  # rare: its chain is rebuilt to name its commitment whole
+            direct = commitments_of(before, verify=False)[-1]
+        except DishonestHop as e:
+            return j, e
+        c = before.span.record.content
+        try:
+            relayed = up.complete(peer_id=before.span.peer_id, model_digest=c["model_digest"],
+                                  recipe_digest=c["recipe_digest"], route_epoch=direct.route_epoch)
+        except Exception as e:  # CommitmentError: malformed
+            return i, DishonestHop(peer, f"{peer} relayed a malformed commitment: {e}")
+        if not relayed.verifies():
+            return i, DishonestHop(peer, f"{peer} relayed a commitment {before.span.peer_id} did not sign")
+        if not direct.verifies():
+            return j, DishonestHop(before.span.peer_id, f"{before.span.peer_id} sent this client a commitment "
+                                                        "it did not sign")
+        return j, DishonestHop(before.span.peer_id, f"{before.span.peer_id} signed two commitments for one step "
+                                                    "(it forwarded one thing and copied this client another)")
 
     def _recover(self, position: int, fault: Fault | None) -> None:
         """Replace the hop at fault (and any that fails meanwhile), roll the others

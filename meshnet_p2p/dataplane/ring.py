@@ -183,9 +183,11 @@ class RingLink:
         self._reader.start()
 
     def forward(self, position: int, decode: bool, *, token_id: int | None = None,
-                hidden=None) -> bool:
-        """Send the next hop its step at ``position``; False once the link is broken."""
-        request = forward_request(position, decode, self.epoch, token_id=token_id, hidden=hidden)
+                hidden=None, is_eog: bool = False, upstream=None) -> bool:
+        """Send the next hop its step at ``position`` with ``upstream``, this hop's signed
+        commitment to it (trust/commitment.py); False once the link is broken."""
+        request = forward_request(position, decode, self.epoch, token_id=token_id, hidden=hidden,
+                                  upstream=upstream, is_eog=is_eog)
         with self._lock:
             if self.error is not None:
                 return False

@@ -223,7 +223,7 @@ class ShardRuntimeServicer:
                     yield _error(E.OVERSIZED, f"message of {req.ByteSize()} bytes exceeds {self.limits.max_message_bytes}")
                     continue
                 if kind == "attach" and opened_id is None:  # this stream feeds a session open on another
-                    yield from self._attached(req.attach, request_iterator)
+                    yield from self._attached(req.attach, request_iterator, None if caller is None else caller.peer_id)
                     return
                 if kind == "open":
                     if opened_id is not None:
@@ -410,8 +410,9 @@ class ShardRuntimeServicer:
 
     # --- the ring ----------------------------------------------------------------------------
 
-    def _attached(self, msg, request_iterator) -> Iterator:
-        """A stream that feeds an open session: steps only (and credit), answered only when they fail."""
+    def _attached(self, msg, request_iterator, feeder: str | None) -> Iterator:
+        """A stream that feeds an open session: steps only (and credit), answered only when they fail.
+        ``feeder``: the peer its TLS proved (its steps come with that peer's signed commitments)."""
         sid = msg.session_id
         state = self._state(sid)
         if state is None or not state.opened or state.ring is None or \
@@ -442,7 +443,7 @@ class ShardRuntimeServicer:
                     yield _error(E.EPOCH_STALE, "a step of another route than this attach's", terminal=True)
                     return
                 t0 = time.perf_counter()
-                reply = self.steps.step(sid, state, req.step, attached=True)
+                reply = self.steps.step(sid, state, req.step, attached=True, feeder=feeder)
                 if reply is None:  # computed: the owner has its copy and the next hop its input
                     self.stats.step_seconds["total"].observe(time.perf_counter() - t0)
                 else:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from meshnet_p2p.trust.attestation import SEAM_DOMAIN, RowDigest
+from meshnet_p2p.trust.commitment import GENESIS
 
 
 class Verdict(str, Enum):
@@ -42,6 +43,9 @@ class SessionState:
     inputs: RowDigest = field(default_factory=lambda: RowDigest(SEAM_DOMAIN))
     outputs: RowDigest = field(default_factory=lambda: RowDigest(SEAM_DOMAIN))
     steps_done: int = 0
+    # Its chain of signed step commitments (trust/commitment.py): per step, the position
+    # the session reached and the commitment's link. A rollback drops the steps past it.
+    chain: list[tuple[int, bytes]] = field(default_factory=list)
     last_active_ms: int = 0  # when it last sent anything (idle sessions are released)
 
     def open(self, epoch: int, credits: int) -> None:
@@ -80,6 +84,15 @@ class SessionState:
         if epoch > self.epoch:
             self.last_step = min(self.last_step, position)
         self.epoch = max(self.epoch, epoch)
+        while self.chain and self.chain[-1][0] > position:  # the chain resumes from the last step kept
+            self.chain.pop()
+
+    def chain_head(self) -> tuple[int, bytes]:
+        """(index, prev) of the session's next commitment."""
+        return len(self.chain), (self.chain[-1][1] if self.chain else GENESIS)
+
+    def chained(self, position_after: int, link: bytes) -> None:
+        self.chain.append((position_after, link))
 
     def applied(self, step: int, epoch: int) -> None:
         """A step reached the engine (whatever its outcome): spend a credit, remember it."""

@@ -3,9 +3,13 @@
 A step is checked by the session's protocol state (session_state.py: its
 epoch, deadline, idempotency step and credit), refused before it counts if
 malformed, computed by the engine, added to the session's digests (what an
-attestation signs), and, on a ring, its output copied to the owner's stream and
-forwarded to the next hop (ring.py). One step or rollback of a session at a
-time, under its ring seat's lock, whichever stream it came on.
+attestation signs), committed to (a signed commitment to its input and output,
+chained per session: trust/commitment.py, sent with its reply or copy), and,
+on a ring, its output copied to the owner's stream and forwarded to the next
+hop (ring.py) with that commitment. A step the ring forwards here is applied
+only if it is what the previous hop's commitment names as its output, signed
+by the peer that attached (else UPSTREAM_MISMATCH). One step or rollback of a
+session at a time, under its ring seat's lock, whichever stream it came on.
 """
 
 from __future__ import annotations
@@ -14,10 +18,11 @@ import time
 
 from meshnet_p2p.engine.contract import DecodeRequest, PrefillRequest, StatusCode
 from meshnet_p2p.trust.attestation import Attestation
+from meshnet_p2p.trust.commitment import Commitment, CommitmentError, hidden_digest, token_digest, tokens_digest
 from . import wire
 from .ring import ATTACH_TOKEN_BYTES, forwards
 from .session_state import Verdict
-from .wire import ErrorCode as E, PayloadError, bundle_from_proto, reply_error as _error
+from .wire import ErrorCode as E, PayloadError, bundle_from_proto, commitment_from_proto, reply_error as _error
 
 ENGINE_CODES = {
     StatusCode.NOT_LOADED: E.INTERNAL,
@@ -77,10 +82,11 @@ class Steps:
             state.outputs.rollback(msg.position)
         return wire.reply_ack()
 
-    def _after_step(self, state, step, result, response, attached: bool):
+    def _after_step(self, state, step, result, response, attached: bool, commitment: Commitment | None):
         """Under the ring lock: for a step the ring fed, send the owner its copy (first,
         ~0.07 ms: a next hop that holds the forward back must not make the client blame
-        this one), then forward the output to the next hop, within a deadline."""
+        this one), then forward the output to the next hop, within a deadline, with
+        this hop's commitment to it (the next hop takes nothing else)."""
         ring = state.ring
         if attached and ring.push is not None:
             ring.push(response)
@@ -92,10 +98,58 @@ class Steps:
                         forward_until=link.forward_until, is_eog=tail and result.token.is_eog,
                         stop_at_eog=link.stop_at_eog):
                 if tail:
-                    link.forward(result.position, True, token_id=result.token.token_id)
+                    link.forward(result.position, True, token_id=result.token.token_id,
+                                 is_eog=result.token.is_eog, upstream=commitment)
                 else:
-                    link.forward(step.position, step.decode, hidden=out.hidden)
+                    link.forward(step.position, step.decode, hidden=out.hidden, upstream=commitment)
         return None if attached else response
+
+    def _upstream(self, step, hidden, peer: str | None) -> tuple[Commitment | None, str | None]:
+        """A forwarded step's previous hop's commitment, checked: (it, None), or (None, why
+        the step is refused). What the step carries must be what the commitment names as
+        that hop's output, signed by ``peer``, the identity its TLS proved when it attached."""
+        if not step.HasField("upstream"):
+            return None, "a forwarded step carries no commitment of the hop that computed it"
+        if peer is None:
+            return None, "the hop that forwards this step proved no identity its commitment could be signed with"
+        c = self.caps
+        try:
+            up = commitment_from_proto(step.upstream).complete(
+                peer_id=peer, model_digest=c.model_digest, recipe_digest=c.recipe_digest,
+                route_epoch=step.route_epoch)
+        except CommitmentError as e:
+            return None, f"the previous hop's commitment is malformed: {e}"
+        if up.end != (c.start or c.source_layers):  # a head's previous hop is the tail
+            return None, "the previous hop's commitment is for layers that do not end where this hop's start"
+        if hidden is not None:
+            got = hidden_digest(step.position, hidden)
+        elif len(step.token_ids) == 1:
+            got = token_digest(step.position, step.token_ids[0], step.is_eog)
+        else:
+            return None, "a forwarded token step carries exactly one token"
+        if got != up.output_digest:
+            return None, f"the forwarded step is not what {peer} committed to as its output"
+        if not up.verifies():
+            return None, f"the previous hop's commitment is not signed by {peer}"
+        return up, None
+
+    def _commit(self, sid: str, state, step, hidden, tokens, result) -> Commitment | None:
+        """This peer's signed commitment to a step it applied, chained to the session's last
+        (~37 us to sign, and a sha256 of the step's input and output)."""
+        if self.identity is None:  # a peer with no identity (in-process only) commits to nothing
+            return None
+        c = self.caps
+        given = hidden_digest(step.position, hidden) if hidden is not None else tokens_digest(step.position, tokens)
+        if result.token is not None:
+            out = token_digest(result.position, result.token.token_id, result.token.is_eog)
+        else:
+            out = hidden_digest(step.position, result.hidden)
+        index, prev = state.chain_head()
+        commitment = Commitment(self.peer_id, sid, c.model_digest, c.recipe_digest, c.start, c.end,
+                                step.route_epoch, index, step.position, step.decode, given, out,
+                                prev).signed_by(self.identity)
+        state.chained(result.position, commitment.link())
+        return commitment
 
     def attest(self, sid: str, state):
         if self.identity is None:
@@ -105,13 +159,14 @@ class Steps:
                         state.inputs.hexdigest(), state.outputs.hexdigest()).signed_by(self.identity)
         return wire.reply_attestation(a)
 
-    def step(self, sid: str, state, step, *, attached: bool = False):
-        """The reply to a step; for a step the ring fed (``attached``), None on
-        success (the owner got its copy) and the error otherwise, which the owner
-        gets too unless it is only an older route's step."""
+    def step(self, sid: str, state, step, *, attached: bool = False, feeder: str | None = None):
+        """The reply to a step; for a step the ring fed (``attached``, by the peer
+        ``feeder`` as its TLS proved it), None on success (the owner got its copy)
+        and the error otherwise, which the owner gets too unless it is only an
+        older route's step."""
         t0 = time.perf_counter()
         with state.ring.lock:
-            reply = self._step_locked(sid, state, step, attached, t0)
+            reply = self._step_locked(sid, state, step, attached, feeder, t0)
         if reply is not None and reply.HasField("error"):
             self.stats.step_errors.add(E.Name(reply.error.code))
         if attached and reply is not None and reply.HasField("error") and reply.error.code != E.EPOCH_STALE \
@@ -119,7 +174,7 @@ class Steps:
             state.ring.push(reply)
         return reply
 
-    def _step_locked(self, sid: str, state, step, attached: bool, t0: float):
+    def _step_locked(self, sid: str, state, step, attached: bool, feeder: str | None, t0: float):
         wid, n = step.work_id, step.idempotency_step
         verdict = state.check_step(wid, n, step.route_epoch, step.deadline_unix_ms, self.now_ms())
         if verdict is Verdict.DUPLICATE:
@@ -145,6 +200,11 @@ class Steps:
                 request = PrefillRequest(sid, step.position, token_ids=tokens, hidden=hidden)
         except ValueError as e:  # request types refuse malformed steps (no input, negative position)
             return _error(E.INVALID_ARGUMENT, str(e), work_id=wid, step=n)
+        upstream = None
+        if attached:  # the ring: only what the previous hop committed to (~0.12 ms to verify its signature)
+            upstream, refused = self._upstream(step, hidden, feeder)
+            if refused is not None:
+                return _error(E.UPSTREAM_MISMATCH, refused, work_id=wid, step=n)
         state.applied(n, step.route_epoch)
         state.running = wid
         t1 = time.perf_counter()
@@ -166,9 +226,11 @@ class Steps:
         else:
             state.outputs.hidden(step.position, result.hidden)
         state.steps_done += 1
+        commitment = self._commit(sid, state, step, hidden, tokens, result)
         response = wire.reply_result(wid, n, result.position, step.route_epoch, token=result.token,
                                      hidden=result.hidden)
-        reply = self._after_step(state, step, result, response, attached)
+        wire.commit_result(response, commitment, upstream)
+        reply = self._after_step(state, step, result, response, attached, commitment)
         self._count_step(step.decode, result.position - step.position, t0, t1, t2)
         return reply
 

@@ -34,10 +34,12 @@ from .wire import (
     LinkOrder,
     PayloadError,
     PeerCapability,
+    WireCommitment,
     attestation_from_proto,
     bundle_from_proto,
     bundle_to_proto,
     capability_from_proto,
+    commitment_from_proto,
     fingerprint_to_proto,
     link_to_proto,
     method_path,
@@ -211,7 +213,9 @@ def _reply(resp: pb.SessionResponse) -> "StepReply":
         raise ShardConnectionError(f"the peer sent a bad tensor: {e}") from None
     if hidden_out is None and not r.has_token:
         raise ShardConnectionError("the peer's step reply carries neither a hidden state nor a token")
-    return StepReply(r.position, hidden_out, r.token_id if r.has_token else None, r.is_eog, resp)
+    return StepReply(r.position, hidden_out, r.token_id if r.has_token else None, r.is_eog, resp,
+                     commitment_from_proto(r.commitment) if r.HasField("commitment") else None,
+                     commitment_from_proto(r.upstream) if r.HasField("upstream") else None)
 
 
 @dataclass
@@ -221,6 +225,9 @@ class StepReply:
     token_id: int | None
     is_eog: bool
     raw: pb.SessionResponse
+    # the peer's signed commitment to the step (trust/commitment.py), as the wire carried it: unverified
+    commitment: WireCommitment | None = None
+    upstream: WireCommitment | None = None  # the ring: the previous hop's, which the peer took the step with
 
 
 class SessionStream:

@@ -1,7 +1,8 @@
 """Tensor bundles on the wire: named tensors split into fragments, each tensor
 checked for exact tiling and its CRC32C before anything uses its bytes; and
 the typed values a client's calls take and return (fingerprint, sampling,
-capability, ring link and rollback, attestation), converted here only."""
+capability, ring link and rollback, attestation, step commitment), converted
+here only."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from meshnet_p2p._proto import shard_runtime_pb2 as pb
 from meshnet_p2p.engine.contract import SamplingParams, Tensor, TensorBundle
 from meshnet_p2p.engine.seam import seam_itemsize
 from meshnet_p2p.trust.attestation import Attestation
+from meshnet_p2p.trust.commitment import Commitment
 
 MAX_TENSORS = 8
 MAX_FRAGMENTS = 1024
@@ -182,7 +184,8 @@ def reply_attestation(a) -> pb.SessionResponse:
 
 def reply_result(work_id: str, idempotency_step: int, position: int, route_epoch: int, *,
                  token=None, hidden: TensorBundle | None = None) -> pb.SessionResponse:
-    """A computed step: its sampled ``token`` (an engine TokenOutput) or its ``hidden`` states."""
+    """A computed step: its sampled ``token`` (an engine TokenOutput) or its ``hidden`` states
+    (its commitments are added by :func:`commit_result` once signed)."""
     response = pb.SessionResponse()
     out = response.result  # built in place: wrapping a finished StepResult would copy its payload
     out.work_id = work_id
@@ -198,9 +201,36 @@ def reply_result(work_id: str, idempotency_step: int, position: int, route_epoch
     return response
 
 
+def commit_result(response: pb.SessionResponse, commitment: Commitment | None,
+                  upstream: Commitment | None = None) -> None:
+    """Add this peer's signed commitment to a step's reply (what the client cannot know
+    itself), and the previous hop's it accepted the step with (the ring: all of it)."""
+    if commitment is not None:
+        commitment_to_proto(commitment, response.result.commitment)
+    if upstream is not None:
+        commitment_to_proto(upstream, response.result.upstream, forwarded=True)
+
+
+def commitment_to_proto(c: Commitment, out: pb.StepCommitment, *, forwarded: bool = False) -> pb.StepCommitment:
+    out.index = c.index
+    out.input_digest = c.input_digest
+    out.output_digest = c.output_digest
+    out.signature = c.signature
+    if forwarded:  # what the next hop (or a client checking a relayed one) cannot know
+        out.prev = c.prev
+        out.session_id = c.session_id
+        out.start = c.start
+        out.end = c.end
+        out.position = c.position
+        out.decode = c.decode
+    return out
+
+
 def forward_request(position: int, decode: bool, route_epoch: int, *, token_id: int | None = None,
-                    hidden: pb.TensorBundle | None = None) -> bytes:
-    """A ring link's step for the next hop's session, numbered by position (both feeders agree)."""
+                    hidden: pb.TensorBundle | None = None, upstream: Commitment | None = None,
+                    is_eog: bool = False) -> bytes:
+    """A ring link's step for the next hop's session, numbered by position (both feeders agree),
+    with the signed commitment of the step that computed it."""
     request = pb.SessionRequest()
     step = request.step
     step.idempotency_step = position + 1
@@ -209,8 +239,11 @@ def forward_request(position: int, decode: bool, route_epoch: int, *, token_id: 
     step.decode = decode
     if token_id is not None:
         step.token_ids.append(token_id)
+        step.is_eog = is_eog
     else:
         step.hidden.CopyFrom(hidden)
+    if upstream is not None:
+        commitment_to_proto(upstream, step.upstream, forwarded=True)
     return request.SerializeToString()
 
 
@@ -296,3 +329,41 @@ def rollback_to_proto(position: int, route_epoch: int, attach_token: bytes) -> p
 def attestation_from_proto(m: pb.Attestation) -> Attestation:
     return Attestation(m.peer_id, m.session_id, m.model_digest, m.recipe_digest, m.start, m.end, m.steps,
                        m.input_digest, m.output_digest, m.signature)
+
+
+@dataclass(frozen=True)
+class WireCommitment:
+    """A step's commitment as it came over the wire, unverified: the fields a
+    StepCommitment carries. ``complete`` adds what the receiver knows itself."""
+
+    index: int
+    input_digest: bytes
+    output_digest: bytes
+    signature: bytes
+    prev: bytes = b""  # the rest: only in a forwarded one
+    session_id: str = ""
+    start: int = 0
+    end: int = 0
+    position: int = 0
+    decode: bool = False
+
+    def complete(self, *, peer_id: str, model_digest: str, recipe_digest: str, route_epoch: int,
+                 **known) -> Commitment:
+        """The Commitment this names, with ``known`` (session_id, start, end, position,
+        decode, prev) overriding what the wire says; raises CommitmentError if malformed."""
+        given = dict(index=self.index, input_digest=self.input_digest, output_digest=self.output_digest,
+                     signature=self.signature, prev=self.prev, session_id=self.session_id, start=self.start,
+                     end=self.end, position=self.position, decode=self.decode)
+        given.update(known)
+        return Commitment(peer_id=peer_id, model_digest=model_digest, recipe_digest=recipe_digest,
+                          route_epoch=route_epoch, **given)
+
+    def names(self, c: Commitment) -> bool:
+        """Whether this carries ``c``'s index, digests and signature (what a client's copy holds)."""
+        return (self.index, self.input_digest, self.output_digest, self.signature) == \
+            (c.index, c.input_digest, c.output_digest, c.signature)
+
+
+def commitment_from_proto(m: pb.StepCommitment) -> WireCommitment:
+    return WireCommitment(m.index, m.input_digest, m.output_digest, m.signature, m.prev, m.session_id, m.start,
+                          m.end, m.position, m.decode)
