@@ -175,7 +175,7 @@ class FakeStream:
         if self.peer in self.net["breaks"] and self.steps == 2:
             raise ShardConnectionError(f"{self.peer} went away")
         return SimpleNamespace(position=position + 1, hidden=computed(position, hidden, self.peer in self.net["liars"]),
-                               token_id=None, is_eog=False)
+                               token_id=None, is_eog=False, commitment=None)  # a stand-in signs nothing
 
     def release(self, timeout=None):
         self.released = True

@@ -81,8 +81,11 @@ def test_through_the_api_the_hijacker_is_caught_and_the_answer_is_the_whole_mode
     try:
         url = server.wait_line("listening on ").removeprefix("listening on ")
         text = Tokenizer(model_path).decode(reference)
-        caught = []  # the API's client lives on: the hijacker is caught in the first request it serves, once
-        for verify in ("auto", "always", "always"):
+        # A fresh API client: its first request, with verify "always", plans the vouched pair and, as the
+        # disjoint route to check it, the cheapest one that is left: the hijacker's one hop (nothing measured
+        # yet, so it saves a round trip). It is outvoted and caught in that first session, and never
+        # planned again: the later requests (whose audits have measured the other peers) never meet it.
+        for i, verify in enumerate(("always", "auto", "always")):
             r = requests.post(f"{url}/v1/completions", timeout=300, json={
                 "model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": N, "temperature": 0,
                 "verify": verify})
@@ -90,9 +93,10 @@ def test_through_the_api_the_hijacker_is_caught_and_the_answer_is_the_whole_mode
             doc = r.json()
             assert doc["choices"][0]["text"] == text and EVIL not in doc["choices"][0]["text"]
             v = doc["meshnet_verification"]
-            assert v["mode"] == "cross-checked" if verify == "always" else v["mode"] in ("verified-peers",
-                                                                                          "cross-checked")
-            caught += [d["caught"] for d in v.get("disputes", [])]
-        assert caught == [[hijacker.peer_id]]
+            if verify == "always":
+                assert v["mode"] == "cross-checked"
+            caught = [d["caught"] for d in v.get("disputes", [])]
+            assert caught == ([[hijacker.peer_id]] if i == 0 else []), v
+            assert hijacker.peer_id not in {h["peer_id"] for route in v.get("routes", []) for h in route}
     finally:
         assert server.stop() == 0

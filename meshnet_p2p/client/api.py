@@ -50,6 +50,7 @@ from .chain import Chain
 from .crosscheck import CrossCheckedRoute, OutputWithheld, peers_of
 from .errors import GenerationError, RequestRefused
 from .generation import Generation, generate
+from .hop import DishonestHop
 from .options import PeerMeasures, RouteOptions
 from .records import AUDIT_RATE, PeerRecords
 from .ring import RingRoute
@@ -242,10 +243,12 @@ class Client:
         try:
             run = generate(route, ids, max_tokens, stop_at_eog=stop_at_eog, on_token=text.on_token)
             text.finish()
+            live = route.routes if isinstance(route, CrossCheckedRoute) else [route]
+            signed = self._check_signatures(live)
             routes = route.all_routes() if isinstance(route, CrossCheckedRoute) else [route]
             audits = self.auditor.pick(routes, self.n_layer)
             self.auditor.submit(audits)  # after the answer, off its latency
-            verification = {**self._verification(route, verify),
+            verification = {**self._verification(route, verify), "signed_steps": signed,
                             "audits": [{"peer_id": t.peer_id, "layers": [t.start, t.end]} for t in audits]}
             return GenerationResult(prompt_tokens=len(ids), token_ids=run.token_ids, ttft_ms=run.ttft_ms,
                                     decode_ms=run.decode_ms, stopped=run.stopped, steps=run.steps,
@@ -255,6 +258,16 @@ class Client:
         finally:
             self.stats.failovers.add("failovers", route.failovers)  # a failed generation's too
             route.close()
+
+    def _check_signatures(self, routes: list[Chain]) -> int:
+        """Every hop's per-step commitments verified, after the generation (off the token's
+        path): a hop whose signatures do not verify made its work unprovable, so the answer
+        it took part in is withheld and the peer is caught. Returns how many steps were signed."""
+        try:
+            return sum(r.verify_commitments() for r in routes)
+        except DishonestHop as e:
+            self.records.catch(e.peer_id, f"sent step commitments that do not verify: {e}")
+            raise OutputWithheld(f"{e}; the answer is withheld") from None
 
     def _open_checked(self, provider, opts: RouteOptions, verify: str):
         """The route a generation runs on: one route, or two disjoint ones cross-checked
