@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 
@@ -123,7 +124,7 @@ def test_generations_that_start_together_share_one_survey(model_path, monkeypatc
         await trio.sleep(0)
         if outcomes:
             raise outcomes.pop()
-        return "a view"
+        return SimpleNamespace(certified=lambda: [])  # a view with no certificate (routable_spans is faked)
 
     monkeypatch.setattr(client_mod, "survey", fake_survey)
     monkeypatch.setattr(client_mod, "routable_spans", lambda view, trust: ["span"])
