@@ -61,6 +61,12 @@ SPANS_MAX_AGE_S = 5.0  # a generation may start from a survey this recent (a fai
 VERIFY_MODES = ("auto", "always", "off")
 
 
+def _checked_mode(verify: str) -> str:
+    if verify not in VERIFY_MODES:
+        raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, not {verify!r}")
+    return verify
+
+
 def open_route(spans_provider: Callable[[], list[Span]], n_layer: int, opts: RouteOptions,
                measures: PeerMeasures | None = None) -> Chain:
     """A route over every layer, opened: a ring or a star as ``opts.ring`` says."""
@@ -113,18 +119,16 @@ class Client:
         self._survey: tuple[float, list[Span]] | None = None
         self._surveying: threading.Event | None = None
         self.stats = ClientStats()  # generations, tokens, failovers: read by the api role's metrics
-        if verify not in VERIFY_MODES:
-            raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, not {verify!r}")
         if not 0.0 <= audit_rate <= 1.0:
             raise ValueError(f"audit_rate must be between 0 and 1, not {audit_rate!r}")
         # "auto": a route that depends on a peer with no verified record is cross-checked by a second
         # route; "always": every generation is; "off": none (docs/verification.md)
-        self.verify = verify
+        self.verify = _checked_mode(verify)
         self.audit_rate = audit_rate
         self.records = PeerRecords()  # what this client verified of each peer, and whom it caught
         # audits run in a thread of their own, after each generation: its surveys run trio loops of their own
         self.auditor = Auditor(self.records, self._provider(trio.run), self._audit_options, self.measures, audit_rate,
-                               on_event=lambda m: (self.on_event or (lambda _: None))(m))
+                               on_event=lambda m: self.on_event and self.on_event(m))
 
     def close(self) -> None:
         """Close the connections this client keeps to peers (generations under way fail, audits not started
@@ -202,11 +206,7 @@ class Client:
             chat=chat, on_token=on_token, stop_at_eog=stop_at_eog, verify=self._mode(verify)))
 
     def _mode(self, verify: str | None) -> str:
-        if verify is None:
-            return self.verify
-        if verify not in VERIFY_MODES:
-            raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, not {verify!r}")
-        return verify
+        return self.verify if verify is None else _checked_mode(verify)
 
     def _generate(self, run: bridge.AsyncRunner, **request) -> GenerationResult:
         try:
@@ -243,10 +243,11 @@ class Client:
         try:
             run = generate(route, ids, max_tokens, stop_at_eog=stop_at_eog, on_token=text.on_token)
             text.finish()
-            live = route.routes if isinstance(route, CrossCheckedRoute) else [route]
+            # the routes the answer came from, and every route that computed for it (dropped ones too)
+            live, used = (route.routes, route.all_routes()) if isinstance(route, CrossCheckedRoute) \
+                else ([route], [route])
             signed = self._check_signatures(live)
-            routes = route.all_routes() if isinstance(route, CrossCheckedRoute) else [route]
-            audits = self.auditor.pick(routes, self.n_layer)
+            audits = self.auditor.pick(used, self.n_layer)
             self.auditor.submit(audits)  # after the answer, off its latency
             verification = {**self._verification(route, verify), "signed_steps": signed,
                             "audits": [{"peer_id": t.peer_id, "layers": [t.start, t.end]} for t in audits]}

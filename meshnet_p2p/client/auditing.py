@@ -51,6 +51,7 @@ class Auditor:
         self.results: list[AuditResult] = []
         self._pending = 0
         self._idle = threading.Condition(self._lock)
+        self._closed = False  # audits not yet started are dropped
 
     def audit(self, t: HopTranscript, *, exclude: set[str] = frozenset(), spans_provider=None) -> AuditResult:
         """One audit, now (blocking); its verdict applied to the records. ``spans_provider``:
@@ -109,7 +110,8 @@ class Auditor:
             if t is None:
                 return
             try:
-                self.audit(t)
+                if not self._closed:
+                    self.audit(t)
             except Exception as e:  # an audit that cannot run blames nobody; the next one still runs
                 self.on_event(f"could not audit {t.peer_id}: {sanitize(e)}")
             finally:
@@ -123,12 +125,6 @@ class Auditor:
             return self._idle.wait_for(lambda: self._pending == 0, timeout)
 
     def close(self) -> None:
+        self._closed = True
         if self._thread is not None:
-            while not self._queue.empty():  # what has not started is dropped
-                try:
-                    self._queue.get_nowait()
-                    with self._lock:
-                        self._pending -= 1
-                except queue.Empty:
-                    break
             self._queue.put(None)

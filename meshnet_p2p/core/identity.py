@@ -127,6 +127,15 @@ class PeerId:
         return f"PeerId({str(self)!r})"
 
 
+def signed_by_peer(peer_id: str, signature: bytes, data: bytes) -> bool:
+    """Whether ``signature`` over ``data`` is the peer's whose ID is ``peer_id`` (a string
+    from the network: a malformed ID or signature is simply False)."""
+    try:
+        return len(signature) == 64 and PeerId.from_string(peer_id).verify(signature, data)
+    except (IdentityError, ValueError):
+        return False
+
+
 class Identity:
     """A peer's private identity: an Ed25519 key and the peer ID it derives."""
 

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 
 from meshnet_p2p.engine.contract import TensorBundle
 from meshnet_p2p.core.errors import MeshnetError
-from meshnet_p2p.core.identity import Identity, IdentityError, PeerId
+from meshnet_p2p.core.identity import Identity, signed_by_peer
 from meshnet_p2p.core.records import canonical
 
 ATTEST_DOMAIN = b"meshnet-hop-attestation-v1\0"
@@ -28,6 +28,21 @@ class CertificationError(MeshnetError):
     """Anything certification refuses (the trust package's error)."""
 
 
+def frame_tokens(h, position: int, ids: Sequence[int]) -> None:
+    """One step's token ids into a running sha256 (every digest of a step frames them so)."""
+    h.update(struct.pack("<cQI", b"T", position, len(ids)))
+    h.update(struct.pack(f"<{len(ids)}I", *ids))
+
+
+def frame_hidden(h, position: int, bundle: TensorBundle) -> None:
+    """One step's hidden-state bundle into a running sha256: each tensor's name, dtype, shape and bytes."""
+    h.update(struct.pack("<cQI", b"H", position, len(bundle.tensors)))
+    for t in sorted(bundle.tensors, key=lambda t: t.name):
+        h.update(t.name.encode() + b"\0" + t.dtype.encode() + b"\0")
+        h.update(struct.pack(f"<I{len(t.shape)}Q", len(t.shape), *t.shape))
+        h.update(t.data)
+
+
 class RowDigest:
     """A running sha256 over the steps a hop took in (or gave out), one frame per
     step: its position, and its token ids or hidden-state bytes. The peer and
@@ -37,18 +52,13 @@ class RowDigest:
         self._h = hashlib.sha256(domain)
 
     def tokens(self, position: int, ids: Sequence[int]) -> None:
-        self._h.update(struct.pack("<cQI", b"T", position, len(ids)))
-        self._h.update(struct.pack(f"<{len(ids)}I", *ids))
+        frame_tokens(self._h, position, ids)
 
     def token(self, position: int, token_id: int) -> None:
         self._h.update(struct.pack("<cQI", b"O", position, token_id))
 
     def hidden(self, position: int, bundle: TensorBundle) -> None:
-        self._h.update(struct.pack("<cQI", b"H", position, len(bundle.tensors)))
-        for t in sorted(bundle.tensors, key=lambda t: t.name):
-            self._h.update(t.name.encode() + b"\0" + t.dtype.encode() + b"\0")
-            self._h.update(struct.pack(f"<I{len(t.shape)}Q", len(t.shape), *t.shape))
-            self._h.update(t.data)
+        frame_hidden(self._h, position, bundle)
 
     def rollback(self, position: int) -> None:
         """A rewind is part of the record too: work after it is not the same work."""
@@ -87,10 +97,7 @@ class Attestation:
         return replace(self, signature=identity.sign(self.signed_bytes()))
 
     def verifies(self) -> bool:
-        try:
-            return len(self.signature) == 64 and PeerId.from_string(self.peer_id).verify(self.signature, self.signed_bytes())
-        except (IdentityError, ValueError):
-            return False
+        return signed_by_peer(self.peer_id, self.signature, self.signed_bytes())
 
     def to_content(self) -> dict[str, Any]:
         return {"peer_id": self.peer_id, "session": self.session_id, "model_digest": self.model_digest,

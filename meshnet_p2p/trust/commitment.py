@@ -31,9 +31,11 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Mapping, Sequence
 
 from meshnet_p2p.core.errors import MeshnetError
-from meshnet_p2p.core.identity import Identity, IdentityError, PeerId
+from meshnet_p2p.core.identity import Identity, signed_by_peer
 from meshnet_p2p.core.records import canonical
 from meshnet_p2p.engine.contract import TensorBundle
+
+from .attestation import frame_hidden, frame_tokens
 
 COMMIT_DOMAIN = b"meshnet-step-commitment-v1\0"  # what is signed (link())
 STEP_IO_DOMAIN = b"meshnet-step-io-v1\0"  # one step's input or output
@@ -49,26 +51,17 @@ class CommitmentError(MeshnetError):
     """A commitment that is malformed or out of bounds (from the network or a record)."""
 
 
-def _frame_hidden(h, position: int, bundle: TensorBundle) -> None:
-    h.update(struct.pack("<cQI", b"H", position, len(bundle.tensors)))
-    for t in sorted(bundle.tensors, key=lambda t: t.name):
-        h.update(t.name.encode() + b"\0" + t.dtype.encode() + b"\0")
-        h.update(struct.pack(f"<I{len(t.shape)}Q", len(t.shape), *t.shape))
-        h.update(t.data)
-
-
 def hidden_digest(position: int, bundle: TensorBundle) -> bytes:
     """A hidden-state bundle at ``position``: a hop's output, and the next hop's input."""
     h = hashlib.sha256(STEP_IO_DOMAIN)
-    _frame_hidden(h, position, bundle)
+    frame_hidden(h, position, bundle)
     return h.digest()
 
 
 def tokens_digest(position: int, ids: Sequence[int]) -> bytes:
     """Token ids a head takes at ``position`` (a prompt chunk, or one decode token)."""
     h = hashlib.sha256(STEP_IO_DOMAIN)
-    h.update(struct.pack("<cQI", b"T", position, len(ids)))
-    h.update(struct.pack(f"<{len(ids)}I", *ids))
+    frame_tokens(h, position, ids)
     return h.digest()
 
 
@@ -136,11 +129,7 @@ class Commitment:
         return replace(self, signature=identity.sign(self.link()))
 
     def verifies(self) -> bool:
-        try:
-            return len(self.signature) == SIGNATURE_BYTES and \
-                PeerId.from_string(self.peer_id).verify(self.signature, self.link())
-        except (IdentityError, ValueError):
-            return False
+        return signed_by_peer(self.peer_id, self.signature, self.link())
 
     def follows(self, before: "Commitment | None") -> bool:
         """Whether this is the next link of a chain whose last commitment is ``before`` (None: the first)."""

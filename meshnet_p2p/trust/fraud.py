@@ -18,16 +18,15 @@ and data; a tail's token and end-of-generation flag).
 
 from __future__ import annotations
 
-import hashlib
 import re
-import struct
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.engine.contract import SamplingParams, TensorBundle
 
-OUTPUT_DOMAIN = b"meshnet-step-output-v1\0"
+from .commitment import hidden_digest, token_digest
+
 FRAUD_PROOF = "meshnet/fraud-proof/v1"
 
 MAX_PROOF_STEPS = 512  # steps whose inputs a proof carries (a head's prompt chunks and decode tokens)
@@ -47,19 +46,12 @@ class FraudProofError(MeshnetError):
 def output_digest(position: int, output: object) -> str:
     """The digest of one step's output: a TensorBundle (a hidden state), or a tail's
     reply (anything with ``token_id`` and ``is_eog``)."""
-    h = hashlib.sha256(OUTPUT_DOMAIN)
-    if isinstance(output, TensorBundle):
-        h.update(struct.pack("<cQI", b"H", position, len(output.tensors)))
-        for t in sorted(output.tensors, key=lambda t: t.name):
-            h.update(t.name.encode() + b"\0" + t.dtype.encode() + b"\0")
-            h.update(struct.pack(f"<I{len(t.shape)}Q", len(t.shape), *t.shape))
-            h.update(t.data)
-    else:
-        token, eog = getattr(output, "token_id", None), getattr(output, "is_eog", None)
-        if not isinstance(token, int) or not isinstance(eog, bool):
-            raise TypeError(f"a step's output is a TensorBundle or a token reply, not {type(output).__name__}")
-        h.update(struct.pack("<cQQ?", b"T", position, token, eog))
-    return h.hexdigest()
+    if isinstance(output, TensorBundle):  # a hidden state: the very digest its hop's commitment names
+        return hidden_digest(position, output).hex()
+    token, eog = getattr(output, "token_id", None), getattr(output, "is_eog", None)
+    if not isinstance(token, int) or not isinstance(eog, bool):
+        raise TypeError(f"a step's output is a TensorBundle or a token reply, not {type(output).__name__}")
+    return token_digest(position, token, eog).hex()
 
 
 @dataclass(frozen=True)
