@@ -1,0 +1,204 @@
+"""Verified compute, measured (issue 26): how soon a cheating peer is caught by the
+client's audits, whether an honest one ever is, what the audits cost, and what
+the user waits for them.
+
+    python bench/verify.py [--tokens 12] [--honest 500] [--new-sessions 5] [--late-honest 20]
+                           [--late-sessions 40] [--latency-reps 5] [--json]
+
+A loopback swarm of processes: a bootstrap peer, joins for 0:10, 10:20 (three
+of them) and 20:30, certified by the bootstrap's key (its evidence vouches for
+the peers of the certified route). The cheaters are tests/cheaters.py's, run as
+processes from the repository's top: they serve 10:20 with the real data plane
+and a real shard that nudges one float of its hidden output (valid CRC, tokens
+usually unchanged, so only an exact replay sees it). Every session is a real
+generation (the ring) through a route forced through the peer measured, with
+the client's own audit policy (client/records.py: every session of a peer with
+no verified record, then 1/(1+n), never below --audit-rate); cross-checking is
+off here, to measure the audits alone (tests/test_verified_compute.py covers it).
+
+- honest: --honest sessions through the honest 10:20 peers in turn; a false
+  positive is any audit of an honest peer that does not say ``match`` where a
+  replayer could run (mismatch, unconfirmed or undecided), or an honest peer caught.
+- new: a peer that cheats on every step from its first session: sessions until
+  it is caught (target: 1).
+- late: a peer honest for --late-honest sessions, then cheating on every step:
+  sessions after it starts cheating until it is caught, beside what the policy
+  predicts (the chance to be caught within n sessions, 1 - prod(1 - q_i)).
+- cost: replayed hop-steps over generated hop-steps in the honest phase (the
+  compute audits add), and the user's wait: generate()'s wall time with audits
+  running after each answer against the same client with audits off, in turns
+  (a ratio; target 1.0: audits run after the answer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import trio
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # tests/cheaters.py: the cheating peers are test doubles, run as processes
+
+from meshnet_p2p.client import Client  # noqa: E402
+from meshnet_p2p.client.audit import Verdict, planner_through  # noqa: E402
+from meshnet_p2p.client.records import AUDIT_RATE  # noqa: E402
+from meshnet_p2p.engine.contract import SamplingParams  # noqa: E402
+from meshnet_p2p.roles.peer_process import OutputLines, PeerProcess, Swarm  # noqa: E402
+
+from _report import print_report  # noqa: E402  (bench/ is on sys.path when a bench runs)
+from _smoke import parse_args  # noqa: E402
+
+PROMPT = "The capital of France is"
+
+
+class Cheater(PeerProcess):
+    """``python -m tests.cheaters MODE ...`` as its own process."""
+
+    def __init__(self, *args: str, env: dict) -> None:
+        self.args = args
+        OutputLines.__init__(self, subprocess.Popen([sys.executable, "-m", "tests.cheaters", *args], cwd=ROOT,
+                                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                                    text=True))
+
+    @property
+    def peer_id(self) -> str:
+        return self.address(120).rsplit("/", 1)[1]
+
+
+class Through(Client):
+    """A client whose routes go through one given peer (``through``), with its own audit policy."""
+
+    through: str | None = None
+
+    def _plan(self, spans, start, end, **kw):
+        return planner_through(self.through)(spans, start, end, **kw) if self.through else \
+            super()._plan(spans, start, end, **kw)
+
+
+def seen(client: Through, peer: str, timeout: float = 60.0) -> None:
+    """Wait until a fresh survey of the client holds ``peer``'s report (a client plans from a survey
+    up to a few seconds old: a peer that just joined is not in it yet)."""
+    deadline = time.monotonic() + timeout
+    while peer not in {s.peer_id for s in trio.run(client.spans)}:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the client never saw {peer} in {timeout:g} s")
+        time.sleep(0.25)
+
+
+def session(client: Through, peer: str | None, tokens: int) -> tuple[float, list]:
+    """One generation through ``peer``, then its audits: (generate's wall seconds, the audits' results)."""
+    client.through = peer
+    done = len(client.auditor.results)
+    t0 = time.perf_counter()
+    client.generate(PROMPT, tokens, SamplingParams(), stop_at_eog=False)
+    wall = time.perf_counter() - t0
+    client.wait_audits(300)
+    return wall, client.auditor.results[done:]
+
+
+def until_caught(client: Through, peer: str, sessions: int, tokens: int) -> int | None:
+    """Sessions through ``peer`` until the client has caught it (None: not within ``sessions``)."""
+    for n in range(1, sessions + 1):
+        session(client, peer, tokens)
+        if peer in client.records.caught():
+            return n
+    return None
+
+
+def predicted(client: Through, peer: str, rate: float, sessions: int) -> float:
+    """The chance the policy catches a peer that cheats every session within ``sessions``, from its record now."""
+    rec = client.records.snapshot().get(peer, {})
+    n = rec.get("verified_sessions", 0) + (4 if rec.get("vouched") else 0)
+    miss = 1.0
+    for _ in range(sessions):  # its record does not grow while it cheats: every audit of it fails
+        miss *= 1.0 - (1.0 if n == 0 else max(rate, 1.0 / (1 + n)))
+    return 1.0 - miss
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=12)
+    ap.add_argument("--honest", type=int, default=500, help="honest sessions (false positives)")
+    ap.add_argument("--new-sessions", type=int, default=5, help="sessions a new cheater gets before 'not caught'")
+    ap.add_argument("--late-honest", type=int, default=20, help="sessions the late cheater serves honestly first")
+    ap.add_argument("--late-sessions", type=int, default=40, help="cheating sessions it gets before 'not caught'")
+    ap.add_argument("--latency-reps", type=int, default=5, help="generations per side for the user's wait")
+    ap.add_argument("--audit-rate", type=float, default=AUDIT_RATE)
+    ap.add_argument("--json", action="store_true")
+    args = parse_args(ap, tokens=3, honest=2, new_sessions=2, late_honest=1, late_sessions=3, latency_reps=1)
+
+    doc: dict = {"tokens": args.tokens, "audit_rate": args.audit_rate}
+    with tempfile.TemporaryDirectory(prefix="meshnet-bench-verify-") as cache:
+        env = {**os.environ, "MESHNET_CACHE_DIR": cache,
+               "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+        spans = ("0:10", "10:20", "20:30", "10:20", "10:20")
+        with Swarm(spans, "--threads", "1", env=env) as swarm:
+            swarm.certify()
+            middles = [j.address().rsplit("/", 1)[1] for j, s in zip(swarm.joins, spans) if s == "10:20"]
+            client = Through([swarm.addr], verify="off", audit_rate=args.audit_rate)
+            for peer in middles:
+                seen(client, peer)
+
+            # honest: false positives, and what audits replay against what is generated
+            honest_results = []
+            generated = 0
+            for i in range(args.honest):
+                _, results = session(client, middles[i % len(middles)], args.tokens)
+                honest_results += results
+                generated += 3 * (args.tokens + 1)  # hop-steps: a prefill and a step per later token, 3 hops
+            judged = [r for r in honest_results if r.verdict is not Verdict.NO_REPLAYER]
+            false = [r for r in judged if r.verdict is not Verdict.MATCH]
+            doc["honest"] = {"sessions": args.honest, "audits": len(honest_results), "judged": len(judged),
+                             "false_positives": len(false) + len(client.records.caught()),
+                             "replayed_over_generated": round(sum(r.steps for r in honest_results) /
+                                                              max(1, generated), 4)}
+
+            # the user's wait: the same client, audits after each answer or none, in turns
+            walls: dict[str, list[float]] = {"audited": [], "unaudited": []}
+            submit = client.auditor.submit
+            for _ in range(args.latency_reps):
+                for side in walls:
+                    client.auditor.submit = submit if side == "audited" else (lambda items: None)
+                    walls[side].append(session(client, None, args.tokens)[0])
+            client.auditor.submit = submit
+            doc["user_wait_ratio"] = round(statistics.median(walls["audited"]) /
+                                           statistics.median(walls["unaudited"]), 4)
+
+            # a new peer that cheats from its first session
+            new = Cheater("perturb", "--layers", "10:20", "--rate", "1", "--bootstrap", swarm.addr, env=env)
+            try:
+                peer = new.peer_id
+                seen(client, peer)
+                doc["new"] = {"sessions_to_caught": until_caught(client, peer, args.new_sessions, args.tokens)}
+            finally:
+                new.stop()
+
+            # a peer that builds a record first, then cheats on every step
+            late = Cheater("late", "--layers", "10:20", "--honest-sessions", str(args.late_honest),
+                           "--bootstrap", swarm.addr, env=env)
+            try:
+                peer = late.peer_id
+                seen(client, peer)
+                for _ in range(args.late_honest):  # its honest sessions (no audit replays on it: only its own hop
+                    session(client, peer, args.tokens)  # is of its span, and a peer never replays itself)
+                chance = predicted(client, peer, args.audit_rate, args.late_sessions)
+                doc["late"] = {"honest_sessions": args.late_honest,
+                               "record": client.records.snapshot().get(peer, {}).get("verified_sessions", 0),
+                               "sessions_to_caught": until_caught(client, peer, args.late_sessions, args.tokens),
+                               "predicted_caught_within": round(chance, 4), "within": args.late_sessions}
+            finally:
+                late.stop()
+            client.close()
+    print_report(doc, args.json)
+    ok = doc["honest"]["false_positives"] == 0 and doc["new"]["sessions_to_caught"] is not None
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
