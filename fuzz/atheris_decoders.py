@@ -21,13 +21,14 @@ with atheris.instrument_imports(include=["meshnet_p2p", "h2", "hpack", "hyperfra
     from meshnet_p2p.swarm.capability import TYPES
     from meshnet_p2p.dataplane.transport import grpc_core
     from meshnet_p2p.dataplane.transport.connect import ConnectDialog, ConnectError, ConnectHead
-    from meshnet_p2p.dataplane.wire import PayloadError, bundle_from_proto
+    from meshnet_p2p.dataplane.wire import PayloadError, bundle_from_proto, commitment_from_proto
     from meshnet_p2p.dataplane.transport.tls import TlsBindingError, peer_of_der
     from meshnet_p2p.dht import wire
     from meshnet_p2p.nat.dialback import DialbackRejected, dial_target, parse_dial_back, parse_dial_result, verify_dial_result
     from meshnet_p2p.engine.gguf import GGUFFormatError, read_gguf
     from meshnet_p2p.core.identity import Identity
     from meshnet_p2p.core.records import RecordRejected, RecordVerifier
+    from meshnet_p2p.trust.commitment import CommitmentError
 
 from google.protobuf.message import DecodeError
 
@@ -134,6 +135,15 @@ def bundle(data: bytes) -> None:
         pass
 
 
+def commitment(data: bytes) -> None:
+    """Raw bytes as a step's commitment (Step.upstream, a reply's), completed as its receiver does."""
+    try:
+        commitment_from_proto(pb.StepCommitment.FromString(data)).complete(
+            peer_id=str(ALICE.peer_id), model_digest="ab" * 32, recipe_digest="cd" * 32, route_epoch=0).verifies()
+    except (DecodeError, CommitmentError):
+        pass
+
+
 def gguf(data: bytes) -> None:
     try:
         read_gguf("fuzz", buf=b"GGUF" + data)
@@ -171,8 +181,8 @@ def certificate(data: bytes) -> None:
         pass
 
 
-TARGETS = {f.__name__: f for f in (datagram, signed_datagram, dial_back, dial_result, record, bundle, gguf, http2,
-                                    connect, certificate)}
+TARGETS = {f.__name__: f for f in (datagram, signed_datagram, dial_back, dial_result, record, bundle, commitment,
+                                    gguf, http2, connect, certificate)}
 
 
 def main(argv: list[str]) -> int:

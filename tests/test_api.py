@@ -79,3 +79,19 @@ def test_a_request_too_long_for_every_peer_is_the_requests_error(api):
     assert "the prompt has 33335 tokens" in str(e.value) and "holds at most 2048" in str(e.value), str(e.value)
     r = api.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0)
     assert r.choices[0].text.startswith(" Paris")
+
+
+def test_a_bad_verify_mode_is_the_requests_error_and_the_server_serves_on(api):
+    """`"verify"` (docs/verification.md) names one of three modes; anything else is a
+    400 that names them, refused before any generation, and the server answers on."""
+    import openai
+
+    for bad in ["bogus", "ALWAYS", 5, ["auto"]]:
+        with pytest.raises(openai.BadRequestError) as e:
+            api.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"verify": bad})
+        assert "verify" in str(e.value) and "'auto', 'always' or 'off'" in str(e.value), str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                    extra_body={"verify": "bogus"})
+    assert "verify" in str(e.value), str(e.value)
+    assert [m.id for m in api.models.list().data] == [MODEL]

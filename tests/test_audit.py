@@ -5,6 +5,8 @@ driver over unit-test doubles of hops."""
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from meshnet_p2p.client.audit import Decision, ReplayRun, Verdict, audit_hop, decide, planner_through, replay_planner
 from meshnet_p2p.client.errors import GenerationError
@@ -16,7 +18,9 @@ from meshnet_p2p.dataplane.stub import ShardConnectionError
 from meshnet_p2p.dataplane.wire import Fingerprint
 from meshnet_p2p.engine.contract import HIDDEN, SamplingParams, Tensor, TensorBundle, TokenOutput
 from meshnet_p2p.swarm.placement import NoRoute, Span
-from meshnet_p2p.trust.fraud import MAX_PROOF_TOKENS, MAX_REPLAYERS, FraudProof, FraudProofError, InputStep, output_digest
+from meshnet_p2p.trust.fraud import FRAUD_PROOF, MAX_PROOF_TOKENS, MAX_REPLAYERS, FraudProof, FraudProofError, InputStep, output_digest
+
+from tests.mutations import mutate_tree
 
 PEER = ("a", "b", "c", "d")  # the audited peer's output digest at each step
 
@@ -152,6 +156,34 @@ def test_fraud_proof_content_from_anyone_is_checked(mutate):
     mutate(c)
     with pytest.raises(FraudProofError):
         FraudProof.from_content(c)
+
+
+_values = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=140),
+                    st.binary(max_size=70), st.sampled_from(["1" * 64, "2" * 64, "a" * 64, "cheat", "r1", "s-1",
+                                                             FRAUD_PROOF, 0, 1, 9, 10, 2**31, 2**64, -1]))
+_any = st.recursive(_values, lambda kids: st.one_of(st.lists(kids, max_size=4),
+                                                    st.dictionaries(st.text(max_size=12), kids, max_size=4)),
+                    max_leaves=12)
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow])
+@given(st.data(), st.integers(0, 4))
+@example(None, -1)
+def test_fraud_proof_content_of_any_shape_parses_or_raises_fraud_proof_error(data, edits):
+    """Valid content with up to four structural edits, or anything at all: a proof
+    that is well formed (and round-trips), or FraudProofError, never another exception."""
+    if edits < 0:  # a number no float holds, where a float is read
+        content = proof().to_content()
+        content["sampling"]["temperature"] = 10**400
+    elif edits == 4:
+        content = data.draw(_any, label="content")
+    else:
+        content = mutate_tree(data, proof().to_content(), edits + 1, _any)
+    try:
+        p = FraudProof.from_content(content)
+    except FraudProofError:
+        return
+    assert FraudProof.from_content(p.to_content()) == p
 
 
 # --- the audit's driver, over a fake network (unit-test doubles of hops) --------------------------

@@ -2,7 +2,9 @@
 leaves nothing open, the trio bridge, streamed text, and the typed values the
 client hands the data plane (converted to protobuf in dataplane/wire.py only)."""
 
+import dataclasses
 import threading
+from types import SimpleNamespace
 
 import pytest
 import trio
@@ -10,17 +12,18 @@ import trio
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
 from meshnet_p2p.client import GenerationError, RouteOptions, open_route
 from meshnet_p2p.client import bridge
-from meshnet_p2p.client.hop import Hop, route_fingerprint
+from meshnet_p2p.client.hop import DishonestHop, Hop, check_commitment, commitments_of, route_fingerprint
 from meshnet_p2p.client.ring import RingRoute
 from meshnet_p2p.client.search import RouteSearch
 from meshnet_p2p.client.star import StarRoute
 from meshnet_p2p.client.text import TextStream, prompt_ids
 from meshnet_p2p.core.identity import Identity
 from meshnet_p2p.dataplane import wire
-from meshnet_p2p.dataplane.stub import ShardConnectionError
-from meshnet_p2p.engine.contract import SamplingParams
+from meshnet_p2p.dataplane.stub import ShardConnectionError, StepReply
+from meshnet_p2p.engine.contract import HIDDEN, SamplingParams, Tensor, TensorBundle
 from meshnet_p2p.swarm.placement import Span
 from meshnet_p2p.trust.attestation import Attestation
+from meshnet_p2p.trust.commitment import Commitment, hidden_digest, input_digest
 
 
 # --- opening a route -------------------------------------------------------------------------------
@@ -188,3 +191,87 @@ def test_an_attestation_converts_to_the_trust_layers_value_and_still_verifies():
                        input_digest=a.input_digest, output_digest=a.output_digest, signature=a.signature)
     back = wire.attestation_from_proto(m)
     assert back == a and back.verifies()
+
+
+# --- a hop's commitments as a peer sent them (client/hop.py, client/ring.py), with stand-in replies ---
+
+_PEER = Identity.from_seed(b"\x41" * 32)
+_BEFORE = Identity.from_seed(b"\x42" * 32)
+_MODEL, _RECIPE = "1" * 64, "2" * 64
+
+
+def _signed_step(signer: Identity, start: int, end: int, session_id: str, payload, out):
+    """A hop's honest reply to the step at position 0 (``payload`` in, hidden ``out`` back), and its commitment."""
+    c = Commitment(str(signer.peer_id), session_id, _MODEL, _RECIPE, start, end, 0, 0, 0, False,
+                   input_digest(0, payload), hidden_digest(0, out)).signed_by(signer)
+    raw = pb.SessionResponse(result=pb.StepResult(position=3, route_epoch=0))
+    reply = StepReply(3, out, None, False, raw, wire.commitment_from_proto(wire.commitment_to_proto(c, pb.StepCommitment())))
+    return reply, c
+
+
+def _hop(signer: Identity, start: int, end: int) -> Hop:
+    span = Span(str(signer.peer_id), start, end,
+                record=SimpleNamespace(content={"model_digest": _MODEL, "recipe_digest": _RECIPE}))
+    return Hop(span, client=None, stream=SimpleNamespace(session_id=f"{start}-{end}-session"), n_ubatch=32)
+
+
+def _tensor(fill: int) -> TensorBundle:
+    return TensorBundle((Tensor(HIDDEN, "f32", (3, 4), bytes([fill]) * 48),))
+
+
+def test_an_honest_commitment_passes_both_checks():
+    hop = _hop(_PEER, 10, 20)
+    reply, c = _signed_step(_PEER, 10, 20, hop.stream.session_id, _tensor(1), _tensor(2))
+    check_commitment(hop, 0, _tensor(1), reply)
+    hop.history.append((0, _tensor(1), False))
+    hop.replies.append(reply)
+    assert commitments_of(hop) == [c]
+
+
+@pytest.mark.parametrize("why, wire_change, epoch", [
+    ("short output digest", {"output_digest": b"\0" * 31}, 0),
+    ("long input digest", {"input_digest": b"\0" * 33}, 0),
+    ("short signature", {"signature": b"\0" * 63}, 0),
+    ("long signature", {"signature": b"\0" * 65}, 0),
+    ("huge index", {"index": 2**64 - 1}, 0),
+    ("zero signature", {"signature": b"\0" * 64}, 0),
+    ("reply on a huge epoch", {}, 2**64 - 1),  # the epoch a reply names: a peer's number too
+])
+def test_a_malformed_commitment_in_a_reply_is_a_dishonest_hop(why, wire_change, epoch):
+    """Whatever a peer puts in its reply's commitment, the client's checks end in a
+    DishonestHop naming that peer (a ShardConnectionError: failed over), never
+    in another exception."""
+    hop = _hop(_PEER, 10, 20)
+    reply, _ = _signed_step(_PEER, 10, 20, hop.stream.session_id, _tensor(1), _tensor(2))
+    reply.commitment = dataclasses.replace(reply.commitment, **wire_change)
+    reply.raw.result.route_epoch = epoch
+    with pytest.raises(DishonestHop) as e:
+        check_commitment(hop, 0, _tensor(1), reply)  # on the spot: digests and index
+        hop.history.append((0, _tensor(1), False))
+        hop.replies.append(reply)
+        commitments_of(hop)  # after the generation: whole, chained, signed
+    assert isinstance(e.value, ShardConnectionError) and e.value.peer_id == str(_PEER.peer_id), why
+
+
+@pytest.mark.parametrize("why, wire_change", [
+    ("short prev", {"prev": b"\0" * 5}),
+    ("long session id", {"session_id": "s" * 5000}),
+    ("huge position", {"position": 2**63}),
+    ("short signature", {"signature": b"\0" * 63}),
+])
+def test_a_ring_hop_that_relays_a_malformed_commitment_is_blamed_for_it(why, wire_change):
+    """A ring hop's copy names the commitment it took the step with (upstream); a
+    malformed one is that hop's fault (it must have checked it), typed, on the spot."""
+    before, hop = _hop(_BEFORE, 0, 10), _hop(_PEER, 10, 20)
+    tokens = (1, 2, 3)
+    first, c0 = _signed_step(_BEFORE, 0, 10, before.stream.session_id, tokens, _tensor(1))
+    before.history.append((0, tokens, False))
+    before.replies.append(first)
+    copy, _ = _signed_step(_PEER, 10, 20, hop.stream.session_id, _tensor(1), _tensor(2))
+    relayed = wire.commitment_from_proto(wire.commitment_to_proto(c0, pb.StepCommitment(), forwarded=True))
+    # (another signature than the one the client got: else the fields name that one, checked after the generation)
+    copy.upstream = dataclasses.replace(relayed, **{"signature": b"\1" * 64, **wire_change})
+    ring = object.__new__(RingRoute)
+    ring.hops = [before, hop]
+    index, error = ring._upstream_fault(1, copy)
+    assert index == 1 and isinstance(error, DishonestHop) and error.peer_id == str(_PEER.peer_id), why

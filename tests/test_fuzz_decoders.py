@@ -38,6 +38,7 @@ from hypothesis import strategies as st
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
 from meshnet_p2p.swarm.capability import CAPABILITY, MODEL_INDEX, MODELS_KEY
 from meshnet_p2p.trust.attestation import TOKENS_DOMAIN, Attestation, ids_digest
+from meshnet_p2p.trust.commitment import Commitment, CommitmentError
 from meshnet_p2p.trust.evidence import (
     CERTIFICATE,
     CERT_INDEX,
@@ -62,6 +63,7 @@ from meshnet_p2p.dataplane.wire import (
     PayloadError,
     bundle_from_proto,
     bundle_to_proto,
+    commitment_from_proto,
     crc32c,
 )
 from meshnet_p2p.dht import wire
@@ -490,6 +492,64 @@ def test_a_bundle_with_an_absurd_rank_is_refused_quickly():
     with pytest.raises(PayloadError):
         bundle_from_proto(msg)
     assert time.perf_counter() - t < 0.25
+
+
+# --- step commitments (dataplane/wire.py, trust/commitment.py; issue 26) ---------------------------
+# A StepCommitment comes from a peer (a reply's commitment, a copy's upstream) or from the
+# previous hop of a ring (Step.upstream); whoever reads one completes it with what it knows
+# itself, and what is left may be anything a protobuf field can hold.
+
+_digest_like = st.one_of(st.binary(min_size=32, max_size=32), st.binary(max_size=70))
+_step_commitment = st.builds(
+    pb.StepCommitment, index=edge_u64, input_digest=_digest_like, output_digest=_digest_like,
+    signature=st.one_of(st.binary(min_size=64, max_size=64), st.binary(max_size=130)), prev=_digest_like,
+    session_id=st.text(max_size=300), start=st.integers(0, 2**32 - 1), end=st.integers(0, 2**32 - 1),
+    position=edge_u64, decode=st.booleans())
+# what a receiver fills in itself: its own view, or (a client's route_epoch) a number a peer sent
+_known = st.fixed_dictionaries({}, optional={
+    "session_id": st.text(max_size=200), "start": edge_u64, "end": edge_u64, "position": edge_u64,
+    "decode": st.booleans(), "prev": _digest_like})
+
+
+def _complete_or_commitment_error(m: pb.StepCommitment, peer: str, epoch: int, known: dict) -> None:
+    w = commitment_from_proto(m)
+    try:
+        c = w.complete(peer_id=peer, model_digest=MODEL, recipe_digest=RECIPE, route_epoch=epoch, **known)
+    except CommitmentError:
+        return
+    assert len(c.input_digest) == len(c.output_digest) == len(c.prev) == 32 and len(c.signature) in (0, 64)
+    assert w.names(c)
+    c.link()
+    assert not c.verifies()  # nobody here signed it
+
+
+@given(_step_commitment, st.sampled_from([str(ALICE.peer_id), "", "not a peer", "p" * 200]), edge_u64, _known)
+@example(pb.StepCommitment(index=2**64 - 1), str(ALICE.peer_id), 0, {})
+@example(pb.StepCommitment(input_digest=b"\0" * 31, output_digest=b"\0" * 32, prev=b"\0" * 32), "x", 0, {})
+@example(pb.StepCommitment(input_digest=b"\0" * 32, output_digest=b"\0" * 32, prev=b"\0" * 32,
+                           signature=b"\0" * 64, session_id="s" * 10_000), str(ALICE.peer_id), 0, {})
+def test_any_step_commitment_completes_to_a_commitment_or_raises_commitment_error(m, peer, epoch, known):
+    _complete_or_commitment_error(m, peer, epoch, known)
+
+
+@given(st.binary(max_size=300))
+def test_step_commitments_from_any_bytes_complete_or_raise_commitment_error(data):
+    try:
+        m = pb.StepCommitment.FromString(data)
+    except DecodeError:  # protobuf's own error: the stream maps it to an error status
+        return
+    _complete_or_commitment_error(m, str(ALICE.peer_id), 0, {})
+
+
+@given(mp_values)
+@example({f.name: None for f in dataclasses.fields(Commitment)})
+def test_commitment_content_of_any_msgpack_value_parses_or_raises_commitment_error(value):
+    try:
+        c = Commitment.from_content(msgpack.unpackb(msgpack.packb(value, use_bin_type=True), raw=False,
+                                                    strict_map_key=False))
+    except CommitmentError:
+        return
+    c.link()
 
 
 # --- the Session stream (meshnet_p2p/dataplane/servicer.py) ----------------------------------------

@@ -82,7 +82,9 @@ def _send_step(call, position: int, epoch: int = 0, rows: int = 1, fp=None, comm
     bundle_to_proto(given, out=step.hidden)
     if commitment is None and fp is not None:
         commitment = upstream(fp, position, given, epoch, rows=rows)
-    if commitment is not None:
+    if isinstance(commitment, pb.StepCommitment):  # as it comes over the wire: perhaps malformed
+        step.upstream.CopyFrom(commitment)
+    elif commitment is not None:
         commitment_to_proto(commitment, step.upstream, forwarded=True)
     call.send(pb.SessionRequest(step=step).SerializeToString())
 
@@ -158,8 +160,9 @@ def test_a_step_of_an_older_route_is_refused_and_never_reaches_the_owner(middle)
 
 def test_a_forwarded_step_is_taken_only_as_its_previous_hop_committed_to_it(middle):
     """A hop that forwards one thing and commits to another (or commits to nothing,
-    or in another peer's name) is refused with UPSTREAM_MISMATCH, on the attach
-    stream and to the owner, before the step counts: the step is still free."""
+    or in another peer's name, or sends a malformed commitment) is refused with
+    UPSTREAM_MISMATCH, on the attach stream and to the owner, before the step
+    counts: the step is still free, and the stream and session serve on."""
     import dataclasses
 
     stranger = Identity.from_seed(b"\x72" * 32)
@@ -176,10 +179,29 @@ def test_a_forwarded_step_is_taken_only_as_its_previous_hop_committed_to_it(midd
             "bad signature": dataclasses.replace(honest, signature=bytes(64)),
             "another epoch": upstream(fp, 0, hidden(1, seed=0), epoch=1),
         }
+        # malformed on the wire: refused as the request's error, the stream and session go on
+        wire = commitment_to_proto(honest, pb.StepCommitment(), forwarded=True)
+        malformed = {
+            "short output digest": dict(output_digest=honest.output_digest[:31]),
+            "long input digest": dict(input_digest=b"\1" * 33),
+            "no prev": dict(prev=b""),
+            "short signature": dict(signature=honest.signature[:63]),
+            "huge index": dict(index=2**64 - 1),
+            "huge position": dict(position=2**63),
+            "long session id": dict(session_id="s" * 5000),
+        }
+        for why, change in malformed.items():
+            bad = pb.StepCommitment()
+            bad.CopyFrom(wire)
+            for name, value in change.items():
+                setattr(bad, name, value)
+            cheats[why] = bad
         for why, commitment in cheats.items():
             _send_step(call, 0, commitment=commitment)
             reply = pb.SessionResponse.FromString(call.recv(deadline=time.monotonic() + 30))
             assert reply.error.code == pb.UPSTREAM_MISMATCH and not reply.error.terminal, why
+            if why in malformed:
+                assert "malformed" in reply.error.detail, (why, reply.error.detail)
             with pytest.raises(ShardError) as e:  # the owner hears of it: its client blames the hop before
                 owner.next_result(0, timeout=30)
             assert e.value.code_name == "UPSTREAM_MISMATCH", why

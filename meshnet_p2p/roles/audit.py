@@ -17,7 +17,7 @@ import sys
 from typing import TYPE_CHECKING, Iterable
 
 from meshnet_p2p.core.errors import MeshnetError, sanitize, unwrap_errors
-from .flags import add_bootstrap, add_trust, positive, positive_float  # light, as this module
+from .flags import add_bootstrap, add_trust, peer_id, positive, positive_float  # light, as this module
 
 if TYPE_CHECKING:  # cli.py imports this module to build its parser: the rest loads when the role runs
     from meshnet_p2p.client import Client
@@ -36,7 +36,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("audit", help="check a peer's work: generate through it, replay its steps on other "
                                             "peers of its recipe, compare exactly")
     add_bootstrap(p, "bootstrap peers (repeatable; default $MESHNET_BOOTSTRAP)")
-    p.add_argument("--peer", required=True, metavar="PEER_ID", help="the peer to audit")
+    p.add_argument("--peer", required=True, type=peer_id, metavar="PEER_ID", help="the peer to audit")
     p.add_argument("--model", help="GGUF model (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="what the audited generation is given")
     p.add_argument("--max-tokens", type=positive, default=DEFAULT_TOKENS, help="tokens the audited generation makes")

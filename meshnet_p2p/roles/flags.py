@@ -42,6 +42,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+def peer_id(text: str) -> str:
+    """A peer ID (12D3KooW...), checked by the parser: a typo is one error line, before any network work."""
+    from meshnet_p2p.core.identity import IdentityError, PeerId
+
+    try:
+        return str(PeerId.from_string(text))
+    except IdentityError as e:
+        raise argparse.ArgumentTypeError(f"{text[:60]!r} is not a peer ID ({e})") from None
+
+
 def add_identity(p: argparse.ArgumentParser) -> None:
     p.add_argument("--identity", help="key file (created if missing; default: a fresh identity per run)")
 

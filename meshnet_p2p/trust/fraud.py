@@ -138,7 +138,10 @@ def _bool(x) -> bool:
 def _float(x) -> float:
     if type(x) not in (int, float):
         raise FraudProofError(f"expected a number, got {type(x).__name__}")
-    return float(x)
+    try:
+        return float(x)
+    except OverflowError:  # an integer no float holds (not from msgpack, but content may come from anywhere)
+        raise FraudProofError("a number out of range") from None
 
 
 def _str(x) -> str:
