@@ -19,6 +19,7 @@ from meshnet_p2p.core.records import wall_ms
 from meshnet_p2p.dataplane.ring import LINK_TIMEOUT_S
 from meshnet_p2p.dataplane.stub import ShardConnectionError, ShardError
 from meshnet_p2p.dataplane.wire import LinkOrder
+from meshnet_p2p.trust.commitment import CommitmentError
 
 from .chain import Chain
 from .errors import GenerationError
@@ -141,7 +142,7 @@ class RingRoute(Chain):
         try:
             relayed = up.complete(peer_id=before.span.peer_id, model_digest=c["model_digest"],
                                   recipe_digest=c["recipe_digest"], route_epoch=direct.route_epoch)
-        except Exception as e:  # CommitmentError: malformed
+        except CommitmentError as e:  # malformed
             return i, DishonestHop(peer, f"{peer} relayed a malformed commitment: {e}")
         if not relayed.verifies():
             return i, DishonestHop(peer, f"{peer} relayed a commitment {before.span.peer_id} did not sign")
