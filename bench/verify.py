@@ -2,7 +2,7 @@
 client's audits, whether an honest one ever is, what the audits cost, and what
 the user waits for them.
 
-    python bench/verify.py [--tokens 12] [--honest 500] [--new-sessions 5] [--late-honest 20]
+    python bench/verify.py [--tokens 12] [--honest 500] [--cost-sessions 100] [--new-sessions 5] [--late-honest 20]
                            [--late-sessions 40] [--latency-reps 5] [--json]
 
 A loopback swarm of processes: a bootstrap peer, joins for 0:10, 10:20 (three
@@ -16,16 +16,18 @@ the client's own audit policy (client/records.py: every session of a peer with
 no verified record, then 1/(1+n), never below --audit-rate); cross-checking is
 off here, to measure the audits alone (tests/test_verified_compute.py covers it).
 
-- honest: --honest sessions through the honest 10:20 peers in turn; a false
-  positive is any audit of an honest peer that does not say ``match`` where a
-  replayer could run (mismatch, unconfirmed or undecided), or an honest peer caught.
+- honest: --honest sessions through the honest 10:20 peers in turn, every
+  hop-session audited (a client at audit rate 1); a false positive is any
+  audit of an honest peer that does not say ``match`` where a replayer could
+  run (mismatch, unconfirmed or undecided), or an honest peer caught. (The
+  head and tail spans have one peer each here: their audits find no replayer.)
 - new: a peer that cheats on every step from its first session: sessions until
   it is caught (target: 1).
 - late: a peer honest for --late-honest sessions, then cheating on every step:
   sessions after it starts cheating until it is caught, beside what the policy
   predicts (the chance to be caught within n sessions, 1 - prod(1 - q_i)).
-- cost: replayed hop-steps over generated hop-steps in the honest phase (the
-  compute audits add), and the user's wait: generate()'s wall time with audits
+- cost: replayed hop-steps over generated hop-steps over --cost-sessions at
+  the policy's rate, records starting empty (the compute audits add), and the user's wait: generate()'s wall time with audits
   running after each answer against the same client with audits off, in turns
   (a ratio; target 1.0: audits run after the answer).
 """
@@ -124,14 +126,15 @@ def predicted(client: Through, peer: str, rate: float, sessions: int) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=12)
-    ap.add_argument("--honest", type=int, default=500, help="honest sessions (false positives)")
+    ap.add_argument("--honest", type=int, default=500, help="honest sessions, each hop audited (false positives)")
+    ap.add_argument("--cost-sessions", type=int, default=100, help="sessions at the policy's rate (audit cost)")
     ap.add_argument("--new-sessions", type=int, default=5, help="sessions a new cheater gets before 'not caught'")
     ap.add_argument("--late-honest", type=int, default=20, help="sessions the late cheater serves honestly first")
     ap.add_argument("--late-sessions", type=int, default=40, help="cheating sessions it gets before 'not caught'")
     ap.add_argument("--latency-reps", type=int, default=5, help="generations per side for the user's wait")
     ap.add_argument("--audit-rate", type=float, default=AUDIT_RATE)
     ap.add_argument("--json", action="store_true")
-    args = parse_args(ap, tokens=3, honest=2, new_sessions=2, late_honest=1, late_sessions=3, latency_reps=1)
+    args = parse_args(ap, tokens=3, honest=2, cost_sessions=2, new_sessions=2, late_honest=1, late_sessions=3, latency_reps=1)
 
     doc: dict = {"tokens": args.tokens, "audit_rate": args.audit_rate}
     with tempfile.TemporaryDirectory(prefix="meshnet-bench-verify-") as cache:
@@ -145,19 +148,23 @@ def main() -> int:
             for peer in middles:
                 seen(client, peer)
 
-            # honest: false positives, and what audits replay against what is generated
-            honest_results = []
-            generated = 0
+            # honest: false positives, every hop-session audited (a client at audit rate 1)
+            strict = Through([swarm.addr], verify="off", audit_rate=1.0)
+            results = []
             for i in range(args.honest):
-                _, results = session(client, middles[i % len(middles)], args.tokens)
-                honest_results += results
-                generated += 3 * (args.tokens + 1)  # hop-steps: a prefill and a step per later token, 3 hops
-            judged = [r for r in honest_results if r.verdict is not Verdict.NO_REPLAYER]
+                results += session(strict, middles[i % len(middles)], args.tokens)[1]
+            strict.close()
+            judged = [r for r in results if r.verdict is not Verdict.NO_REPLAYER]
             false = [r for r in judged if r.verdict is not Verdict.MATCH]
-            doc["honest"] = {"sessions": args.honest, "audits": len(honest_results), "judged": len(judged),
-                             "false_positives": len(false) + len(client.records.caught()),
-                             "replayed_over_generated": round(sum(r.steps for r in honest_results) /
-                                                              max(1, generated), 4)}
+            doc["honest"] = {"sessions": args.honest, "audits": len(results), "judged": len(judged),
+                             "false_positives": len(false) + len(strict.records.caught())}
+
+            # cost at the policy's rate: replayed hop-steps over generated ones (records start empty)
+            replayed = 0
+            for i in range(args.cost_sessions):
+                replayed += sum(r.steps for r in session(client, middles[i % len(middles)], args.tokens)[1])
+            hop_steps = 3 * (args.tokens + 1) * args.cost_sessions  # a prefill and a step per later token, 3 hops
+            doc["cost"] = {"sessions": args.cost_sessions, "replayed_over_generated": round(replayed / hop_steps, 4)}
 
             # the user's wait: the same client, audits after each answer or none, in turns
             walls: dict[str, list[float]] = {"audited": [], "unaudited": []}
