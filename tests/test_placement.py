@@ -184,3 +184,40 @@ def test_missing_layers_costs_what_the_spans_cost_not_what_a_claim_of_layers_cos
     assert missing_layers([Span("a", 2, 4), Span("b", 3, 6)], 0, 6) == [(0, 2)]
     assert missing_layers([], 4, 9) == [(4, 9)]
     assert missing_layers([Span("a", 0, 10)], 2, 5) == []
+
+
+# Observed (tests/test_cheaters.py's hijacked swarm, issue 26): each join measures its
+# throughput at start, while the other starts too, so a chain's two halves may claim
+# rates 3.5x apart; the hijacker claims the whole model at MAX_THROUGHPUT. Per layer,
+# the median of the three claims is the faster honest one: the hijacker was priced at
+# that rate for all 30 layers, under the honest chain's sum (the slower half at its
+# own rate), by more than the unverified charge (0.5 ms a layer, a constant) when the
+# machine was loaded (every rate 3-4x slower) or the halves far apart. A fresh client
+# then made the hijacker its primary and, with no third route, withheld the answer.
+OBSERVED = [  # (head tok/s, tail tok/s, measured round trips ms after first contact)
+    (117.2, 33.5, {}),  # unloaded: the hijacker primary on the first plan
+    (33.4, 23.1, {}),  # two busy loops beside the swarm
+    (33.4, 23.1, {"liar": 4.1, "h1": 7.6, "h2": 2.0}),
+    (123.8, 77.6, {"liar": 3.5, "h1": 5.9, "h2": 6.9}),  # unloaded: within 0.7 ms of flipping
+]
+
+
+@pytest.mark.parametrize("head,tail,latency", OBSERVED)
+def test_a_vouched_chain_beats_a_whole_model_claim_whatever_the_halves_measured(head, tail, latency):
+    from meshnet_p2p.swarm.capability import MAX_THROUGHPUT
+    h1, h2 = Span("h1", 0, 15, head, 11), Span("h2", 15, 30, tail, 11)
+    liar = Span("liar", 0, 30, MAX_THROUGHPUT, 32)
+    assert [s.peer_id for s in plan_route([h1, h2, liar], 0, 30, latency_ms=latency, prefer={"h1", "h2"})] == [
+        "h1", "h2"]
+
+
+@pytest.mark.parametrize("scale", [1, 4, 40])
+def test_the_unverified_charge_grows_with_a_layers_compute(scale):
+    """Alike halves, their round trips measured (5 ms, more when loaded) against the liar's
+    2 ms default: at the embedded model's rates the charge covers them (0.5 ms a layer);
+    with layers 4x or 40x slower (a loaded machine, a larger model) a constant 15 ms did not."""
+    h1, h2 = Span("h1", 0, 15, 200.0 / scale, 11), Span("h2", 15, 30, 200.0 / scale, 11)
+    liar = Span("liar", 0, 30, 100_000.0, 32)
+    route = plan_route([h1, h2, liar], 0, 30, latency_ms={"h1": 5.0 * scale ** 0.5, "h2": 5.0 * scale ** 0.5},
+                       prefer={"h1", "h2"})
+    assert [s.peer_id for s in route] == ["h1", "h2"]

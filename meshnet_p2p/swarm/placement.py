@@ -17,8 +17,10 @@ claim (one liar cannot move a median). So a report alone cannot make a peer
 cheaper per layer than honest ones; a whole-model claim can still save the
 round trips of hops it replaces (verification, not routing, answers that).
 Once the client has timed a peer's decode steps, that measure replaces the
-claim. Peers outside ``prefer`` (those without a verified record) cost
-UNVERIFIED_PENALTY_MS_PER_LAYER more for each layer they would compute.
+claim. Peers outside ``prefer`` (those without a verified record) cost a
+layer's compute more (at least UNVERIFIED_PENALTY_MS_PER_LAYER) for each layer
+they would compute, and with nothing measured their claims are priced no better
+per layer than the verified peers' median claim.
 """
 
 from __future__ import annotations
@@ -117,6 +119,9 @@ IMPLAUSIBLE_PENALTY_MS = 1000.0  # such a claim is tried only after every plausi
 # unverified whole-model hop (30 layers: +15 ms) loses to a verified chain
 # that pays a few more round trips (2 ms each by default). Over a WAN a saved
 # round trip may outweigh it: there verification, not routing, is the defence.
+# It is a floor: a plan charges a layer's compute as the client prices it (the
+# best measured, or the claim floor below), so the charge keeps its proportion
+# to compute on a loaded machine or a larger model, where 0.5 ms is nothing.
 UNVERIFIED_PENALTY_MS_PER_LAYER = 0.5
 
 
@@ -157,12 +162,14 @@ def span_cost_ms(span: Span, latency_ms: dict[str, float] | None = None,
     IMPLAUSIBLE_PENALTY_MS -- nor, when nothing is measured, below
     ``claim_floor_ms_per_layer`` (the median claim) per layer. A peer with one
     free session left is nudged below one with room (it may be gone by the
-    time we ask). With ``prefer`` given, a peer outside it pays
-    UNVERIFIED_PENALTY_MS_PER_LAYER for each of its layers."""
+    time we ask). With ``prefer`` given, a peer outside it pays, for each of
+    its layers, ``ref_ms_per_layer`` or else ``claim_floor_ms_per_layer``, at
+    least UNVERIFIED_PENALTY_MS_PER_LAYER."""
     layers = span.end - span.start
     extra = 1.0 / max(1, span.free_sessions)  # crowding
-    if prefer is not None and span.peer_id not in prefer:
-        extra += UNVERIFIED_PENALTY_MS_PER_LAYER * layers
+    if prefer is not None and span.peer_id not in prefer:  # replaying a layer costs about a layer's compute
+        per_layer = ref_ms_per_layer if ref_ms_per_layer is not None else claim_floor_ms_per_layer
+        extra += max(UNVERIFIED_PENALTY_MS_PER_LAYER, per_layer or 0.0) * layers
     measured = (measured_ms or {}).get(span.peer_id)
     if _finite_nonneg(measured):
         return float(measured) + extra
@@ -196,6 +203,11 @@ def plan_route(
     usable = [s for s in spans if s.peer_id not in banned and not s.departing and s.free_sessions > 0 and s.start < s.end]
     ref = best_measured_ms_per_layer(usable, measured_ms)
     floor = median_claim_ms_per_layer(usable) if ref is None else None
+    # A peer with no record is priced no better per layer than the verified peers' median claim:
+    # the median of all claims is, beside one liar, the fastest honest one, and a whole-model
+    # claim at that rate undercuts a verified chain by however far apart its hops measured.
+    vouched = median_claim_ms_per_layer([s for s in usable if s.peer_id in prefer]) if prefer and floor else None
+    unverified_floor = max(floor, vouched) if vouched is not None else floor
     edges: dict[int, list[Span]] = {}
     for s in usable:
         edges.setdefault(s.start, []).append(s)
@@ -211,7 +223,8 @@ def plan_route(
         for s in edges.get(at, []):
             if s.end > end:
                 continue
-            c = cost + span_cost_ms(s, latency_ms, measured_ms, ref, prefer, claim_floor_ms_per_layer=floor)
+            c = cost + span_cost_ms(s, latency_ms, measured_ms, ref, prefer, claim_floor_ms_per_layer=floor
+                                    if prefer is None or s.peer_id in prefer else unverified_floor)
             if c < best.get(s.end, float("inf")):
                 best[s.end] = c
                 prev[s.end] = s
