@@ -41,6 +41,12 @@ class PeerMeasures:
     latency_ms: dict[str, float] = field(default_factory=dict)  # a measured round trip
     measured_ms: dict[str, float] = field(default_factory=dict)  # ms per decode step, smoothed
 
+    def round_trip(self, peer: str, ms: float) -> None:
+        """A round trip measured at first contact: the least seen counts (one sample on a busy
+        host can be 20x the link's, and would price an honest peer out of its route)."""
+        old = self.latency_ms.get(peer)
+        self.latency_ms[peer] = ms if old is None else min(old, ms)
+
     def decode_step(self, peer: str, ms: float) -> None:
         old = self.measured_ms.get(peer)
         self.measured_ms[peer] = ms if old is None else 0.8 * old + 0.2 * ms
