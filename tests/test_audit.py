@@ -2,6 +2,7 @@
 the plans replays and audited routes take, the fraud proof's record, and the
 driver over unit-test doubles of hops."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -128,6 +129,39 @@ def test_a_fraud_proof_round_trips_through_its_content():
     assert FraudProof.from_content(p.to_content()) == p
     middle = proof(start=10, end=20, inputs=())
     assert FraudProof.from_content(middle.to_content()) == middle
+
+
+def signed_commitment(identity, **kw):
+    from meshnet_p2p.trust.commitment import Commitment
+
+    fields = dict(peer_id=str(identity.peer_id), session_id="s-1", model_digest="1" * 64, recipe_digest="2" * 64,
+                  start=10, end=20, route_epoch=0, index=2, position=9, decode=True, input_digest=bytes(32),
+                  output_digest=bytes.fromhex("a" * 64), prev=bytes(32))
+    return Commitment(**{**fields, **kw}).signed_by(identity)
+
+
+def test_a_proof_carries_the_peers_signed_commitment_to_the_output_the_replays_contradict():
+    import msgpack
+
+    from meshnet_p2p.core.identity import Identity
+
+    cheat = Identity.generate()
+    c = signed_commitment(cheat)
+    p = proof(peer_id=str(cheat.peer_id), start=10, end=20, inputs=(), commitment=c)
+    assert FraudProof.from_content(msgpack.unpackb(msgpack.packb(p.to_content()))) == p  # a record's encoding
+    assert p.signed_by_peer()
+    assert not proof(peer_id=str(cheat.peer_id), start=10, end=20, inputs=()).signed_by_peer()  # none: not signed
+    other = signed_commitment(cheat, output_digest=bytes.fromhex("c" * 64))  # signed, but another output
+    assert not proof(peer_id=str(cheat.peer_id), start=10, end=20, inputs=(), commitment=other).signed_by_peer()
+    forged = dataclasses.replace(c, signature=bytes(64))
+    assert not proof(peer_id=str(cheat.peer_id), start=10, end=20, inputs=(), commitment=forged).signed_by_peer()
+    for wrong in (dict(index=3), dict(session_id="s-2"), dict(start=0)):  # not the audited step's
+        with pytest.raises(FraudProofError, match="commitment"):
+            proof(peer_id=str(cheat.peer_id), start=10, end=20, inputs=(), commitment=signed_commitment(cheat, **wrong))
+    content = p.to_content()
+    content["commitment"]["signature"] = "not bytes"
+    with pytest.raises(FraudProofError, match="commitment"):
+        FraudProof.from_content(content)
 
 
 @pytest.mark.parametrize("bad", [

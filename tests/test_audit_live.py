@@ -6,6 +6,7 @@ import json
 import os
 import sys
 
+import msgpack
 import pytest
 
 from meshnet_p2p.client import Client
@@ -107,6 +108,7 @@ def test_a_middle_peer_that_perturbs_its_hidden_states_is_proven_to_mismatch(swa
     first, second = result.replayers  # two independent replays: disjoint, neither the cheater
     assert not set(first) & set(second) and cheater.peer_id not in first + second
     proof = result.proof
-    assert FraudProof.from_content(json.loads(json.dumps(proof.to_content()))) == proof
+    assert FraudProof.from_content(msgpack.unpackb(msgpack.packb(proof.to_content()))) == proof  # a record's encoding
+    assert proof.signed_by_peer()  # the cheater signed the very output two replays contradict
     assert proof.peer_id == cheater.peer_id and proof.peer_output != proof.replay_output
     assert (proof.start, proof.end, proof.step) == (10, 20, 1) and proof.inputs == ()  # a middle hop's are hidden states

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from meshnet_p2p.client.crosscheck import CrossCheckedRoute, OutputWithheld, peers_of
 from meshnet_p2p.client.errors import GenerationError
@@ -158,3 +160,51 @@ def test_records_audit_every_session_until_verified_then_less_and_again_after_a_
     assert rec.verified("v") and rec.audit_probability("v", 0.05) == 0.2  # a certificate counts as 4 sessions
     rec.catch("v", "lied")
     assert not rec.verified("v") and rec.caught() == {"v": "lied"}
+
+
+def test_records_are_kept_in_a_file_of_their_own_and_a_bad_file_starts_afresh(tmp_path):
+    import os
+    import stat
+
+    import msgpack
+
+    from meshnet_p2p.client.records import MAX_KEPT, PeerRecord, load_records
+
+    path = str(tmp_path / "records" / "m.msgpack")
+    rec = PeerRecords(path)
+    rec.matched("good")
+    rec.matched("good")
+    rec.unconfirmed("odd")
+    rec.catch("evil", "lied at position 5")
+    again = PeerRecords(path)  # the next run of the client
+    assert again.verified("good") and again.caught() == {"evil": "lied at position 5"}
+    assert again.snapshot()["odd"]["unconfirmed_mismatches"] == 1 and not again.verified("odd")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    for junk in (b"", b"\xc1", b"\x93\x01\x02\x03", bytes(100), msgpack.packb({5: [1, 0, ""]})):
+        with open(path, "wb") as f:
+            f.write(junk)
+        assert load_records(path) == {}
+    with open(path, "wb") as f:
+        f.write(msgpack.packb({"p": [1, 0, ""], "q": ["x", 0, ""], "r": [-1, 0, ""], "s": [1, 0]}))
+    assert set(load_records(path)) == {"p"}  # each malformed entry left out
+    many = PeerRecords(str(tmp_path / "many.msgpack"))
+    for i in range(MAX_KEPT + 10):
+        many._by[f"p{i}"] = PeerRecord(verified=i)
+    many.catch("evil", "lied")
+    kept = load_records(str(tmp_path / "many.msgpack"))
+    assert len(kept) == MAX_KEPT and "evil" in kept and "p0" not in kept  # the caught and best verified stay
+    assert PeerRecords(None).path is None  # in this process only
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.one_of(st.binary(max_size=300), st.builds(lambda x: __import__("msgpack").packb(x), st.recursive(
+    st.one_of(st.none(), st.integers(-5, 2**70), st.text(max_size=8), st.binary(max_size=8)),
+    lambda kids: st.one_of(st.lists(kids, max_size=4), st.dictionaries(st.text(max_size=8), kids, max_size=4)),
+    max_leaves=10))))
+def test_any_records_file_loads_or_starts_afresh(tmp_path_factory, data):
+    from meshnet_p2p.client.records import load_records
+
+    path = tmp_path_factory.mktemp("rec") / "r.msgpack"
+    path.write_bytes(data)
+    out = load_records(str(path))
+    assert isinstance(out, dict) and all(isinstance(k, str) for k in out)

@@ -43,21 +43,23 @@ def swarm(tmp_path_factory):
         procs.append(hijacker)
         for p in procs:
             p.address()
-        yield addr, hijacker
+        yield addr, hijacker, env
     finally:
         codes = [p.stop() for p in [*procs, boot]]
     assert all(c == 0 for c in codes), codes
 
 
-def generate_json(addr: str, *extra: str) -> dict:
-    r = meshnet_peer("generate", "--bootstrap", addr, "--prompt", PROMPT, "--max-tokens", str(N), "--json", *extra)
+def generate_json(addr: str, env: dict, *extra: str) -> dict:
+    """`generate --json` as a user on this machine (``env``: its cache, where clients keep their records)."""
+    r = meshnet_peer("generate", "--bootstrap", addr, "--prompt", PROMPT, "--max-tokens", str(N), "--json", *extra,
+                     env=env)
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout)
 
 
 def test_a_fresh_cli_client_never_returns_the_hijackers_text(swarm, reference):
-    addr, hijacker = swarm
-    out = generate_json(addr)
+    addr, hijacker, env = swarm
+    out = generate_json(addr, env)
     assert out["token_ids"] == reference and EVIL not in out["text"]
     used = {h["peer_id"] for h in out["route"]}
     if hijacker.peer_id in used:  # it served: then it was cross-checked, outvoted and caught
@@ -66,18 +68,29 @@ def test_a_fresh_cli_client_never_returns_the_hijackers_text(swarm, reference):
 
 
 def test_with_verify_the_hijacker_is_caught_in_its_first_session_through_the_cli(swarm, reference):
-    addr, hijacker = swarm
-    out = generate_json(addr, "--verify")
+    addr, hijacker, env = swarm
+    out = generate_json(addr, env, "--verify")
     assert out["token_ids"] == reference and EVIL not in out["text"]
     v = out["verification"]
     assert v["mode"] == "cross-checked"
     assert [d["caught"] for d in v["disputes"]] == [[hijacker.peer_id]]
     assert hijacker.peer_id not in {h["peer_id"] for r in v["routes"] for h in r}
+    # this machine's clients remember it (client/records.py), and `status` shows it
+    r = meshnet_peer("status", "--bootstrap", addr, "--json", "--no-probe", env=env)
+    assert r.returncode == 0, r.stderr
+    [model] = json.loads(r.stdout)["models"]
+    records = {p["peer_id"]: p["record"] for rec in model["recipes"] for p in rec["peers"]}
+    assert records[hijacker.peer_id]["caught"] and records[hijacker.peer_id]["verified_sessions"] == 0
+    assert sum(rec["vouched"] for rec in records.values()) == 2  # the certificate's route
+    text = meshnet_peer("status", "--bootstrap", addr, "--no-probe", env=env).stdout
+    assert "CAUGHT computing something else" in text
 
 
-def test_through_the_api_the_hijacker_is_caught_and_the_answer_is_the_whole_models(swarm, reference, model_path):
-    addr, hijacker = swarm
-    server = Proc("api", "--bootstrap", addr, "--listen", "127.0.0.1:0")
+def test_through_the_api_the_hijacker_is_caught_and_the_answer_is_the_whole_models(swarm, reference, model_path,
+                                                                                   tmp_path):
+    addr, hijacker, env = swarm
+    # another machine's API server: no record of the hijacker (this machine's clients have caught it already)
+    server = Proc("api", "--bootstrap", addr, "--listen", "127.0.0.1:0", env={**env, "MESHNET_CACHE_DIR": str(tmp_path)})
     try:
         url = server.wait_line("listening on ").removeprefix("listening on ")
         text = Tokenizer(model_path).decode(reference)

@@ -52,7 +52,7 @@ from .errors import GenerationError, RequestRefused
 from .generation import Generation, generate
 from .hop import DishonestHop
 from .options import PeerMeasures, RouteOptions
-from .records import AUDIT_RATE, PeerRecords
+from .records import AUDIT_RATE, PeerRecords, records_path
 from .ring import RingRoute
 from .star import StarRoute
 from .text import TextStream, prompt_ids
@@ -93,7 +93,7 @@ class Client:
                  model_digest: str | None = None, step_timeout: float = 10.0, max_failovers: int = 4,
                  on_event: Callable[[str], None] | None = None, trust: TrustPolicy | None = None,
                  identity: Identity | None = None, ring: bool = True, verify: str = "auto",
-                 audit_rate: float = AUDIT_RATE) -> None:
+                 audit_rate: float = AUDIT_RATE, records_file: str | None = "") -> None:
         from meshnet_p2p.engine.cut import inspect_gguf
         from meshnet_p2p.engine.tokenizer import Tokenizer
         from meshnet_p2p.engine.models import default_model_path
@@ -125,7 +125,9 @@ class Client:
         # route; "always": every generation is; "off": none (docs/verification.md)
         self.verify = _checked_mode(verify)
         self.audit_rate = audit_rate
-        self.records = PeerRecords()  # what this client verified of each peer, and whom it caught
+        # what this client verified of each peer, and whom it caught: kept in a file of its own per model
+        # (records_file "": the default, records.records_path; None: in this process only)
+        self.records = PeerRecords(records_path(self.model_digest) if records_file == "" else records_file)
         # audits run in a thread of their own, after each generation: its surveys run trio loops of their own
         self.auditor = Auditor(self.records, self._provider(trio.run), self._audit_options, self.measures, audit_rate,
                                on_event=lambda m: self.on_event and self.on_event(m))

@@ -165,7 +165,18 @@ class AuditResult:
         return {"verdict": self.verdict.value, "peer": self.peer_id, "span": [self.start, self.end],
                 "steps": self.steps, "replayers": [list(r) for r in self.replayers], "step": self.step,
                 "position": self.position, "suspect": list(self.suspect), "detail": self.detail,
-                "proof": self.proof.to_content() if self.proof else None}
+                "proof": _hex_bytes(self.proof.to_content()) if self.proof else None}
+
+
+def _hex_bytes(x):
+    """A record's content for JSON: bytes (a commitment's digests and signature) as hex."""
+    if isinstance(x, bytes):
+        return x.hex()
+    if isinstance(x, dict):
+        return {k: _hex_bytes(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_hex_bytes(v) for v in x]
+    return x
 
 
 def step_output(record: StepRecord) -> object:
@@ -259,7 +270,7 @@ def _result(t: HopTranscript, d: Decision, runs: tuple[tuple[str, ...], ...], pe
                                                              "the peer is not blamed")
     proof = FraudProof(t.peer_id, t.fingerprint.model_digest, t.fingerprint.recipe_digest, t.start, t.end,
                        t.session_id, k, position, peer[k], first.outputs[k], tuple(p for r in runs for p in r),
-                       t.sampling, _head_inputs(t, k))
+                       t.sampling, _head_inputs(t, k), t.steps[k].commitment)
     return AuditResult(**base, proof=proof, detail=f"{where}: two independent replays ({'; '.join(', '.join(r) for r in runs)}) "
                                                    "agree with each other and differ from the peer")
 

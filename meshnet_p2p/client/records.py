@@ -9,17 +9,33 @@ replays) marks it caught: it is left out of every plan. A mismatch one replay
 shows but none confirms is no proof, so nobody is blamed, but the record is
 reset: the peer is checked on every session again.
 
-Pure: the client updates it from what its routes and audits saw.
+The client updates it from what its routes and audits saw, and keeps it in a
+file of its own (``records_path``: one per model, under the cache directory,
+0600), so a client run after run builds on what it verified before and
+``status`` can show it. A file that will not parse is started afresh.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
 import threading
 from dataclasses import dataclass
 from typing import Iterable
 
+import msgpack
+
+from meshnet_p2p.engine.models import cache_dir
+
 AUDIT_RATE = 0.05  # default: at least one hop-session in twenty is replayed, however long a peer's record
 VOUCHED_SESSIONS = 4  # a trusted certificate's evidence counts as this many verified sessions
+MAX_KEPT = 4096  # peers a records file keeps (the caught and the best verified first)
+MAX_FILE_BYTES = 4 << 20
+
+
+def records_path(model_digest: str) -> str:
+    """Where a client keeps its records of the peers of one model."""
+    return os.path.join(cache_dir(), "records", f"{model_digest}.msgpack")
 
 
 @dataclass
@@ -34,12 +50,14 @@ class PeerRecord:
 
 
 class PeerRecords:
-    """Per peer: its record with this client. Thread-safe (routes and audits run in worker threads)."""
+    """Per peer: its record with this client. Thread-safe (routes and audits run in worker
+    threads). With ``path``, loaded from that file and written back at every change."""
 
-    def __init__(self) -> None:
-        self._by: dict[str, PeerRecord] = {}
+    def __init__(self, path: str | None = None) -> None:
+        self._by: dict[str, PeerRecord] = load_records(path) if path else {}
         self._vouched: set[str] = set()
         self._lock = threading.Lock()
+        self.path = path
 
     def vouch(self, peers: Iterable[str]) -> None:
         """Peers a trusted certifier's evidence shows computing exactly (replaces the last set)."""
@@ -73,6 +91,7 @@ class PeerRecords:
     def matched(self, peer: str) -> None:
         with self._lock:
             self._get(peer).verified += 1
+            self._save()
 
     def unconfirmed(self, peer: str) -> None:
         """One replay disagreed, none confirmed: no blame, but its record starts again."""
@@ -80,14 +99,60 @@ class PeerRecords:
             r = self._get(peer)
             r.verified = 0
             r.unconfirmed += 1
+            self._save()
 
     def catch(self, peer: str, why: str) -> None:
         with self._lock:
             r = self._get(peer)
             r.verified = 0
-            r.caught = why or "computed something else than the certified recipe"
+            r.caught = (why or "computed something else than the certified recipe")[:1000]
+            self._save()
+
+    def _save(self) -> None:
+        """Under the lock: the records to their file, whole or not at all (a reader never sees half)."""
+        if self.path is not None:
+            save_records(self.path, self._by)
 
     def snapshot(self) -> dict[str, dict]:
         with self._lock:
             peers = set(self._by) | self._vouched
             return {p: (self._by.get(p) or PeerRecord()).to_dict(p in self._vouched) for p in sorted(peers)}
+
+
+def load_records(path: str) -> dict[str, PeerRecord]:
+    """A records file's peers; empty when it is missing, too big or malformed (it is only this client's memory)."""
+    try:
+        if os.path.getsize(path) > MAX_FILE_BYTES:
+            return {}
+        with open(path, "rb") as f:
+            doc = msgpack.unpackb(f.read(), raw=False, strict_map_key=True)
+    except (OSError, ValueError, TypeError, msgpack.UnpackException):
+        return {}
+    if not isinstance(doc, dict):
+        return {}
+    out = {}
+    for peer, entry in list(doc.items())[:MAX_KEPT]:  # a malformed entry is left out
+        if type(peer) is str and len(peer) <= 128 and isinstance(entry, list) and len(entry) == 3 and \
+                [type(x) for x in entry] == [int, int, str] and entry[0] >= 0 and entry[1] >= 0:
+            out[peer] = PeerRecord(entry[0], entry[1], entry[2][:1000])
+    return out
+
+
+def save_records(path: str, by: dict[str, PeerRecord]) -> None:
+    kept = sorted(by.items(), key=lambda kv: (not kv[1].caught, -kv[1].verified))[:MAX_KEPT]
+    data = msgpack.packb({p: [r.verified, r.unconfirmed, r.caught] for p, r in kept})
+    folder = os.path.dirname(path)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".records-")  # 0600
+    except OSError:  # a read-only cache: the records live in this process only
+        return
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass

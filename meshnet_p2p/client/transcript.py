@@ -17,7 +17,9 @@ from typing import Sequence
 from meshnet_p2p.dataplane.wire import Fingerprint
 from meshnet_p2p.engine.contract import SamplingParams, TensorBundle
 
-from .hop import Hop, route_fingerprint
+from meshnet_p2p.trust.commitment import Commitment
+
+from .hop import DishonestHop, Hop, commitments_of, route_fingerprint
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,7 @@ class StepRecord:
     input: object  # token ids (a tuple) for a head, else a TensorBundle
     decode: bool
     reply: object  # the peer's StepReply: .hidden, or .token_id and .is_eog; .commitment when signed
+    commitment: Commitment | None = None  # that commitment made whole (unverified here), when the peer signs
 
     @property
     def rows(self) -> int:
@@ -51,7 +54,14 @@ class HopTranscript:
 
 
 def transcript_of(hop: Hop, n_layer: int, sampling: SamplingParams, max_tokens: int) -> HopTranscript:
-    steps: Sequence[StepRecord] = [StepRecord(p, x, d, r) for (p, x, d), r in zip(hop.history, hop.replies)]
+    try:
+        signed = commitments_of(hop, verify=False)  # a proof carries the step's; its signature is checked there
+    except DishonestHop:
+        signed = []
+    if len(signed) != len(hop.history):  # a peer that signs nothing (or not every step): no commitments
+        signed = [None] * len(hop.history)
+    steps: Sequence[StepRecord] = [StepRecord(p, x, d, r, c)
+                                   for (p, x, d), r, c in zip(hop.history, hop.replies, signed)]
     return HopTranscript(hop.span.peer_id, hop.span.start, hop.span.end, n_layer,
                          route_fingerprint(hop.span.record.content), hop.n_ubatch, sampling, max_tokens,
                          hop.stream.session_id, tuple(steps))

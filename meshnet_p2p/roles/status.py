@@ -19,9 +19,10 @@ from typing import Any, Sequence
 
 import trio
 
+from meshnet_p2p.client.records import PeerRecord, load_records, records_path
 from meshnet_p2p.swarm.capability import MODELS_KEY
 from meshnet_p2p.trust.policy import TrustPolicy
-from meshnet_p2p.core.errors import MeshnetError, unwrap_errors
+from meshnet_p2p.core.errors import MeshnetError, sanitize, unwrap_errors
 from meshnet_p2p.core.identity import Identity
 from meshnet_p2p.swarm.placement import Span
 from meshnet_p2p.core.records import Record, keep_newest
@@ -65,8 +66,12 @@ def probe(span: Span) -> float | None:
         client.close()
 
 
-def recipe_doc(view: SwarmView, r: RecipeView, rtt: dict[str, float | None]) -> dict[str, Any]:
+def recipe_doc(view: SwarmView, r: RecipeView, rtt: dict[str, float | None],
+               records: dict[str, PeerRecord] | None = None) -> dict[str, Any]:
+    """``records``: what this machine's clients verified of each peer (client/records.py)."""
     cert = r.certificate
+    vouched = {p for p, _, _ in cert.route} if cert else set()
+    records = records or {}
     peers = []
     for s in sorted(r.spans, key=lambda s: (s.start, s.peer_id)):
         c = s.record.content
@@ -75,6 +80,7 @@ def recipe_doc(view: SwarmView, r: RecipeView, rtt: dict[str, float | None]) -> 
             "reachability": "direct" if c.get("direct", True) else f"relay {c.get('relay')}",
             "free_sessions": s.free_sessions, "kv_tokens_free": c.get("kv_tokens_free", 0),
             "throughput_reported": s.throughput, "rtt_ms": rtt.get(s.peer_id), "departing": s.departing,
+            "record": (records.get(s.peer_id) or PeerRecord()).to_dict(s.peer_id in vouched),
         })
     return {
         "recipe_digest": r.recipe_digest, "state": r.state, "labels": r.labels, "axes": r.axes,
@@ -134,7 +140,8 @@ def status_doc(survey: Survey, trust: TrustPolicy, rtt: dict[str, float | None])
         "relays": sorted((relay_doc(r) for r in survey.relays), key=lambda d: d["peer_id"]),
         "trusted_certifiers": sorted(trust.certifiers),
         "models": [{"model_digest": v.model_digest, "name": name, "n_layer": v.n_layer,
-                    "recipes": [recipe_doc(v, r, rtt) for r in v.recipes]} for name, v in survey.models],
+                    "recipes": [recipe_doc(v, r, rtt, load_records(records_path(v.model_digest)))
+                                for r in v.recipes]} for name, v in survey.models],
     }
 
 
@@ -184,6 +191,15 @@ def run(args) -> int:
     return 0
 
 
+def _record_text(rec: dict[str, Any]) -> str:
+    """What this machine's clients know of a peer's computing (docs/verification.md)."""
+    if rec["caught"]:
+        return f"; CAUGHT computing something else: {sanitize(rec['caught'], 200)}"
+    parts = (["vouched"] if rec["vouched"] else []) + \
+        ([f"{rec['verified_sessions']} sessions verified"] if rec["verified_sessions"] else [])
+    return f"; {', '.join(parts)}" if parts else "; no verified record"
+
+
 def format_status(doc: dict[str, Any]) -> str:
     lines = []
     for r in doc.get("relays", []):
@@ -209,5 +225,5 @@ def format_status(doc: dict[str, Any]) -> str:
                 lines.append(f"    {p['layers'][0]:>4}-{p['layers'][1] - 1:<4} {p['peer_id']} {p['name']} "
                              f"[{p['reachability']}] free {p['free_sessions']} "
                              f"{p['throughput_reported']:.1f} tok/s reported, rtt {rtt}"
-                             + (" (departing)" if p["departing"] else ""))
+                             + (" (departing)" if p["departing"] else "") + _record_text(p["record"]))
     return "\n".join(lines)
