@@ -152,9 +152,17 @@ const COLUMNS = [
   {key: "sessions", label: "sessions", num: true, get: loaded("sessions"), title: "sessions open now"},
   {key: "free", label: "free", num: true, get: (p) => p.free_sessions, title: "sessions it still admits"},
   {key: "kv", label: "KV free", num: true, get: (p) => p.kv_tokens_free, title: "KV-cache tokens free"},
+  {key: "verified", label: "verified", get: (p) => recordRank(p.record),
+   title: "what this machine's clients verified of its computing: vouched (a trusted certificate's evidence), " +
+          "sessions its audits matched, or caught computing something else"},
   {key: "state", label: "state", get: (p) => p.departing ? 1 : 0,
    title: "live, or departing (it announced it is leaving)"},
 ];
+// caught first, then by how much is verified (a certificate counts as 4 sessions, as the client counts it)
+const recordRank = (r) => !r ? 0 : r.caught ? -1 : r.verified_sessions + (r.vouched ? 4 : 0);
+const recordText = (r) => !r ? "\u2013" : r.caught ? "caught" :
+  [r.vouched ? "vouched" : null, r.verified_sessions ? `${r.verified_sessions} ok` : null]
+    .filter(Boolean).join(", ") || "\u2013";
 
 function peerRow(p) {
   const L = p.load, none = "\u2013";
@@ -170,6 +178,8 @@ function peerRow(p) {
     el("td", {class: "num"}, L ? L.sessions : none),
     el("td", {class: "num"}, p.free_sessions),
     el("td", {class: "num"}, p.kv_tokens_free),
+    el("td", {class: p.record && p.record.caught ? "leaving" : null,
+              title: p.record && p.record.caught ? p.record.caught : null}, recordText(p.record)),
     el("td", {class: p.departing ? "leaving" : null}, p.departing ? "departing" : "live"));
 }
 
