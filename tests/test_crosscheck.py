@@ -208,3 +208,50 @@ def test_any_records_file_loads_or_starts_afresh(tmp_path_factory, data):
     path.write_bytes(data)
     out = load_records(str(path))
     assert isinstance(out, dict) and all(isinstance(k, str) for k in out)
+
+
+def test_one_route_of_verified_peers_is_stepped_alone():
+    records = PeerRecords()
+    records.vouch(["a", "b"])
+    only = FakeRoute(["a", "b"])
+    open_disjoint = opener(FakeRoute(["c"]))
+    route = CrossCheckedRoute([only], open_disjoint, records)
+    assert run(route) == HONEST[:5]
+    assert open_disjoint.asked == [] and route.summary()["mode"] == "verified-peers"
+
+
+def test_a_route_through_a_peer_without_a_record_enlists_a_second_before_its_first_step():
+    records = PeerRecords()
+    records.vouch(["a"])
+    primary, shadow = FakeRoute(["a", "new"]), FakeRoute(["c"])
+    route = CrossCheckedRoute([primary], opener(shadow), records)
+    assert run(route) == HONEST[:5]
+    assert shadow.seen == primary.seen and route.summary()["mode"] == "cross-checked"
+
+
+def test_a_failover_onto_a_peer_without_a_record_enlists_a_second_route_brought_level():
+    records = PeerRecords()
+    records.vouch(["a", "b"])
+
+    class FailsOver(FakeRoute):
+        def step(self, position, token_ids, decode):
+            if position == 4:  # a failover inside this step: "b" replaced by a peer with no record, who lies
+                self.peers = ["a", "liar"]
+                self.lie = lambda pos: 666 if pos >= 4 else None
+            return super().step(position, token_ids, decode)
+
+    primary, shadow, third = FailsOver(["a", "b"]), FakeRoute(["c"]), FakeRoute(["d"])
+    route = CrossCheckedRoute([primary], opener(shadow, third), records)
+    assert run(route) == HONEST[:5]  # the liar's token is never handed on
+    assert shadow.seen[:len(primary.seen)] == primary.seen  # brought level, then the step that failed over
+    assert third.seen == shadow.seen
+    [dispute] = route.disputes
+    assert dispute["position"] == 4 and route.routes == [shadow, third]
+
+
+def test_with_no_second_route_a_route_without_records_runs_unchecked_and_says_so():
+    events = []
+    route = CrossCheckedRoute([FakeRoute(["new"])], opener(), PeerRecords(), on_event=events.append)
+    assert run(route) == HONEST[:5]
+    assert route.summary()["mode"] == "unchecked" and route.summary()["unverified_peers"] == ["new"]
+    assert sum("not cross-checked" in e for e in events) == 1  # said once, not at every step

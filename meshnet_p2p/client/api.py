@@ -251,7 +251,7 @@ class Client:
             signed = self._check_signatures(live)
             audits = self.auditor.pick(used, self.n_layer)
             self.auditor.submit(audits)  # after the answer, off its latency
-            verification = {**self._verification(route, verify), "signed_steps": signed,
+            verification = {**self._verification(route), "signed_steps": signed,
                             "audits": [{"peer_id": t.peer_id, "layers": [t.start, t.end]} for t in audits]}
             return GenerationResult(prompt_tokens=len(ids), token_ids=run.token_ids, ttft_ms=run.ttft_ms,
                                     decode_ms=run.decode_ms, stopped=run.stopped, steps=run.steps,
@@ -273,39 +273,31 @@ class Client:
             raise OutputWithheld(f"{e}; the answer is withheld") from None
 
     def _open_checked(self, provider, opts: RouteOptions, verify: str):
-        """The route a generation runs on: one route, or two disjoint ones cross-checked
-        step by step when it depends on a peer with no verified record (or always)."""
+        """The route a generation runs on: one route ("off"); two disjoint ones cross-checked step by
+        step ("always"); or one that enlists a second as soon as it depends on a peer with no verified
+        record ("auto": at its first step, or after a failover brings one in)."""
         primary = open_route(provider, self.n_layer, opts, self.measures)
-        unverified = sorted(p for p in peers_of(primary) if not self.records.verified(p))
-        if verify == "off" or (verify == "auto" and not unverified):
+        if verify == "off":
             return primary
 
         def open_disjoint(exclude: set[str]) -> Chain:
             return open_route(lambda: [s for s in provider() if s.peer_id not in exclude], self.n_layer, opts,
                               self.measures)
-        try:
-            shadow = open_disjoint(peers_of(primary) | set(self.records.caught()))
-        except GenerationError as e:
-            if verify == "always":
+        routes = [primary]
+        if verify == "always":
+            try:
+                routes.append(open_disjoint(peers_of(primary) | set(self.records.caught())))
+            except GenerationError as e:
                 primary.close()
                 raise OutputWithheld(f"verification needs two routes with no peer in common, and there is no "
                                      f"second one: {e}") from None
-            opts.on_event(f"no second route to check peers with no verified record "
-                          f"({', '.join(p[-8:] for p in unverified)}): the output is not cross-checked ({e})")
-            return primary
-        except BaseException:
-            primary.close()
-            raise
-        return CrossCheckedRoute([primary, shadow], open_disjoint, self.records, on_event=opts.on_event,
+            except BaseException:
+                primary.close()
+                raise
+        return CrossCheckedRoute(routes, open_disjoint, self.records, on_event=opts.on_event,
                                  localize=lambda bad: self.auditor.localize(bad, self.n_layer, provider))
 
-    def _verification(self, route, verify: str) -> dict:
+    def _verification(self, route) -> dict:
         if isinstance(route, CrossCheckedRoute):
             return route.summary()
-        peers = sorted(peers_of(route))
-        unverified = [p for p in peers if not self.records.verified(p)]
-        if verify == "off":
-            mode = "off"
-        else:
-            mode = "unchecked" if unverified else "verified-peers"
-        return {"mode": mode, "unverified_peers": unverified}
+        return {"mode": "off", "unverified_peers": sorted(p for p in peers_of(route) if not self.records.verified(p))}

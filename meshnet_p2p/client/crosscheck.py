@@ -2,7 +2,13 @@
 side, and a token handed on only when both computed it.
 
 Used when a route depends on a peer with no verified record (records.py), or
-always with ``verify="always"``. Honest peers of one certified recipe compute
+always with ``verify="always"``. Started with one route (``verify="auto"``),
+it steps that route alone while every peer on it has a record, and enlists a
+disjoint second route, brought level by replaying the steps so far, as soon
+as one has none: at the first step, or after a failover that brought in a
+peer without one. With no disjoint route to enlist, the generation goes on
+unchecked (said in an event and in ``summary()``); the audits after it still
+replay the hops. Honest peers of one certified recipe compute
 bit-identical outputs, so two honest routes give the same token at every step;
 a disagreement means at least one peer computed something else. It is settled
 by a third route, disjoint from both, brought to the same step by replaying the
@@ -51,9 +57,10 @@ class CrossCheckedRoute:
     def __init__(self, routes: Sequence[Chain], open_disjoint: Callable[[set[str]], Chain], records: PeerRecords,
                  *, localize: Callable[[Chain], list[str]] | None = None,
                  on_event: Callable[[str], None] = lambda msg: None) -> None:
-        if len(routes) != 2:
-            raise ValueError("a cross-checked route steps two routes")
+        if len(routes) not in (1, 2):
+            raise ValueError("a cross-checked route steps one route, or two")
         self.routes = list(routes)
+        self.unchecked = ""  # why no second route could be enlisted, when none could
         self.open_disjoint = open_disjoint
         self.records = records
         self.localize = localize
@@ -83,10 +90,41 @@ class CrossCheckedRoute:
     def step(self, position: int, token_ids: Sequence[int], decode: bool):
         token_ids = tuple(token_ids)
         self.steps.append((position, token_ids, decode))
-        replies = self._step_both(position, token_ids, decode)
+        if len(self.routes) == 1:
+            self._enlist()  # before the step, so that both compute it side by side
+        if len(self.routes) == 1:
+            reply = self.routes[0].step(position, token_ids, decode)
+            if not self._enlist():  # a failover in that step may have brought in a peer with no record
+                return reply
+            replies = [reply, self.routes[1].step(position, token_ids, decode)]
+        else:
+            replies = self._step_both(position, token_ids, decode)
         if same_output(*replies):
             return replies[0]
         return self._settle(position, replies)
+
+    def _enlist(self) -> bool:
+        """With one route that depends on a peer with no record, open a disjoint second one, level with
+        the steps before the current one's (``self.steps[:-1]``); True if it did."""
+        route = self.routes[0]
+        if self.unchecked or all(self.records.verified(p) for p in peers_of(route)):
+            return False
+        try:
+            shadow = self.open_disjoint(self._excluded())
+        except MeshnetError as e:
+            self.unchecked = str(e)
+            unverified = sorted(p[-8:] for p in peers_of(route) if not self.records.verified(p))
+            self.on_event(f"no second route to check peers with no verified record ({', '.join(unverified)}): "
+                          f"the output is not cross-checked ({e})")
+            return False
+        try:
+            for position, token_ids, decode in self.steps[:-1]:
+                shadow.step(position, token_ids, decode)
+        except BaseException:
+            shadow.close()
+            raise
+        self.routes.append(shadow)
+        return True
 
     def _step_both(self, position: int, token_ids: tuple[int, ...], decode: bool) -> list:
         """Both routes' replies to one step, side by side; a route that gives up
@@ -169,7 +207,11 @@ class CrossCheckedRoute:
         return caught
 
     def summary(self) -> dict:
-        return {"mode": "cross-checked", "routes": [r.route() for r in self.routes], "disputes": self.disputes}
+        checked = len(self.routes) == 2 or bool(self.disputes)
+        mode = "cross-checked" if checked else "unchecked" if self.unchecked else "verified-peers"
+        unverified = sorted(p for r in self.routes for p in peers_of(r) if not self.records.verified(p))
+        return {"mode": mode, "routes": [r.route() for r in self.routes], "disputes": self.disputes,
+                "unverified_peers": unverified}
 
     def close(self) -> None:
         try:
