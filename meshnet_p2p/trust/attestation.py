@@ -72,8 +72,27 @@ def ids_digest(domain: bytes, ids: Sequence[int]) -> str:
     return hashlib.sha256(domain + struct.pack(f"<{len(ids)}I", *ids)).hexdigest()
 
 
+class PeerSigned:
+    """A statement a peer signs about its own work (``peer_id``, ``signature``): an
+    attestation, a step commitment. Subclasses say what the signature covers."""
+
+    refused = CertificationError  # raised when an identity signs a statement that names another peer
+    noun = "statement"
+
+    def signed_message(self) -> bytes:
+        raise NotImplementedError
+
+    def signed_by(self, identity: Identity):
+        if str(identity.peer_id) != self.peer_id:
+            raise self.refused(f"{self.noun} is signed by the peer it names")
+        return replace(self, signature=identity.sign(self.signed_message()))
+
+    def verifies(self) -> bool:
+        return signed_by_peer(self.peer_id, self.signature, self.signed_message())
+
+
 @dataclass(frozen=True)
-class Attestation:
+class Attestation(PeerSigned):
     """A hop's signed statement of what it computed in one session."""
 
     peer_id: str
@@ -91,13 +110,10 @@ class Attestation:
         return ATTEST_DOMAIN + canonical([self.peer_id, self.session_id, self.model_digest, self.recipe_digest,
                                           self.start, self.end, self.steps, self.input_digest, self.output_digest])
 
-    def signed_by(self, identity: Identity) -> "Attestation":
-        if str(identity.peer_id) != self.peer_id:
-            raise CertificationError("an attestation is signed by the peer it names")
-        return replace(self, signature=identity.sign(self.signed_bytes()))
+    noun = "an attestation"
 
-    def verifies(self) -> bool:
-        return signed_by_peer(self.peer_id, self.signature, self.signed_bytes())
+    def signed_message(self) -> bytes:
+        return self.signed_bytes()
 
     def to_content(self) -> dict[str, Any]:
         return {"peer_id": self.peer_id, "session": self.session_id, "model_digest": self.model_digest,

@@ -27,15 +27,14 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any, Mapping, Sequence
 
 from meshnet_p2p.core.errors import MeshnetError
-from meshnet_p2p.core.identity import Identity, signed_by_peer
 from meshnet_p2p.core.records import canonical
 from meshnet_p2p.engine.contract import TensorBundle
 
-from .attestation import frame_hidden, frame_tokens
+from .attestation import PeerSigned, frame_hidden, frame_tokens
 
 COMMIT_DOMAIN = b"meshnet-step-commitment-v1\0"  # what is signed (link())
 STEP_IO_DOMAIN = b"meshnet-step-io-v1\0"  # one step's input or output
@@ -76,8 +75,11 @@ def input_digest(position: int, payload) -> bytes:
 
 
 @dataclass(frozen=True)
-class Commitment:
+class Commitment(PeerSigned):
     """One step a peer applied in one session, signed by that peer over :meth:`link`."""
+
+    refused = CommitmentError
+    noun = "a commitment"
 
     peer_id: str
     session_id: str
@@ -123,13 +125,8 @@ class Commitment:
         """What the signature covers, and the next commitment's ``prev``."""
         return hashlib.sha256(COMMIT_DOMAIN + canonical(self._body())).digest()
 
-    def signed_by(self, identity: Identity) -> "Commitment":
-        if str(identity.peer_id) != self.peer_id:
-            raise CommitmentError("a commitment is signed by the peer it names")
-        return replace(self, signature=identity.sign(self.link()))
-
-    def verifies(self) -> bool:
-        return signed_by_peer(self.peer_id, self.signature, self.link())
+    def signed_message(self) -> bytes:
+        return self.link()
 
     def follows(self, before: "Commitment | None") -> bool:
         """Whether this is the next link of a chain whose last commitment is ``before`` (None: the first)."""
