@@ -93,7 +93,7 @@ class Client:
                  model_digest: str | None = None, step_timeout: float = 10.0, max_failovers: int = 4,
                  on_event: Callable[[str], None] | None = None, trust: TrustPolicy | None = None,
                  identity: Identity | None = None, ring: bool = True, verify: str = "auto",
-                 audit_rate: float = AUDIT_RATE, records_file: str | None = "") -> None:
+                 audit_rate: float = AUDIT_RATE, keep_records: bool = False) -> None:
         from meshnet_p2p.engine.cut import inspect_gguf
         from meshnet_p2p.engine.tokenizer import Tokenizer
         from meshnet_p2p.engine.models import default_model_path
@@ -125,9 +125,9 @@ class Client:
         # route; "always": every generation is; "off": none (docs/verification.md)
         self.verify = _checked_mode(verify)
         self.audit_rate = audit_rate
-        # what this client verified of each peer, and whom it caught: kept in a file of its own per model
-        # (records_file "": the default, records.records_path; None: in this process only)
-        self.records = PeerRecords(records_path(self.model_digest) if records_file == "" else records_file)
+        # what this client verified of each peer, and whom it caught; with keep_records, in this machine's
+        # file for the model (records.records_path), shared by its runs and shown by status
+        self.records = PeerRecords(records_path(self.model_digest) if keep_records else None)
         # audits run in a thread of their own, after each generation: its surveys run trio loops of their own
         self.auditor = Auditor(self.records, self._provider(trio.run), self._audit_options, self.measures, audit_rate,
                                on_event=lambda m: self.on_event and self.on_event(m))

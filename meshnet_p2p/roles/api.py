@@ -219,7 +219,8 @@ def run(args) -> int:
     metrics = metrics_listen(args)
     seeds = required_seeds(args)
     client = Client(seeds, model_path=model_path(args.model) if args.model else None, step_timeout=args.step_timeout,
-                    trust=trust_policy(args, seeds), verify=args.verify, audit_rate=args.audit_rate)
+                    trust=trust_policy(args, seeds), verify=args.verify, audit_rate=args.audit_rate,
+                    keep_records=True)
     return run_listener(args.listen, serve_api, client, client.model_name, host, port, print_line, metrics)
 
 

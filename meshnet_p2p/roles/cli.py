@@ -225,7 +225,7 @@ def _generate_network(args: argparse.Namespace, sampling) -> int:
     events = (lambda msg: print(f"[{sanitize(msg)}]", file=sys.stderr, flush=True))
     client = Client(seeds, model_path=model, model_digest=digest, step_timeout=args.step_timeout, on_event=events,
                     trust=_trust(args, seeds), ring=not args.star, verify=args.verify,
-                    audit_rate=args.audit_rate)
+                    audit_rate=args.audit_rate, keep_records=True)
     result = client.generate(args.prompt, args.max_tokens, sampling, chat=args.chat,
                              on_token=None if args.json else _write_out)
     if not args.json:  # the answer first; the audits of the hops it used after it (docs/verification.md)
