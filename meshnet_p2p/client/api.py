@@ -41,7 +41,10 @@ from meshnet_p2p.dataplane.transport.pool import ChannelPool
 from meshnet_p2p.dataplane.transport.tls import make_client_credentials
 from meshnet_p2p.engine.contract import SamplingParams
 from meshnet_p2p.swarm.placement import Span, plan_route
+from meshnet_p2p.core.records import wall_ms
+from meshnet_p2p.swarm.fraud import exchange_reports
 from meshnet_p2p.swarm.view import routable_spans, survey
+from meshnet_p2p.trust.verdicts import report_key, sign_report
 from meshnet_p2p.trust.policy import TrustPolicy
 
 from . import bridge
@@ -129,8 +132,11 @@ class Client:
         # file for the model (records.records_path), shared by its runs and shown by status
         self.records = PeerRecords(records_path(self.model_digest) if keep_records else None)
         # audits run in a thread of their own, after each generation: its surveys run trio loops of their own
+        # proofs found here are published signed by this client's identity (a fresh one when none is given)
+        self.reporter = identity or Identity.generate()
         self.auditor = Auditor(self.records, self._provider(trio.run), self._audit_options, self.measures, audit_rate,
-                               on_event=lambda m: self.on_event and self.on_event(m))
+                               on_event=lambda m: self.on_event and self.on_event(m),
+                               sign_report=self._sign_report, exchange=self._exchange_reports)
 
     def close(self) -> None:
         """Close the connections this client keeps to peers (generations under way fail, audits not started
@@ -141,6 +147,16 @@ class Client:
     def wait_audits(self, timeout: float | None = None) -> bool:
         """Wait for the audits of past generations (False if ``timeout`` passed first)."""
         return self.auditor.wait(timeout)
+
+    def _sign_report(self, proof) -> tuple[str, bytes]:
+        return report_key(proof.model_digest, proof.peer_id), sign_report(self.reporter, proof, now_ms=wall_ms())
+
+    def _exchange_reports(self, publish: list[tuple[str, bytes]], lookup: list[str]) -> dict:
+        """From the auditing thread: publish reports, fetch those against ``lookup`` (a loop of its own)."""
+        found, stored = trio.run(functools.partial(exchange_reports, self.bootstrap, self.model_digest, publish, lookup))
+        if publish and self.on_event:
+            self.on_event(f"published {len(publish)} fraud report(s); {stored} taken by DHT nodes")
+        return found
 
     def _plan(self, spans, start: int, end: int, **kw) -> list[Span]:
         """The cheapest route, peers with a verified record preferred (placement.py's unverified charge)."""
@@ -168,8 +184,11 @@ class Client:
         try:
             view = await survey(self.bootstrap, self.model_digest, self.n_layer, self.trust)
             spans = routable_spans(view, self.trust)
-            # the peers whose work a trusted certificate's evidence shows exact have a verified record
-            self.records.vouch(p for r in view.certified() for p, _, _ in r.certificate.route)
+            # the peers whose work a trusted certificate's evidence shows exact, or a trusted certifier's
+            # own audits verified, have a verified record; those it convicted are left out
+            self.records.vouch({p for r in view.certified() for p, _, _ in r.certificate.route}
+                               | view.verified_by_certifiers())
+            self.records.convict(view.convicted())
             with self._survey_lock:
                 self._survey = (time.monotonic(), spans)
             return spans
@@ -250,7 +269,8 @@ class Client:
                 else ([route], [route])
             signed = self._check_signatures(live)
             audits = self.auditor.pick(used, self.n_layer)
-            self.auditor.submit(audits)  # after the answer, off its latency
+            # after the answer, off its latency; then reports published and fetched for the peers used
+            self.auditor.submit(audits, peers=[p for r in used for p in peers_of(r)])
             verification = {**self._verification(route), "signed_steps": signed,
                             "audits": [{"peer_id": t.peer_id, "layers": [t.start, t.end]} for t in audits]}
             return GenerationResult(prompt_tokens=len(ids), token_ids=run.token_ids, ttft_ms=run.ttft_ms,

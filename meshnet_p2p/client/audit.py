@@ -37,7 +37,7 @@ from typing import Callable, Iterable, Sequence
 from meshnet_p2p.core.errors import sanitize
 from meshnet_p2p.dataplane.stub import ShardConnectionError, ShardError
 from meshnet_p2p.swarm.placement import NoRoute, Span, plan_route
-from meshnet_p2p.trust.fraud import MAX_PROOF_STEPS, MAX_PROOF_TOKENS, FraudProof, InputStep, output_digest
+from meshnet_p2p.trust.fraud import MAX_PROOF_STEPS, MAX_PROOF_TOKENS, ChainLink, FraudProof, output_digest
 
 from .chain import Chain
 from .errors import GenerationError, RequestRefused, is_full
@@ -185,25 +185,22 @@ def step_output(record: StepRecord) -> object:
 
 
 def audit_hop(transcript: HopTranscript, spans_provider: Callable[[], list[Span]], opts: RouteOptions, *,
-              exclude: Iterable[str] = (), measures: PeerMeasures | None = None) -> AuditResult:
+              exclude: Iterable[str] = (), measures: PeerMeasures | None = None,
+              peer_outputs: Sequence[str] | None = None) -> AuditResult:
     """Replay ``transcript``'s steps on peers other than its own and ``exclude``,
     and say whether the hop computed what the recipe computes (see the module's
     docstring). ``opts``: how to reach peers (timeouts, credentials, pool,
     on_event); the replay's own session settings come from the transcript.
+    ``peer_outputs``: the output digests the peer is held to (default: those of
+    its replies; a proof's re-check gives those the peer signed).
     Blocking, like the client's stepping; closes every session it opens."""
     t = transcript
     if not t.steps:
         raise ValueError("a transcript with no steps has nothing to audit")
-    peer = [output_digest(s.position, step_output(s)) for s in t.steps]
+    peer = list(peer_outputs) if peer_outputs is not None else \
+        [output_digest(s.position, step_output(s)) for s in t.steps]
     avoid = {t.peer_id, *exclude}
-    replay_opts = dataclasses.replace(opts, max_tokens=t.max_tokens, sampling=t.sampling, ring=False, attest=False,
-                                      max_failovers=0, planner=replay_planner(not seam_composes(t), avoid))
-
-    def same_recipe() -> list[Span]:  # only peers of the hop's own fingerprint replay it
-        return [s for s in spans_provider() if s.record is not None and route_fingerprint(s.record.content) == t.fingerprint]
-
-    search = RouteSearch(same_recipe, replay_opts, measures)
-    search.survey()
+    search = replay_search(t, spans_provider, opts, measures, replay_planner(not seam_composes(t), avoid))
     first = _replay(search, t, len(t.steps), peer, avoid)
     second = None
     if first is not None and first_difference(peer, first.outputs) is not None:
@@ -213,6 +210,21 @@ def audit_hop(transcript: HopTranscript, spans_provider: Callable[[], list[Span]
     d = decide(peer, first, second)
     runs = tuple(r.replayers for r in (first, second) if r is not None)
     return _result(t, d, runs, peer, first)
+
+
+def replay_search(t: HopTranscript, spans_provider: Callable[[], list[Span]], opts: RouteOptions,
+                  measures: PeerMeasures | None, planner: Callable[..., list[Span]]) -> RouteSearch:
+    """A route search over peers of ``t``'s fingerprint, planned by ``planner``, opened
+    with ``t``'s sampling and max_tokens, surveyed."""
+    replay_opts = dataclasses.replace(opts, max_tokens=t.max_tokens, sampling=t.sampling, ring=False, attest=False,
+                                      max_failovers=0, planner=planner)
+
+    def same_recipe() -> list[Span]:  # only peers of the hop's own fingerprint replay it
+        return [s for s in spans_provider() if s.record is not None and route_fingerprint(s.record.content) == t.fingerprint]
+
+    search = RouteSearch(same_recipe, replay_opts, measures)
+    search.survey()
+    return search
 
 
 def _replay(search: RouteSearch, t: HopTranscript, n_steps: int, peer: list[str], avoid: set[str]) -> ReplayRun | None:
@@ -269,15 +281,19 @@ def _result(t: HopTranscript, d: Decision, runs: tuple[tuple[str, ...], ...], pe
         return AuditResult(**base, suspect=d.suspect, detail=f"{where}: the replays disagree with each other ({who}); "
                                                              "the peer is not blamed")
     proof = FraudProof(t.peer_id, t.fingerprint.model_digest, t.fingerprint.recipe_digest, t.start, t.end,
-                       t.session_id, k, position, peer[k], first.outputs[k], tuple(p for r in runs for p in r),
-                       t.sampling, _head_inputs(t, k), t.steps[k].commitment)
+                       t.n_layer, t.session_id, k, position, peer[k], first.outputs[k],
+                       tuple(dict.fromkeys(p for r in runs for p in r)), t.sampling, t.max_tokens,
+                       *_carried(t, k))
     return AuditResult(**base, proof=proof, detail=f"{where}: two independent replays ({'; '.join(', '.join(r) for r in runs)}) "
                                                    "agree with each other and differ from the peer")
 
 
-def _head_inputs(t: HopTranscript, k: int) -> tuple[InputStep, ...]:
-    """A head's token-id inputs up to step ``k``, when they fit in a proof (else none)."""
-    if t.start != 0 or k + 1 > MAX_PROOF_STEPS:
-        return ()
-    steps = tuple(InputStep(s.position, tuple(s.input), s.decode) for s in t.steps[: k + 1])
-    return steps if sum(len(s.token_ids) for s in steps) <= MAX_PROOF_TOKENS else ()
+def _carried(t: HopTranscript, k: int) -> tuple:
+    """What makes a proof transferable (trust/fraud.py): the route's tokens to the end of
+    step ``k``, the peer's commitments before it, and its signed one; none when the peer
+    signed no commitments or they do not fit a proof."""
+    signed = [s.commitment for s in t.steps[: k + 1]]
+    end = t.steps[k].position + t.steps[k].rows
+    if any(c is None for c in signed) or k + 1 > MAX_PROOF_STEPS or end > min(len(t.tokens), MAX_PROOF_TOKENS):
+        return (), (), signed[k], ()
+    return tuple(t.tokens[:end]), tuple(ChainLink.of(c) for c in signed[:k]), signed[k], t.cuts

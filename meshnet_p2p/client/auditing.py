@@ -9,6 +9,12 @@ background thread. A match adds to the peer's record; a proven mismatch
 catches it (never planned again); one replay that disagrees and none that
 confirms resets its record (checked every session again), and nobody is
 blamed. ``localize`` audits every hop of a route that was outvoted, at once.
+
+Proofs travel (trust/verdicts.py): a proven mismatch whose proof others can
+check is published as a signed fraud report, and the reports others published
+against the peers a generation used are fetched (each peer at most once per
+``REPORT_LOOKUP_INTERVAL_S``) and re-checked here by replay (recheck.py): a
+peer is caught on a report only when this client's own replays confirm it.
 """
 
 from __future__ import annotations
@@ -17,28 +23,47 @@ import dataclasses
 import queue
 import random
 import threading
-from typing import Callable
+import time
+from typing import Callable, Iterable
+
+from meshnet_p2p.core.records import Record
+from meshnet_p2p.trust.fraud import FraudProof, FraudProofError
+from meshnet_p2p.trust.verdicts import proof_of
 
 from meshnet_p2p.core.errors import MeshnetError, sanitize
 
 from .audit import AuditResult, Verdict, audit_hop
+from .recheck import Recheck, RecheckResult, recheck_proof
 from .chain import Chain
 from .options import PeerMeasures, RouteOptions
 from .records import PeerRecords
-from .transcript import HopTranscript, transcript_of
+from .transcript import HopTranscript, route_tokens, transcript_of
+
+
+REPORT_LOOKUP_INTERVAL_S = 600.0  # how often one peer's fraud reports are looked up again
+MAX_SEEN_REPORTS = 4096
+
+# the network calls the auditor is given: sign a report of a proof -> (key, record wire), and
+# publish reports / fetch those against peers -> {peer: [verified report records]}
+SignReport = Callable[[FraudProof], tuple[str, bytes]]
+ExchangeReports = Callable[[list[tuple[str, bytes]], list[str]], dict[str, list[Record]]]
 
 
 def transcripts(route: Chain, n_layer: int) -> list[HopTranscript]:
     """Every hop of ``route`` that computed anything, failed-over ones too."""
-    o = route.opts
-    return [transcript_of(h, n_layer, o.sampling, o.max_tokens) for h in [*route.hops, *route.retired] if h.history]
+    o, hops = route.opts, [*route.hops, *route.retired]
+    tokens = route_tokens(hops)
+    return [transcript_of(h, n_layer, o.sampling, o.max_tokens, tokens,
+                          tuple(sorted({x.span.start for x in route.hops if x.span.end <= h.span.start})))
+            for h in hops if h.history]
 
 
 class Auditor:
     """Audits hop transcripts and keeps ``records`` up to date with the verdicts."""
 
     def __init__(self, records: PeerRecords, spans_provider: Callable[[], list], opts: Callable[[], RouteOptions],
-                 measures: PeerMeasures, rate: float, on_event: Callable[[str], None] = lambda m: None) -> None:
+                 measures: PeerMeasures, rate: float, on_event: Callable[[str], None] = lambda m: None, *,
+                 sign_report: SignReport | None = None, exchange: ExchangeReports | None = None) -> None:
         self.records = records
         self.spans_provider = spans_provider  # plain code: usable from the auditing thread
         self.opts = opts
@@ -52,6 +77,12 @@ class Auditor:
         self._pending = 0
         self._idle = threading.Condition(self._lock)
         self._closed = False  # audits not yet started are dropped
+        self.sign_report = sign_report
+        self.exchange = exchange
+        self._outbox: list[tuple[str, bytes]] = []  # reports of proofs found here, not yet published
+        self._looked_up: dict[str, float] = {}  # peer -> when its reports were last fetched
+        self._seen: set[bytes] = set()  # report signatures already re-checked
+        self.rechecks: list[RecheckResult] = []
 
     def audit(self, t: HopTranscript, *, exclude: set[str] = frozenset(), spans_provider=None) -> AuditResult:
         """One audit, now (blocking); its verdict applied to the records. ``spans_provider``:
@@ -67,6 +98,9 @@ class Auditor:
         elif r.verdict is Verdict.MISMATCH:
             self.records.catch(r.peer_id, r.detail)
             self.on_event(f"peer {r.peer_id} caught by audit: {r.detail}; it is left out from now on")
+            if r.proof is not None and self.sign_report is not None and r.proof.transferable() is None:
+                with self._lock:
+                    self._outbox.append(self.sign_report(r.proof))
         elif r.verdict is Verdict.UNCONFIRMED:
             self.records.unconfirmed(r.peer_id)
         elif r.verdict is Verdict.UNDECIDED:
@@ -92,8 +126,17 @@ class Auditor:
         return [t for r in routes for t in transcripts(r, n_layer)
                 if t.peer_id not in caught and random.random() < self.records.audit_probability(t.peer_id, self.rate)]
 
-    def submit(self, items: list[HopTranscript]) -> None:
-        """Audit ``items`` in the background, one at a time."""
+    def submit(self, items: list[HopTranscript], peers: Iterable[str] = ()) -> None:
+        """Audit ``items`` in the background, one at a time; then publish the reports those
+        audits made and fetch and re-check reports against ``peers`` (those a generation used)."""
+        if self.exchange is not None:
+            now = time.monotonic()
+            due = sorted(p for p in set(peers) if now - self._looked_up.get(p, -REPORT_LOOKUP_INTERVAL_S)
+                         >= REPORT_LOOKUP_INTERVAL_S)
+            for p in due:
+                self._looked_up[p] = now
+            if due or items or self._outbox:
+                items = [*items, ("reports", tuple(due))]
         if not items:
             return
         with self._lock:
@@ -110,14 +153,52 @@ class Auditor:
             if t is None:
                 return
             try:
-                if not self._closed:
+                if self._closed:
+                    pass
+                elif isinstance(t, tuple):
+                    self._exchange(list(t[1]))
+                else:
                     self.audit(t)
             except Exception as e:  # an audit that cannot run blames nobody; the next one still runs
-                self.on_event(f"could not audit {t.peer_id}: {sanitize(e)}")
+                self.on_event(f"could not audit {getattr(t, 'peer_id', 'reports')}: {sanitize(e)}")
             finally:
                 with self._lock:
                     self._pending -= 1
                     self._idle.notify_all()
+
+    def _exchange(self, peers: list[str]) -> None:
+        """Publish the reports made here; fetch those against ``peers`` and re-check each new one."""
+        with self._lock:
+            outbox, self._outbox = self._outbox, []
+        if not outbox and not peers:
+            return
+        found = self.exchange(outbox, peers)
+        for peer, reports in found.items():
+            for record in reports:
+                if peer in self.records.caught() or record.signature in self._seen:
+                    continue
+                if len(self._seen) < MAX_SEEN_REPORTS:
+                    self._seen.add(record.signature)
+                self.recheck(record)
+
+    def recheck(self, record: Record) -> RecheckResult | None:
+        """Re-check one verified report record by this client's own replays; catch its peer if confirmed."""
+        try:
+            proof = proof_of(record)
+        except FraudProofError as e:
+            self.on_event(f"a fraud report from {record.signer} does not parse: {e}")
+            return None
+        opts = dataclasses.replace(self.opts(), on_event=lambda m: None)
+        result = recheck_proof(proof, self.spans_provider, opts, measures=self.measures)
+        with self._lock:
+            self.rechecks.append(result)
+        if result.outcome is Recheck.CONFIRMED:
+            self.records.catch(proof.peer_id, f"a fraud report from {record.signer}, re-checked here: {result.detail}")
+            self.on_event(f"peer {proof.peer_id} caught on a fraud report from {record.signer} that this client's "
+                          "own replays confirm; it is left out from now on")
+        elif result.outcome is Recheck.REFUTED:
+            self.on_event(f"a fraud report from {record.signer} against {proof.peer_id} is false: {result.detail}")
+        return result
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until every submitted audit ran; False if ``timeout`` passed first."""

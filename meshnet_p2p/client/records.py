@@ -3,9 +3,12 @@
 A peer earns a *verified record* only from what this client checked itself
 (an audit by exact replay matched its outputs) or what a certifier it trusts
 vouched for (the peers whose work its certificate's evidence shows: they
-computed the certified forward exactly). Nothing a peer or a stranger says
-counts. A proven mismatch (its output contradicted by two independent
-replays) marks it caught: it is left out of every plan. A mismatch one replay
+computed the certified forward exactly; the peers its signed verdicts say it
+verified by its own audits). Nothing a peer or a stranger says counts. A
+proven mismatch (its output contradicted by two independent replays, here or
+in a stranger's report this client re-checked) marks it caught: it is left
+out of every plan; so is a peer a trusted certifier convicted (held in memory
+only, from the last survey: a certifier may retract). A mismatch one replay
 shows but none confirms is no proof, so nobody is blamed, but the record is
 reset: the peer is checked on every session again.
 
@@ -56,6 +59,7 @@ class PeerRecords:
     def __init__(self, path: str | None = None) -> None:
         self._by: dict[str, PeerRecord] = load_records(path) if path else {}
         self._vouched: set[str] = set()
+        self._convicted: dict[str, str] = {}  # by trusted certifiers, as the last survey found
         self._lock = threading.Lock()
         self.path = path
 
@@ -64,19 +68,24 @@ class PeerRecords:
         with self._lock:
             self._vouched = set(peers)
 
+    def convict(self, convicted: dict[str, str]) -> None:
+        """Peers trusted certifiers convicted: peer -> why (replaces the last set)."""
+        with self._lock:
+            self._convicted = dict(convicted)
+
     def _get(self, peer: str) -> PeerRecord:
         return self._by.setdefault(peer, PeerRecord())
 
     def verified(self, peer: str) -> bool:
         with self._lock:
             r = self._by.get(peer)
-            if r is not None and r.caught:
+            if (r is not None and r.caught) or peer in self._convicted:
                 return False
             return (r is not None and r.verified > 0) or (peer in self._vouched and (r is None or not r.unconfirmed))
 
     def caught(self) -> dict[str, str]:
         with self._lock:
-            return {p: r.caught for p, r in self._by.items() if r.caught}
+            return {**self._convicted, **{p: r.caught for p, r in self._by.items() if r.caught}}
 
     def audit_probability(self, peer: str, rate: float = AUDIT_RATE) -> float:
         """How likely one session of ``peer`` is audited: every session until it has a
@@ -84,7 +93,7 @@ class PeerRecords:
         with self._lock:
             r = self._by.get(peer) or PeerRecord()
             n = r.verified + (VOUCHED_SESSIONS if peer in self._vouched and not r.unconfirmed else 0)
-        if r.caught or n == 0:
+        if r.caught or n == 0 or peer in self._convicted:
             return 1.0
         return max(min(1.0, rate), 1.0 / (1 + n))
 
@@ -115,8 +124,11 @@ class PeerRecords:
 
     def snapshot(self) -> dict[str, dict]:
         with self._lock:
-            peers = set(self._by) | self._vouched
-            return {p: (self._by.get(p) or PeerRecord()).to_dict(p in self._vouched) for p in sorted(peers)}
+            peers = set(self._by) | self._vouched | set(self._convicted)
+            out = {p: (self._by.get(p) or PeerRecord()).to_dict(p in self._vouched) for p in sorted(peers)}
+            for p, why in self._convicted.items():
+                out[p]["convicted"] = why
+            return out
 
 
 def load_records(path: str) -> dict[str, PeerRecord]:

@@ -47,13 +47,29 @@ class HopTranscript:
     max_tokens: int  # KV positions the session reserved (a replay reserves as many)
     session_id: str
     steps: tuple[StepRecord, ...]
+    tokens: tuple[int, ...] = ()  # the route's token ids from position 0 (a proof carries them: trust/fraud.py)
+    cuts: tuple[int, ...] = ()  # the first layers of the route's hops before this one (a later hop's inputs)
 
     @property
     def is_tail(self) -> bool:
         return self.end == self.n_layer
 
 
-def transcript_of(hop: Hop, n_layer: int, sampling: SamplingParams, max_tokens: int) -> HopTranscript:
+def route_tokens(hops: Sequence[Hop]) -> tuple[int, ...]:
+    """The token ids a route's head was given, from position 0 (the head hop that computed most)."""
+    heads = [h for h in hops if h.span.start == 0 and h.history]
+    if not heads:
+        return ()
+    ids: list[int] = []
+    for position, payload, _ in max(heads, key=lambda h: len(h.history)).history:
+        if position != len(ids) or isinstance(payload, TensorBundle):
+            return ()  # not one contiguous sequence from 0: nothing to carry
+        ids.extend(payload)
+    return tuple(ids)
+
+
+def transcript_of(hop: Hop, n_layer: int, sampling: SamplingParams, max_tokens: int,
+                  tokens: tuple[int, ...] = (), cuts: tuple[int, ...] = ()) -> HopTranscript:
     try:
         signed = commitments_of(hop, verify=False)  # a proof carries the step's; its signature is checked there
     except DishonestHop:
@@ -64,4 +80,4 @@ def transcript_of(hop: Hop, n_layer: int, sampling: SamplingParams, max_tokens: 
                                    for (p, x, d), r, c in zip(hop.history, hop.replies, signed)]
     return HopTranscript(hop.span.peer_id, hop.span.start, hop.span.end, n_layer,
                          route_fingerprint(hop.span.record.content), hop.n_ubatch, sampling, max_tokens,
-                         hop.stream.session_id, tuple(steps))
+                         hop.stream.session_id, tuple(steps), tokens, cuts)

@@ -59,7 +59,7 @@ def generate_and_audit(client: "Client", peer_id: str, prompt: str, max_tokens: 
     from meshnet_p2p.client.generation import generate
     from meshnet_p2p.client.star import StarRoute
     from meshnet_p2p.client.text import prompt_ids
-    from meshnet_p2p.client.transcript import transcript_of
+    from meshnet_p2p.client.auditing import transcripts
     from meshnet_p2p.engine.contract import SamplingParams
 
     def spans():  # a fresh survey each time (a trio loop of its own: this code blocks)
@@ -78,7 +78,8 @@ def generate_and_audit(client: "Client", peer_id: str, prompt: str, max_tokens: 
     try:
         gen = generate(route, ids, max_tokens, stop_at_eog=False)
         hop = next(h for h in route.hops if h.span.peer_id == peer_id)  # the planner put it there; no failover moved it
-        transcript = transcript_of(hop, client.n_layer, sampling, opts.max_tokens)
+        # with the route's tokens and cuts: what makes a proof others can re-check (trust/fraud.py)
+        transcript = next(t for t in transcripts(route, client.n_layer) if t.peer_id == hop.span.peer_id)
         done = {"route": route.route(), "token_ids": gen.token_ids}
     finally:
         route.close()  # before the audit: the replayers may be the same machines

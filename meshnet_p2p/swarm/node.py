@@ -19,6 +19,7 @@ import trio
 
 from . import capability
 from .capability import model_key
+from meshnet_p2p.trust import verdicts
 from meshnet_p2p.trust.evidence import CERT_INDEX, CERT_INDEX_TYPE, CERTIFICATE, CERTIFICATE_TYPE, model_of_key
 from meshnet_p2p.dht.node import DHTConfig, DHTNode
 from meshnet_p2p.dht.routing import Contact
@@ -34,9 +35,10 @@ ENV_BOOTSTRAP = "MESHNET_BOOTSTRAP"
 DEFAULT_LIST = pathlib.Path(__file__).resolve().parents[2] / "bootstrap" / "peers.txt"
 
 
-# every record type a node accepts: capability reports, the model index, certificates, relays
+# every record type a node accepts: capability reports, the model index, certificates, relays,
+# fraud reports and certifiers' peer verdicts
 TYPES: dict[str, PayloadType] = {**capability.TYPES, CERTIFICATE: CERTIFICATE_TYPE, CERT_INDEX: CERT_INDEX_TYPE,
-                                 **RELAY_TYPES}
+                                 **RELAY_TYPES, **verdicts.TYPES}
 
 
 class BootstrapError(MeshnetError):
@@ -47,12 +49,12 @@ UNANNOUNCED_LIFETIME_MS = 10 * 60_000  # twice the DHT's republish period: a cer
 
 
 def lifetime_cap(key: str, holds: Callable[[str], bool]) -> int | None:
-    """This node's storage policy for the DHT (dht.node.LifetimeCap): evidence or
-    an index naming a model nobody announces (no ``model/<digest>`` report the
+    """This node's storage policy for the DHT (dht.node.LifetimeCap): evidence, an
+    index, a fraud report or verdicts naming a model nobody announces (no ``model/<digest>`` report the
     node holds from a peer it knows is live) lives minutes, not the day it
     claims, and goes first when a node needs room. Such keys cost a flood
     nothing to make up (issue 24 #3); a certified model is one peers serve."""
-    model = model_of_key(key)
+    model = model_of_key(key) or verdicts.model_of_key(key)
     if model is None or holds(model_key(model)):
         return None
     return UNANNOUNCED_LIFETIME_MS

@@ -18,6 +18,7 @@ import trio
 from .capability import model_key
 from meshnet_p2p.trust.evidence import EvidenceRefused, cert_key, index_key
 from meshnet_p2p.trust.policy import Certificate, TrustPolicy, certified
+from meshnet_p2p.trust.verdicts import PEER_VERDICTS, PeerVerdicts, verdicts_key, verdicts_of
 from meshnet_p2p.engine.recipe import explain_mismatch
 from meshnet_p2p.core.errors import MeshnetError, unwrap_errors
 from meshnet_p2p.core.identity import Identity, IdentityError, PeerId
@@ -63,6 +64,17 @@ class SwarmView:
     model_digest: str
     n_layer: int
     recipes: list[RecipeView]  # most peers first
+    verdicts: list[PeerVerdicts] = field(default_factory=list)  # trusted certifiers' verdicts on peers
+
+    def convicted(self) -> dict[str, str]:
+        """Peers a trusted certifier convicted on a proof it re-checked: peer -> why (and by whom)."""
+        return {p: f"convicted by certifier {v.certifier}: {why}" for v in self.verdicts
+                for p, why in v.convicted.items()}
+
+    def verified_by_certifiers(self) -> set[str]:
+        """Peers a trusted certifier verified by its own audits (and none convicted)."""
+        bad = self.convicted()
+        return {p for v in self.verdicts for p in v.verified if p not in bad}
 
     def certified(self) -> list[RecipeView]:
         return [r for r in self.recipes if r.certificate is not None]
@@ -87,6 +99,9 @@ def build_view(model_digest: str, n_layer: int | None, reports: Iterable[Record]
         if not view.axes and c.get("recipe"):  # reports' axes hash to their digest (capability._valid)
             view.axes, view.labels = dict(c["recipe"]), dict(c.get("recipe_labels") or {})
         view.spans.append(Span.from_report(rec))
+    certs = list(certs)
+    found_verdicts = verdicts_of(certs, trust.certifiers, model_digest)
+    certs = [r for r in certs if r.payload_type != PEER_VERDICTS]
     refused: list[tuple[Record, EvidenceRefused]] = []
     held = certified(certs, trust, model_digest=model_digest, n_layer=n_layer, refused=refused)
     for digest, cert in held.items():
@@ -100,7 +115,7 @@ def build_view(model_digest: str, n_layer: int | None, reports: Iterable[Record]
     if n_layer is None:
         n_layer = max((c.n_layer for c in held.values()), default=0) or max(
             (r.content["layers"][1] for r in reports), default=1)
-    return SwarmView(model_digest, n_layer, recipes)
+    return SwarmView(model_digest, n_layer, recipes, found_verdicts)
 
 
 def nearest_certified(view: SwarmView, dark: RecipeView) -> tuple[RecipeView, list[str]] | None:
@@ -173,7 +188,8 @@ async def newest_signed_by(node, key: str, signer: str) -> Record | None:
 async def fetch_records(node, model_digest: str, certifiers: Iterable[str], *,
                         keep_departing: bool = False) -> tuple[list[Record], list[Record]]:
     """Capability reports of a model and the certificates that ``certifiers`` signed
-    for the recipes its peers serve, from a running DHT node (gossip, then lookups).
+    for the recipes its peers serve (and their peer verdicts), from a running DHT
+    node (gossip, then lookups).
     Departing peers' reports are left out unless ``keep_departing`` (a monitor
     shows them leave); their recipes' certificates are not looked up either way.
 
@@ -192,6 +208,9 @@ async def fetch_records(node, model_digest: str, certifiers: Iterable[str], *,
     certs: list[Record] = []
 
     async def one(certifier: str) -> None:
+        verdicts = await newest_signed_by(node, verdicts_key(model_digest, certifier), certifier)
+        if verdicts is not None:  # its verdicts on the model's peers ride with its certificates
+            certs.append(verdicts)
         index = await newest_signed_by(node, index_key(model_digest, certifier), certifier)
         wanted = [d for d in (index.content["recipes"] if index else []) if d in served]
         async with trio.open_nursery() as inner:
