@@ -9,7 +9,10 @@ import sys
 import msgpack
 import pytest
 
+import trio
+
 from meshnet_p2p.client import Client
+from meshnet_p2p.client.recheck import recheck_proof
 from meshnet_p2p.engine.tokenizer import Tokenizer
 from meshnet_p2p.roles.audit import generate_and_audit
 from meshnet_p2p.trust.fraud import FraudProof
@@ -95,11 +98,17 @@ def test_a_middle_peer_that_perturbs_its_hidden_states_is_proven_to_mismatch(swa
         done, result = generate_and_audit(client, cheater.peer_id, PROMPT, 6)
         r = meshnet_peer("audit", "--bootstrap", addr, "--peer", cheater.peer_id, "--max-tokens", "3", "--json",
                          env=env, timeout=120)
+        # another machine re-checks the report that audit published, by its own replays
+        again = meshnet_peer("audit", "--bootstrap", addr, "--peer", cheater.peer_id, "--recheck", "--json",
+                             env=env, timeout=120)
     finally:
         client.close()
         cheater.stop()
     assert r.returncode == 3, r.stderr
-    assert json.loads(r.stdout)["verdict"] == "mismatch"
+    assert json.loads(r.stdout)["verdict"] == "mismatch" and json.loads(r.stdout)["published"] > 0
+    assert again.returncode == 3, again.stderr
+    [report] = json.loads(again.stdout)["reports"]
+    assert report["outcome"] == "confirmed" and report["peer"] == cheater.peer_id
     assert done["route"][1]["peer_id"] == cheater.peer_id
     # what the user got is the whole model's: the cheat shows only in the hidden states
     assert done["token_ids"] == reference_generate(model_path, Tokenizer(model_path).encode(PROMPT), 6, n_ubatch=64)[0]
@@ -111,4 +120,72 @@ def test_a_middle_peer_that_perturbs_its_hidden_states_is_proven_to_mismatch(swa
     assert FraudProof.from_content(msgpack.unpackb(msgpack.packb(proof.to_content()))) == proof  # a record's encoding
     assert proof.signed_by_peer()  # the cheater signed the very output two replays contradict
     assert proof.peer_id == cheater.peer_id and proof.peer_output != proof.replay_output
-    assert (proof.start, proof.end, proof.step) == (10, 20, 1) and proof.inputs == ()  # a middle hop's are hidden states
+    assert (proof.start, proof.end, proof.step) == (10, 20, 1)
+    # anyone can re-check it: the cheater's signed, linked commitments over the route's tokens
+    assert proof.transferable() is None and proof.cuts == (0,) and len(proof.chain) == 1
+    assert list(proof.tokens) == Tokenizer(model_path).encode(PROMPT) + done["token_ids"][:1]
+
+
+def test_a_fraud_proof_travels_through_the_dht_and_a_stranger_convicts_only_on_its_own_replays(swarm, model_path):
+    """A client that caught a middle cheater publishes the proof; a stranger fetches it,
+    re-checks it by its own replays (layers 0-9 replayed to the cheater's signed inputs,
+    then layers 10-19) and only then leaves the cheater out."""
+    addr, joins, env = swarm
+    cheater = Proc("join", "--layers", "10:20", "--bootstrap", addr, "--threads", "1", env=env,
+                   prefix=(sys.executable, "-c", PERTURBING_JOIN))
+    finder = Client([addr], model_path=model_path, ring=False)
+    stranger = Client([addr], model_path=model_path, ring=False)
+    try:
+        cheater.address()
+        _, result = generate_and_audit(finder, cheater.peer_id, PROMPT, 4)
+        assert result.verdict.value == "mismatch", result.detail
+        finder.auditor._apply(result)  # as the finder's own audits do: caught, and a report queued
+        found, stored = finder.exchange_reports(finder.auditor._outbox, [cheater.peer_id])
+        assert stored > 0
+        [report] = found[cheater.peer_id]
+        assert str(report.signer) == str(finder.reporter.peer_id)
+        assert stranger.records.caught() == {}  # a report alone is hearsay
+        checked = stranger.auditor.recheck(report)
+    finally:
+        finder.close()
+        stranger.close()
+        cheater.stop()
+    assert checked.outcome.value == "confirmed", checked.detail
+    assert cheater.peer_id in stranger.records.caught()
+    first, second = checked.audit.replayers  # its own two replays, disjoint, neither the cheater
+    assert not set(first) & set(second) and cheater.peer_id not in first + second
+
+
+def test_a_false_fraud_proof_against_an_honest_peer_is_refuted_and_blames_nobody(swarm, model_path):
+    """A reporter who says an honest peer's signed output differs from the replays
+    (refuted: the stranger's replay gives exactly what the peer signed), or who makes up
+    the tokens the peer was given (its signed inputs are not what layers 0-9 compute
+    from them), convicts nobody."""
+    import dataclasses
+
+    from meshnet_p2p.roles.audit import generate_through
+    from meshnet_p2p.trust.fraud import ChainLink
+
+    addr, joins, _ = swarm
+    honest = joins[3]
+    liar = Client([addr], model_path=model_path, ring=False)
+    stranger = Client([addr], model_path=model_path, ring=False)
+    try:
+        _, t, _, _ = generate_through(liar, honest.peer_id, PROMPT, 3)
+        k = 1
+        signed = [s.commitment for s in t.steps]
+        end = t.steps[k].position + t.steps[k].rows
+        lie = FraudProof(honest.peer_id, t.fingerprint.model_digest, t.fingerprint.recipe_digest, t.start, t.end,
+                         t.n_layer, t.session_id, k, t.steps[k].position, signed[k].output_digest.hex(), "f" * 64,
+                         (joins[4].peer_id,), t.sampling, t.max_tokens, t.tokens[:end],
+                         (ChainLink.of(signed[0]),), signed[k], t.cuts)
+        assert lie.transferable() is None  # well formed, and signed by the peer: only a replay shows it false
+        made_up = dataclasses.replace(lie, tokens=tuple(reversed(lie.tokens)))
+        refuted = recheck_proof(lie, stranger._provider(trio.run), stranger._audit_options())
+        differ = recheck_proof(made_up, stranger._provider(trio.run), stranger._audit_options())
+    finally:
+        liar.close()
+        stranger.close()
+    assert refuted.outcome.value == "refuted", refuted.detail
+    assert differ.outcome.value == "inputs-differ", differ.detail
+    assert stranger.records.caught() == {}

@@ -84,6 +84,12 @@ def test_with_verify_the_hijacker_is_caught_in_its_first_session_through_the_cli
     assert sum(rec["vouched"] for rec in records.values()) == 2  # the certificate's route
     text = meshnet_peer("status", "--bootstrap", addr, "--no-probe", env=env).stdout
     assert "CAUGHT computing something else" in text
+    # the client published its proof; another machine convicts the hijacker only on its own replays of it
+    elsewhere = {**env, "MESHNET_CACHE_DIR": env["MESHNET_CACHE_DIR"] + "-elsewhere"}
+    r = meshnet_peer("audit", "--bootstrap", addr, "--peer", hijacker.peer_id, "--recheck", "--json", env=elsewhere)
+    assert r.returncode == 3, r.stderr[-3000:]
+    [report] = json.loads(r.stdout)["reports"]
+    assert report["outcome"] == "confirmed", report
 
 
 def test_through_the_api_the_hijacker_is_caught_and_the_answer_is_the_whole_models(swarm, reference, model_path,

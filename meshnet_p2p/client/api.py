@@ -48,7 +48,7 @@ from meshnet_p2p.trust.verdicts import report_key, sign_report
 from meshnet_p2p.trust.policy import TrustPolicy
 
 from . import bridge
-from .auditing import Auditor
+from .auditing import Auditor, transcripts
 from .chain import Chain
 from .crosscheck import CrossCheckedRoute, OutputWithheld, peers_of
 from .errors import GenerationError, RequestRefused
@@ -136,7 +136,7 @@ class Client:
         self.reporter = identity or Identity.generate()
         self.auditor = Auditor(self.records, self._provider(trio.run), self._audit_options, self.measures, audit_rate,
                                on_event=lambda m: self.on_event and self.on_event(m),
-                               sign_report=self._sign_report, exchange=self._exchange_reports)
+                               sign_report=self.sign_report, exchange=lambda pub, look: self.exchange_reports(pub, look)[0])
 
     def close(self) -> None:
         """Close the connections this client keeps to peers (generations under way fail, audits not started
@@ -148,15 +148,17 @@ class Client:
         """Wait for the audits of past generations (False if ``timeout`` passed first)."""
         return self.auditor.wait(timeout)
 
-    def _sign_report(self, proof) -> tuple[str, bytes]:
+    def sign_report(self, proof) -> tuple[str, bytes]:
+        """A fraud report of a transferable ``proof``, signed by this client: (DHT key, record wire)."""
         return report_key(proof.model_digest, proof.peer_id), sign_report(self.reporter, proof, now_ms=wall_ms())
 
-    def _exchange_reports(self, publish: list[tuple[str, bytes]], lookup: list[str]) -> dict:
-        """From the auditing thread: publish reports, fetch those against ``lookup`` (a loop of its own)."""
+    def exchange_reports(self, publish: list[tuple[str, bytes]], lookup: list[str]) -> tuple[dict, int]:
+        """Publish reports, fetch those against ``lookup``'s peers (from plain code: a trio loop of its
+        own): (peer -> its reports, how many DHT nodes took the published ones)."""
         found, stored = trio.run(functools.partial(exchange_reports, self.bootstrap, self.model_digest, publish, lookup))
         if publish and self.on_event:
             self.on_event(f"published {len(publish)} fraud report(s); {stored} taken by DHT nodes")
-        return found
+        return found, stored
 
     def _plan(self, spans, start: int, end: int, **kw) -> list[Span]:
         """The cheapest route, peers with a verified record preferred (placement.py's unverified charge)."""
@@ -315,7 +317,8 @@ class Client:
                 primary.close()
                 raise
         return CrossCheckedRoute(routes, open_disjoint, self.records, on_event=opts.on_event,
-                                 localize=lambda bad: self.auditor.localize(bad, self.n_layer, provider))
+                                 localize=lambda bad: self.auditor.localize(bad, self.n_layer, provider),
+                                 prove=lambda bad: self.auditor.submit(transcripts(bad, self.n_layer)))
 
     def _verification(self, route) -> dict:
         if isinstance(route, CrossCheckedRoute):

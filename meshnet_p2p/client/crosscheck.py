@@ -56,7 +56,7 @@ class CrossCheckedRoute:
 
     def __init__(self, routes: Sequence[Chain], open_disjoint: Callable[[set[str]], Chain], records: PeerRecords,
                  *, localize: Callable[[Chain], list[str]] | None = None,
-                 on_event: Callable[[str], None] = lambda msg: None) -> None:
+                 prove: Callable[[Chain], None] | None = None, on_event: Callable[[str], None] = lambda msg: None) -> None:
         if len(routes) not in (1, 2):
             raise ValueError("a cross-checked route steps one route, or two")
         self.routes = list(routes)
@@ -64,6 +64,7 @@ class CrossCheckedRoute:
         self.open_disjoint = open_disjoint
         self.records = records
         self.localize = localize
+        self.prove = prove  # a one-hop route caught here is audited later too: that makes a proof others can check
         self.on_event = on_event
         self.steps: list[tuple[int, tuple[int, ...], bool]] = []  # every step so far, to bring a new route level
         self.disputes: list[dict] = []
@@ -198,6 +199,8 @@ class CrossCheckedRoute:
                    f"its inputs gave {_describe(right)}")
             self.records.catch(peer, why)
             self.on_event(f"peer {peer} caught: it {why}; it is left out from now on")
+            if self.prove is not None:
+                self.prove(bad)
             return [peer]
         caught = self.localize(bad) if self.localize is not None else []
         if not caught:

@@ -114,21 +114,25 @@ def _honest_inputs(t: HopTranscript, signed: list[bytes], spans_provider, opts: 
     digests the peer signed; else why not."""
     avoid = {t.peer_id}
     cuts = t.cuts if t.cuts and t.cuts[0] == 0 else (0,)
-    for attempt in range(2):
+    differs: list[int] = []  # per replay that ran: the first step whose input differs from the signed one
+    for _ in range(2):
         search = replay_search(t, spans_provider, opts, measures, cut_planner(cuts, t.start, avoid))
         got = _run_prefix(search, t, avoid)
         if got is None:
-            return RecheckResult(Recheck.NO_REPLAYER, t.peer_id, f"no peer could replay layers 0-{t.start - 1} "
-                                 "(the peer's inputs)")
+            break
         replayers, outputs = got
-        differs = next((i for i, (s, h) in enumerate(zip(t.steps, outputs))
-                        if hidden_digest(s.position, h) != signed[i]), None)
-        if differs is None:
+        first = next((i for i, (s, h) in enumerate(zip(t.steps, outputs))
+                      if hidden_digest(s.position, h) != signed[i]), None)
+        if first is None:
             return outputs
+        differs.append(first)
         avoid.update(replayers)  # perhaps those replayers lied: a second opinion before concluding
+    if not differs:
+        return RecheckResult(Recheck.NO_REPLAYER, t.peer_id, f"no peer could replay layers 0-{t.start - 1} "
+                             "(the peer's inputs)")
     return RecheckResult(Recheck.INPUTS_DIFFER, t.peer_id,
-                         f"two replays of layers 0-{t.start - 1} give other inputs at step {differs} than the peer "
-                         "signed for: the proof does not stand against the peer")
+                         f"{len(differs)} replay(s) of layers 0-{t.start - 1} give other inputs at step {differs[0]} "
+                         "than the peer signed for, none the same: the proof does not stand against the peer")
 
 
 def _run_prefix(search, t: HopTranscript, avoid: set[str]) -> tuple[tuple[str, ...], list] | None:

@@ -4,9 +4,15 @@ Runs a short greedy generation over a star route that goes through PEER (its
 span forced in, the cheapest chains of the certified recipe before and after
 it), keeps PEER's hop's transcript, and audits it (client/audit.py): replays
 its steps on other peers of the recipe and compares every output exactly.
-Prints the verdict (``--json``: one object). Exit status: 0 match, 3 mismatch
-(proven by two independent replays), 2 when it cannot decide (unconfirmed,
-undecided, no replayer), 1 on errors. docs/verification.md.
+Prints the verdict (``--json``: one object). A mismatch's proof, when others
+can check it, is published as a signed fraud report (``--no-publish``: not).
+Exit status: 0 match, 3 mismatch (proven by two independent replays), 2 when it
+cannot decide (unconfirmed, undecided, no replayer), 1 on errors.
+
+``--recheck``: instead, fetch the fraud reports others published against PEER
+and re-check each by this machine's own replays (client/recheck.py): exit 3
+if one is confirmed, 2 if one could not be decided, else 0 (none, or all
+refuted). docs/verification.md.
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=positive, default=DEFAULT_TOKENS, help="tokens the audited generation makes")
     p.add_argument("--step-timeout", type=positive_float, default=10.0)
     add_trust(p)
+    p.add_argument("--no-publish", action="store_true", help="do not publish a mismatch's proof as a fraud report")
+    p.add_argument("--recheck", action="store_true",
+                   help="re-check the fraud reports others published against PEER, by replay, instead of auditing")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
 
@@ -51,15 +60,25 @@ def generate_and_audit(client: "Client", peer_id: str, prompt: str, max_tokens: 
     """A greedy generation through ``peer_id``, then the audit of its hop (replayed
     on peers other than ``exclude``): what the generation did (route, tokens), and
     the audit's result."""
+    from meshnet_p2p.client.audit import audit_hop
+
+    done, transcript, spans, opts = generate_through(client, peer_id, prompt, max_tokens)
+    return done, audit_hop(transcript, spans, opts, exclude=exclude, measures=client.measures)
+
+
+def generate_through(client: "Client", peer_id: str, prompt: str, max_tokens: int):
+    """A greedy generation over a star route through ``peer_id``: what it did (route,
+    tokens), ``peer_id``'s hop transcript (with the route's tokens and cuts: what makes
+    a proof others can re-check), a spans provider and the route's options."""
     import dataclasses
 
     import trio
 
-    from meshnet_p2p.client.audit import audit_hop, planner_through
+    from meshnet_p2p.client.audit import planner_through
+    from meshnet_p2p.client.auditing import transcripts
     from meshnet_p2p.client.generation import generate
     from meshnet_p2p.client.star import StarRoute
     from meshnet_p2p.client.text import prompt_ids
-    from meshnet_p2p.client.auditing import transcripts
     from meshnet_p2p.engine.contract import SamplingParams
 
     def spans():  # a fresh survey each time (a trio loop of its own: this code blocks)
@@ -78,12 +97,11 @@ def generate_and_audit(client: "Client", peer_id: str, prompt: str, max_tokens: 
     try:
         gen = generate(route, ids, max_tokens, stop_at_eog=False)
         hop = next(h for h in route.hops if h.span.peer_id == peer_id)  # the planner put it there; no failover moved it
-        # with the route's tokens and cuts: what makes a proof others can re-check (trust/fraud.py)
         transcript = next(t for t in transcripts(route, client.n_layer) if t.peer_id == hop.span.peer_id)
         done = {"route": route.route(), "token_ids": gen.token_ids}
     finally:
         route.close()  # before the audit: the replayers may be the same machines
-    return done, audit_hop(transcript, spans, opts, exclude=exclude, measures=client.measures)
+    return done, transcript, spans, opts
 
 
 def exit_code(verdict) -> int:
@@ -110,13 +128,39 @@ def _run(args: argparse.Namespace) -> int:
     client = Client(seeds, model_path=model_path(args.model), step_timeout=args.step_timeout, on_event=events,
                     trust=trust_policy(args, seeds), ring=False)
     try:
+        if args.recheck:
+            return _recheck(client, args)
         done, result = generate_and_audit(client, args.peer, args.prompt, args.max_tokens)
+        published = None
+        if result.proof is not None and result.proof.transferable() is None and not args.no_publish:
+            _, published = client.exchange_reports([client.sign_report(result.proof)], [])
     finally:
         client.close()
     if args.json:
-        print(json.dumps({**result.to_json(), **done}))
+        print(json.dumps({**result.to_json(), **done, "published": published}))
     else:
         print(f"audit of {result.peer_id} (layers {result.start}-{result.end - 1}, {result.steps} steps): "
               f"{result.verdict.value}")
         print(f"  {result.detail}")
+        if published is not None:
+            print(f"  its proof published as a fraud report: {published} DHT node(s) took it")
     return exit_code(result.verdict)
+
+
+def _recheck(client: "Client", args: argparse.Namespace) -> int:
+    from meshnet_p2p.client.recheck import Recheck
+
+    found, _ = client.exchange_reports([], [args.peer])
+    reports = found.get(args.peer, [])
+    checked = [(str(r.signer), client.auditor.recheck(r)) for r in reports]
+    outcomes = {c.outcome for _, c in checked if c is not None}
+    if args.json:
+        print(json.dumps({"peer": args.peer, "reports": [{"reporter": who, **(c.to_json() if c else {})}
+                                                         for who, c in checked]}))
+    else:
+        print(f"{len(reports)} fraud report(s) against {args.peer}")
+        for who, c in checked:
+            print(f"  from {who}: {c.outcome.value if c else 'malformed'}" + (f": {c.detail}" if c else ""))
+    if Recheck.CONFIRMED in outcomes:
+        return EXIT_MISMATCH
+    return EXIT_UNDECIDED if outcomes - {Recheck.REFUTED} else EXIT_MATCH

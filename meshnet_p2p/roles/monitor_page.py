@@ -154,13 +154,13 @@ const COLUMNS = [
   {key: "kv", label: "KV free", num: true, get: (p) => p.kv_tokens_free, title: "KV-cache tokens free"},
   {key: "verified", label: "verified", get: (p) => recordRank(p.record),
    title: "what this machine's clients verified of its computing: vouched (a trusted certificate's evidence), " +
-          "sessions its audits matched, or caught computing something else"},
+          "sessions its audits matched, caught computing something else, or convicted by a trusted certifier"},
   {key: "state", label: "state", get: (p) => p.departing ? 1 : 0,
    title: "live, or departing (it announced it is leaving)"},
 ];
 // caught first, then by how much is verified (a certificate counts as 4 sessions, as the client counts it)
-const recordRank = (r) => !r ? 0 : r.caught ? -1 : r.verified_sessions + (r.vouched ? 4 : 0);
-const recordText = (r) => !r ? "\u2013" : r.caught ? "caught" :
+const recordRank = (r) => !r ? 0 : (r.caught || r.convicted) ? -1 : r.verified_sessions + (r.vouched ? 4 : 0);
+const recordText = (r) => !r ? "\u2013" : r.caught ? "caught" : r.convicted ? "convicted" :
   [r.vouched ? "vouched" : null, r.verified_sessions ? `${r.verified_sessions} ok` : null]
     .filter(Boolean).join(", ") || "\u2013";
 

@@ -68,9 +68,11 @@ def probe(span: Span) -> float | None:
 
 def recipe_doc(view: SwarmView, r: RecipeView, rtt: dict[str, float | None],
                records: dict[str, PeerRecord] | None = None) -> dict[str, Any]:
-    """``records``: what this machine's clients verified of each peer (client/records.py)."""
+    """``records``: what this machine's clients verified of each peer (client/records.py); beside
+    it, what trusted certifiers' signed verdicts say (verified by their audits, or convicted)."""
     cert = r.certificate
-    vouched = {p for p, _, _ in cert.route} if cert else set()
+    vouched = ({p for p, _, _ in cert.route} if cert else set()) | view.verified_by_certifiers()
+    convicted = view.convicted()
     records = records or {}
     peers = []
     for s in sorted(r.spans, key=lambda s: (s.start, s.peer_id)):
@@ -80,7 +82,8 @@ def recipe_doc(view: SwarmView, r: RecipeView, rtt: dict[str, float | None],
             "reachability": "direct" if c.get("direct", True) else f"relay {c.get('relay')}",
             "free_sessions": s.free_sessions, "kv_tokens_free": c.get("kv_tokens_free", 0),
             "throughput_reported": s.throughput, "rtt_ms": rtt.get(s.peer_id), "departing": s.departing,
-            "record": (records.get(s.peer_id) or PeerRecord()).to_dict(s.peer_id in vouched),
+            "record": {**(records.get(s.peer_id) or PeerRecord()).to_dict(s.peer_id in vouched),
+                       "convicted": convicted.get(s.peer_id)},
         })
     return {
         "recipe_digest": r.recipe_digest, "state": r.state, "labels": r.labels, "axes": r.axes,
@@ -195,6 +198,8 @@ def _record_text(rec: dict[str, Any]) -> str:
     """What this machine's clients know of a peer's computing (docs/verification.md)."""
     if rec["caught"]:
         return f"; CAUGHT computing something else: {sanitize(rec['caught'], 200)}"
+    if rec.get("convicted"):
+        return f"; CONVICTED: {sanitize(rec['convicted'], 200)}"
     parts = (["vouched"] if rec["vouched"] else []) + \
         ([f"{rec['verified_sessions']} sessions verified"] if rec["verified_sessions"] else [])
     return f"; {', '.join(parts)}" if parts else "; no verified record"
