@@ -2,8 +2,8 @@
 client's audits, whether an honest one ever is, what the audits cost, and what
 the user waits for them.
 
-    python bench/verify.py [--tokens 12] [--honest 500] [--cost-sessions 100] [--new-sessions 5] [--late-honest 20]
-                           [--late-sessions 40] [--latency-reps 5] [--json]
+    python bench/verify.py [--tokens 12] [--honest 500] [--batch 4] [--failovers 10] [--cost-sessions 100]
+                           [--new-sessions 5] [--late-honest 20] [--late-sessions 40] [--latency-reps 5] [--json]
 
 A loopback swarm of processes: a bootstrap peer, joins for 0:10, 10:20 (three
 of them) and 20:30, certified by the bootstrap's key (its evidence vouches for
@@ -17,10 +17,15 @@ no verified record, then 1/(1+n), never below --audit-rate); cross-checking is
 off here, to measure the audits alone (tests/test_verified_compute.py covers it).
 
 - honest: --honest sessions through the honest 10:20 peers in turn, every
-  hop-session audited (a client at audit rate 1); a false positive is any
-  audit of an honest peer that does not say ``match`` where a replayer could
-  run (mismatch, unconfirmed or undecided), or an honest peer caught. (The
-  head and tail spans have one peer each here: their audits find no replayer.)
+  hop-session audited (a client at audit rate 1): one in two as a group of
+  --batch generations at once through the same peers (they batch them), the
+  rest one at a time; then --failovers more, each through a fresh honest 10:20
+  peer killed (SIGKILL) after its second token, so the route fails over and
+  replays onto another (the dead hop's transcript is audited too). A false
+  positive is any audit of an honest peer that does not say ``match`` where a
+  replayer could run (mismatch, unconfirmed or undecided), or an honest peer
+  caught. (The head and tail spans have one peer each here: their audits find
+  no replayer.)
 - new: a peer that cheats on every step from its first session: sessions until
   it is caught (target: 1).
 - late: a peer honest for --late-honest sessions, then cheating on every step:
@@ -40,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import trio
@@ -79,8 +85,9 @@ class Through(Client):
     through: str | None = None
 
     def _plan(self, spans, start, end, **kw):
-        return planner_through(self.through)(spans, start, end, **kw) if self.through else \
-            super()._plan(spans, start, end, **kw)
+        # through the peer while it is not set aside (a failover plans around it)
+        return planner_through(self.through)(spans, start, end, **kw) \
+            if self.through and self.through not in kw.get("banned", ()) else super()._plan(spans, start, end, **kw)
 
 
 def seen(client: Through, peer: str, timeout: float = 60.0) -> None:
@@ -102,6 +109,45 @@ def session(client: Through, peer: str | None, tokens: int) -> tuple[float, list
     wall = time.perf_counter() - t0
     client.wait_audits(300)
     return wall, client.auditor.results[done:]
+
+
+def batch(client: Through, peer: str, n: int, tokens: int) -> list:
+    """``n`` generations at once through ``peer`` (distinct prompts: distinct sessions), then their audits."""
+    client.through = peer
+    done = len(client.auditor.results)
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            client.generate(f"{PROMPT} {'very ' * i}", tokens, SamplingParams(), stop_at_eog=False)
+        except BaseException as e:  # noqa: BLE001 - reported below, in this thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    client.wait_audits(300)
+    return client.auditor.results[done:]
+
+
+def with_failover(client: Through, victim: PeerProcess, tokens: int) -> tuple[int, list]:
+    """One generation through ``victim``, killed after the second token: (failovers, the audits' results)."""
+    client.through = victim.address().rsplit("/", 1)[1]
+    done, got = len(client.auditor.results), []
+
+    def on_token(_: str) -> None:
+        got.append(1)
+        if len(got) == 2:
+            victim.p.kill()
+
+    result = client.generate(PROMPT, tokens, SamplingParams(), stop_at_eog=False, on_token=on_token)
+    victim.p.wait(30)
+    client.wait_audits(300)
+    return result.failovers, client.auditor.results[done:]
 
 
 def until_caught(client: Through, peer: str, sessions: int, tokens: int) -> int | None:
@@ -127,6 +173,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=12)
     ap.add_argument("--honest", type=int, default=500, help="honest sessions, each hop audited (false positives)")
+    ap.add_argument("--batch", type=int, default=4, help="generations at once in a batched group of honest sessions")
+    ap.add_argument("--failovers", type=int, default=10, help="honest sessions whose peer is killed mid-generation")
     ap.add_argument("--cost-sessions", type=int, default=100, help="sessions at the policy's rate (audit cost)")
     ap.add_argument("--new-sessions", type=int, default=5, help="sessions a new cheater gets before 'not caught'")
     ap.add_argument("--late-honest", type=int, default=20, help="sessions the late cheater serves honestly first")
@@ -134,7 +182,7 @@ def main() -> int:
     ap.add_argument("--latency-reps", type=int, default=5, help="generations per side for the user's wait")
     ap.add_argument("--audit-rate", type=float, default=AUDIT_RATE)
     ap.add_argument("--json", action="store_true")
-    args = parse_args(ap, tokens=3, honest=2, cost_sessions=2, new_sessions=2, late_honest=1, late_sessions=3, latency_reps=1)
+    args = parse_args(ap, tokens=3, honest=3, batch=2, failovers=1, cost_sessions=2, new_sessions=2, late_honest=1, late_sessions=3, latency_reps=1)
 
     doc: dict = {"tokens": args.tokens, "audit_rate": args.audit_rate}
     with tempfile.TemporaryDirectory(prefix="meshnet-bench-verify-") as cache:
@@ -150,13 +198,32 @@ def main() -> int:
 
             # honest: false positives, every hop-session audited (a client at audit rate 1)
             strict = Through([swarm.addr], verify="off", audit_rate=1.0)
-            results = []
-            for i in range(args.honest):
-                results += session(strict, middles[i % len(middles)], args.tokens)[1]
+            results, kinds, failed_over = [], {"one-at-a-time": 0, "batched": 0, "failover": 0}, 0
+            i = 0
+            while sum(kinds.values()) < args.honest:
+                peer = middles[i % len(middles)]
+                if i % 2 and args.batch > 1 and args.honest - sum(kinds.values()) >= args.batch:
+                    results += batch(strict, peer, args.batch, args.tokens)
+                    kinds["batched"] += args.batch
+                else:
+                    results += session(strict, peer, args.tokens)[1]
+                    kinds["one-at-a-time"] += 1
+                i += 1
+            for _ in range(args.failovers):
+                victim = PeerProcess("join", "--layers", "10:20", "--bootstrap", swarm.addr, "--threads", "1", env=env)
+                try:
+                    seen(strict, victim.address().rsplit("/", 1)[1])
+                    n, got = with_failover(strict, victim, max(args.tokens, 4))
+                finally:
+                    victim.stop()
+                failed_over += n
+                results += got
+                kinds["failover"] += 1
             strict.close()
             judged = [r for r in results if r.verdict is not Verdict.NO_REPLAYER]
             false = [r for r in judged if r.verdict is not Verdict.MATCH]
-            doc["honest"] = {"sessions": args.honest, "audits": len(results), "judged": len(judged),
+            doc["honest"] = {"sessions": sum(kinds.values()), "kinds": kinds, "failovers": failed_over,
+                             "audits": len(results), "judged": len(judged),
                              "false_positives": len(false) + len(strict.records.caught())}
 
             # cost at the policy's rate: replayed hop-steps over generated ones (records start empty)
@@ -171,7 +238,7 @@ def main() -> int:
             submit = client.auditor.submit
             for _ in range(args.latency_reps):
                 for side in walls:
-                    client.auditor.submit = submit if side == "audited" else (lambda items: None)
+                    client.auditor.submit = submit if side == "audited" else (lambda items, peers=(): None)
                     walls[side].append(session(client, None, args.tokens)[0])
             client.auditor.submit = submit
             doc["user_wait_ratio"] = round(statistics.median(walls["audited"]) /
@@ -203,7 +270,8 @@ def main() -> int:
                 late.stop()
             client.close()
     print_report(doc, args.json)
-    ok = doc["honest"]["false_positives"] == 0 and doc["new"]["sessions_to_caught"] is not None
+    ok = doc["honest"]["false_positives"] == 0 and doc["new"]["sessions_to_caught"] is not None and \
+        doc["honest"]["failovers"] >= args.failovers
     return 0 if ok else 1
 
 
