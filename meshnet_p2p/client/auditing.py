@@ -13,8 +13,11 @@ blamed. ``localize`` audits every hop of a route that was outvoted, at once.
 Proofs travel (trust/verdicts.py): a proven mismatch whose proof others can
 check is published as a signed fraud report, and the reports others published
 against the peers a generation used are fetched (each peer at most once per
-``REPORT_LOOKUP_INTERVAL_S``) and re-checked here by replay (recheck.py): a
-peer is caught on a report only when this client's own replays confirm it.
+``REPORT_LOOKUP_INTERVAL_S``, at most 4 reports each) and re-checked here by
+replay (recheck.py): a peer is caught on a report only when this client's own
+replays confirm it. Each report is re-checked once; a reporter whose report
+the replays refute is not heard again (a false report costs its maker a
+session with the peer, and this client one replay).
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ class Auditor:
         self._outbox: list[tuple[str, bytes]] = []  # reports of proofs found here, not yet published
         self._looked_up: dict[str, float] = {}  # peer -> when its reports were last fetched
         self._seen: set[bytes] = set()  # report signatures already re-checked
+        self._liars: set[str] = set()  # reporters whose report this client's replays refuted: not heard again
         self.rechecks: list[RecheckResult] = []
 
     def audit(self, t: HopTranscript, *, exclude: set[str] = frozenset(), spans_provider=None) -> AuditResult:
@@ -175,7 +179,7 @@ class Auditor:
         found = self.exchange(outbox, peers)
         for peer, reports in found.items():
             for record in reports:
-                if peer in self.records.caught() or record.signature in self._seen:
+                if peer in self.records.caught() or record.signature in self._seen or str(record.signer) in self._liars:
                     continue
                 if len(self._seen) < MAX_SEEN_REPORTS:
                     self._seen.add(record.signature)
@@ -197,6 +201,7 @@ class Auditor:
             self.on_event(f"peer {proof.peer_id} caught on a fraud report from {record.signer} that this client's "
                           "own replays confirm; it is left out from now on")
         elif result.outcome is Recheck.REFUTED:
+            self._liars.add(str(record.signer))
             self.on_event(f"a fraud report from {record.signer} against {proof.peer_id} is false: {result.detail}")
         return result
 

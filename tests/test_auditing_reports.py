@@ -1,0 +1,96 @@
+"""The auditor's part in fraud reports (client/auditing.py), with the network calls
+passed in as doubles: what it publishes, whom it looks up and how often, which
+reports it re-checks, and what a re-check's outcome does to its records. The
+replays themselves are tests/test_audit_live.py's (real processes)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from meshnet_p2p.client import auditing
+from meshnet_p2p.client.auditing import Auditor
+from meshnet_p2p.client.options import PeerMeasures, RouteOptions
+from meshnet_p2p.client.recheck import Recheck, RecheckResult
+from meshnet_p2p.client.records import PeerRecords
+
+
+def report(reporter: str, accused: str, n: int) -> SimpleNamespace:
+    return SimpleNamespace(signer=reporter, signature=f"{reporter}-{accused}-{n}".encode(), accused=accused)
+
+
+@pytest.fixture
+def rig(monkeypatch):
+    """An auditor whose re-checks answer from ``outcomes`` (accused -> outcome), and whose
+    exchange records each call and answers from ``published`` (accused -> reports)."""
+    calls, published, outcomes, rechecked = [], {}, {}, []
+    monkeypatch.setattr(auditing, "proof_of", lambda r: SimpleNamespace(peer_id=r.accused))
+
+    def fake_recheck(proof, provider, opts, measures=None):
+        rechecked.append(proof.peer_id)
+        return RecheckResult(outcomes.get(proof.peer_id, Recheck.UNDECIDED), proof.peer_id, "replayed")
+
+    monkeypatch.setattr(auditing, "recheck_proof", fake_recheck)
+
+    def exchange(publish, lookup):
+        calls.append((list(publish), list(lookup)))
+        return {p: published[p] for p in lookup if p in published}
+
+    records = PeerRecords()
+    events: list[str] = []
+    a = Auditor(records, lambda: [], lambda: RouteOptions(max_tokens=1), PeerMeasures(), 0.05, on_event=events.append,
+                sign_report=lambda proof: ("fraud/key", b"wire"), exchange=exchange)
+    yield SimpleNamespace(auditor=a, records=records, calls=calls, published=published, outcomes=outcomes,
+                          rechecked=rechecked, events=events)
+    a.close()
+    assert not [e for e in events if e.startswith("could not")], events  # nothing failed inside the auditor
+
+
+def run(rig, peers) -> None:
+    rig.auditor.submit([], peers=peers)
+    assert rig.auditor.wait(30)
+
+
+def test_a_report_confirmed_by_this_clients_replays_catches_the_peer_and_hearsay_alone_does_not(rig):
+    rig.published.update(cheat=[report("r1", "cheat", 0)], honest=[report("r2", "honest", 0)])
+    rig.outcomes.update(cheat=Recheck.CONFIRMED, honest=Recheck.UNDECIDED)
+    run(rig, ["cheat", "honest"])
+    assert set(rig.records.caught()) == {"cheat"}
+    assert "re-checked here" in rig.records.caught()["cheat"]
+    assert sorted(rig.rechecked) == ["cheat", "honest"]
+
+
+def test_each_peer_is_looked_up_once_per_interval_and_each_report_rechecked_once(rig, monkeypatch):
+    rig.published.update(p=[report("r1", "p", 0)])
+    run(rig, ["p"])
+    run(rig, ["p"])  # within the interval: not looked up again
+    assert [look for _, look in rig.calls] == [["p"]]
+    assert rig.rechecked == ["p"]
+    monkeypatch.setattr(auditing, "REPORT_LOOKUP_INTERVAL_S", 0.0)
+    run(rig, ["p"])  # looked up again: the same report is not re-checked again
+    assert [look for _, look in rig.calls] == [["p"], ["p"]] and rig.rechecked == ["p"]
+
+
+def test_a_reporter_whose_report_is_refuted_is_not_heard_again(rig, monkeypatch):
+    monkeypatch.setattr(auditing, "REPORT_LOOKUP_INTERVAL_S", 0.0)
+    rig.published.update(a=[report("liar", "a", 0)])
+    rig.outcomes.update(a=Recheck.REFUTED, b=Recheck.CONFIRMED)
+    run(rig, ["a"])
+    rig.published.update(b=[report("liar", "b", 1)])
+    run(rig, ["b"])
+    assert rig.rechecked == ["a"] and rig.records.caught() == {}
+
+
+def test_a_proof_found_here_is_published_with_the_next_exchange(rig):
+    from meshnet_p2p.client.audit import AuditResult, Verdict
+
+    proof = SimpleNamespace(transferable=lambda: None)
+    rig.auditor._apply(AuditResult(Verdict.MISMATCH, "cheat", 10, 20, 3, (("r",), ("s",)), 1, 5, detail="x",
+                                   proof=proof))
+    untransferable = SimpleNamespace(transferable=lambda: "the peer signed nothing")
+    rig.auditor._apply(AuditResult(Verdict.MISMATCH, "mute", 10, 20, 3, (("r",), ("s",)), 1, 5, detail="x",
+                                   proof=untransferable))
+    run(rig, [])
+    assert rig.calls == [([("fraud/key", b"wire")], [])]  # the transferable one only
+    assert set(rig.records.caught()) == {"cheat", "mute"}  # both caught here, whatever others can check
