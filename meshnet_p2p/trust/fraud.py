@@ -168,6 +168,8 @@ class FraudProof:
             steps = self.steps()
         except FraudProofError as e:
             return str(e)
+        if self.max_tokens < len(self.tokens):
+            return "max_tokens does not cover the proof's tokens (a replay could not reserve them)"
         if self.start == 0:
             for c, (position, ids, _) in zip(cs, steps):
                 if c.input_digest != tokens_digest(position, ids):
