@@ -168,6 +168,8 @@ class FraudProof:
             steps = self.steps()
         except FraudProofError as e:
             return str(e)
+        if len(self.tokens) > self.max_tokens:  # no session a replay opens as the peer's was could take them
+            return f"the session reserved {self.max_tokens} positions, fewer than the proof's steps reach"
         if self.start == 0:
             for c, (position, ids, _) in zip(cs, steps):
                 if c.input_digest != tokens_digest(position, ids):
@@ -249,6 +251,8 @@ def _digest(x) -> bytes:
 def _int(x) -> int:
     if type(x) is not int:
         raise FraudProofError(f"expected an integer, got {type(x).__name__}")
+    if not -(1 << 63) <= x < 1 << 64:  # what msgpack carries: a proof parsed here packs into a report again
+        raise FraudProofError("an integer out of range")
     return x
 
 
@@ -295,10 +299,13 @@ def _check(p: FraudProof) -> None:
     if len(p.chain) >= MAX_PROOF_STEPS or (p.chain and len(p.chain) != p.step):
         raise FraudProofError(f"a proof's chain is the peer's commitments to every step before the one that "
                               f"differs (at most {MAX_PROOF_STEPS - 1})")
-    for x in p.chain:
+    for x in p.chain:  # as from_content reads them: a proof made here must parse where it is sent
         if not (type(x.route_epoch) is int and type(x.position) is int and 0 <= x.route_epoch < MAX_POSITION
                 and 0 <= x.position < MAX_POSITION):
             raise FraudProofError("a chain link's epoch or position is out of range")
+        if type(x.decode) is not bool or any(type(d) is not bytes or len(d) != DIGEST_BYTES
+                                             for d in (x.input_digest, x.output_digest)):
+            raise FraudProofError(f"a chain link's decode is a boolean and its digests {DIGEST_BYTES} bytes")
     cuts = p.cuts
     if len(cuts) > MAX_CUTS or any(type(x) is not int for x in cuts) or (cuts and (
             cuts[0] != 0 or list(cuts) != sorted(set(cuts)) or cuts[-1] >= p.start)):
