@@ -50,8 +50,10 @@ from .commitment import (
 
 FRAUD_PROOF = "meshnet/fraud-proof/v2"
 
-# what a proof carries is bounded so that it fits one DHT record (16 KiB): a link is ~82 bytes packed
-MAX_PROOF_STEPS = 96  # steps up to and including the one that differs
+# what a proof carries is bounded so that it fits one report record (15 KiB of content) whatever its fields
+# hold, when it names its replayers by peer ID (tests/test_verdicts.py builds the largest): a link packs in
+# at most 80 bytes, a token id in 5
+MAX_PROOF_STEPS = 94  # steps up to and including the one that differs
 MAX_PROOF_TOKENS = 1024  # the route's token ids up to the end of that step
 MAX_REPLAYERS = 24  # two replay chains of at most 12 hops each
 MAX_CUTS = 12  # hops before the peer's on its route
