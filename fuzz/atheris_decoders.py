@@ -12,6 +12,7 @@ regression test). CI runs every target for a bounded number of inputs:
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import atheris
@@ -27,8 +28,10 @@ with atheris.instrument_imports(include=["meshnet_p2p", "h2", "hpack", "hyperfra
     from meshnet_p2p.nat.dialback import DialbackRejected, dial_target, parse_dial_back, parse_dial_result, verify_dial_result
     from meshnet_p2p.engine.gguf import GGUFFormatError, read_gguf
     from meshnet_p2p.core.identity import Identity
-    from meshnet_p2p.core.records import RecordRejected, RecordVerifier
-    from meshnet_p2p.trust.commitment import CommitmentError
+    from meshnet_p2p.core.records import RecordRejected, RecordVerifier, sign_record
+    from meshnet_p2p.trust import verdicts
+    from meshnet_p2p.trust.commitment import GENESIS, Commitment, CommitmentError, tokens_digest
+    from meshnet_p2p.trust.fraud import ChainLink, FraudProof, FraudProofError
 
 from google.protobuf.message import DecodeError
 
@@ -144,6 +147,86 @@ def commitment(data: bytes) -> None:
         pass
 
 
+# a report and a verdicts record as ALICE signs them, for the targets that edit them
+_CHEAT = Identity.from_seed(b"\x33" * 32)
+_MODEL = "ab" * 32
+
+
+def _signed_proof() -> FraudProof:
+    """A transferable proof against _CHEAT at step 2 of a prefill and two decodes."""
+    steps, prev, signed = [(0, (1, 2, 3), False), (3, (4,), True), (4, (5,), True)], GENESIS, []
+    for i, (position, ids, decode) in enumerate(steps):
+        c = Commitment(str(_CHEAT.peer_id), "s-1", _MODEL, "cd" * 32, 0, 10, 0, i, position, decode,
+                       tokens_digest(position, ids), bytes([i + 1]) * 32, prev).signed_by(_CHEAT)
+        signed.append(c)
+        prev = c.link()
+    return FraudProof(str(_CHEAT.peer_id), _MODEL, "cd" * 32, 0, 10, 30, "s-1", 2, 4, signed[-1].output_digest.hex(),
+                      "ef" * 32, ("r1", "r2"), max_tokens=8, tokens=(1, 2, 3, 4, 5),
+                      chain=tuple(ChainLink.of(c) for c in signed[:-1]), commitment=signed[-1])
+
+
+REPORT = {"key": verdicts.report_key(_MODEL, str(_CHEAT.peer_id)), "reporter": str(ALICE.peer_id),
+          "proof": _signed_proof().to_content()}
+VERDICTS = {"key": verdicts.verdicts_key(_MODEL, str(ALICE.peer_id)), "certifier": str(ALICE.peer_id),
+            "model_digest": _MODEL, "verified": [["p1", 3], ["p2", 1]], "convicted": [[str(_CHEAT.peer_id), "why"]]}
+RECORD_VERIFIER = RecordVerifier(verdicts.TYPES)
+
+
+def _edited(fdp, value):
+    """``value`` (a record's content) with the input's edits: at each, walk down to some
+    place and replace it with a value the input builds, or drop it."""
+    for _ in range(fdp.ConsumeIntInRange(0, 3)):
+        parent, key = None, None
+        at = value
+        while isinstance(at, (dict, list)) and at and fdp.ConsumeBool():
+            keys = list(at) if isinstance(at, dict) else list(range(len(at)))
+            parent, key = at, keys[fdp.ConsumeIntInRange(0, len(keys) - 1)]
+            at = at[key]
+        if parent is None:
+            return _value(fdp)
+        if fdp.ConsumeIntInRange(0, 3) == 0:
+            del parent[key]
+        else:
+            parent[key] = _value(fdp)
+    return value
+
+
+def _signed_content(data: bytes, kind: str, base: dict) -> None:
+    """A record of ``kind`` ALICE signs over ``base`` as the input edits it (or any map the
+    input builds), verified as a node does; a report it accepts is read as a re-checker does."""
+    fdp = atheris.FuzzedDataProvider(data)
+    if fdp.ConsumeIntInRange(0, 7):
+        content = _edited(fdp, copy.deepcopy(base))
+    else:
+        content = {fdp.ConsumeUnicodeNoSurrogates(10): _value(fdp) for _ in range(fdp.ConsumeIntInRange(0, 6))}
+    try:
+        wire = sign_record(ALICE, kind, content, seq=1, now_ms=NOW, ttl_ms=60_000)
+    except (TypeError, ValueError, OverflowError):  # not encodable: no such record can be sent
+        return
+    try:
+        rec = RECORD_VERIFIER.verify(wire, NOW, remember=False)
+    except RecordRejected:
+        return
+    if kind == verdicts.FRAUD_REPORT:  # accepted: its proof parses, and anyone can re-check it
+        try:
+            proof = verdicts.proof_of(rec)
+            proof.steps()
+        except FraudProofError as e:
+            raise AssertionError(f"a node accepted a report whose proof does not hold: {e}") from None
+        if proof.transferable() is not None:
+            raise AssertionError("a node accepted a report of a proof nobody can check")
+    else:
+        verdicts.verdicts_of([rec], {str(ALICE.peer_id)}, _MODEL)
+
+
+def report(data: bytes) -> None:
+    _signed_content(data, verdicts.FRAUD_REPORT, REPORT)
+
+
+def peer_verdicts(data: bytes) -> None:
+    _signed_content(data, verdicts.PEER_VERDICTS, VERDICTS)
+
+
 def gguf(data: bytes) -> None:
     try:
         read_gguf("fuzz", buf=b"GGUF" + data)
@@ -182,7 +265,7 @@ def certificate(data: bytes) -> None:
 
 
 TARGETS = {f.__name__: f for f in (datagram, signed_datagram, dial_back, dial_result, record, bundle, commitment,
-                                    gguf, http2, connect, certificate)}
+                                    report, peer_verdicts, gguf, http2, connect, certificate)}
 
 
 def main(argv: list[str]) -> int:

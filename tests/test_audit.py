@@ -2,9 +2,12 @@
 the plans replays and audited routes take, the fraud proof's record, and the
 driver over unit-test doubles of hops."""
 
+import copy
 import dataclasses
+import hashlib
 from types import SimpleNamespace
 
+import msgpack
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -19,7 +22,11 @@ from meshnet_p2p.dataplane.stub import ShardConnectionError
 from meshnet_p2p.dataplane.wire import Fingerprint
 from meshnet_p2p.engine.contract import HIDDEN, SamplingParams, Tensor, TensorBundle, TokenOutput
 from meshnet_p2p.swarm.placement import NoRoute, Span
-from meshnet_p2p.trust.fraud import FRAUD_PROOF, MAX_PROOF_TOKENS, MAX_REPLAYERS, FraudProof, FraudProofError, InputStep, output_digest
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.core.records import canonical
+from meshnet_p2p.trust.commitment import GENESIS, Commitment, tokens_digest
+from meshnet_p2p.trust.fraud import (FRAUD_PROOF, MAX_CUTS, MAX_PROOF_STEPS, MAX_PROOF_TOKENS, MAX_REPLAYERS, ChainLink,
+                                     FraudProof, FraudProofError, output_digest)
 
 from tests.mutations import mutate_tree
 
@@ -116,63 +123,159 @@ def test_an_output_digest_sees_every_bit():
         output_digest(5, (7,))
 
 
-def proof(**kw) -> FraudProof:
-    fields = dict(peer_id="cheat", model_digest="1" * 64, recipe_digest="2" * 64, start=0, end=10, session_id="s-1",
-                  step=2, position=9, peer_output="a" * 64, replay_output="b" * 64, replayers=("r1", "r2"),
-                  sampling=SamplingParams(0.7, 40, 0.9, 3),
-                  inputs=(InputStep(0, tuple(range(8)), False), InputStep(8, (8,), True), InputStep(9, (9,), True)))
+CHEAT = Identity.from_seed(b"\x41" * 32)  # the audited peer: it signs what it answered
+MODEL, RECIPE = "1" * 64, "2" * 64
+PEER_OUT, REPLAY_OUT = "a" * 64, "b" * 64  # what it signed at the step that differs, what both replays gave
+
+
+def route_steps(prompt: int = 8, decodes: int = 2) -> list[tuple[int, tuple[int, ...], bool]]:
+    """A route's steps (position, token ids, decode): a prefill chunk, then one-token decodes."""
+    ids = tuple(range(100, 100 + prompt + decodes))
+    return [(0, ids[:prompt], False)] + [(prompt + i, (ids[prompt + i],), True) for i in range(decodes)]
+
+
+def signed_chain(identity: Identity, steps, *, start: int, end: int) -> list[Commitment]:
+    """The peer's commitments to ``steps``, each chained to the one before by ``prev``: a
+    head signs the tokens' own digests as its inputs, a later hop whatever it was given."""
+    out, prev = [], GENESIS
+    for i, (position, ids, decode) in enumerate(steps):
+        given = tokens_digest(position, ids) if start == 0 else hashlib.sha256(b"hidden %d" % i).digest()
+        answered = bytes.fromhex(PEER_OUT) if i == len(steps) - 1 else hashlib.sha256(b"output %d" % i).digest()
+        c = Commitment(str(identity.peer_id), "s-1", MODEL, RECIPE, start, end, 0, i, position, decode, given,
+                       answered, prev).signed_by(identity)
+        out.append(c)
+        prev = c.link()
+    return out
+
+
+def proof(identity: Identity = CHEAT, *, steps=None, start: int = 0, end: int = 10, **kw) -> FraudProof:
+    """A transferable proof against ``identity`` at the last of ``steps`` (route_steps() by default),
+    with any field replaced by ``kw`` (the commitments stay as signed)."""
+    steps = route_steps() if steps is None else steps
+    signed = signed_chain(identity, steps, start=start, end=end)
+    fields = dict(peer_id=str(identity.peer_id), model_digest=MODEL, recipe_digest=RECIPE, start=start, end=end,
+                  n_layer=30, session_id="s-1", step=len(steps) - 1, position=steps[-1][0], peer_output=PEER_OUT,
+                  replay_output=REPLAY_OUT, replayers=("r1", "r2"), sampling=SamplingParams(0.7, 40, 0.9, 3),
+                  max_tokens=64, tokens=tuple(t for _, ids, _ in steps for t in ids),
+                  chain=tuple(ChainLink.of(c) for c in signed[:-1]), commitment=signed[-1],
+                  cuts=(0, 4) if start > 0 else ())
     return FraudProof(**{**fields, **kw})
 
 
-def test_a_fraud_proof_round_trips_through_its_content():
-    p = proof()
+@pytest.mark.parametrize("kw", [dict(), dict(start=10, end=20), dict(start=10, end=20, cuts=()),
+                                dict(steps=route_steps(5, 0))], ids=["head", "later hop", "no cuts", "one step"])
+def test_a_real_proof_is_transferable_and_round_trips_through_its_content_and_msgpack(kw):
+    p = proof(**kw)
+    assert p.transferable() is None
     assert FraudProof.from_content(p.to_content()) == p
-    middle = proof(start=10, end=20, inputs=())
-    assert FraudProof.from_content(middle.to_content()) == middle
+    assert FraudProof.from_content(msgpack.unpackb(canonical(p.to_content()))) == p  # a record's encoding
+    assert [c.index for c in p.commitments()] == list(range(p.step + 1)) and p.commitments()[-1] == p.commitment
+    assert p.steps() == kw.get("steps", route_steps())
 
 
-def signed_commitment(identity, **kw):
-    from meshnet_p2p.trust.commitment import Commitment
-
-    fields = dict(peer_id=str(identity.peer_id), session_id="s-1", model_digest="1" * 64, recipe_digest="2" * 64,
-                  start=10, end=20, route_epoch=0, index=2, position=9, decode=True, input_digest=bytes(32),
-                  output_digest=bytes.fromhex("a" * 64), prev=bytes(32))
-    return Commitment(**{**fields, **kw}).signed_by(identity)
+def test_a_later_hops_inputs_are_checked_by_replay_not_by_the_proof():
+    middle = proof(start=10, end=20, tokens=tuple(range(200, 210)))  # its signed inputs are hidden states
+    assert middle.transferable() is None  # the tokens through the layers before it (recheck.py) decide
 
 
-def test_a_proof_carries_the_peers_signed_commitment_to_the_output_the_replays_contradict():
-    import msgpack
+def altered(chain: tuple[ChainLink, ...], i: int, **change) -> tuple[ChainLink, ...]:
+    return tuple(dataclasses.replace(x, **change) if j == i else x for j, x in enumerate(chain))
 
-    from meshnet_p2p.core.identity import Identity
 
-    cheat = Identity.generate()
-    c = signed_commitment(cheat)
-    p = proof(peer_id=str(cheat.peer_id), start=10, end=20, inputs=(), commitment=c)
-    assert FraudProof.from_content(msgpack.unpackb(msgpack.packb(p.to_content()))) == p  # a record's encoding
-    assert p.signed_by_peer()
-    assert not proof(peer_id=str(cheat.peer_id), start=10, end=20, inputs=()).signed_by_peer()  # none: not signed
-    other = signed_commitment(cheat, output_digest=bytes.fromhex("c" * 64))  # signed, but another output
-    assert not proof(peer_id=str(cheat.peer_id), start=10, end=20, inputs=(), commitment=other).signed_by_peer()
-    forged = dataclasses.replace(c, signature=bytes(64))
-    assert not proof(peer_id=str(cheat.peer_id), start=10, end=20, inputs=(), commitment=forged).signed_by_peer()
-    for wrong in (dict(index=3), dict(session_id="s-2"), dict(start=0)):  # not the audited step's
+def relinked(p: FraudProof, i: int, **change) -> FraudProof:
+    return dataclasses.replace(p, chain=altered(p.chain, i, **change))
+
+
+def shifted(steps, by: int):
+    return [(position + by, ids, decode) for position, ids, decode in steps]
+
+
+def forged(p: FraudProof, signature: bytes) -> FraudProof:
+    return dataclasses.replace(p, commitment=dataclasses.replace(p.commitment, signature=signature))
+
+
+OTHER = Identity.from_seed(b"\x42" * 32)
+NOT_TRANSFERABLE = {
+    "no signed commitment": (lambda: proof(commitment=None), "lacks"),
+    "no chain before the step": (lambda: proof(chain=()), "lacks"),
+    "a link's output altered": (lambda: relinked(proof(), 0, output_digest=bytes(32)), "does not chain"),
+    "a link's input altered": (lambda: relinked(proof(), 1, input_digest=bytes(32)), "does not chain"),
+    "a link's position altered": (lambda: relinked(proof(), 1, position=7), "does not chain"),
+    "a link's decode flag altered": (lambda: relinked(proof(), 0, decode=True), "does not chain"),
+    "a link's epoch altered": (lambda: relinked(proof(), 1, route_epoch=1), "does not chain"),
+    "the head's tokens are not what it signed": (lambda: proof(tokens=(100, 101, 102, 103, 104, 105, 106, 107, 108, 999)),
+                                                 "head's signed input at position 9"),
+    "the head's prompt is not what it signed": (lambda: proof(tokens=(0,) + tuple(range(101, 110))),
+                                                "head's signed input at position 0"),
+    "a session that does not start at 0": (lambda: proof(steps=shifted(route_steps(), 1), start=10, end=20,
+                                                         tokens=tuple(range(11))), "position 0"),
+    "tokens that end before the step": (lambda: proof(tokens=tuple(range(100, 109))), "do not fit"),
+    "tokens that run past the step": (lambda: proof(tokens=tuple(range(100, 111))), "do not fit"),
+    "a decode step of two tokens": (lambda: proof(steps=[(0, (1, 2, 3), False), (3, (4, 5), True), (5, (6,), True)]),
+                                    "position 3 do not fit"),
+    "a forged signature": (lambda: forged(proof(), bytes(64)), "signature"),
+    "another peer's signature": (lambda: forged(proof(), OTHER.sign(proof().commitment.link())), "signature"),
+    "an unsigned commitment": (lambda: forged(proof(), b""), "signature"),
+    "a peer output it did not sign": (lambda: proof(peer_output="c" * 64), "signature"),
+    "a session too short for its steps": (lambda: proof(max_tokens=9), "reserved 9 positions"),
+}
+
+
+@pytest.mark.parametrize("case", NOT_TRANSFERABLE)
+def test_a_proof_anyone_could_not_check_says_why_not(case):
+    make, why = NOT_TRANSFERABLE[case]
+    p = make()
+    assert why in (p.transferable() or "")
+    assert FraudProof.from_content(p.to_content()) == p  # still well formed: it tells the client that made it
+    if why in ("lacks", "does not chain", "position 0") or "fit" in why:
+        with pytest.raises(FraudProofError):  # nor are the steps a re-checker replays built from it
+            p.steps()
+
+
+def test_the_signed_commitment_must_be_the_audited_peers_for_that_session_span_and_step():
+    c = proof().commitment
+    for wrong in (dict(index=3), dict(session_id="s-2"), dict(start=10), dict(position=8),
+                  dict(peer_id=str(OTHER.peer_id)), dict(model_digest="3" * 64)):
         with pytest.raises(FraudProofError, match="commitment"):
-            proof(peer_id=str(cheat.peer_id), start=10, end=20, inputs=(), commitment=signed_commitment(cheat, **wrong))
-    content = p.to_content()
-    content["commitment"]["signature"] = "not bytes"
-    with pytest.raises(FraudProofError, match="commitment"):
+            proof(commitment=dataclasses.replace(c, **wrong))
+
+
+def test_a_proof_at_its_bounds_is_transferable_and_past_them_is_refused():
+    longest = proof(steps=route_steps(8, MAX_PROOF_STEPS - 1), max_tokens=MAX_PROOF_TOKENS)  # MAX_PROOF_STEPS - 1 links
+    assert len(longest.chain) == MAX_PROOF_STEPS - 1 and longest.transferable() is None
+    with pytest.raises(FraudProofError, match="chain"):
+        proof(steps=route_steps(8, MAX_PROOF_STEPS))
+    widest = proof(steps=route_steps(MAX_PROOF_TOKENS - 2, 2), max_tokens=MAX_PROOF_TOKENS)
+    assert len(widest.tokens) == MAX_PROOF_TOKENS and widest.transferable() is None
+    with pytest.raises(FraudProofError, match="token"):
+        proof(steps=route_steps(MAX_PROOF_TOKENS - 1, 2))
+    content = widest.to_content()
+    content["tokens"].append(1)
+    with pytest.raises(FraudProofError, match="tokens"):
         FraudProof.from_content(content)
+    content = longest.to_content()
+    content["chain"].append(content["chain"][-1])
+    with pytest.raises(FraudProofError, match="chain"):
+        FraudProof.from_content(content)
+    assert proof(replayers=tuple(f"r{i}" for i in range(MAX_REPLAYERS))).transferable() is None
+    assert proof(start=20, end=30, cuts=tuple(range(MAX_CUTS))).transferable() is None
 
 
 @pytest.mark.parametrize("bad", [
-    dict(peer_output="b" * 64),  # outputs that agree prove nothing
-    dict(replayers=()), dict(replayers=("cheat",)), dict(replayers=tuple(f"r{i}" for i in range(MAX_REPLAYERS + 1))),
-    dict(model_digest="xyz"), dict(session_id="a b"), dict(start=10, end=10),
-    dict(start=10, end=20),  # inputs are a head's only
-    dict(inputs=(InputStep(0, tuple(range(8)), False),)),  # not every step up to the one that differs
-    dict(inputs=(InputStep(0, (1,), False), InputStep(2, (8,), True), InputStep(3, (9,), True))),  # a gap
-    dict(step=0, position=0, inputs=(InputStep(0, tuple(range(MAX_PROOF_TOKENS + 1)), False),)),
-    dict(step=0, position=0, inputs=(InputStep(0, (1, 2), True),)),
+    dict(peer_output=REPLAY_OUT),  # outputs that agree prove nothing
+    dict(replayers=()), dict(replayers=(str(CHEAT.peer_id),)), dict(replayers=("r1", "")),
+    dict(replayers=tuple(f"r{i}" for i in range(MAX_REPLAYERS + 1))),
+    dict(model_digest="xyz"), dict(replay_output="B" * 64), dict(session_id="a b"), dict(n_layer=9),
+    dict(tokens=(1 << 32,)), dict(tokens=(-1,)), dict(max_tokens=-1),
+    dict(chain=proof().chain[:1]),  # a chain, but not of every step before the one that differs
+    dict(chain=altered(proof().chain, 0, output_digest=b"x")), dict(chain=altered(proof().chain, 1, input_digest="ab")),
+    dict(chain=altered(proof().chain, 0, decode=1)), dict(chain=altered(proof().chain, 1, position=-1)),
+    dict(cuts=(0,)),  # a head has no hops before it
+    dict(start=10, end=20, cuts=(4, 8)),  # not from 0
+    dict(start=10, end=20, cuts=(0, 8, 4)),  # not ascending
+    dict(start=10, end=20, cuts=(0, 4, 4)),  # a hop of no layers
+    dict(start=10, end=20, cuts=(0, 10)),  # reaching the peer's own first layer
+    dict(start=10, end=20, cuts=tuple(range(MAX_CUTS + 1))),
 ])
 def test_a_fraud_proof_out_of_bounds_is_refused(bad):
     with pytest.raises(FraudProofError):
@@ -180,10 +283,17 @@ def test_a_fraud_proof_out_of_bounds_is_refused(bad):
 
 
 @pytest.mark.parametrize("mutate", [
-    lambda c: c.update(type="other"), lambda c: c.pop("session"), lambda c: c.update(step=True),
-    lambda c: c.update(layers=[0]), lambda c: c.update(replayers="r1"), lambda c: c.update(peer_id="p" * 129),
-    lambda c: c["sampling"].update(top_p=2.0), lambda c: c["inputs"][0].__setitem__(1, "abc"),
-    lambda c: c.update(inputs=[[0, [1], "yes"]]),
+    lambda c: c.update(type="meshnet/fraud-proof/v1"), lambda c: c.pop("session"), lambda c: c.pop("chain"),
+    lambda c: c.update(step=True), lambda c: c.update(layers=[0]), lambda c: c.update(replayers="r1"),
+    lambda c: c["sampling"].update(top_k=2**64),  # parsed, it would not pack into a report again
+    lambda c: c.update(peer_id="p" * 129), lambda c: c["sampling"].update(top_p=2.0),
+    lambda c: c.update(tokens="abc"), lambda c: c["tokens"].__setitem__(0, 1.0), lambda c: c.update(cuts=[0.0]),
+    lambda c: c.update(cuts="0"), lambda c: c.update(chain={}), lambda c: c["chain"].__setitem__(0, [0, 0, False]),
+    lambda c: c["chain"][0].__setitem__(3, "ab" * 32),  # a digest as hex, not bytes
+    lambda c: c["chain"][0].__setitem__(4, bytes(31)), lambda c: c["chain"][1].__setitem__(2, 1),
+    lambda c: c["chain"][1].__setitem__(1, -1), lambda c: c["chain"][1].__setitem__(0, True),
+    lambda c: c["commitment"].update(signature="not bytes"), lambda c: c["commitment"].pop("prev"),
+    lambda c: c["commitment"].update(extra=1), lambda c: c.update(commitment=[]),
 ])
 def test_fraud_proof_content_from_anyone_is_checked(mutate):
     c = proof().to_content()
@@ -194,30 +304,36 @@ def test_fraud_proof_content_from_anyone_is_checked(mutate):
 
 _values = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(), st.text(max_size=140),
                     st.binary(max_size=70), st.sampled_from(["1" * 64, "2" * 64, "a" * 64, "cheat", "r1", "s-1",
-                                                             FRAUD_PROOF, 0, 1, 9, 10, 2**31, 2**64, -1]))
+                                                             FRAUD_PROOF, 0, 1, 9, 10, 2**31, 2**64, -1, bytes(32),
+                                                             bytes(64), b"", str(CHEAT.peer_id)]))
 _any = st.recursive(_values, lambda kids: st.one_of(st.lists(kids, max_size=4),
                                                     st.dictionaries(st.text(max_size=12), kids, max_size=4)),
                     max_leaves=12)
+VALID = {"head": proof().to_content(), "middle": proof(start=10, end=20).to_content()}
 
 
 @settings(suppress_health_check=[HealthCheck.too_slow])
-@given(st.data(), st.integers(0, 4))
-@example(None, -1)
-def test_fraud_proof_content_of_any_shape_parses_or_raises_fraud_proof_error(data, edits):
-    """Valid content with up to four structural edits, or anything at all: a proof
-    that is well formed (and round-trips), or FraudProofError, never another exception."""
+@given(st.data(), st.integers(0, 4), st.sampled_from(sorted(VALID)))
+@example(None, -1, "head")
+def test_fraud_proof_content_of_any_shape_parses_or_raises_fraud_proof_error(data, edits, which):
+    """Valid content (a head's or a later hop's) with up to four structural edits, or
+    anything at all: a proof that is well formed (it round-trips, through msgpack too,
+    and says whether it is transferable), or FraudProofError, never another exception."""
     if edits < 0:  # a number no float holds, where a float is read
-        content = proof().to_content()
+        content = copy.deepcopy(VALID[which])
         content["sampling"]["temperature"] = 10**400
     elif edits == 4:
         content = data.draw(_any, label="content")
     else:
-        content = mutate_tree(data, proof().to_content(), edits + 1, _any)
+        content = mutate_tree(data, VALID[which], edits + 1, _any)
     try:
         p = FraudProof.from_content(content)
     except FraudProofError:
         return
     assert FraudProof.from_content(p.to_content()) == p
+    assert FraudProof.from_content(msgpack.unpackb(canonical(p.to_content()))) == p
+    why = p.transferable()
+    assert why is None or isinstance(why, str)
 
 
 # --- the audit's driver, over a fake network (unit-test doubles of hops) --------------------------

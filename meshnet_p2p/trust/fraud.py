@@ -50,8 +50,10 @@ from .commitment import (
 
 FRAUD_PROOF = "meshnet/fraud-proof/v2"
 
-# what a proof carries is bounded so that it fits one DHT record (16 KiB): a link is ~82 bytes packed
-MAX_PROOF_STEPS = 96  # steps up to and including the one that differs
+# what a proof carries is bounded so that it fits one report record (15 KiB of content) whatever its fields
+# hold, when it names its replayers by peer ID (tests/test_verdicts.py builds the largest): a link packs in
+# at most 80 bytes, a token id in 5
+MAX_PROOF_STEPS = 94  # steps up to and including the one that differs
 MAX_PROOF_TOKENS = 1024  # the route's token ids up to the end of that step
 MAX_REPLAYERS = 24  # two replay chains of at most 12 hops each
 MAX_CUTS = 12  # hops before the peer's on its route
@@ -168,8 +170,8 @@ class FraudProof:
             steps = self.steps()
         except FraudProofError as e:
             return str(e)
-        if self.max_tokens < len(self.tokens):
-            return "max_tokens does not cover the proof's tokens (a replay could not reserve them)"
+        if len(self.tokens) > self.max_tokens:  # no session a replay opens as the peer's was could take them
+            return f"the session reserved {self.max_tokens} positions, fewer than the proof's steps reach"
         if self.start == 0:
             for c, (position, ids, _) in zip(cs, steps):
                 if c.input_digest != tokens_digest(position, ids):
@@ -251,6 +253,8 @@ def _digest(x) -> bytes:
 def _int(x) -> int:
     if type(x) is not int:
         raise FraudProofError(f"expected an integer, got {type(x).__name__}")
+    if not -(1 << 63) <= x < 1 << 64:  # what msgpack carries: a proof parsed here packs into a report again
+        raise FraudProofError("an integer out of range")
     return x
 
 
@@ -297,10 +301,13 @@ def _check(p: FraudProof) -> None:
     if len(p.chain) >= MAX_PROOF_STEPS or (p.chain and len(p.chain) != p.step):
         raise FraudProofError(f"a proof's chain is the peer's commitments to every step before the one that "
                               f"differs (at most {MAX_PROOF_STEPS - 1})")
-    for x in p.chain:
+    for x in p.chain:  # as from_content reads them: a proof made here must parse where it is sent
         if not (type(x.route_epoch) is int and type(x.position) is int and 0 <= x.route_epoch < MAX_POSITION
                 and 0 <= x.position < MAX_POSITION):
             raise FraudProofError("a chain link's epoch or position is out of range")
+        if type(x.decode) is not bool or any(type(d) is not bytes or len(d) != DIGEST_BYTES
+                                             for d in (x.input_digest, x.output_digest)):
+            raise FraudProofError(f"a chain link's decode is a boolean and its digests {DIGEST_BYTES} bytes")
     cuts = p.cuts
     if len(cuts) > MAX_CUTS or any(type(x) is not int for x in cuts) or (cuts and (
             cuts[0] != 0 or list(cuts) != sorted(set(cuts)) or cuts[-1] >= p.start)):

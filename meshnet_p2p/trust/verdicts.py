@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
 from meshnet_p2p.core.identity import Identity
-from meshnet_p2p.core.records import PayloadType, Record, sign_record
+from meshnet_p2p.core.records import PayloadType, Record, canonical, never_raising, sign_record
 
 from .fraud import FraudProof, FraudProofError
 
@@ -33,6 +33,7 @@ MAX_VERIFIED = 128  # peers one verdicts record names as verified
 MAX_CONVICTED = 64  # and as convicted
 MAX_WHY_CHARS = 200
 MAX_ID_CHARS = 128
+MAX_CONTENT_BYTES = 15 * 1024  # either record's, packed: one DHT record (16 KiB) with its envelope
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -56,12 +57,15 @@ def model_of_key(key: str) -> str | None:
 
 
 def sign_report(identity: Identity, proof: FraudProof, *, now_ms: int, ttl_ms: int = RECORD_TTL_MS) -> bytes:
-    """A report of ``proof``, signed by ``identity`` (FraudProofError if the proof is not transferable)."""
+    """A report of ``proof``, signed by ``identity`` (FraudProofError if the proof is not
+    transferable, or too large for a record: nodes would refuse it)."""
     why = proof.transferable()
     if why is not None:
         raise FraudProofError(f"a proof others cannot check is not reported: {why}")
     content = {"key": report_key(proof.model_digest, proof.peer_id), "reporter": str(identity.peer_id),
                "proof": proof.to_content()}
+    if len(canonical(content)) > MAX_CONTENT_BYTES:  # a proof of peer-ID replayers always fits (trust/fraud.py)
+        raise FraudProofError(f"the report would exceed {MAX_CONTENT_BYTES} bytes")
     return sign_record(identity, FRAUD_REPORT, content, seq=now_ms, now_ms=now_ms, ttl_ms=ttl_ms)
 
 
@@ -84,8 +88,8 @@ def _valid_report(c: Mapping[str, Any]) -> str | None:
     return proof.transferable()
 
 
-FRAUD_REPORT_TYPE = PayloadType(FRAUD_REPORT, max_payload_bytes=15 * 1024, claimed_peer_field="reporter",
-                                replay_key_field="key", validate=_valid_report)
+FRAUD_REPORT_TYPE = PayloadType(FRAUD_REPORT, max_payload_bytes=MAX_CONTENT_BYTES, claimed_peer_field="reporter",
+                                replay_key_field="key", validate=never_raising(_valid_report))
 
 
 # --- a certifier's verdicts ----------------------------------------------------------------------
@@ -104,20 +108,27 @@ class PeerVerdicts:
 
 def sign_verdicts(identity: Identity, model_digest: str, verified: Mapping[str, int], convicted: Mapping[str, str],
                   *, now_ms: int, ttl_ms: int = RECORD_TTL_MS) -> bytes:
-    """``identity``'s verdicts on a model's peers (the most-verified and the convicted it fits)."""
+    """``identity``'s verdicts on a model's peers: the convicted, then the most-verified, as
+    many of each as the bounds and one record (MAX_CONTENT_BYTES) hold."""
     best = sorted(((p, n) for p, n in verified.items() if n > 0 and p not in convicted), key=lambda x: (-x[1], x[0]))
     content = {"key": verdicts_key(model_digest, str(identity.peer_id)), "certifier": str(identity.peer_id),
-               "model_digest": model_digest,
-               "verified": [[p, min(n, 1 << 31)] for p, n in best[:MAX_VERIFIED]],
-               "convicted": [[p, why[:MAX_WHY_CHARS]] for p, why in sorted(convicted.items())[:MAX_CONVICTED]]}
+               "model_digest": model_digest, "verified": [], "convicted": []}
+    room = MAX_CONTENT_BYTES - len(canonical(content)) - 4  # each list's header grows by 2 bytes past 15 entries
+    for name, items, bound in (("convicted", [[p, why[:MAX_WHY_CHARS]] for p, why in sorted(convicted.items())],
+                                MAX_CONVICTED),
+                               ("verified", [[p, min(n, 1 << 31)] for p, n in best], MAX_VERIFIED)):
+        for e in items[:bound]:
+            room -= len(canonical(e))
+            if room < 0:
+                break
+            content[name].append(e)
     return sign_record(identity, PEER_VERDICTS, content, seq=now_ms, now_ms=now_ms, ttl_ms=ttl_ms)
 
 
 def _valid_verdicts(c: Mapping[str, Any]) -> str | None:
-    try:
-        model, certifier, verified, convicted = c["model_digest"], c["certifier"], c["verified"], c["convicted"]
-    except (KeyError, TypeError):
-        return "a verdicts record names its key, certifier, model, verified and convicted peers"
+    if set(c) != {"key", "certifier", "model_digest", "verified", "convicted"}:
+        return "a verdicts record names its key, certifier, model, verified and convicted peers only"
+    model, certifier, verified, convicted = c["model_digest"], c["certifier"], c["verified"], c["convicted"]
     if not (isinstance(model, str) and _HEX64.fullmatch(model) and isinstance(certifier, str)
             and c.get("key") == verdicts_key(model, certifier)):
         return "key must be verdicts/<model digest>/<certifier>"
@@ -136,8 +147,8 @@ def _valid_verdicts(c: Mapping[str, Any]) -> str | None:
     return None
 
 
-PEER_VERDICTS_TYPE = PayloadType(PEER_VERDICTS, max_payload_bytes=15 * 1024, claimed_peer_field="certifier",
-                                 replay_key_field="key", validate=_valid_verdicts)
+PEER_VERDICTS_TYPE = PayloadType(PEER_VERDICTS, max_payload_bytes=MAX_CONTENT_BYTES, claimed_peer_field="certifier",
+                                 replay_key_field="key", validate=never_raising(_valid_verdicts))
 
 TYPES = {FRAUD_REPORT: FRAUD_REPORT_TYPE, PEER_VERDICTS: PEER_VERDICTS_TYPE}
 
