@@ -162,9 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--threads", type=_positive, default=None)
     from .monitor import add_parser as _add_monitor  # light: the role's imports load when it runs
     from .audit import add_parser as _add_audit
+    from .review import add_parser as _add_review
 
     _add_monitor(sub)
     _add_audit(sub)
+    _add_review(sub)
     return p
 
 
@@ -190,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 # each command's body lives in the role module of its name, as ``run(args)``; imported when
 # it runs, so that a role's imports (llama.cpp's among them) load only for that role
 ROLES = frozenset({"shard", "identity", "demo", "join", "bootstrap", "relay", "serve", "api", "certify", "status",
-                   "monitor", "audit"})
+                   "monitor", "audit", "review"})
 
 
 def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
