@@ -94,7 +94,7 @@ class ReviewNet:
     survey: Callable[[], list["Span"]]  # the certified recipe's spans
     audit: Callable[[str, set], "AuditResult"]  # generate through a peer, audit its hop (replayers not in the set)
     fetch_reports: Callable[[list], Mapping[str, list["Record"]]]  # peer -> verified fraud report records
-    recheck: Callable[["Record"], "RecheckResult"]  # a report, re-checked by this machine's replays
+    recheck: Callable[["Record", set], "RecheckResult"]  # a report, re-checked by replays here (not on the set)
     publish: Callable[[list], tuple[list["Stored"], int]]  # (key, wire)s -> what took each; networks in sight
 
 
@@ -119,7 +119,16 @@ class RoundResult:
     stored: int = 0  # nodes that took the verdicts
     networks: int = 0  # and their distinct networks
     warning: str = ""
-    seen: set = field(default_factory=set)  # report signatures re-checked (carried to the next round)
+
+
+@dataclass
+class Heard:
+    """What a run remembers of others' reports from round to round: the reports it
+    re-checked (by signature), and the reporters it caught in a lie (a report its
+    replays refuted), not heard again."""
+
+    seen: set = field(default_factory=set)
+    liars: set = field(default_factory=set)
 
 
 def to_review(spans: Sequence["Span"], tally: "PeerRecords", limit: int = MAX_REVIEWED) -> list["Span"]:
@@ -145,7 +154,7 @@ def conviction(r: "AuditResult") -> str:
 
 
 def review_round(net: ReviewNet, tally: "PeerRecords", identity: "Identity", model_digest: str, *,
-                 now_ms: Callable[[], int], seen: set = frozenset(),
+                 now_ms: Callable[[], int], heard: Heard | None = None,
                  log: Callable[[str], None] = lambda m: None) -> RoundResult:
     """One round (see the module's docstring); the verdicts are signed and published at its end."""
     from meshnet_p2p.client.audit import Verdict
@@ -153,7 +162,7 @@ def review_round(net: ReviewNet, tally: "PeerRecords", identity: "Identity", mod
     from meshnet_p2p.trust.verdicts import report_key, sign_report, sign_verdicts, verdicts_key
 
     me = str(identity.peer_id)
-    seen = set(seen)
+    heard = heard if heard is not None else Heard()
     spans = net.survey()
     outcomes = {s.peer_id: PeerOutcome(s.peer_id, s.start, s.end) for s in sorted(spans, key=lambda s: (s.start, s.peer_id))}
     for p, why in tally.caught().items():
@@ -165,18 +174,21 @@ def review_round(net: ReviewNet, tally: "PeerRecords", identity: "Identity", mod
     rechecks = 0
     for peer, records in sorted(found.items()):
         for record in records:
-            if peer in tally.caught() or str(record.signer) == me or record.signature in seen:
+            reporter = str(record.signer)
+            if peer in tally.caught() or reporter in (me, *heard.liars) or record.signature in heard.seen:
                 continue
             if rechecks >= MAX_RECHECKS:
                 break
-            seen.add(record.signature)
+            heard.seen.add(record.signature)
             rechecks += 1
             try:
-                result = net.recheck(record)
+                result = net.recheck(record, set(tally.caught()))
             except MeshnetError as e:
                 log(f"could not re-check a fraud report from {record.signer} against {peer}: {sanitize(e)}")
                 continue
             log(f"a fraud report from {record.signer} against {result.peer_id}: {result.outcome.value}")
+            if result.outcome is Recheck.REFUTED:
+                heard.liars.add(reporter)
             if result.outcome is Recheck.CONFIRMED and result.peer_id in outcomes:
                 why = f"a fraud report from {record.signer}, re-checked by replay"
                 tally.catch(result.peer_id, why)
@@ -225,7 +237,7 @@ def review_round(net: ReviewNet, tally: "PeerRecords", identity: "Identity", mod
     if held.nodes == 0:
         raise MeshnetError("no node took the verdicts record; run review again, or add bootstrap peers")
     return RoundResult(outcomes, verified, convicted, reports=sum(1 for s in stored[:-1] if s.nodes),
-                       stored=held.nodes, networks=held.networks, warning=storage_warning(held, visible), seen=seen)
+                       stored=held.nodes, networks=held.networks, warning=storage_warning(held, visible))
 
 
 def storage_warning(held: "Stored", visible_networks: int) -> str:
@@ -263,9 +275,10 @@ def client_net(client: "Client", identity: "Identity", prompt: str, max_tokens: 
     def fetch(peers: list) -> Mapping:
         return trio.run(functools.partial(exchange_reports, client.bootstrap, client.model_digest, (), peers))[0]
 
-    def recheck(record):
+    def recheck(record, exclude: set):
         opts = client.route_options(1, SamplingParams(), False)  # the replays open sessions of their own
-        return recheck_proof(proof_of(record), spans, opts, measures=client.measures)
+        return recheck_proof(proof_of(record), lambda: [s for s in spans() if s.peer_id not in exclude], opts,
+                             measures=client.measures)
 
     def publish(items: list):
         return trio.run(publish_records, client.bootstrap, identity, items)
@@ -324,12 +337,11 @@ def _run(args: argparse.Namespace) -> int:
     tally = PeerRecords(review_path(client.model_digest, me))
     net = client_net(client, identity, args.prompt, args.max_tokens)
     peers: dict[str, PeerOutcome] = {}
-    seen: set = set()
+    heard = Heard()
     try:
         for n in range(1, args.rounds + 1):
-            r = review_round(net, tally, identity, client.model_digest, now_ms=wall_ms, seen=seen,
+            r = review_round(net, tally, identity, client.model_digest, now_ms=wall_ms, heard=heard,
                              log=events)
-            seen = r.seen
             peers.update(r.peers)
             say(f"review round {n}/{args.rounds} of model {client.model_digest[:12]} by {me}:")
             for o in r.peers.values():
@@ -360,9 +372,10 @@ def _state(peer: str, r: RoundResult) -> str | None:
 def _verdict(o: PeerOutcome, r: RoundResult) -> str:
     """One peer's line: its standing in the signed verdicts, and what this round saw."""
     state = _state(o.peer_id, r)
-    head = {"convicted": "CONVICTED", "verified": f"verified ({r.verified.get(o.peer_id)} sessions)"}.get(
+    n = r.verified.get(o.peer_id, 0)
+    head = {"convicted": "CONVICTED", "verified": f"verified ({n} session{'s' if n != 1 else ''})"}.get(
         state, "no verdict")
     if o.how is None:
         return head
     saw = {"no-replayer": "no other peer of the recipe can replay its layers"}.get(o.how, sanitize(o.detail, 300))
-    return f"{head} ({o.how}: {saw})"
+    return f"{head}; {o.how}: {saw}"
