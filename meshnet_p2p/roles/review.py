@@ -12,8 +12,10 @@ A round:
    most ``MAX_REVIEWED``): a short greedy generation through the peer, its hop
    replayed exactly on other peers (roles/audit.py). A match is one verified
    session; a proven mismatch convicts the peer, and its proof, when others can
-   check it, is published as a fraud report the certifier signs. Undecided,
-   unconfirmed and no-replayer give no verdict; a peer whose audit was
+   check it, is published as a fraud report the certifier signs. Undecided
+   and no-replayer give no verdict; unconfirmed (one replay differed, none
+   could confirm) blames nobody but resets the peer's verified sessions, as a
+   client's records do; a peer whose audit was
    undecided while a replayer of it was convicted in the same round is audited
    once more without it (the outcome does not hang on the order of audits);
 4. signs its verdicts (trust/verdicts.py: the verified peers with their
@@ -210,6 +212,8 @@ def review_round(net: ReviewNet, tally: "PeerRecords", identity: "Identity", mod
         o.how, o.detail = r.verdict.value, r.detail
         if r.verdict is Verdict.MATCH:
             tally.matched(s.peer_id)
+        elif r.verdict is Verdict.UNCONFIRMED:  # no blame, but its record starts again, as a client's does
+            tally.unconfirmed(s.peer_id)
         elif r.verdict is Verdict.MISMATCH:
             tally.catch(s.peer_id, conviction(r))
             if r.proof is not None and r.proof.transferable() is None:
