@@ -229,27 +229,42 @@ def replay_search(t: HopTranscript, spans_provider: Callable[[], list[Span]], op
 
 def _replay(search: RouteSearch, t: HopTranscript, n_steps: int, peer: list[str], avoid: set[str]) -> ReplayRun | None:
     """The first ``n_steps`` of ``t`` replayed on a chain of peers not in ``avoid``,
-    stopping at the first output that differs from the peer's; None when no chain
-    could (a replayer that fails is set aside and another chain tried)."""
+    stopping at the first output that differs from the peer's; None when no chain could."""
+    steps = t.steps[:n_steps]
+    got = replay_steps(search, t.start, t.end, t.n_layer, steps, avoid,
+                       stop=lambda i, out: output_digest(steps[i].position, out) != peer[i])
+    if got is None:
+        return None
+    replayers, outputs = got
+    return ReplayRun(replayers, tuple(output_digest(s.position, o) for s, o in zip(steps, outputs)))
+
+
+def replay_steps(search: RouteSearch, start: int, end: int, n_layer: int, steps: Sequence, avoid: set[str], *,
+                 stop: Callable[[int, object], bool] = lambda i, out: False) -> tuple[tuple[str, ...], list] | None:
+    """``steps`` (each with .position, .input, .decode) through layers [start, end) in order,
+    on one chain of peers not in ``avoid``: (its peers, what its last hop gave at each step),
+    ending after the first step ``stop`` says to. A replayer that fails is set aside (``avoid``,
+    banned unless it was only full) and another chain tried, up to MAX_CHAINS; None when no
+    chain could run."""
     on_event = search.opts.on_event
     for _ in range(MAX_CHAINS):
         try:
-            hops = search.open_chain(t.start, t.end, 0)
-        except (GenerationError, RequestRefused) as e:
-            on_event(f"no replayer for layers {t.start}-{t.end - 1}: {e}")
+            hops = search.open_chain(start, end, 0)
+        except (GenerationError, RequestRefused, NoRoute) as e:
+            on_event(f"no replayer for layers {start}-{end - 1}: {e}")
             return None
-        chain = Chain(hops, search, t.n_layer)
+        chain = Chain(hops, search, n_layer)
         at = hops[0]
         try:
-            outputs: list[str] = []
-            for i, step in enumerate(t.steps[:n_steps]):
+            outputs: list = []
+            for i, step in enumerate(steps):
                 payload = step.input
                 for at in hops:
                     payload = chain.through(at, step.position, payload, step.decode)
-                outputs.append(output_digest(step.position, payload))
-                if outputs[-1] != peer[i]:
+                outputs.append(payload)
+                if stop(i, payload):
                     break
-            return ReplayRun(tuple(h.span.peer_id for h in hops), tuple(outputs))
+            return tuple(h.span.peer_id for h in hops), outputs
         except (ShardConnectionError, ShardError) as e:  # the replayer's failure, not the audited peer's
             avoid.add(at.span.peer_id)
             if not is_full(e):

@@ -27,15 +27,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Iterable
 
-from meshnet_p2p.core.errors import sanitize
-from meshnet_p2p.dataplane.stub import ShardConnectionError, ShardError
-from meshnet_p2p.swarm.placement import NoRoute, Span, plan_route
+from meshnet_p2p.swarm.placement import Span, plan_route
 from meshnet_p2p.trust.commitment import hidden_digest
 from meshnet_p2p.trust.fraud import FraudProof
 
-from .audit import MAX_CHAINS, AuditResult, Verdict, audit_hop, replay_search
-from .chain import Chain
-from .errors import GenerationError, RequestRefused, is_full
+from .audit import AuditResult, Verdict, audit_hop, replay_search, replay_steps
 from .hop import route_fingerprint
 from .options import PeerMeasures, RouteOptions
 from .transcript import HopTranscript, StepRecord
@@ -117,7 +113,7 @@ def _honest_inputs(t: HopTranscript, signed: list[bytes], spans_provider, opts: 
     differs: list[int] = []  # per replay that ran: the first step whose input differs from the signed one
     for _ in range(2):
         search = replay_search(t, spans_provider, opts, measures, cut_planner(cuts, t.start, avoid))
-        got = _run_prefix(search, t, avoid)
+        got = replay_steps(search, 0, t.start, t.n_layer, t.steps, avoid)
         if got is None:
             break
         replayers, outputs = got
@@ -133,32 +129,3 @@ def _honest_inputs(t: HopTranscript, signed: list[bytes], spans_provider, opts: 
     return RecheckResult(Recheck.INPUTS_DIFFER, t.peer_id,
                          f"{len(differs)} replay(s) of layers 0-{t.start - 1} give other inputs at step {differs[0]} "
                          "than the peer signed for, none the same: the proof does not stand against the peer")
-
-
-def _run_prefix(search, t: HopTranscript, avoid: set[str]) -> tuple[tuple[str, ...], list] | None:
-    """Every step's tokens through layers [0, t.start) on one chain: its peers and outputs."""
-    on_event = search.opts.on_event
-    for _ in range(MAX_CHAINS):
-        try:
-            hops = search.open_chain(0, t.start, 0)
-        except (GenerationError, RequestRefused, NoRoute) as e:
-            on_event(f"no replayer for layers 0-{t.start - 1}: {e}")
-            return None
-        chain = Chain(hops, search, t.n_layer)
-        at = hops[0]
-        try:
-            outputs = []
-            for s in t.steps:
-                payload = s.input
-                for at in hops:
-                    payload = chain.through(at, s.position, payload, s.decode)
-                outputs.append(payload)
-            return tuple(h.span.peer_id for h in hops), outputs
-        except (ShardConnectionError, ShardError) as e:
-            avoid.add(at.span.peer_id)
-            if not is_full(e):
-                search.ban(at.span.peer_id)
-            on_event(f"replayer {at.span.peer_id} failed ({sanitize(e)}); trying another")
-        finally:
-            chain.close()
-    return None

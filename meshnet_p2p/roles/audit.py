@@ -22,7 +22,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Iterable
 
-from meshnet_p2p.core.errors import MeshnetError, sanitize, unwrap_errors
+from meshnet_p2p.core.errors import MeshnetError, sanitize
 from .flags import add_bootstrap, add_trust, peer_id, positive, positive_float  # light, as this module
 
 if TYPE_CHECKING:  # cli.py imports this module to build its parser: the rest loads when the role runs
@@ -111,15 +111,7 @@ def exit_code(verdict) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        with unwrap_errors(MeshnetError, OSError, ValueError):
-            return _run(args)
-    except (MeshnetError, OSError, ValueError) as e:  # may quote a peer: escaped before a terminal
-        print(f"error: {sanitize(e, 4000)}", file=sys.stderr)
-        return EXIT_ERROR
-
-
-def _run(args: argparse.Namespace) -> int:
+    """The command (cli.main turns its errors into one escaped line and exit 1)."""
     from meshnet_p2p.client import Client
     from .flags import model_path, required_seeds, trust_policy
 

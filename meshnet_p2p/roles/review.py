@@ -316,15 +316,7 @@ async def publish_records(bootstrap: Sequence, identity: "Identity", items: list
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        with unwrap_errors(MeshnetError, OSError, ValueError):
-            return _run(args)
-    except (MeshnetError, OSError, ValueError) as e:  # may quote a peer: escaped before a terminal
-        print(f"error: {sanitize(e, 4000)}", file=sys.stderr)
-        return EXIT_ERROR
-
-
-def _run(args: argparse.Namespace) -> int:
+    """The command (cli.main turns its errors into one escaped line and exit 1)."""
     from meshnet_p2p.client import Client
     from meshnet_p2p.client.records import PeerRecords
     from meshnet_p2p.core.records import wall_ms
