@@ -19,6 +19,10 @@ import sys
 import threading
 import time
 
+try:  # with MESHNET_TRACE set, each chunk's read and write is an event (docs/ring.md, "Trace")
+    from meshnet_p2p.core import trace
+except ImportError:  # run outside the project's environment: no trace
+    trace = None
 DELAY = float(sys.argv[1]) / 1000
 targets: dict[int, tuple[str, int]] = {}
 target_set = threading.Condition()
@@ -40,6 +44,8 @@ def pump(src: socket.socket, dst: socket.socket) -> None:
                 time.sleep(wait)  # the link's delay itself
             if data is None:
                 break
+            if trace is not None:
+                trace.event("link.write", n=len(data), port=src.getsockname()[1])
             try:
                 dst.sendall(data)
             except OSError:
@@ -56,6 +62,8 @@ def pump(src: socket.socket, dst: socket.socket) -> None:
             data = src.recv(1 << 16)
         except OSError:
             data = b""
+        if trace is not None and data:
+            trace.event("link.read", n=len(data), port=src.getsockname()[1])
         with ready:
             queue.append((time.monotonic() + DELAY, data or None))
             ready.notify()
@@ -89,6 +97,8 @@ def connect(port: int, inner: socket.socket) -> None:
 
 
 def main() -> None:
+    if trace is not None:
+        trace.name("link")
     for line in sys.stdin:
         cmd = line.split()
         if cmd[:1] == ["listen"]:

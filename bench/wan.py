@@ -1,6 +1,6 @@
 """A 3-peer route over links with delay, against its ring and star limits, in one run.
 
-    python bench/wan.py [--delays 0,2,5] [--tokens 48] [--reps 3] [--json]
+    python bench/wan.py [--delays 0,2,5] [--tokens 48] [--reps 3] [--trace PREFIX] [--json]
 
 For each D: a bootstrap peer and three `meshnet-peer join` processes (0:10,
 10:20, 20:30), each reached only through its own userspace forwarder that
@@ -14,6 +14,13 @@ carries every hidden state). Reports each one's decode tokens/s against the
 ring limit 1 / (t + k*D) (one crossing per hop, k = 3) and the star limit
 1 / (t + 2k*D) (two crossings per hop). Target (issue 14): the ring at
 least 0.85x the ring limit at D = 5 ms.
+
+``--trace PREFIX``: every process (peers, links, this client) also writes a
+trace (meshnet_p2p/core/trace.py) to PREFIX.d<D>.jsonl, and after the timed
+runs one more ring generation of --tokens runs between ``bench.trace``
+events; the report of each (bench/_trace_report.py: per decode token, what
+waited for what, docs/ring.md "Trace") is in the output as ``trace``. The
+smoke mode traces too (to a temporary directory), so the trace does not rot.
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 from meshnet_p2p.client import Client
+from meshnet_p2p.core import trace
 from meshnet_p2p.engine.contract import SamplingParams
 from meshnet_p2p.engine.cut import sha256_file
 from meshnet_p2p.engine.tokenizer import Tokenizer
@@ -34,7 +43,8 @@ from meshnet_p2p.engine.models import default_model_path
 from meshnet_p2p.core.multiaddr import Multiaddr
 from meshnet_p2p.roles.peer_process import PeerProcess, Swarm
 
-from _report import print_report  # bench/ is on sys.path when a bench runs
+import _trace_report as trace_report  # bench/ is on sys.path when a bench runs
+from _report import print_report
 from _smoke import parse_args
 
 PROMPT = ("The history of clockmaking is a story of patience. Early water clocks measured hours by the flow "
@@ -68,7 +78,19 @@ class Links:
 
 
 def run_delay(delay_ms: float, args, whole: LocalRoute, prompt_ids: list[int]) -> dict:
-    links = Links(delay_ms)
+    path = f"{args.trace}.d{delay_ms:g}.jsonl" if args.trace else None
+    if path:  # the links and peers started for this D inherit it; this process traces only the traced run
+        if os.path.exists(path):
+            os.unlink(path)
+        os.environ[trace.ENV] = path
+    try:
+        return _run_delay(delay_ms, args, whole, prompt_ids, Links(delay_ms), path)
+    finally:
+        os.environ.pop(trace.ENV, None)
+
+
+def _run_delay(delay_ms: float, args, whole: LocalRoute, prompt_ids: list[int], links: "Links",
+               path: str | None) -> dict:
     swarm = Swarm((), timeout=300)  # the bootstrap peer; the joins, each behind its own link, below
     try:
         for span in SPANS:
@@ -92,6 +114,13 @@ def run_delay(delay_ms: float, args, whole: LocalRoute, prompt_ids: list[int]) -
             for name, client in clients.items():
                 runs[name].append(client.generate(PROMPT, args.tokens, greedy, stop_at_eog=False))
             runs["whole"].append(whole.generate(prompt_ids, args.tokens, greedy, stop_at_eog=False))
+        if path:
+            trace.start(path)
+            trace.name("client")
+            trace.event("bench.trace", d=delay_ms, begin=True)
+            clients["ring"].generate(PROMPT, args.tokens, greedy, stop_at_eog=False)
+            trace.event("bench.trace", d=delay_ms, begin=False)
+            trace.start(None)
     finally:
         swarm.stop()
         links.close()
@@ -108,6 +137,8 @@ def run_delay(delay_ms: float, args, whole: LocalRoute, prompt_ids: list[int]) -
         out[f"{name}_tok_s"] = round(tok_s, 2)
         out[f"{name}_vs_ring_limit"] = round(tok_s / ring, 3)
         out[f"{name}_vs_star_limit"] = round(tok_s / star, 3)
+    if path:
+        out["trace"] = {"file": path, **trace_report.report(trace_report.load(path))}
     out["identical_tokens"] = all(s.token_ids == w.token_ids for name in ("ring", "star")
                                   for s, w in zip(runs[name], runs["whole"], strict=True))
     return out
@@ -119,6 +150,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads per peer and for the whole model")
+    ap.add_argument("--trace", metavar="PREFIX", help="also trace one ring generation per delay to PREFIX.d<D>.jsonl")
     ap.add_argument("--json", action="store_true")
     args = parse_args(ap, delays="2", tokens=4, reps=1, threads=1)
     model = default_model_path()
@@ -126,11 +158,17 @@ def main() -> int:
                                   max_sessions=1)
     prompt_ids = Tokenizer(model).encode(PROMPT)
     doc: dict = {"date": time.strftime("%Y-%m-%d"), "tokens": args.tokens, "reps": args.reps, "threads": args.threads}
+    tmp = None
+    if args.smoke and not args.trace:  # the smoke run traces too, so the trace and its report do not rot
+        tmp = tempfile.TemporaryDirectory(prefix="meshnet-wan-trace-")
+        args.trace = os.path.join(tmp.name, "t")
     try:
         for d in (float(x) for x in args.delays.split(",")):
             doc[f"d{d:g}ms"] = run_delay(d, args, whole, prompt_ids)
     finally:
         whole.close()
+        if tmp is not None:
+            tmp.cleanup()
     ok = all(v["identical_tokens"] for v in doc.values() if isinstance(v, dict))
     print_report(doc, args.json)
     return 0 if ok else 1

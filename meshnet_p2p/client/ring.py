@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from meshnet_p2p.core import trace
 from meshnet_p2p.core.records import wall_ms
 from meshnet_p2p.dataplane.ring import LINK_TIMEOUT_S
 from meshnet_p2p.dataplane.stub import ShardConnectionError, ShardError
@@ -52,6 +53,7 @@ class RingRoute(Chain):
         timeout = self.opts.step_timeout
         for _ in range(self.opts.max_failovers + 2):  # each pass either returns or spends a failover
             fault = None
+            trace.event("client.step", pos=position, fed=self._ring_next == position)
             if self._ring_next != position:
                 try:
                     self.hops[0].stream.send_step(position, token_ids=token_ids, decode=decode,
@@ -89,6 +91,7 @@ class RingRoute(Chain):
         for i, hop in enumerate(self.hops):
             try:
                 reply = hop.stream.next_result(self.epoch, timeout=self.opts.step_timeout)
+                trace.event("client.copy", pos=position, hop=i)
                 if reply.position != position + rows:
                     raise ShardConnectionError(f"{hop.span.peer_id} sent the result of another step "
                                                f"(position {reply.position}, not {position + rows})")

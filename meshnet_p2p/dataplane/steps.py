@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 
+from meshnet_p2p.core import trace
 from meshnet_p2p.engine.contract import DecodeRequest, PrefillRequest, StatusCode
 from meshnet_p2p.trust.attestation import Attestation
 from meshnet_p2p.trust.commitment import Commitment, CommitmentError, hidden_digest, token_digest, tokens_digest
@@ -60,6 +61,7 @@ class Steps:
         self.now_ms = now_ms
         self.identity = identity  # signs attestations of what a session computed
         self.peer_id = peer_id
+        trace.name(f"peer {caps.start}:{caps.end}")
 
     def rollback(self, sid: str, state, msg):
         """Rewind the session to ``position``: a client's retry, or a ring's failover to a newer route."""
@@ -89,7 +91,9 @@ class Steps:
         this hop's commitment to it (the next hop takes nothing else)."""
         ring = state.ring
         if attached and ring.push is not None:
+            trace.event("copy", pos=step.position)
             ring.push(response)
+            trace.event("copied", pos=step.position)
         link = ring.link
         if link is not None and link.epoch == step.route_epoch == state.epoch:
             out = response.result
@@ -97,11 +101,13 @@ class Steps:
             if forwards(is_tail=tail, decode=step.decode, new_position=result.position,
                         forward_until=link.forward_until, is_eog=tail and result.token.is_eog,
                         stop_at_eog=link.stop_at_eog):
+                trace.event("fwd", pos=step.position)
                 if tail:
                     link.forward(result.position, True, token_id=result.token.token_id,
                                  is_eog=result.token.is_eog, upstream=commitment)
                 else:
                     link.forward(step.position, step.decode, hidden=out.hidden, upstream=commitment)
+                trace.event("fwded", pos=step.position)
         return None if attached else response
 
     def _upstream(self, step, hidden, peer: str | None) -> tuple[Commitment | None, str | None]:
@@ -165,6 +171,7 @@ class Steps:
         and the error otherwise, which the owner gets too unless it is only an
         older route's step."""
         t0 = time.perf_counter()
+        trace.event("step", pos=step.position, attached=attached)
         with state.ring.lock:
             reply = self._step_locked(sid, state, step, attached, feeder, t0)
         if reply is not None and reply.HasField("error"):
@@ -208,11 +215,13 @@ class Steps:
         state.applied(n, step.route_epoch)
         state.running = wid
         t1 = time.perf_counter()
+        trace.event("compute", pos=step.position)
         try:
             result = self.engine.decode(request) if step.decode else self.engine.prefill(request)
         finally:
             state.running = None
         t2 = time.perf_counter()
+        trace.event("computed", pos=step.position)
         if not result.status.ok:
             s = result.status
             return _error(ENGINE_CODES[s.code], s.message, work_id=wid, step=n, retryable=s.retryable)

@@ -23,6 +23,7 @@ import time
 from collections import deque
 from typing import Callable
 
+from meshnet_p2p.core import trace
 from meshnet_p2p.core.errors import MeshnetError
 from . import grpc_core
 from .connect import ConnectDialog, ConnectError
@@ -243,6 +244,7 @@ class CallStream:
             self._raise_if_ended()  # the write broke the channel
             waiting = ch.wire.pending(self.id)
         if waiting:  # more than the peer's flow-control window: read until it grants more
+            trace.event("ch.window", sid=self.id)
             ch._wait(lambda: not ch.wire.pending(self.id) or self._inbox.ended is not None, self._limit(deadline))
             with ch.lock:
                 self._raise_if_ended()

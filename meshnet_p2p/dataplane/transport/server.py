@@ -42,6 +42,7 @@ from typing import Callable, Iterable, Iterator, Mapping
 
 import trio
 
+from meshnet_p2p.core import trace
 from meshnet_p2p.core.ratelimit import TokenBucket
 from meshnet_p2p.core.stats import Counters
 from . import grpc_core
@@ -215,6 +216,7 @@ class _Connection(Driver):
         """Hand each call what arrived for it (under the lock)."""
         for ev in events:
             if isinstance(ev, grpc_core.Message):
+                trace.event("srv.msg", sid=ev.stream_id, n=len(ev.data))
                 call = self.calls.get(ev.stream_id)
                 if call is None or call.ended:  # a refused or finished call: nobody will take it
                     self.wire.consumed(ev.stream_id, len(ev.data) + 5)
@@ -433,6 +435,8 @@ class _Connection(Driver):
                 call.ended = True
                 return
             self.write_quietly()
+            if trace.enabled() and self.wire.pending(call.sid):
+                trace.event("srv.window", sid=call.sid)  # the client's flow-control window holds it back
             if not self.wait_locked(lambda: not self.wire.pending(call.sid),  # a reset call has nothing pending
                                      time.monotonic() + SEND_TIMEOUT):
                 call.ended = True
