@@ -99,6 +99,7 @@ from meshnet_p2p.core.records import (
     sign_record,
 )
 from meshnet_p2p.swarm.relay_offers import RELAY, RELAYS_KEY
+from meshnet_p2p.trust.verdicts import FRAUD_REPORT, PEER_VERDICTS, report_key, verdicts_key
 from meshnet_p2p.testing import FakeNetwork, sample_report
 
 from tests.mutations import mutate_bytes, mutate_tree
@@ -283,6 +284,9 @@ def _route() -> RouteRun:
 
 
 def _contents() -> dict[str, tuple[Identity, dict]]:
+    from tests.test_audit import proof as fraud_proof  # a real transferable proof, signed chain and all
+
+    proof = fraud_proof()
     report = sample_report(ALICE, MODEL, RECIPE)
     with_recipe = dataclasses.replace(report, recipe=AXES, recipe_labels={"recipe_name": "default"})
     evidence = Evidence(MODEL, RECIPE, 30, WHOLE_MODEL, (11, 12, 13), (_route(),), ids_digest(TOKENS_DOMAIN, [21, 22, 23]),
@@ -295,6 +299,12 @@ def _contents() -> dict[str, tuple[Identity, dict]]:
         CERTIFICATE: (CERTIFIER, evidence.content(CERTIFIER.peer_id)),
         CERT_INDEX: (CERTIFIER, {"key": index_key(MODEL, str(CERTIFIER.peer_id)), "certifier": str(CERTIFIER.peer_id),
                                  "model_digest": MODEL, "recipes": [RECIPE]}),
+        FRAUD_REPORT: (ALICE, {"key": report_key(proof.model_digest, proof.peer_id), "reporter": str(ALICE.peer_id),
+                               "proof": proof.to_content()}),
+        PEER_VERDICTS: (CERTIFIER, {"key": verdicts_key(MODEL, str(CERTIFIER.peer_id)),
+                                    "certifier": str(CERTIFIER.peer_id), "model_digest": MODEL,
+                                    "verified": [[str(PEERS[0].peer_id), 3]],
+                                    "convicted": [[str(PEERS[1].peer_id), "a fraud report, re-checked by replay"]]}),
         RELAY: (ALICE, {"key": RELAYS_KEY, "peer_id": str(ALICE.peer_id),
                         "addr": f"/ip4/10.0.0.1/tcp/4002/p2p/{ALICE.peer_id}",
                         "limits": {"max_reservations": 128, "max_connections_per_peer": 16,

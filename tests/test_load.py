@@ -124,7 +124,8 @@ def test_generations_that_start_together_share_one_survey(model_path, monkeypatc
         await trio.sleep(0)
         if outcomes:
             raise outcomes.pop()
-        return SimpleNamespace(certified=lambda: [])  # a view with no certificate (routable_spans is faked)
+        # a view with no certificate (routable_spans is faked) and no certifier's verdicts
+        return SimpleNamespace(certified=lambda: [], verified_by_certifiers=set, convicted=dict)
 
     monkeypatch.setattr(client_mod, "survey", fake_survey)
     monkeypatch.setattr(client_mod, "routable_spans", lambda view, trust: ["span"])
