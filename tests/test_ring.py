@@ -435,11 +435,14 @@ class _Blamed(Exception):
     pass
 
 
-def _blamed(calls, position: int = 7) -> int:
-    """The index of the hop a ring's step at ``position`` blames, the tail having fed it
-    (its recovery is replaced by a note of the fault)."""
+def _blamed(calls, position: int = 7, epoch: int = 0) -> int:
+    """The index of the hop a ring's step at ``position`` of route ``epoch`` blames, the
+    tail having fed it (its recovery is replaced by a note of the fault)."""
     route = _route([(_session(c), True) for c in calls])
     route._ring_next = position  # the tail sent its token on as this step
+    route.epoch = epoch
+    for hop in route.hops:
+        hop.stream.route_epoch = epoch
 
     def recover(_position, fault):
         raise _Blamed(fault)
@@ -479,10 +482,12 @@ def test_a_late_hop_is_blamed_when_no_hop_died():
 def test_a_duplicate_steps_acknowledgement_never_stands_for_a_copy_or_a_signals_answer():
     """When the ring fed the head before the step this client fed it, the head acknowledges
     ours as a duplicate after its copy. At the next step that acknowledgement is not the
-    head's copy (the head is late only if no copy of its own comes), and in a recovery it
-    is not the answer to a rollback or a link (each would take the one meant for the one
-    before, and a link's failure would surface as a step's)."""
+    head's copy (the head is late only if no copy of its own comes), nor is a copy of an
+    older route, and in a recovery it is not the answer to a rollback or a link (each
+    would take the one meant for the one before, and a link's failure would surface as a
+    step's)."""
     assert _blamed([_Call(DUPLICATE), _Call(), _Call(ended=True)]) == 2  # the tail died: not the head
+    assert _blamed([_Call(_copy(7, epoch=0)), _Call(), _Call(ended=True)], epoch=1) == 2
     call = _Call(DUPLICATE, pb.SessionResponse(ack=pb.Ack()))
     _session(call).rollback(7, 1, b"t" * 32, timeout=1.0)
     assert call.inbox == []  # it took its own answer, not the duplicate's
