@@ -233,3 +233,21 @@ def test_opening_a_call_on_a_connection_the_peer_dropped_is_a_channel_error(grpc
         ch.stream("/t.Svc/Echo")
     assert e.value.code == "UNAVAILABLE"
     ch.close()
+
+
+def test_a_call_knows_its_end_without_waiting_for_its_messages(grpc_server):
+    """CallStream.ended reads what has already arrived and waits for nothing: False while
+    the connection lives, messages queued or not; True once it has ended, before the
+    messages that came first are read (a ring's client tells a dead hop from a late one so)."""
+    ch = channel(grpc_server)
+    call = ch.stream("/t.Svc/Echo", timeout=30)
+    call.send(b"one")
+    assert call.wait_readable(10) and not call.ended()  # the echo is queued, the connection lives
+    ch.sock.shutdown(socket.SHUT_RD)  # as if the peer's FIN came: its process died
+    t0 = time.monotonic()
+    assert call.ended() and time.monotonic() - t0 < 1
+    assert call.recv() == b"one"  # what came before the end is still there
+    with pytest.raises(ChannelError) as e:
+        call.recv()
+    assert e.value.code == "UNAVAILABLE"
+    ch.close()

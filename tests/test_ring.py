@@ -362,3 +362,132 @@ def test_a_link_carries_the_next_hops_newest_report():
     route.search.spans.append(Span("peer1", 10, 20, record=_Leaving()))  # it said it leaves: its session still serves
     assert route._link() is None
     assert route.hops[0].stream.sent[3].next_report == b"fresh report"
+
+
+# --- whom a missing copy blames (the client's side: real session streams over scripted calls) -----------
+
+class _Call:
+    """The far end of one hop's Session call as the client sees it: what the peer has sent
+    (then silence: frozen, or never given its input; or, ``ended``, the end of a peer that
+    died), and with ``on_step`` what it answers a step this client sends it itself."""
+
+    def __init__(self, *responses, ended: bool = False, on_step=None) -> None:
+        self.inbox = [r.SerializeToString() for r in responses]
+        self.dead = ended
+        self.on_step = on_step
+        self.steps = []  # positions of the steps this client sent
+
+    def send(self, raw: bytes, **_) -> None:
+        req = pb.SessionRequest.FromString(raw)
+        if req.WhichOneof("kind") == "step":
+            self.steps.append(req.step.position)
+            if self.on_step is not None:
+                self.inbox.append(self.on_step.SerializeToString())
+
+    def wait_readable(self, timeout: float) -> bool:
+        return bool(self.inbox) or self.dead  # at once: what never comes never will
+
+    def recv(self, deadline=None):
+        from meshnet_p2p.dataplane.transport.channel import ChannelError
+
+        if self.inbox:
+            return self.inbox.pop(0)
+        if self.dead:
+            raise ChannelError("UNAVAILABLE", "the peer closed the connection")
+        raise ChannelError("DEADLINE_EXCEEDED", "no answer before the deadline")
+
+    def ended(self) -> bool:
+        return self.dead
+
+    def cancel(self) -> None:
+        pass
+
+
+def _session(call: _Call):
+    """A SessionStream already open (as open_session leaves it) on ``call``."""
+    import itertools
+
+    from meshnet_p2p.dataplane.stub import SessionStream
+
+    s = object.__new__(SessionStream)
+    s.session_id, s.route_epoch, s.record, s.responses = "s" * 32, 0, False, []
+    s._steps, s._held, s._call = itertools.count(1), None, call
+    s.granted = pb.FlowControl(credits=64)
+    s.credits = 64
+    return s
+
+
+def _copy(position: int, *, tail: bool = False, epoch: int = 0) -> pb.SessionResponse:
+    """A hop's copy of the decode step at ``position`` (the tail's: a token)."""
+    from types import SimpleNamespace
+
+    from meshnet_p2p.dataplane.wire import reply_result
+
+    return reply_result(f"w{position + 1}", position + 1, position + 1, epoch,
+                        token=SimpleNamespace(token_id=42, is_eog=False) if tail else None,
+                        hidden=None if tail else hidden(1, seed=position))
+
+
+DUPLICATE = pb.SessionResponse(ack=pb.Ack(work_id="w8", idempotency_step=8, duplicate=True))
+
+
+class _Blamed(Exception):
+    pass
+
+
+def _blamed(calls, position: int = 7, epoch: int = 0) -> int:
+    """The index of the hop a ring's step at ``position`` of route ``epoch`` blames, the
+    tail having fed it (its recovery is replaced by a note of the fault)."""
+    route = _route([(_session(c), True) for c in calls])
+    route._ring_next = position  # the tail sent its token on as this step
+    route.epoch = epoch
+    for hop in route.hops:
+        hop.stream.route_epoch = epoch
+
+    def recover(_position, fault):
+        raise _Blamed(fault)
+
+    route._recover = recover
+    with pytest.raises(_Blamed) as e:
+        route.step(position, (42,), True)
+    return e.value.args[0][0]
+
+
+@pytest.mark.parametrize("died", ["tail", "middle", "head"])
+def test_a_hop_that_died_after_its_copy_is_blamed_not_the_next_one_it_never_fed(died):
+    """Every hop sends its copy before it forwards. Killed in between, its copy is here but
+    the next hop never gets its input: that one's copy is late through no fault of its own.
+    The tail's case is the run of test_e2e's tail-kill that failed (the client kills the
+    tail from on_token, right after reading its copy): the head, whose copy never came,
+    was banned, and it had no twin."""
+    if died == "tail":  # the head would answer a step this client gave it; the tail is gone
+        calls = [_Call(on_step=_copy(7)), _Call(_copy(7)), _Call(ended=True)]
+    elif died == "middle":  # its copy came, then its end; the tail was never fed
+        calls = [_Call(_copy(7)), _Call(_copy(7), ended=True), _Call()]
+    else:
+        calls = [_Call(_copy(7), ended=True), _Call(), _Call()]
+    assert _blamed(calls) == ["head", "middle", "tail"].index(died)
+
+
+def test_a_late_hop_is_blamed_when_no_hop_died():
+    """A frozen hop (its connection alive) is blamed for its own late copy; a tail frozen
+    after its copy, before its forward, is found by feeding the head ourselves: the head
+    answers, the tail then does not."""
+    assert _blamed([_Call(_copy(7)), _Call(), _Call()]) == 1
+    head = _Call(on_step=_copy(7))
+    assert _blamed([head, _Call(_copy(7)), _Call()]) == 2
+    assert head.steps == [7]
+
+
+def test_a_duplicate_steps_acknowledgement_never_stands_for_a_copy_or_a_signals_answer():
+    """When the ring fed the head before the step this client fed it, the head acknowledges
+    ours as a duplicate after its copy. At the next step that acknowledgement is not the
+    head's copy (the head is late only if no copy of its own comes), nor is a copy of an
+    older route, and in a recovery it is not the answer to a rollback or a link (each
+    would take the one meant for the one before, and a link's failure would surface as a
+    step's)."""
+    assert _blamed([_Call(DUPLICATE), _Call(), _Call(ended=True)]) == 2  # the tail died: not the head
+    assert _blamed([_Call(_copy(7, epoch=0)), _Call(), _Call(ended=True)], epoch=1) == 2
+    call = _Call(DUPLICATE, pb.SessionResponse(ack=pb.Ack()))
+    _session(call).rollback(7, 1, b"t" * 32, timeout=1.0)
+    assert call.inbox == []  # it took its own answer, not the duplicate's

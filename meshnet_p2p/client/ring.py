@@ -47,32 +47,21 @@ class RingRoute(Chain):
     def step(self, position: int, token_ids: Sequence[int], decode: bool):
         """One step of the ring: sent to the head unless the tail fed it already,
         then every hop's copy read in route order (each the next one's input,
-        kept for failover). The first hop whose copy does not come is the one
-        that failed: it is replaced, the others rolled back to ``position``."""
+        kept for failover). The hop at fault (:meth:`_await_copy`) is replaced,
+        the others rolled back to ``position``."""
         token_ids = tuple(token_ids)
-        timeout = self.opts.step_timeout
         for _ in range(self.opts.max_failovers + 2):  # each pass either returns or spends a failover
             fault = None
-            trace.event("client.step", pos=position, fed=self._ring_next == position)
-            if self._ring_next != position:
-                try:
-                    self.hops[0].stream.send_step(position, token_ids=token_ids, decode=decode,
-                                                  idempotency_step=position + 1)
-                except ShardConnectionError as e:
-                    fault = (0, e)
-            if fault is None and self._ring_next == position and len(self.hops) > 1 \
-                    and not self.hops[0].stream.readable(timeout / 2):
-                # the head's copy of a step the tail was to feed is late: the missing part may be
-                # the tail's forward (killed after its copy), not the head. Feed the head ourselves
-                # (the same step number: it is taken once), so whoever then fails to answer is the
-                # one blamed; waiting it out would cancel the head's stream and blame the head.
+            tail_fed = self._ring_next == position
+            trace.event("client.step", pos=position, fed=tail_fed)
+            if not tail_fed:
                 try:
                     self.hops[0].stream.send_step(position, token_ids=token_ids, decode=decode,
                                                   idempotency_step=position + 1)
                 except ShardConnectionError as e:
                     fault = (0, e)
             if fault is None:
-                reply, fault = self._collect(position, token_ids, decode)
+                reply, fault = self._collect(position, token_ids, decode, tail_fed)
             if fault is None:
                 nxt = position + 1
                 self._ring_next = nxt if decode and nxt < self._forward_until and \
@@ -81,14 +70,17 @@ class RingRoute(Chain):
             self._recover(position, fault)
         raise GenerationError(f"gave up after {self.opts.max_failovers} failovers")
 
-    def _collect(self, position: int, token_ids: tuple[int, ...], decode: bool):
-        """Each hop's result for the step at ``position``: (the tail's reply, None),
-        or (None, (index of the hop at fault, why))."""
+    def _collect(self, position: int, token_ids: tuple[int, ...], decode: bool, tail_fed: bool = False):
+        """Each hop's result for the step at ``position`` (``tail_fed``: the tail was to
+        feed the head): (the tail's reply, None), or (None, (index of the hop at fault, why))."""
         rows = 1 if decode else len(token_ids)
         payload: object = token_ids
         reply = None
         k = len(self.hops)
         for i, hop in enumerate(self.hops):
+            fault = self._await_copy(i, position, token_ids, decode, tail_fed and i == 0 and k > 1)
+            if fault is not None:
+                return None, fault
             try:
                 reply = hop.stream.next_result(self.epoch, timeout=self.opts.step_timeout)
                 trace.event("client.copy", pos=position, hop=i)
@@ -116,6 +108,44 @@ class RingRoute(Chain):
             hop.replies.append(reply)  # and what it answered: audited by replay (transcript.py)
             payload = reply.hidden
         return reply, None
+
+    def _await_copy(self, i: int, position: int, token_ids: tuple[int, ...], decode: bool,
+                    tail_fed: bool) -> Fault | None:
+        """Wait for hop ``i``'s copy of the step, cancelling nothing: None once it (or an
+        error, or the stream's end) is there to read, else the hop at fault and why.
+        A hop's input is the copy of the hop before it (the head's, for a step the tail
+        feeds, the tail's token), and every hop sends its copy before it forwards: one
+        that dies in between leaves the next without input, late through no fault of its
+        own. So a copy half a step timeout late first blames a hop whose own connection to
+        this client has ended. For a ``tail_fed`` step the head is then fed by us (the same
+        step number: it is taken once), so a tail frozen after its copy is the one that
+        fails to answer. Only with no hop dead is the late hop blamed (docs/ring.md)."""
+        hop, timeout = self.hops[i], self.opts.step_timeout
+        if hop.stream.wait_result(self.epoch, timeout / 2):
+            return None
+        dead = self._dead(i)
+        if dead is not None:
+            return dead
+        rest = timeout / 2
+        if tail_fed:
+            try:
+                hop.stream.send_step(position, token_ids=token_ids, decode=decode, idempotency_step=position + 1)
+            except ShardConnectionError as e:
+                return i, e
+            rest = timeout  # a whole step timeout for the step it now has from us
+        if hop.stream.wait_result(self.epoch, rest):
+            return None
+        return self._dead(i) or (i, ShardConnectionError(f"{hop.span.peer_id} sent no result for position "
+                                                         f"{position} within {timeout / 2 + rest:g} s"))
+
+    def _dead(self, late: int) -> Fault | None:
+        """A hop other than ``late`` whose own connection to this client has ended (a peer
+        that died), and why: the one to blame before a hop that is only late."""
+        for j, hop in enumerate(self.hops):
+            if j != late and hop.stream.ended():
+                return j, ShardConnectionError(f"{hop.span.peer_id}'s connection to this client ended "
+                                               f"(while {self.hops[late].span.peer_id}'s copy was awaited)")
+        return None
 
     def _upstream_fault(self, i: int, reply) -> Fault | None:
         """Whether hop ``i``'s copy names, as the commitment it took the step with, the one

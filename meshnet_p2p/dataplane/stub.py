@@ -218,6 +218,14 @@ def _reply(resp: pb.SessionResponse) -> "StepReply":
                      commitment_from_proto(r.upstream) if r.HasField("upstream") else None)
 
 
+def _passed_over(resp: pb.SessionResponse, epoch: int, also: str | None) -> bool:
+    """A response a reader of route ``epoch`` passes over: an older route's result, a
+    duplicate step's acknowledgement, or any response of kind ``also``."""
+    kind = resp.WhichOneof("kind")
+    return kind == "result" and resp.result.route_epoch < epoch or kind == also or \
+        kind == "ack" and resp.ack.duplicate
+
+
 @dataclass
 class StepReply:
     position: int
@@ -244,6 +252,7 @@ class SessionStream:
         self._steps = itertools.count(1)
         self.record = record
         self.responses: list[bytes] = []  # with record=True: every response exactly as received
+        self._held: pb.SessionResponse | ShardConnectionError | None = None  # read ahead by wait_result
         try:
             self._call: CallStream = client.channel.stream(method_path("Session"), timeout=timeout, with_first_message=True)
         except ChannelError as e:
@@ -273,9 +282,33 @@ class SessionStream:
     def readable(self, timeout: float) -> bool:
         """Whether a response (or the stream's end) is there within ``timeout``; unlike
         :meth:`receive`, running out cancels nothing."""
-        return self._call.wait_readable(timeout)
+        return self._held is not None or self._call.wait_readable(timeout)
 
-    def receive(self, timeout: float | None = None) -> pb.SessionResponse:
+    def wait_result(self, epoch: int, timeout: float) -> bool:
+        """Whether what :meth:`next_result` would read for route ``epoch`` (a result, an
+        error, the stream's end) is there within ``timeout``. What it passes over (results
+        of an older route, acknowledgements) is read meanwhile; unlike :meth:`receive`,
+        running out cancels nothing. A ring's client waits so, to judge which hop is late."""
+        deadline = time.monotonic() + timeout
+        for _ in range(MAX_STALE_SKIPPED):
+            if self._held is None:
+                if not self._call.wait_readable(max(0.0, deadline - time.monotonic())):
+                    return False
+                try:
+                    self._held = self._read(0.0)
+                except ShardConnectionError as e:  # the stream's end: next_result raises it
+                    self._held = e
+            if not (isinstance(self._held, pb.SessionResponse) and _passed_over(self._held, epoch, "ack")):
+                return True
+            self._held = None
+        return True  # next_result calls the peer broken
+
+    def ended(self) -> bool:
+        """Whether this stream has ended or its connection broke (a peer that died), from
+        what has already arrived, without waiting; responses may still be queued before the end."""
+        return isinstance(self._held, ShardConnectionError) or self._call.ended()
+
+    def _read(self, timeout: float | None) -> pb.SessionResponse:
         try:
             raw = self._call.recv(deadline=None if timeout is None else time.monotonic() + timeout)
         except ChannelError as e:
@@ -284,7 +317,13 @@ class SessionStream:
             raise ShardConnectionError("the peer ended the session stream")
         if self.record:
             self.responses.append(raw)
-        resp = _parse(pb.SessionResponse, raw)
+        return _parse(pb.SessionResponse, raw)
+
+    def receive(self, timeout: float | None = None) -> pb.SessionResponse:
+        held, self._held = self._held, None
+        if isinstance(held, ShardConnectionError):
+            raise held
+        resp = held if held is not None else self._read(timeout)
         if resp.WhichOneof("kind") == "error":
             raise ShardError(resp.error)
         return resp
@@ -346,12 +385,14 @@ class SessionStream:
         self.signal(rollback_to_proto(position, route_epoch, attach_token), route_epoch, timeout)
 
     def _skip_older(self, epoch: int, timeout: float | None, also: str | None = None) -> pb.SessionResponse:
-        """The next response that is not a result of a route older than ``epoch``
-        (the ring's copies still on their way), nor of kind ``also``."""
+        """The next response that is not a result of a route older than ``epoch`` (the
+        ring's copies still on their way), nor of kind ``also``, nor the acknowledgement of
+        a duplicate step (a ring step the client fed that the ring had fed already: never
+        the answer to a rollback or a link, which would otherwise each take the answer
+        meant for the one before)."""
         for _ in range(MAX_STALE_SKIPPED):
             resp = self.receive(timeout)
-            kind = resp.WhichOneof("kind")
-            if not (kind == "result" and resp.result.route_epoch < epoch or kind == also):
+            if not _passed_over(resp, epoch, also):
                 return resp
         raise ShardConnectionError("the peer sent too many results of an older route")
 

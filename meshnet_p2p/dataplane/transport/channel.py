@@ -30,6 +30,8 @@ from .connect import ConnectDialog, ConnectError
 from .driver import Driver
 from .tls import TlsCredentials, client_context, handshake
 
+ENDED_READS = 16  # reads CallStream.ended makes of what already arrived, looking for the call's end
+
 
 class ChannelError(MeshnetError):
     """A call failed: ``code`` names its gRPC status (UNAVAILABLE for a broken
@@ -282,6 +284,18 @@ class CallStream:
         except ChannelError:
             return False
         return True
+
+    def ended(self) -> bool:
+        """Whether the call has ended or its channel broke, after reading what has already
+        arrived (without waiting for more, and leaving it to a thread that waits on the
+        channel, if any); messages may still be queued before the end."""
+        for _ in range(ENDED_READS):  # a backlog of messages may come before the end
+            if self._inbox.ended is not None or self._ch.broken is not None:
+                return True
+            if not self._ch.poll(0):
+                return False
+            self._ch.read_once(0, unless_waiters=True)
+        return self._inbox.ended is not None or self._ch.broken is not None
 
     def _raise_if_ended(self) -> None:
         ended = self._inbox.ended
