@@ -35,3 +35,12 @@ def test_processes_started_with_the_variable_append_to_one_timeline(tmp_path):
         subprocess.run([sys.executable, "-c", code], env={**os.environ, trace.ENV: str(path)}, check=True)
     first, second = [json.loads(line) for line in path.read_text().splitlines()]
     assert first["pid"] != second["pid"] and first["t"] < second["t"]
+
+
+def test_a_trace_file_that_cannot_be_written_is_a_warning_not_the_end_of_the_process(tmp_path):
+    """Seen failing before the fix: the import raised FileNotFoundError, so every command died."""
+    code = "from meshnet_p2p.core import trace; trace.event('x'); print(trace.enabled())"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={**os.environ, trace.ENV: str(tmp_path / "missing" / "t.jsonl")})
+    assert r.returncode == 0 and r.stdout.strip() == "False"
+    assert "cannot be written" in r.stderr and "Traceback" not in r.stderr

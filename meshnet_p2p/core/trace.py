@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 ENV = "MESHNET_TRACE"
@@ -27,7 +28,10 @@ def start(path: str | None) -> None:
         os.close(_fd)
         _fd = None
     if path:
-        _fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            _fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        except OSError as e:  # a trace that cannot be written must not stop the process it watches
+            sys.stderr.write(f"warning: {ENV}={path!r} cannot be written ({e.strerror or e}); not tracing\n")
 
 
 def enabled() -> bool:
