@@ -44,6 +44,13 @@ setup(
             "meshnet_p2p.engine._llama_hooks",
             sources=["meshnet_p2p/engine/_llama_hooks.c"],
             extra_compile_args=["-O2", "-fvisibility=hidden"],
-        )
+        ),
+        # idle-priority spinning threads that keep CPUs awake between a session's steps (engine/keepwarm.py)
+        Extension(
+            "meshnet_p2p.engine._keepwarm",
+            sources=["meshnet_p2p/engine/_keepwarm.c"],
+            extra_compile_args=["-O2", "-fvisibility=hidden"],
+            libraries=["pthread"],
+        ),
     ],
 )

@@ -5,6 +5,9 @@
 For each gap G (ms slept before every measured operation), medians of:
 - ``shard_step_ms``: one decode step of a real shard engine (the span given,
   fed random hidden states or token ids), as a peer of a ring takes it;
+- ``shard_step_warm_ms``: the same, with the peer's keep-warm on
+  (engine/keepwarm.py: after each step, idle-priority threads keep the CPUs
+  awake for --keep-warm ms, as `serve` and `join` do by default);
 - ``shard_step_touched_ms``: the same, after every cache line of the shard's
   file was read just before the step (the weights llama.cpp computes from are
   that file's pages, mapped: data caches are physically tagged), i.e. with
@@ -39,6 +42,7 @@ from meshnet_p2p.engine.contract import (
     HIDDEN, DecodeRequest, LoadRequest, OpenRequest, PrefillRequest, SamplingParams, Tensor, TensorBundle,
 )
 from meshnet_p2p.engine.cut import sha256_file
+from meshnet_p2p.engine.keepwarm import KeepWarm
 from meshnet_p2p.engine.llama_engine import LlamaCppShardEngine
 from meshnet_p2p.engine.models import default_model_path, ensure_shard
 
@@ -116,6 +120,7 @@ def main() -> int:
     ap.add_argument("--gaps", default="0,2,5,10,20,50")
     ap.add_argument("--steps", type=int, default=40, help="measurements per gap and kind")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--keep-warm", type=int, default=250, metavar="MS", help="the window of shard_step_warm_ms")
     ap.add_argument("--json", action="store_true")
     args = parse_args(ap, gaps="0,2", steps=3, threads=1)
     start, end = (int(x) for x in args.span.split(":"))
@@ -126,8 +131,10 @@ def main() -> int:
         pages = np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
     array = np.ones(len(pages) // 4, dtype=np.float32)
     pinger = Pinger()
+    warm = KeepWarm(args.threads, args.keep_warm / 1000)
     kinds = {
         "shard_step_ms": stepper.step,
+        "shard_step_warm_ms": lambda: _then(stepper.step(), warm.touch),
         "shard_step_touched_ms": lambda: (int(pages[::64].sum()), stepper.step())[1],
         "stream_ms": lambda: _timed(array.sum),
         "wake_us": pinger.round_trip,
@@ -141,6 +148,7 @@ def main() -> int:
         for gap in (float(g) for g in args.gaps.split(",")):
             row = {}
             for name, op in kinds.items():
+                warm.stop()  # only its own kind keeps the CPUs awake
                 op()  # one untimed: the previous kind's data is in the caches
                 times = []
                 for _ in range(args.steps):
@@ -152,10 +160,17 @@ def main() -> int:
                 row[name] = round(median, 3)
                 row[name.rsplit("_", 1)[0] + "_vs_gap0"] = round(median / base[name], 2)
             doc[f"gap_{gap:g}ms"] = row
+        warm.stop()
+        doc["keep_warm_spun_s"] = round(warm.stats().spun_s, 3)  # its price: CPU seconds spent spinning
     finally:
         stepper.close()
     print_report(doc, args.json)
     return 0
+
+
+def _then(value: float, fn) -> float:
+    fn()
+    return value
 
 
 def _timed(fn) -> float:

@@ -12,8 +12,12 @@ model's time per token. Two clients take turns: one on the ring (peers
 forward to each other, docs/ring.md) and one on the star (the client
 carries every hidden state). Reports each one's decode tokens/s against the
 ring limit 1 / (t + k*D) (one crossing per hop, k = 3) and the star limit
-1 / (t + 2k*D) (two crossings per hop). Target (issue 14): the ring at
-least 0.85x the ring limit at D = 5 ms.
+1 / (t + 2k*D) (two crossings per hop). Per D it also gives each one's ms per
+token and how far that is above its limit (``*_above_limit_ms``), and over
+all D the least-squares slope of ms per token against D (``ring_slope``,
+``star_slope``): the crossings a token pays. Targets (issue 27): the ring at
+least 0.85x its limit at D = 2, 5 and 15 ms, ``ring_slope`` at most 3.3, and
+at D = 0 at least 0.75x the whole model.
 
 ``--trace PREFIX``: every process (peers, links, this client) also writes a
 trace (meshnet_p2p/core/trace.py) to PREFIX.d<D>.jsonl, and after the timed
@@ -96,7 +100,7 @@ def _run_delay(delay_ms: float, args, whole: LocalRoute, prompt_ids: list[int], 
         for span in SPANS:
             port = links.listen()
             join = PeerProcess("join", "--layers", span, "--bootstrap", swarm.addr, "--threads", str(args.threads),
-                               "--announce", f"/ip4/127.0.0.1/tcp/{port}")
+                               "--announce", f"/ip4/127.0.0.1/tcp/{port}", "--keep-warm", str(args.keep_warm))
             swarm.joins.append(join)
             # its port is known once it serves; it checks it is reachable at the announced one before announcing
             listening = Multiaddr.parse(join.wait_line("serving on ", 300).removeprefix("serving on "))
@@ -132,16 +136,28 @@ def _run_delay(delay_ms: float, args, whole: LocalRoute, prompt_ids: list[int], 
         "ring_limit_tok_s": round(ring, 2),
         "star_limit_tok_s": round(star, 2),
     }
-    for name in ("ring", "star"):
+    for name, limit in (("ring", ring), ("star", star)):
         tok_s = statistics.median(r.decode_tokens_per_s for r in runs[name])
         out[f"{name}_tok_s"] = round(tok_s, 2)
         out[f"{name}_vs_ring_limit"] = round(tok_s / ring, 3)
         out[f"{name}_vs_star_limit"] = round(tok_s / star, 3)
+        out[f"{name}_vs_whole"] = round(tok_s * t, 3)  # against the whole model in one process
+        out[f"{name}_ms_per_token"] = round(1000 / tok_s, 2)
+        # what a token costs beyond its own limit (compute + its crossings): issue 27's penalty
+        out[f"{name}_above_limit_ms"] = round(1000 / tok_s - 1000 / limit, 2)
     if path:
         out["trace"] = {"file": path, **trace_report.report(trace_report.load(path))}
     out["identical_tokens"] = all(s.token_ids == w.token_ids for name in ("ring", "star")
                                   for s, w in zip(runs[name], runs["whole"], strict=True))
     return out
+
+
+def slope(points: list[tuple[float, float]]) -> float:
+    """The least-squares slope of y against x."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    return sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
 
 
 def main() -> int:
@@ -150,6 +166,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads per peer and for the whole model")
+    ap.add_argument("--keep-warm", type=int, default=0, metavar="MS",
+                    help="the peers' --keep-warm (default 0: off, as theirs is)")
     ap.add_argument("--trace", metavar="PREFIX", help="also trace one ring generation per delay to PREFIX.d<D>.jsonl")
     ap.add_argument("--json", action="store_true")
     args = parse_args(ap, delays="2", tokens=4, reps=1, threads=1)
@@ -157,7 +175,8 @@ def main() -> int:
     whole = LocalRoute.from_model(model, [(0, 30)], source_sha256=sha256_file(model), n_threads=args.threads,
                                   max_sessions=1)
     prompt_ids = Tokenizer(model).encode(PROMPT)
-    doc: dict = {"date": time.strftime("%Y-%m-%d"), "tokens": args.tokens, "reps": args.reps, "threads": args.threads}
+    doc: dict = {"date": time.strftime("%Y-%m-%d"), "tokens": args.tokens, "reps": args.reps, "threads": args.threads,
+                 "keep_warm_ms": args.keep_warm}
     tmp = None
     if args.smoke and not args.trace:  # the smoke run traces too, so the trace and its report do not rot
         tmp = tempfile.TemporaryDirectory(prefix="meshnet-wan-trace-")
@@ -169,6 +188,10 @@ def main() -> int:
         whole.close()
         if tmp is not None:
             tmp.cleanup()
+    rows = {float(k[1:-2]): v for k, v in doc.items() if k.startswith("d") and k.endswith("ms")}
+    if len(rows) >= 2:  # ms per token against D, least squares: crossings a token pays (ring: k, star: 2k)
+        for name in ("ring", "star"):
+            doc[f"{name}_slope"] = round(slope([(d, v[f"{name}_ms_per_token"]) for d, v in rows.items()]), 2)
     ok = all(v["identical_tokens"] for v in doc.values() if isinstance(v, dict))
     print_report(doc, args.json)
     return 0 if ok else 1

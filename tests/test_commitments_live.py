@@ -139,13 +139,13 @@ def _cheat(peer: Peer, from_position: int, *, equivocate: bool) -> list[int]:
     the client honest: with its honest commitment (the next hop refuses the step), or
     with one it signs for the perturbed state (two commitments for one step)."""
     steps = peer.servicer.steps
-    honest = steps._after_step
+    honest = steps._forward
     cheated: list[int] = []
 
-    def after_step(state, step, result, response, attached, commitment):
+    def forward_step(state, step, result, response, commitment):
         link = state.ring.link
         if link is None or step.position < from_position:
-            return honest(state, step, result, response, attached, commitment)
+            return honest(state, step, result, response, commitment)
         forward = link.forward
 
         def lying_forward(position, decode, *, hidden=None, upstream=None, **kw):
@@ -158,11 +158,11 @@ def _cheat(peer: Peer, from_position: int, *, equivocate: bool) -> list[int]:
 
         link.forward = lying_forward
         try:
-            return honest(state, step, result, response, attached, commitment)
+            return honest(state, step, result, response, commitment)
         finally:
             link.forward = forward
 
-    steps._after_step = after_step
+    steps._forward = forward_step
     return cheated
 
 

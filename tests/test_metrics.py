@@ -14,6 +14,7 @@ import trio
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from meshnet_p2p.engine.keepwarm import KeepWarm
 from meshnet_p2p import Client
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
 from meshnet_p2p.dataplane.servicer import ShardRuntimeServicer
@@ -63,6 +64,7 @@ class FakeEngine:
 class FakeServicer:
     def __init__(self) -> None:
         self.stats = ServingStats()
+        self.keep_warm = KeepWarm(1, 0.0)  # off: spun nothing
 
     def open_to_newcomers(self) -> int:
         return 3
@@ -154,6 +156,7 @@ def test_collectors_read_the_counters_they_are_given():
     assert value(s, "meshnet_dataplane_step_seconds_bucket", phase="compute", le="0.01") == 0
     assert value(s, "meshnet_dataplane_received_bytes_total") == 1000
     assert value(s, "meshnet_dataplane_free_sessions") == 3
+    assert value(s, "meshnet_dataplane_keep_warm_seconds_total") == 0
     assert value(s, "meshnet_dht_requests_sent_total", kind="find_value") == 4
     assert value(s, "meshnet_dht_requests_received_total", kind="ping") == 2
     assert value(s, "meshnet_dht_lookup_seconds_count", op="get") == 1

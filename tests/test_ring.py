@@ -162,7 +162,9 @@ def test_a_forwarded_step_is_taken_only_as_its_previous_hop_committed_to_it(midd
     """A hop that forwards one thing and commits to another (or commits to nothing,
     or in another peer's name, or sends a malformed commitment) is refused with
     UPSTREAM_MISMATCH, on the attach stream and to the owner, before the step
-    counts: the step is still free, and the stream and session serve on."""
+    counts (a signature that fails is found after the step computed and forwarded,
+    off the token's path, and the step is undone): the step is still free, and the
+    stream and session serve on, from the same position."""
     import dataclasses
 
     stranger = Identity.from_seed(b"\x72" * 32)
@@ -455,7 +457,8 @@ def _blamed(calls, position: int = 7, epoch: int = 0) -> int:
 
 @pytest.mark.parametrize("died", ["tail", "middle", "head"])
 def test_a_hop_that_died_after_its_copy_is_blamed_not_the_next_one_it_never_fed(died):
-    """Every hop sends its copy before it forwards. Killed in between, its copy is here but
+    """A hop may send its copy before its whole forward (what the next hop's window held
+    back goes after it: dataplane/steps.py). Killed in between, its copy is here but
     the next hop never gets its input: that one's copy is late through no fault of its own.
     The tail's case is the run of test_e2e's tail-kill that failed (the client kills the
     tail from on_token, right after reading its copy): the head, whose copy never came,

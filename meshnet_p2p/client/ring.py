@@ -114,9 +114,9 @@ class RingRoute(Chain):
         """Wait for hop ``i``'s copy of the step, cancelling nothing: None once it (or an
         error, or the stream's end) is there to read, else the hop at fault and why.
         A hop's input is the copy of the hop before it (the head's, for a step the tail
-        feeds, the tail's token), and every hop sends its copy before it forwards: one
-        that dies in between leaves the next without input, late through no fault of its
-        own. So a copy half a step timeout late first blames a hop whose own connection to
+        feeds, the tail's token), and a hop may send its copy before all of its forward
+        (what the next hop's window held back): one that dies in between leaves the next
+        without input, late through no fault of its own. So a copy half a step timeout late first blames a hop whose own connection to
         this client has ended. For a ``tail_fed`` step the head is then fed by us (the same
         step number: it is taken once), so a tail frozen after its copy is the one that
         fails to answer. Only with no hop dead is the late hop blamed (docs/ring.md)."""

@@ -184,8 +184,11 @@ class RingLink:
 
     def forward(self, position: int, decode: bool, *, token_id: int | None = None,
                 hidden=None, is_eog: bool = False, upstream=None) -> bool:
-        """Send the next hop its step at ``position`` with ``upstream``, this hop's signed
-        commitment to it (trust/commitment.py); False once the link is broken."""
+        """Write the next hop its step at ``position`` with ``upstream``, this hop's signed
+        commitment to it (trust/commitment.py), as far as its flow-control window admits,
+        without waiting for more: :meth:`flush` does, after the client's copy went out (a
+        next hop that holds its window back must not hold this hop's copy back too).
+        False once the link is broken."""
         request = forward_request(position, decode, self.epoch, token_id=token_id, hidden=hidden,
                                   upstream=upstream, is_eog=is_eog)
         with self._lock:
@@ -193,10 +196,23 @@ class RingLink:
                 return False
             try:
                 if self._credits <= self._granted // 2:
-                    self._call.send(credit_request(self._granted - self._credits))
+                    self._call.send(credit_request(self._granted - self._credits), wait=False)
                     self._credits = self._granted
                 self._credits -= 1
-                self._call.send(request, deadline=time.monotonic() + FORWARD_TIMEOUT_S)
+                self._call.send(request, wait=False)
+            except ChannelError as e:
+                self.error = f"forwarding to {self.peer} failed: {e}"
+                return False
+        return True
+
+    def flush(self) -> bool:
+        """Wait, at most FORWARD_TIMEOUT_S, until the forwards are all written (at
+        once unless the next hop's window held one back); False once the link is broken."""
+        with self._lock:
+            if self.error is not None:
+                return False
+            try:
+                self._call.flush(deadline=time.monotonic() + FORWARD_TIMEOUT_S)
             except ChannelError as e:
                 self.error = f"forwarding to {self.peer} failed: {e}"
                 return False

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from meshnet_p2p.engine.contract import OpenRequest, ShardEngine, check_session_id
+from meshnet_p2p.engine.keepwarm import KeepWarm
 from meshnet_p2p.engine.recipe import explain_mismatch
 from meshnet_p2p.engine.sessions import context_refusal
 from meshnet_p2p.core.identity import Identity
@@ -60,6 +61,10 @@ class Limits:
     link_dial_ms: int = int(LINK_DIAL_S * 1000)  # a ring link's TCP + TLS to the next hop
     link_answer_ms: int = int(LINK_TIMEOUT_S * 1000)  # a link that failed before that is answered no earlier
     links: LinkBounds = LinkBounds()  # ring links per client and per peer over time, and the backoff of a failed target
+    # after each step, keep this many CPUs awake (idle priority) this long, so the session's
+    # next step does not wake them from sleep (engine/keepwarm.py); 0: off, as in-process
+    keep_warm_ms: int = 0
+    keep_warm_threads: int = 1
 
 
 IN_PROCESS = Claimant("in-process", "in-process")  # a caller with no connection (tests, embedding)
@@ -116,8 +121,9 @@ class ShardRuntimeServicer:
         self._reaped: dict = {}
         self.stats = ServingStats()  # read by the role's metrics (metrics.py)
         self.links = RingLinks(caps=caps, limits=limits, stats=self.stats, now_ms=now_ms, identity=identity)
+        self.keep_warm = KeepWarm(limits.keep_warm_threads, limits.keep_warm_ms / 1000)
         self.steps = Steps(engine, caps=caps, limits=limits, stats=self.stats, now_ms=now_ms, identity=identity,
-                           peer_id=peer_id)
+                           peer_id=peer_id, keep_warm=self.keep_warm)
 
     def close(self) -> None:
         """Close the ring's connections to next hops (the server has stopped)."""

@@ -18,6 +18,7 @@ import time
 
 from meshnet_p2p.core import trace
 from meshnet_p2p.engine.contract import DecodeRequest, PrefillRequest, StatusCode
+from meshnet_p2p.engine.keepwarm import OFF
 from meshnet_p2p.trust.attestation import Attestation
 from meshnet_p2p.trust.commitment import Commitment, CommitmentError, hidden_digest, token_digest, tokens_digest
 from . import wire
@@ -53,8 +54,9 @@ class Steps:
     """A servicer's step machinery; ``state``: its per-session record (a
     SessionState with its ring seat)."""
 
-    def __init__(self, engine, *, caps, limits, stats, now_ms, identity, peer_id: str) -> None:
+    def __init__(self, engine, *, caps, limits, stats, now_ms, identity, peer_id: str, keep_warm=OFF) -> None:
         self.engine = engine
+        self.keep_warm = keep_warm  # the CPUs kept awake for a while after each step (engine/keepwarm.py)
         self.caps = caps
         self.limits = limits
         self.stats = stats
@@ -84,36 +86,49 @@ class Steps:
             state.outputs.rollback(msg.position)
         return wire.reply_ack()
 
-    def _after_step(self, state, step, result, response, attached: bool, commitment: Commitment | None):
-        """Under the ring lock: for a step the ring fed, send the owner its copy (first,
-        ~0.07 ms: a next hop that holds the forward back must not make the client blame
-        this one), then forward the output to the next hop, within a deadline, with
-        this hop's commitment to it (the next hop takes nothing else)."""
+    def _forward(self, state, step, result, response, commitment: Commitment | None):
+        """Under the ring lock: forward the output to the next hop with this hop's
+        commitment to it (the next hop takes nothing else), as far as the next hop's
+        window admits at once (the rest after the copy: :meth:`_answer`). Returns the
+        link it forwarded on, or None."""
+        link = state.ring.link
+        if link is None or not link.epoch == step.route_epoch == state.epoch:
+            return None
+        tail = result.token is not None
+        if not forwards(is_tail=tail, decode=step.decode, new_position=result.position,
+                        forward_until=link.forward_until, is_eog=tail and result.token.is_eog,
+                        stop_at_eog=link.stop_at_eog):
+            return None
+        trace.event("fwd", pos=step.position)
+        if tail:
+            link.forward(result.position, True, token_id=result.token.token_id, is_eog=result.token.is_eog,
+                         upstream=commitment)
+        else:
+            link.forward(step.position, step.decode, hidden=response.result.hidden, upstream=commitment)
+        trace.event("fwded", pos=step.position)
+        return link
+
+    def _answer(self, state, step, response, attached: bool, forwarded):
+        """Under the ring lock, after the forward: for a step the ring fed, send the
+        owner its copy, then what of the forward the next hop's window held back
+        (:meth:`RingLink.flush`, within a deadline). The forward is on the token's path
+        and the copy is not, so the forward goes first; what the window holds back goes
+        after the copy, so a next hop that holds its window back cannot make the client
+        blame this one for a missing copy."""
         ring = state.ring
         if attached and ring.push is not None:
             trace.event("copy", pos=step.position)
             ring.push(response)
             trace.event("copied", pos=step.position)
-        link = ring.link
-        if link is not None and link.epoch == step.route_epoch == state.epoch:
-            out = response.result
-            tail = result.token is not None
-            if forwards(is_tail=tail, decode=step.decode, new_position=result.position,
-                        forward_until=link.forward_until, is_eog=tail and result.token.is_eog,
-                        stop_at_eog=link.stop_at_eog):
-                trace.event("fwd", pos=step.position)
-                if tail:
-                    link.forward(result.position, True, token_id=result.token.token_id,
-                                 is_eog=result.token.is_eog, upstream=commitment)
-                else:
-                    link.forward(step.position, step.decode, hidden=out.hidden, upstream=commitment)
-                trace.event("fwded", pos=step.position)
+        if forwarded is not None:
+            forwarded.flush()
         return None if attached else response
 
     def _upstream(self, step, hidden, peer: str | None) -> tuple[Commitment | None, str | None]:
-        """A forwarded step's previous hop's commitment, checked: (it, None), or (None, why
-        the step is refused). What the step carries must be what the commitment names as
-        that hop's output, signed by ``peer``, the identity its TLS proved when it attached."""
+        """A forwarded step's previous hop's commitment, checked but for its signature:
+        (it, None), or (None, why the step is refused). What the step carries must be
+        what the commitment names as that hop's output, for these layers, from ``peer``,
+        the identity its TLS proved when it attached (whose signature it must bear)."""
         if not step.HasField("upstream"):
             return None, "a forwarded step carries no commitment of the hop that computed it"
         if peer is None:
@@ -135,13 +150,12 @@ class Steps:
             return None, "a forwarded token step carries exactly one token"
         if got != up.output_digest:
             return None, f"the forwarded step is not what {peer} committed to as its output"
-        if not up.verifies():
-            return None, f"the previous hop's commitment is not signed by {peer}"
-        return up, None
+        return up, None  # its signature is checked after the forward: _step_locked
 
     def _commit(self, sid: str, state, step, hidden, tokens, result) -> Commitment | None:
         """This peer's signed commitment to a step it applied, chained to the session's last
-        (~37 us to sign, and a sha256 of the step's input and output)."""
+        (~40-400 us to sign, cold or warm, and a sha256 of the step's input and output);
+        the session's chain takes it once the step is answered (state.chained)."""
         if self.identity is None:  # a peer with no identity (in-process only) commits to nothing
             return None
         c = self.caps
@@ -151,11 +165,9 @@ class Steps:
         else:
             out = hidden_digest(step.position, result.hidden)
         index, prev = state.chain_head()
-        commitment = Commitment(self.peer_id, sid, c.model_digest, c.recipe_digest, c.start, c.end,
-                                step.route_epoch, index, step.position, step.decode, given, out,
-                                prev).signed_by(self.identity)
-        state.chained(result.position, commitment.link())
-        return commitment
+        return Commitment(self.peer_id, sid, c.model_digest, c.recipe_digest, c.start, c.end,
+                          step.route_epoch, index, step.position, step.decode, given, out,
+                          prev).signed_by(self.identity)
 
     def attest(self, sid: str, state):
         if self.identity is None:
@@ -172,8 +184,10 @@ class Steps:
         older route's step."""
         t0 = time.perf_counter()
         trace.event("step", pos=step.position, attached=attached)
+        self.keep_warm.touch()  # awake from now until a window after this step: its next is due
         with state.ring.lock:
             reply = self._step_locked(sid, state, step, attached, feeder, t0)
+        self.keep_warm.touch()
         if reply is not None and reply.HasField("error"):
             self.stats.step_errors.add(E.Name(reply.error.code))
         if attached and reply is not None and reply.HasField("error") and reply.error.code != E.EPOCH_STALE \
@@ -208,10 +222,12 @@ class Steps:
         except ValueError as e:  # request types refuse malformed steps (no input, negative position)
             return _error(E.INVALID_ARGUMENT, str(e), work_id=wid, step=n)
         upstream = None
-        if attached:  # the ring: only what the previous hop committed to (~0.12 ms to verify its signature)
+        if attached:  # the ring: only what the previous hop committed to (its signature: below)
             upstream, refused = self._upstream(step, hidden, feeder)
             if refused is not None:
                 return _error(E.UPSTREAM_MISMATCH, refused, work_id=wid, step=n)
+            trace.event("checked", pos=step.position)
+        before = (state.last_step, state.credits, state.epoch)  # to undo, should its signature fail
         state.applied(n, step.route_epoch)
         state.running = wid
         t1 = time.perf_counter()
@@ -225,6 +241,22 @@ class Steps:
         if not result.status.ok:
             s = result.status
             return _error(ENGINE_CODES[s.code], s.message, work_id=wid, step=n, retryable=s.retryable)
+        commitment = self._commit(sid, state, step, hidden, tokens, result)
+        trace.event("committed", pos=step.position)
+        response = wire.reply_result(wid, n, result.position, step.route_epoch, token=result.token,
+                                     hidden=result.hidden)
+        wire.commit_result(response, commitment, upstream)
+        forwarded = self._forward(state, step, result, response, commitment)
+        # The previous hop's signature (~0.1-0.5 ms) is checked after the forward, off the
+        # token's path, and before the step counts or its copy goes out: a step whose
+        # signature fails is undone (the next hop's copy of what this one forwarded is
+        # then an orphan the client's recovery rolls back) and refused as before.
+        if upstream is not None and not upstream.verifies():
+            self._undo(sid, state, step.position, before)
+            if forwarded is not None:
+                forwarded.flush()
+            return _error(E.UPSTREAM_MISMATCH, f"the previous hop's commitment is not signed by {feeder}",
+                          work_id=wid, step=n)
         # what this step computed, for an attestation (a few microseconds per step)
         if hidden is not None:
             state.inputs.hidden(step.position, hidden)
@@ -235,13 +267,17 @@ class Steps:
         else:
             state.outputs.hidden(step.position, result.hidden)
         state.steps_done += 1
-        commitment = self._commit(sid, state, step, hidden, tokens, result)
-        response = wire.reply_result(wid, n, result.position, step.route_epoch, token=result.token,
-                                     hidden=result.hidden)
-        wire.commit_result(response, commitment, upstream)
-        reply = self._after_step(state, step, result, response, attached, commitment)
+        if commitment is not None:
+            state.chained(result.position, commitment.link())
+        reply = self._answer(state, step, response, attached, forwarded)
         self._count_step(step.decode, result.position - step.position, t0, t1, t2)
         return reply
+
+    def _undo(self, sid: str, state, position: int, before: tuple[int, int, int]) -> None:
+        """A computed step refused after all: the shard forgets it and the session's
+        protocol state is as before it (its idempotency step free, its credit back)."""
+        self.engine.rollback(sid, position)
+        state.last_step, state.credits, state.epoch = before
 
     def _count_step(self, decode: bool, rows: int, t0: float, t1: float, t2: float) -> None:
         s, kind = self.stats, "decode" if decode else "prefill"

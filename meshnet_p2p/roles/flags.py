@@ -10,6 +10,9 @@ import os
 
 from meshnet_p2p.core.errors import MeshnetError
 
+KEEP_WARM_MS = 0  # off: on shared VMs it measured slower (docs/ring.md, "Keep-warm")
+
+
 
 def positive(text: str) -> int:
     try:
@@ -18,6 +21,16 @@ def positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
     return value
 
 
@@ -74,6 +87,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=positive, default=d.n_threads)
     p.add_argument("--idle-timeout", type=positive_float, default=120.0, metavar="SECONDS",
                    help="release a session that sends nothing for this long (default 120)")
+    p.add_argument("--keep-warm", type=non_negative_int, default=KEEP_WARM_MS, metavar="MS",
+                   help=f"after each step, keep --threads CPUs awake this long at idle priority, so that a "
+                        f"session's next step does not wait for sleeping CPUs (0: off; default {KEEP_WARM_MS}; "
+                        f"docs/ring.md)")
 
 
 def add_metrics(p: argparse.ArgumentParser) -> None:
@@ -140,6 +157,12 @@ def engine_options(args: argparse.Namespace):
 
     return EngineOptions(max_sessions=args.max_sessions, n_ctx_per_session=args.n_ctx, kv_memory_mib=args.kv_memory,
                          n_ubatch=args.n_ubatch, n_threads=args.threads)
+
+
+def keep_warm(args: argparse.Namespace) -> dict:
+    """The Limits fields of --keep-warm: as many threads as the engine computes with."""
+    threads = args.threads or len(os.sched_getaffinity(0))
+    return {"keep_warm_ms": args.keep_warm, "keep_warm_threads": threads}
 
 
 def required_seeds(args: argparse.Namespace, alternative: str = "") -> list:

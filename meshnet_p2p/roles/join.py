@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     from meshnet_p2p.engine.cut import parse_layer_range
     from meshnet_p2p.core.multiaddr import announced
     from meshnet_p2p.swarm.node import parse_listen
-    from .flags import engine_options, load_or_create_identity, metrics_listen, model_path, print_line, \
+    from .flags import engine_options, keep_warm, load_or_create_identity, metrics_listen, model_path, print_line, \
         required_seeds, run_listener
     from .progress import TerminalProgress
 
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         relay=Multiaddr.parse(args.relay) if args.relay else None,
         announce=announced(args.announce, identity.peer_id) if args.announce else None, engine=engine_options(args),
         public_name=args.public_name, progress=TerminalProgress("preparing the shard"),
-        limits=Limits(session_idle_ms=int(args.idle_timeout * 1000)), metrics=metrics,
+        limits=Limits(session_idle_ms=int(args.idle_timeout * 1000), **keep_warm(args)), metrics=metrics,
     )
     return run_listener(args.listen, join, opts, print_line, doing="serve")
 

@@ -150,6 +150,9 @@ class DataPlaneCollector(Collector):
         for phase in STEP_PHASES:
             _histogram(f, [phase], s.step_seconds[phase].snapshot())
         yield f
+        yield _counter("meshnet_dataplane_keep_warm_seconds_total",
+                       "CPU time spent keeping CPUs awake between steps, at idle priority (--keep-warm)",
+                       self.servicer.keep_warm.stats().spun_s)
         if self.server is not None:
             wire = self.server.stats.snapshot()
             yield _counter("meshnet_dataplane_received_bytes_total", "bytes read from clients' connections (TLS)",

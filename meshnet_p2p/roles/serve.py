@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     from meshnet_p2p.engine.cut import parse_layer_range, sha256_file
     from meshnet_p2p.engine.models import ensure_shard
     from meshnet_p2p.swarm.node import parse_listen
-    from .flags import engine_options, load_or_create_identity, model_path, print_line, run_listener
+    from .flags import engine_options, keep_warm, load_or_create_identity, model_path, print_line, run_listener
     from .progress import TerminalProgress
 
     host, port = parse_listen(args.listen)
@@ -123,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
         raise MeshnetError("serve needs --shard PATH, or --layers A:B (with --model or the embedded model)")
     opts = ServeOptions(shard, host, port, load_or_create_identity(args.identity), relay=relay,
                         engine=engine_options(args), limits=Limits(max_message_bytes=args.max_message_bytes,
-                                                                   session_idle_ms=int(args.idle_timeout * 1000)))
+                                                                   session_idle_ms=int(args.idle_timeout * 1000),
+                                                                   **keep_warm(args)))
     return run_listener(args.listen, serve, opts, print_line, doing="serve")
 
 

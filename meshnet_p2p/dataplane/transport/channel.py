@@ -233,7 +233,11 @@ class CallStream:
             return deadline
         return self._deadline if deadline is None else min(deadline, self._deadline)
 
-    def send(self, message: bytes, *, end: bool = False, deadline: float | None = None) -> None:
+    def send(self, message: bytes, *, end: bool = False, deadline: float | None = None, wait: bool = True) -> bool:
+        """Send ``message``: what the peer's flow-control window admits is written now.
+        With ``wait`` (the default) the rest too, reading until the window grants it,
+        and True; without, the rest stays queued and the answer is whether any does
+        (then :meth:`flush` waits for it)."""
         ch = self._ch
         with ch.lock:
             self._raise_if_ended()
@@ -245,7 +249,19 @@ class CallStream:
             ch.write_quietly()
             self._raise_if_ended()  # the write broke the channel
             waiting = ch.wire.pending(self.id)
-        if waiting:  # more than the peer's flow-control window: read until it grants more
+        if not wait:
+            return bool(waiting)
+        if waiting:
+            self.flush(deadline=deadline)
+        return True
+
+    def flush(self, *, deadline: float | None = None) -> None:
+        """Wait until what was sent is all written: more than the peer's flow-control
+        window holds the rest back, so read until it grants more."""
+        ch = self._ch
+        with ch.lock:
+            waiting = ch.wire.pending(self.id)
+        if waiting:
             trace.event("ch.window", sid=self.id)
             ch._wait(lambda: not ch.wire.pending(self.id) or self._inbox.ended is not None, self._limit(deadline))
             with ch.lock:

@@ -28,6 +28,7 @@ import threading
 import time
 from typing import Callable
 
+from meshnet_p2p.core import trace
 from . import grpc_core
 from .tls import decrypt
 
@@ -170,6 +171,7 @@ class Driver:
                 data = self.sock.recv(READ_SIZE, socket.MSG_DONTWAIT)
                 if not data:
                     raise ConnectionError("the peer closed the connection")
+                trace.event("rd", n=len(data))  # bytes off the socket, before TLS and HTTP/2
                 self.feed_locked(data)
             except BlockingIOError:
                 return
