@@ -11,7 +11,7 @@ llama.cpp vendored in the sdist of the llama-cpp-python our engine links
 default ~/.cache/meshnet-p2p) with a stamp written last: a later run with
 the same version and flags reuses them; a failed build leaves no stamp (and
 its log, ``build.log``, beside where the binaries would be). Needs network
-once (pip downloads the sdist), cmake and a C++17 compiler; ~5 minutes on 2
+once (pip downloads the sdist), cmake and a C++17 compiler; 5-10 minutes on 2
 cores. Any failure raises: ``--rpc`` never skips silently.
 
 ``measure()``: one RPC server per span of ours, each listening on loopback
@@ -115,7 +115,7 @@ def build(ver: str | None = None, log=sys.stderr) -> dict[str, str]:
         os.makedirs(os.path.join(folder, "bin"))
         started = time.monotonic()
         print(f"bench/_rpc.py: building llama.cpp's {SERVER} and {BENCH} from {PACKAGE}=={ver}'s sdist "
-              f"into {folder} (once; ~5 min on 2 cores)", file=log, flush=True)
+              f"into {folder} (once; 5-10 min on 2 cores)", file=log, flush=True)
         build_log = os.path.join(folder, "build.log")
         with tempfile.TemporaryDirectory(prefix="meshnet-llama-rpc-") as work, open(build_log, "w") as out:
             def run(*cmd: str) -> None:

@@ -27,7 +27,7 @@ over the same kind of links, as an anchor (bench/_rpc.py, docs/ring.md "The
 anchor beside us"): three ggml RPC servers holding the same layer spans, each
 behind its own delayed port, driven by llama-bench (one client holding the
 graph: a star). Reports ``rpc_tok_s`` and ``ring_vs_rpc``/``star_vs_rpc``.
-It builds the two llama.cpp binaries once (cached; ~5 min, needs network
+It builds the two llama.cpp binaries once (cached; 5-10 min, needs network
 once) and fails, never skips, if it cannot. The smoke mode runs it too.
 """
 
@@ -179,7 +179,7 @@ def main() -> int:
                     help="also llama.cpp's RPC backend over the same links, as an anchor (builds it once, cached)")
     ap.add_argument("--json", action="store_true")
     args = parse_args(ap, delays="2", tokens=4, reps=1, threads=1)
-    args.rpc = args.rpc or args.smoke  # so the anchor does not rot either (its first build: ~5 min)
+    args.rpc = args.rpc or args.smoke  # so the anchor does not rot either (its first build: 5-10 min)
     args.rpc_binaries = _rpc.build() if args.rpc else None  # before anything is measured: fails early
     model = default_model_path()
     whole = LocalRoute.from_model(model, [(0, 30)], source_sha256=sha256_file(model), n_threads=args.threads,
