@@ -25,6 +25,14 @@ runs one more ring generation of --tokens runs between ``bench.trace``
 events; the report of each (bench/_trace_report.py: per decode token, what
 waited for what, docs/ring.md "Trace") is in the output as ``trace``. The
 smoke mode traces too (to a temporary directory), so the trace does not rot.
+
+``--rpc``: after our peers of each D are gone, llama.cpp's own RPC backend
+over the same kind of links, as an anchor (bench/_rpc.py, docs/ring.md "The
+anchor beside us"): three ggml RPC servers holding the same layer spans, each
+behind its own delayed port, driven by llama-bench (one client holding the
+graph: a star). Reports ``rpc_tok_s`` and ``ring_vs_rpc``/``star_vs_rpc``.
+It builds the two llama.cpp binaries once (cached; 5-10 min, needs network
+once) and fails, never skips, if it cannot. The smoke mode runs it too.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from meshnet_p2p.engine.models import default_model_path
 from meshnet_p2p.core.multiaddr import Multiaddr
 from meshnet_p2p.roles.peer_process import PeerProcess, Swarm
 
+import _rpc
 import _trace_report as trace_report  # bench/ is on sys.path when a bench runs
 from _report import print_report
 from _smoke import parse_args
@@ -88,9 +97,24 @@ def run_delay(delay_ms: float, args, whole: LocalRoute, prompt_ids: list[int]) -
             os.unlink(path)
         os.environ[trace.ENV] = path
     try:
-        return _run_delay(delay_ms, args, whole, prompt_ids, Links(delay_ms), path)
+        out = _run_delay(delay_ms, args, whole, prompt_ids, Links(delay_ms), path)
     finally:
         os.environ.pop(trace.ENV, None)
+    if args.rpc:  # the anchor, over links of its own (untraced), our peers and their links gone
+        out.update(rpc_delay(delay_ms, args, len(prompt_ids), out))
+    return out
+
+
+def rpc_delay(delay_ms: float, args, depth: int, ours: dict) -> dict:
+    links = Links(delay_ms)
+    try:
+        r = _rpc.measure(args.rpc_binaries, links, default_model_path(), SPANS, int(SPANS[-1].split(":")[1]),
+                         threads=args.threads, tokens=args.tokens, reps=args.reps, depth=depth)
+    finally:
+        links.close()
+    args.rpc_command = r["command"]
+    return {"rpc_tok_s": round(r["tok_s"], 2), "ring_vs_rpc": round(ours["ring_tok_s"] / r["tok_s"], 3),
+            "star_vs_rpc": round(ours["star_tok_s"] / r["tok_s"], 3), "rpc_split": ", ".join(r["split"])}
 
 
 def _run_delay(delay_ms: float, args, whole: LocalRoute, prompt_ids: list[int], links: "Links",
@@ -169,8 +193,12 @@ def main() -> int:
     ap.add_argument("--keep-warm", type=int, default=0, metavar="MS",
                     help="the peers' --keep-warm (default 0: off, as theirs is)")
     ap.add_argument("--trace", metavar="PREFIX", help="also trace one ring generation per delay to PREFIX.d<D>.jsonl")
+    ap.add_argument("--rpc", action="store_true",
+                    help="also llama.cpp's RPC backend over the same links, as an anchor (builds it once, cached)")
     ap.add_argument("--json", action="store_true")
     args = parse_args(ap, delays="2", tokens=4, reps=1, threads=1)
+    args.rpc = args.rpc or args.smoke  # so the anchor does not rot either (its first build: 5-10 min)
+    args.rpc_binaries = _rpc.build() if args.rpc else None  # before anything is measured: fails early
     model = default_model_path()
     whole = LocalRoute.from_model(model, [(0, 30)], source_sha256=sha256_file(model), n_threads=args.threads,
                                   max_sessions=1)
@@ -192,6 +220,8 @@ def main() -> int:
     if len(rows) >= 2:  # ms per token against D, least squares: crossings a token pays (ring: k, star: 2k)
         for name in ("ring", "star"):
             doc[f"{name}_slope"] = round(slope([(d, v[f"{name}_ms_per_token"]) for d, v in rows.items()]), 2)
+    if args.rpc:
+        doc["rpc_command"] = f"{args.rpc_command} (llama.cpp of llama-cpp-python {_rpc.version()})"
     ok = all(v["identical_tokens"] for v in doc.values() if isinstance(v, dict))
     print_report(doc, args.json)
     return 0 if ok else 1
