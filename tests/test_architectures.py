@@ -422,9 +422,11 @@ def test_chain_matches_whole_model_bit_for_bit(models, load_engine, arch, ftype,
 
 
 @pytest.mark.parametrize("split", ["1", "2,4", "1,2,3,4,5"])
-@pytest.mark.parametrize("arch,variant", [("llama", "per_layer_arrays")])
+@pytest.mark.parametrize("arch,variant", [("qwen2", "lm_head_bias"), ("llama", "per_layer_arrays")])
 def test_optional_forms_the_loader_accepts_are_cut_exactly(models, load_engine, arch, variant, split):
-    """Head counts / FFN width as per-layer arrays (sliced with their layers)."""
+    """An lm_head bias (qwen2's loader takes ``output.bias``; a middle shard's vocabulary
+    is one token, so it must not carry one) and head counts / FFN width as per-layer
+    arrays (sliced with their layers)."""
     check_chain(models, load_engine, arch, "Q4_K_M", split, variant)
     start, end = _ranges(split)[1]
     shard = read_gguf(models.shard(arch, "Q4_K_M", start, end, variant))

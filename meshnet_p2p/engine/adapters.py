@@ -37,7 +37,11 @@ class ArchitectureAdapter:
     adapter_id: str  # a recipe axis: changing an adapter's behaviour must change this
     token_embd: str = "token_embd.weight"
     output_norm: str = "output_norm.weight"
-    output: str = "output.weight"
+    # The LM head: what only a tail uses. Every tensor the loader sizes by the
+    # vocabulary must be here (a middle shard's vocabulary is one token): qwen2's
+    # loader takes an optional output.bias of n_vocab, which a middle shard that
+    # kept it could not load ("wrong shape; expected 1, got n_vocab").
+    lm_head: tuple[str, ...] = ("output.weight", "output.bias")
 
     def block_of(self, tensor_name: str) -> tuple[int, str] | None:
         """``(layer index, rest of name)`` for a per-block tensor, else None."""

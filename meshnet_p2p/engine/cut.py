@@ -3,12 +3,13 @@
 What a shard keeps (llama.cpp requires ``token_embd`` and ``output_norm`` in
 every model file, so every shard carries them in some form):
 
-- head (start == 0): tokenizer, the real ``token_embd``, ``output_norm``; an
-  untied ``output`` matrix is dropped (a head never computes logits, and
-  llama.cpp falls back to ``token_embd`` for it).
-- tail (end == n_layer): tokenizer, ``token_embd``, ``output_norm``, ``output``.
+- head (start == 0): tokenizer, the real ``token_embd``, ``output_norm``; the
+  LM head (an untied ``output`` matrix, an ``output.bias``) is dropped (a head
+  never computes logits, and llama.cpp falls back to ``token_embd`` for it).
+- tail (end == n_layer): tokenizer, ``token_embd``, ``output_norm``, the LM head.
 - middle: slim: a one-row dummy ``token_embd``, ``output_norm``, and a
-  ``none`` tokenizer with ``<arch>.vocab_size = 1`` (no vocabulary at all).
+  ``none`` tokenizer with ``<arch>.vocab_size = 1`` (no vocabulary at all), no
+  LM head (llama.cpp sizes it by the vocabulary: one token here).
 
 Blocks are copied with their raw (quantized) bytes, renumbered from 0. Every
 shard records where it came from in ``meshnet.*`` keys: the sha256 of the whole
@@ -320,7 +321,7 @@ def cut_shard(
         elif t.name == adapter.token_embd and not (head or tail):
             dummy = struct.pack(f"<{n_embd}f", *([0.0] * n_embd))
             tensors.append(OutTensor(t.name, (n_embd, 1), GGMLQuantizationType.F32, len(dummy), data=dummy))
-        elif t.name == adapter.output and not tail:
+        elif t.name in adapter.lm_head and not tail:
             continue
         else:
             tensors.append(OutTensor(t.name, t.dims, t.ggml_type, t.nbytes, source_offset))
