@@ -42,6 +42,7 @@ N_LAYER = 6
 N_EMBD = 256  # k-quant rows are whole 256-element super-blocks
 N_FF = 512
 N_HEAD, N_HEAD_KV = 4, 2
+N_EXPERT = 4  # the "moe" variant: 4 experts, 2 used a token
 PROMPT_LEN = 2 * N_UBATCH + 7  # three micro-batches, the last one short
 MAX_TOKENS = 5  # the prompt's token, then four decode steps
 
@@ -86,8 +87,9 @@ def write_tiny_model(path: str, arch: str, *, seed: int = 0, variant: str = "") 
     llama.cpp loads for it. ``variant``: "lm_head_bias" adds the optional
     ``output.bias`` (qwen2's loader takes one); "per_layer_arrays" writes the head
     counts and FFN width as per-layer arrays (llama.cpp reads either form);
-    "no_yarn" / "no_temperature" leave out mistral3's YaRN / attention temperature keys."""
-    assert variant in ("", "lm_head_bias", "per_layer_arrays", "no_yarn", "no_temperature"), variant
+    "no_yarn" / "no_temperature" leave out mistral3's YaRN / attention temperature keys;
+    "moe" gives llama / mistral3 a Mixtral-style mixture of experts instead of one FFN."""
+    assert variant in ("", "lm_head_bias", "per_layer_arrays", "no_yarn", "no_temperature", "moe"), variant
     rng = np.random.default_rng([seed, *arch.encode()])
     head_dim = {"qwen3": 128, "mistral3": 128, "gemma3": 128}.get(arch, N_EMBD // N_HEAD)
     n_q, n_kv = N_HEAD * head_dim, N_HEAD_KV * head_dim
@@ -110,6 +112,10 @@ def write_tiny_model(path: str, arch: str, *, seed: int = 0, variant: str = "") 
     w.add_head_count(per_layer(N_HEAD))
     w.add_head_count_kv(per_layer(N_HEAD_KV))
     w.add_layer_norm_rms_eps(1e-6)
+    if variant == "moe":
+        assert arch in ("llama", "mistral3"), arch
+        w.add_expert_count(N_EXPERT)
+        w.add_expert_used_count(2)
     w.add_rope_freq_base(1e6 if arch.startswith("qwen") else 1e4)
     if head_dim != N_EMBD // N_HEAD:
         w.add_key_length(head_dim)
@@ -158,9 +164,15 @@ def write_tiny_model(path: str, arch: str, *, seed: int = 0, variant: str = "") 
         if arch == "gemma3":
             w.add_tensor(b + "post_attention_norm.weight", norm(N_EMBD))
         w.add_tensor(b + "ffn_norm.weight", norm(N_EMBD))
-        w.add_tensor(b + "ffn_gate.weight", mat(N_FF, N_EMBD))
-        w.add_tensor(b + "ffn_up.weight", mat(N_FF, N_EMBD))
-        w.add_tensor(b + "ffn_down.weight", mat(N_EMBD, N_FF))
+        if variant == "moe":  # GGUF dims (n_embd, n_ff, n_expert): numpy (n_expert, n_ff, n_embd)
+            w.add_tensor(b + "ffn_gate_inp.weight", mat(N_EXPERT, N_EMBD))
+            w.add_tensor(b + "ffn_gate_exps.weight", np.stack([mat(N_FF, N_EMBD) for _ in range(N_EXPERT)]))
+            w.add_tensor(b + "ffn_up_exps.weight", np.stack([mat(N_FF, N_EMBD) for _ in range(N_EXPERT)]))
+            w.add_tensor(b + "ffn_down_exps.weight", np.stack([mat(N_EMBD, N_FF) for _ in range(N_EXPERT)]))
+        else:
+            w.add_tensor(b + "ffn_gate.weight", mat(N_FF, N_EMBD))
+            w.add_tensor(b + "ffn_up.weight", mat(N_FF, N_EMBD))
+            w.add_tensor(b + "ffn_down.weight", mat(N_EMBD, N_FF))
         if arch == "gemma3":
             w.add_tensor(b + "post_ffw_norm.weight", norm(N_EMBD))
     w.add_tensor("output_norm.weight", norm(N_EMBD))
@@ -422,18 +434,23 @@ def test_chain_matches_whole_model_bit_for_bit(models, load_engine, arch, ftype,
 
 
 @pytest.mark.parametrize("split", ["1", "2,4", "1,2,3,4,5"])
-@pytest.mark.parametrize("arch,variant", [("qwen2", "lm_head_bias"), ("llama", "per_layer_arrays")])
+@pytest.mark.parametrize(
+    "arch,variant", [("qwen2", "lm_head_bias"), ("llama", "per_layer_arrays"), ("llama", "moe"), ("mistral3", "moe")]
+)
 def test_optional_forms_the_loader_accepts_are_cut_exactly(models, load_engine, arch, variant, split):
     """An lm_head bias (qwen2's loader takes ``output.bias``; a middle shard's vocabulary
-    is one token, so it must not carry one) and head counts / FFN width as per-layer
-    arrays (sliced with their layers)."""
+    is one token, so it must not carry one), head counts / FFN width as per-layer
+    arrays (sliced with their layers), and a mixture of experts in place of the FFN
+    (llama's and mistral3's loaders take one: Mixtral is a llama)."""
     check_chain(models, load_engine, arch, "Q4_K_M", split, variant)
     start, end = _ranges(split)[1]
     shard = read_gguf(models.shard(arch, "Q4_K_M", start, end, variant))
     if variant == "lm_head_bias":
         assert shard.tensor("output.bias") is None or end == N_LAYER
-    else:
+    elif variant == "per_layer_arrays":
         assert shard.get(f"{arch}.attention.head_count_kv") == (N_HEAD_KV,) * (end - start)
+    else:
+        assert shard.tensor("blk.0.ffn_up_exps.weight").dims == (N_EMBD, N_FF, N_EXPERT)
 
 
 @pytest.mark.parametrize("without", ["no_yarn", "no_temperature"])
