@@ -16,6 +16,7 @@ from meshnet_p2p.dataplane.transport.channel import Channel, ChannelError
 from meshnet_p2p.dataplane.transport.tls import TLS_NAME, make_tls_credentials
 
 GRPC_OPTIONS = [("grpc.so_reuseport", 0)]  # port 0 must mean a port of our own
+HOLD = threading.Event()
 
 
 def _same(b: bytes) -> bytes:
@@ -40,11 +41,17 @@ def grpc_server():
     def fail(request, context):
         context.abort(grpc.StatusCode.PERMISSION_DENIED, "not for you: 100%")
 
+    def hold(requests, context):  # reads nothing until HOLD is set: its window stays shut
+        HOLD.wait(30)
+        for r in requests:
+            yield r[:1]
+
     handlers = {
         "Echo": grpc.stream_stream_rpc_method_handler(echo, _same, _same),
         "Big": grpc.unary_unary_rpc_method_handler(big, _same, _same),
         "Slow": grpc.unary_unary_rpc_method_handler(slow, _same, _same),
         "Fail": grpc.unary_unary_rpc_method_handler(fail, _same, _same),
+        "Hold": grpc.stream_stream_rpc_method_handler(hold, _same, _same),
     }
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=GRPC_OPTIONS)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.Svc", handlers),))
@@ -250,4 +257,28 @@ def test_a_call_knows_its_end_without_waiting_for_its_messages(grpc_server):
     with pytest.raises(ChannelError) as e:
         call.recv()
     assert e.value.code == "UNAVAILABLE"
+    ch.close()
+
+
+def test_a_send_can_leave_what_the_window_holds_back_to_a_flush(grpc_server):
+    """``send(wait=False)`` writes what the peer's flow-control window admits and
+    returns at once, saying whether the rest waits; ``flush`` waits for it, within
+    its deadline. (A ring hop forwards so, then sends the client its copy, then
+    flushes: a next hop that holds its window shut cannot hold the copy back.)"""
+    ch = channel(grpc_server)
+    call = ch.stream("/t.Svc/Hold", timeout=60)
+    payload = b"x" * (8 << 20)
+    t0 = time.monotonic()
+    waiting = [call.send(payload, wait=False) for _ in range(4)]  # 32 MB: past any window grpcio grants
+    assert waiting[-1] is True and time.monotonic() - t0 < 5  # returned, the rest queued
+    with pytest.raises(ChannelError):  # nobody reads: the flush misses its deadline
+        call.flush(deadline=time.monotonic() + 0.5)
+    ch.close()
+    HOLD.set()
+    ch = channel(grpc_server)
+    call = ch.stream("/t.Svc/Hold", timeout=60)
+    assert call.send(b"small", wait=False) is False  # within the window: all written at once
+    call.flush(deadline=time.monotonic() + 10)
+    call.end()
+    assert call.recv() == b"s"
     ch.close()

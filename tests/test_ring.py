@@ -494,3 +494,37 @@ def test_a_duplicate_steps_acknowledgement_never_stands_for_a_copy_or_a_signals_
     call = _Call(DUPLICATE, pb.SessionResponse(ack=pb.Ack()))
     _session(call).rollback(7, 1, b"t" * 32, timeout=1.0)
     assert call.inbox == []  # it took its own answer, not the duplicate's
+
+
+def test_a_hop_forwards_before_its_copy_and_writes_what_the_window_held_back_after_it():
+    """The forward is on the token's path and the client's copy is not: the forward is
+    written first, as far as the next hop's window admits (RingLink.forward does not
+    wait), then the copy, then the rest (flush). A next hop that holds its window shut
+    delays only the flush, never the copy the client judges this hop by."""
+    from types import SimpleNamespace as NS
+
+    from meshnet_p2p.dataplane.steps import Steps
+
+    order: list[str] = []
+
+    class Link:
+        epoch, forward_until, stop_at_eog = 1, 100, False
+
+        def forward(self, *args, **kw):
+            order.append("forward")
+            return True
+
+        def flush(self):
+            order.append("flush")
+            return True
+
+    state = NS(epoch=1, ring=NS(link=Link(), push=lambda r: order.append("copy")))
+    steps = Steps(None, caps=NS(start=10, end=20), limits=None, stats=None, now_ms=None, identity=None, peer_id="p")
+    step = NS(route_epoch=1, position=7, decode=True)
+    result = NS(token=None, position=8)
+    response = NS(result=NS(hidden=b"h"))
+    link = steps._forward(state, step, result, response, None)
+    assert steps._answer(state, step, response, True, link) is None
+    assert order == ["forward", "copy", "flush"]
+    order.clear()  # a step of an older route forwards nothing, and its copy still goes
+    assert steps._forward(state, NS(route_epoch=0, position=7, decode=True), result, response, None) is None
