@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from meshnet_p2p.client.local import LocalRoute
-from meshnet_p2p.engine.adapters import UnsupportedArchitecture, supported_architectures
+from meshnet_p2p.engine.adapters import supported_architectures
 from meshnet_p2p.engine.contract import HIDDEN
 from meshnet_p2p.engine.cut import cut_shard, sha256_file
 from meshnet_p2p.engine.gguf import read_gguf
@@ -88,8 +88,14 @@ def write_tiny_model(path: str, arch: str, *, seed: int = 0, variant: str = "") 
     ``output.bias`` (qwen2's loader takes one); "per_layer_arrays" writes the head
     counts and FFN width as per-layer arrays (llama.cpp reads either form);
     "no_yarn" / "no_temperature" leave out mistral3's YaRN / attention temperature keys;
-    "moe" gives llama / mistral3 a Mixtral-style mixture of experts instead of one FFN."""
-    assert variant in ("", "lm_head_bias", "per_layer_arrays", "no_yarn", "no_temperature", "moe"), variant
+    "moe" gives llama / mistral3 a Mixtral-style mixture of experts instead of one FFN;
+    gemma3's sliding-window layers are by default llama.cpp's il % 6 rule (layer 5
+    global), "swa_period" sets its integer period to 3 (layers 2 and 5 global),
+    "swa_array" writes a per-layer array (layers 0 and 3 global), "no_swa" leaves
+    the window out (every layer global)."""
+    assert variant in (
+        "", "lm_head_bias", "per_layer_arrays", "no_yarn", "no_temperature", "moe", "swa_period", "swa_array", "no_swa"
+    ), variant
     rng = np.random.default_rng([seed, *arch.encode()])
     head_dim = {"qwen3": 128, "mistral3": 128, "gemma3": 128}.get(arch, N_EMBD // N_HEAD)
     n_q, n_kv = N_HEAD * head_dim, N_HEAD_KV * head_dim
@@ -133,9 +139,13 @@ def write_tiny_model(path: str, arch: str, *, seed: int = 0, variant: str = "") 
             w.add_rope_scaling_yarn_log_mul(1.0)
         if variant != "no_temperature":
             w.add_attn_temperature_scale(0.1)
-    if arch == "gemma3":
-        w.add_sliding_window(8)  # short, so the prompt is longer than the window
-        w.add_rope_freq_base_swa(1e4)
+    if arch == "gemma3" and variant != "no_swa":
+        w.add_sliding_window(8)  # short, so the prompt (and every decode step) is past the window
+        w.add_rope_freq_base_swa(1e3)  # not the global layers' 1e4, so a layer run as the wrong kind shows
+        if variant == "swa_period":
+            w.add_sliding_window_pattern(3)
+        elif variant == "swa_array":
+            w.add_sliding_window_pattern([i % 3 != 0 for i in range(N_LAYER)])
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(TOKENIZER_PRE[arch])
     w.add_token_list(TOKENS)
@@ -270,18 +280,11 @@ def whole_model_hidden(model_path: str, prompt: list[int], max_tokens: int) -> t
 
 ARCHS = supported_architectures()
 WRITABLE = ("llama", "mistral3", "qwen2", "qwen3", "gemma3")  # what write_tiny_model writes
-# Gemma 3 is written (its tiny model loads) but refused by the adapter: its chains are
-# skipped until an adapter exists; listing it in the adapter turns them on here.
-GEMMA3_REFUSED = "the adapter refuses gemma3 (sliding-window layers chosen by layer index)"
 
 
-def _cases(*, with_refused: bool = False) -> list:
-    """Every supported architecture over every quantization type (and, skipped, gemma3)."""
-    cases = [pytest.param(arch, ftype, id=f"{arch}-{ftype}") for arch in ARCHS for ftype in FTYPES]
-    if with_refused and "gemma3" not in ARCHS:
-        cases += [pytest.param("gemma3", ftype, id=f"gemma3-{ftype}", marks=pytest.mark.skip(reason=GEMMA3_REFUSED))
-                  for ftype in FTYPES]
-    return cases
+def _cases() -> list:
+    """Every supported architecture over every quantization type."""
+    return [pytest.param(arch, ftype, id=f"{arch}-{ftype}") for arch in ARCHS for ftype in FTYPES]
 
 
 class _Models:
@@ -398,11 +401,11 @@ def check_chain(models: _Models, load_engine, arch: str, ftype: str, split: str,
 
 
 def test_every_supported_architecture_is_covered():
-    assert set(ARCHS) >= {"llama", "mistral3", "qwen2", "qwen3"}
+    assert set(ARCHS) >= {"llama", "mistral3", "qwen2", "qwen3", "gemma3"}
     assert set(ARCHS) <= set(WRITABLE), "a newly supported architecture needs a tiny model in write_tiny_model"
 
 
-@pytest.mark.parametrize("arch,ftype", [*_cases(), pytest.param("gemma3", "Q4_K_M", id="gemma3-Q4_K_M")])
+@pytest.mark.parametrize("arch,ftype", _cases())
 def test_tiny_model_is_what_llama_cpp_loads(models, arch, ftype):
     """The model loads in the pinned llama.cpp as the architecture it claims (its loader
     refuses a file with a tensor it did not ask for, so every name is one it expects),
@@ -428,7 +431,7 @@ def test_tiny_model_is_what_llama_cpp_loads(models, arch, ftype):
 
 
 @pytest.mark.parametrize("split", SPLITS, ids=lambda s: f"cut-{s.replace(',', '-') or 'none'}")
-@pytest.mark.parametrize("arch,ftype", _cases(with_refused=True))
+@pytest.mark.parametrize("arch,ftype", _cases())
 def test_chain_matches_whole_model_bit_for_bit(models, load_engine, arch, ftype, split):
     check_chain(models, load_engine, arch, ftype, split)
 
@@ -463,11 +466,35 @@ def test_mistral3_scaling_keys_are_read(models, without):
     assert scaled[0].tobytes() != plain[0].tobytes()
 
 
-def test_gemma3_is_still_refused(models, tmp_path):
-    """While it is, its chain tests above are skipped: supporting it must list it in the
-    adapter, which turns them on."""
-    if "gemma3" in ARCHS:
-        pytest.skip("gemma3 is supported: its chains are checked above")
-    path, _ = models.model("gemma3", "Q4_K_M")
-    with pytest.raises(UnsupportedArchitecture, match="sliding-window"):
-        cut_shard(path, 0, 3, str(tmp_path / "s.gguf"))
+GEMMA3_SWA = {  # which layers of the tiny gemma3 slide, per variant, as the whole model runs them
+    "": (True, True, True, True, True, False),
+    "swa_period": (True, True, False, True, True, False),
+    "swa_array": (False, True, True, False, True, True),
+}
+
+
+@pytest.mark.parametrize("split", ["1", "3", "5", "2,4", "1,2,3,4,5"], ids=lambda s: f"cut-{s.replace(',', '-')}")
+@pytest.mark.parametrize("variant", ["swa_period", "swa_array", "no_swa"])
+def test_gemma3_sliding_window_forms_are_cut_exactly(models, load_engine, variant, split):
+    """Every form llama.cpp reads gemma3's sliding-window layers from (its il % 6 rule is
+    the default case above; an integer period; a per-layer array; no window at all),
+    cut so that spans start and end on sliding and on global layers, and so that some
+    span holds only global ones (written with no window: llama.cpp aborts on a
+    windowed model without a sliding layer)."""
+    check_chain(models, load_engine, "gemma3", "Q4_K_M", split, variant)
+    for start, end in _ranges(split):
+        shard = read_gguf(models.shard("gemma3", "Q4_K_M", start, end, variant))
+        if variant == "no_swa":
+            assert shard.get("gemma3.attention.sliding_window") is None
+            continue
+        span = GEMMA3_SWA[variant][start:end]
+        assert shard.get("gemma3.attention.sliding_window_pattern") == span
+        assert shard.get("gemma3.attention.sliding_window") == (8 if any(span) else 0)
+
+
+def test_gemma3_sliding_window_forms_change_what_it_computes(models):
+    """Guards the tiny gemma3 itself: the window is short enough for the prompt to
+    cross it, and which layers slide changes the logits (so the chains above would see
+    a shard that ran a layer as the wrong kind)."""
+    runs = {v: models.reference("gemma3", "Q4_K_M", v)[2][0].tobytes() for v in ("", "swa_period", "swa_array", "no_swa")}
+    assert len(set(runs.values())) == 4

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshnet_p2p.engine.adapters import UnsupportedArchitecture
+from meshnet_p2p.engine.adapters import UncarriedLayerProperty, UnsupportedArchitecture
 from meshnet_p2p.engine.contract import LoadRequest, StatusCode
 from meshnet_p2p.engine.cut import (
     LayerRangeError,
@@ -185,7 +185,7 @@ def test_bad_range_text_is_refused(text):
         parse_layer_range(text)
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "granite", "bert"])
+@pytest.mark.parametrize("arch", ["gemma2", "granite", "bert"])
 def test_unsupported_architecture_is_refused_by_name(tmp_path, arch):
     src = tiny_gguf(tmp_path / "m.gguf", arch=arch)
     with pytest.raises(UnsupportedArchitecture, match=repr(arch)):
@@ -195,10 +195,83 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path, arch):
     assert result.status.code is StatusCode.LOAD_FAILED and arch in result.status.message
 
 
-def test_gemma3_refusal_says_why(tmp_path):
-    src = tiny_gguf(tmp_path / "m.gguf", arch="gemma3")
-    with pytest.raises(UnsupportedArchitecture, match="sliding-window"):
-        cut_shard(src, 0, 1, str(tmp_path / "s.gguf"))
+def _gemma3(path, n_layer=6, n_embd=32, n_head=4, key_length=None, window=8, pattern=None):
+    kv = [encode_kv("gemma3.attention.head_count", ValueType.UINT32, n_head)]
+    if key_length is not None:
+        kv.append(encode_kv("gemma3.attention.key_length", ValueType.UINT32, key_length))
+    if window is not None:
+        kv.append(encode_kv("gemma3.attention.sliding_window", ValueType.UINT32, window))
+    if isinstance(pattern, int):
+        kv.append(encode_kv("gemma3.attention.sliding_window_pattern", ValueType.UINT32, pattern))
+    elif pattern is not None:
+        kv.append(encode_kv("gemma3.attention.sliding_window_pattern", ValueType.ARRAY, pattern, ValueType.BOOL))
+    return tiny_gguf(path, arch="gemma3", n_layer=n_layer, n_embd=n_embd, extra_kv=kv)
+
+
+# As the pinned llama.cpp's load_swa_pattern(ml, 6) decides for the whole model: the
+# file's per-layer array as is, else its integer period, else 6 (il % p == p - 1 global).
+@pytest.mark.parametrize(
+    "pattern,whole",
+    [
+        (None, "TTTTTF" "TTTTTF" "TT"),
+        (3, "TTF" "TTF" "TTF" "TTF" "TT"),
+        (0, "T" * 14),  # period 0: every layer slides
+        (1, "F" * 14),  # period 1: every layer global
+        ([bool(i % 4) for i in range(14)], "FTTT" "FTTT" "FTTT" "FT"),
+    ],
+    ids=["default", "period-3", "period-0", "period-1", "array"],
+)
+def test_gemma3_shard_carries_its_layers_sliding_window_pattern(tmp_path, pattern, whole):
+    src = _gemma3(tmp_path / "m.gguf", n_layer=14, pattern=pattern)
+    whole = tuple(c == "T" for c in whole)
+    for start, end in [(0, 14), (0, 5), (5, 6), (5, 12), (7, 14), (11, 12), (13, 14)]:
+        shard = read_gguf(cut_shard(src, start, end, str(tmp_path / f"s{start}-{end}.gguf")).path)
+        entry = shard.kv["gemma3.attention.sliding_window_pattern"]
+        assert (entry.type, entry.array_type, entry.value) == (ValueType.ARRAY, ValueType.BOOL, whole[start:end])
+        # llama.cpp aborts on a windowed model without a sliding layer: such a shard has no window
+        assert shard.get("gemma3.attention.sliding_window") == (8 if any(whole[start:end]) else 0)
+
+
+def test_gemma3_without_a_window_is_cut_as_is(tmp_path):
+    """No sliding window: llama.cpp reads no pattern and every layer is global, so
+    nothing is carried (and a period key, unread, is copied as it is)."""
+    src = _gemma3(tmp_path / "m.gguf", window=None, pattern=3)
+    shard = read_gguf(cut_shard(src, 2, 4, str(tmp_path / "s.gguf")).path)
+    assert shard.get("gemma3.attention.sliding_window_pattern") == 3
+    assert shard.get("gemma3.attention.sliding_window") is None
+
+
+@pytest.mark.parametrize(
+    "pattern,why",
+    [([True] * 5, "5 entries for 6 layers"), ((ValueType.FLOAT32, [1.0] * 6), "array of FLOAT32")],
+)
+def test_gemma3_pattern_llama_cpp_would_not_read_per_layer_is_refused(tmp_path, pattern, why):
+    kv = [encode_kv("gemma3.attention.head_count", ValueType.UINT32, 4),
+          encode_kv("gemma3.attention.sliding_window", ValueType.UINT32, 8)]
+    vtype, values = pattern if isinstance(pattern, tuple) else (ValueType.BOOL, pattern)
+    kv.append(encode_kv("gemma3.attention.sliding_window_pattern", ValueType.ARRAY, values, vtype))
+    src = tiny_gguf(tmp_path / "m.gguf", arch="gemma3", n_layer=6, extra_kv=kv)
+    with pytest.raises(UncarriedLayerProperty, match=why):
+        cut_shard(src, 0, 3, str(tmp_path / "s.gguf"))
+
+
+def test_gemma3_27b_attention_scale_is_refused(tmp_path):
+    """llama.cpp names a 62-layer gemma3 the 27B and scales its queries by
+    1/sqrt(n_embd / n_head) instead of 1/sqrt(head_dim), from the layer count, with no
+    key to set it: no shard of it (fewer layers) would scale the same."""
+    src = _gemma3(tmp_path / "m.gguf", n_layer=62, n_embd=64, n_head=4, key_length=8)  # 64 / 4 = 16 != 8
+    with pytest.raises(UncarriedLayerProperty, match=r"27B.*1/sqrt\(16\).*1/sqrt\(8\)") as e:
+        cut_shard(src, 0, 31, str(tmp_path / "s.gguf"))
+    assert isinstance(e.value, UnsupportedArchitecture)
+    assert not os.path.exists(tmp_path / "s.gguf")
+    # the same layer count with head_dim == n_embd / n_head: one scale either way
+    same = _gemma3(tmp_path / "same.gguf", n_layer=62, n_embd=64, n_head=4)
+    cut_shard(same, 0, 31, str(tmp_path / "s.gguf"))
+    # and a 62-layer shard of a bigger gemma3 would be the "27B" its whole model is not
+    bigger = _gemma3(tmp_path / "big.gguf", n_layer=70, n_embd=64, n_head=4, key_length=8)
+    with pytest.raises(UncarriedLayerProperty, match="62-layer"):
+        cut_shard(bigger, 4, 66, str(tmp_path / "t.gguf"))
+    cut_shard(bigger, 4, 65, str(tmp_path / "t.gguf"))
 
 
 def test_a_shard_is_not_cut_again(shard_dir, tmp_path):

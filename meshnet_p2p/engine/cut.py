@@ -11,7 +11,11 @@ every model file, so every shard carries them in some form):
   ``none`` tokenizer with ``<arch>.vocab_size = 1`` (no vocabulary at all), no
   LM head (llama.cpp sizes it by the vocabulary: one token here).
 
-Blocks are copied with their raw (quantized) bytes, renumbered from 0. Every
+Blocks are copied with their raw (quantized) bytes, renumbered from 0. What
+llama.cpp derives from a layer's global index (Gemma 3's sliding-window layers)
+is written as an explicit per-layer array for the shard's span, as the adapter
+says (adapters.py); what no key can carry is refused before anything is written.
+Every
 shard records where it came from in ``meshnet.*`` keys: the sha256 of the whole
 source file, the source's layer count and the range, so a shard stays bound to
 the exact artifact it was cut from, and the source's tokenizer digest (a middle
@@ -265,6 +269,10 @@ def cut_shard(
         raise ShardCutError(f"{model_path} is itself a shard (layers {src.get(K_START)}:{src.get(K_END)}); cut from the whole model")
     if not 0 <= start < end <= n_layer:
         raise LayerRangeError(f"layers {start}:{end} are outside the model, which has layers 0:{n_layer}")
+    # Per-layer properties llama.cpp derives from the global layer index, as the
+    # whole model uses them for layers start..end-1 (refused here, before any
+    # hashing, if a shard cannot carry them).
+    carried = adapter.per_layer_metadata(src, n_layer, start, end)
     digest = source_sha256 or sha256_file(model_path, progress)
     try:
         quantization = ftype_name(src.get(K_FILE_TYPE))  # copied verbatim into the shard below
@@ -279,6 +287,8 @@ def cut_shard(
         entry = src.kv[key]
         if key == adapter.key("block_count"):
             kv.append(encode_kv(key, entry.type, end - start))
+        elif key in carried:
+            continue  # written below, explicitly per layer
         elif key.startswith("meshnet."):
             continue
         elif not (head or tail) and (key.startswith("tokenizer.") or key == adapter.key("vocab_size")):
@@ -293,6 +303,7 @@ def cut_shard(
             kv.append(encode_kv(key, entry.type, entry.value[start:end], entry.array_type))
         else:
             kv.append(src.raw_entry(key))
+    kv += carried.values()
     if not (head or tail):
         kv.append(encode_kv("tokenizer.ggml.model", ValueType.STRING, "none"))
         kv.append(encode_kv(adapter.key("vocab_size"), ValueType.UINT32, 1))
