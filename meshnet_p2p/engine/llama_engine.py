@@ -143,6 +143,9 @@ class LlamaCppShardEngine(ShardEngine):
         cparams.n_threads = threads
         cparams.n_threads_batch = threads
         cparams.flash_attn_type = FLASH_ATTN_TYPE
+        # a sliding-window model (gemma3) keeps its whole KV, not only the window: a
+        # rollback deeper than the window (failover, audits) must find what it rewinds to
+        cparams.swa_full = True
         cparams.type_k = KV_CACHE_GGML_TYPE
         cparams.type_v = KV_CACHE_GGML_TYPE
         cparams.no_perf = True
