@@ -14,24 +14,22 @@ KEEP_WARM_MS = 0  # off: on shared VMs it measured slower (docs/ring.md, "Keep-w
 
 
 
-def positive(text: str) -> int:
+def _whole(text: str, least: int, must: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1")
+    if value < least:
+        raise argparse.ArgumentTypeError(f"{text!r} must be {must}")
     return value
+
+
+def positive(text: str) -> int:
+    return _whole(text, 1, "at least 1")
 
 
 def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
-    return value
+    return _whole(text, 0, "0 or more")
 
 
 def number(text: str) -> float:
