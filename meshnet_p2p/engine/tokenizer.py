@@ -51,11 +51,16 @@ class Tokenizer:
         """One user message in the chat template, ready for the assistant's turn."""
         return self.apply_chat_template([{"role": "user", "content": text}])
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the model carries a chat template (a base model, e.g. Gemma 3 270M, does not)."""
+        return bool(llama_cpp.llama_model_chat_template(self._model, None))
+
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         """Render messages with the model's chat template, ready for the assistant's turn."""
         tmpl = llama_cpp.llama_model_chat_template(self._model, None)
         if not tmpl:
-            raise TokenizerError("the model has no chat template")
+            raise TokenizerError("the model has no chat template (a base model): send the prompt as is")
         arr = (llama_cpp.llama_chat_message * len(messages))()
         keep = []
         for i, m in enumerate(messages):

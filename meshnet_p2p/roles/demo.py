@@ -47,8 +47,13 @@ def run_demo(prompt: str = DEFAULT_PROMPT, max_tokens: int = 64, *, chat: bool =
              out: TextIO = sys.stdout, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)) -> dict:
     from meshnet_p2p.engine.cut import inspect_gguf
     from meshnet_p2p.engine.models import default_model_path
+    from meshnet_p2p.engine.tokenizer import Tokenizer
 
     spans = thirds(inspect_gguf(model or default_model_path()).source_layers)
+    if chat and not Tokenizer(model or default_model_path()).has_chat_template:
+        # checked before any process starts: a base model completes text instead of answering
+        log("the model has no chat template (a base model): sending the prompt as is")
+        chat = False
     log("starting a bootstrap peer and three volunteers ...")
     swarm = Swarm(spans, "--threads", "1", *(["--model", model] if model else []))
     try:
