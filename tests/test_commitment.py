@@ -123,3 +123,16 @@ def test_from_content_of_anything_is_a_commitment_or_a_commitment_error(content)
     assert c.to_content() == content
     c.link()  # a parsed commitment can always be hashed and checked
     assert not c.verifies() or len(c.signature) == 64
+
+
+def test_link_is_the_canonical_msgpack_of_the_body():
+    """link() packs its flat body directly (it is on every step's path): the bytes are the
+    ones core.records.canonical gives, which the signatures already in records cover."""
+    import hashlib
+
+    from meshnet_p2p.core.records import canonical
+    from meshnet_p2p.trust.commitment import COMMIT_DOMAIN
+
+    for c in [commitment(), commitment(7, b"\x01" * 32, 2**39, decode=True)]:
+        body = [getattr(c, f.name) for f in dataclasses.fields(c) if f.name != "signature"]
+        assert c.link() == hashlib.sha256(COMMIT_DOMAIN + canonical(body)).digest()
