@@ -27,6 +27,7 @@ with atheris.instrument_imports(include=["meshnet_p2p", "h2", "hpack", "hyperfra
     from meshnet_p2p.dht import wire
     from meshnet_p2p.nat.dialback import DialbackRejected, dial_target, parse_dial_back, parse_dial_result, verify_dial_result
     from meshnet_p2p.engine.gguf import GGUFFormatError, read_gguf
+    from meshnet_p2p.engine.manifest import Manifest, ManifestError
     from meshnet_p2p.core.identity import Identity
     from meshnet_p2p.core.records import RecordRejected, RecordVerifier, sign_record
     from meshnet_p2p.trust import verdicts
@@ -234,6 +235,18 @@ def gguf(data: bytes) -> None:
         pass
 
 
+def manifest(data: bytes) -> None:
+    """Raw bytes as a model's manifest from a peer; one that decodes must check a header too."""
+    try:
+        m = Manifest.from_bytes(data)
+    except ManifestError:
+        return
+    try:
+        m.check_header(data[: m.header_size])
+    except ManifestError:
+        pass
+
+
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 
@@ -265,7 +278,7 @@ def certificate(data: bytes) -> None:
 
 
 TARGETS = {f.__name__: f for f in (datagram, signed_datagram, dial_back, dial_result, record, bundle, commitment,
-                                    report, peer_verdicts, gguf, http2, connect, certificate)}
+                                    report, peer_verdicts, gguf, manifest, http2, connect, certificate)}
 
 
 def main(argv: list[str]) -> int:

@@ -44,6 +44,7 @@ from .gguf import (
     GGUFFile,
     GGUFFormatError,
     OutTensor,
+    TensorInfo,
     ValueType,
     encode_kv,
     encode_string,
@@ -321,32 +322,51 @@ def cut_shard(
         encode_kv(K_DATA_SHA256, ValueType.STRING, _UNBOUND),  # filled in once the bytes are on disk
     ]
 
-    tensors: list[OutTensor] = []
-    for t in src.tensors:
-        block = adapter.block_of(t.name)
-        source_offset = src.data_offset + t.offset
-        if block is not None:
-            idx, rest = block
-            if start <= idx < end:
-                tensors.append(OutTensor(f"blk.{idx - start}.{rest}", t.dims, t.ggml_type, t.nbytes, source_offset))
-        elif t.name == adapter.token_embd and not (head or tail):
-            dummy = struct.pack(f"<{n_embd}f", *([0.0] * n_embd))
-            tensors.append(OutTensor(t.name, (n_embd, 1), GGMLQuantizationType.F32, len(dummy), data=dummy))
-        elif t.name in adapter.lm_head and not tail:
-            continue
-        else:
-            tensors.append(OutTensor(t.name, t.dims, t.ggml_type, t.nbytes, source_offset))
-    if not any(adapter.block_of(t.name) for t in tensors):
-        raise ShardCutError(f"{model_path}: no block tensors found for layers {start}:{end}")
-    for needed in (adapter.token_embd, adapter.output_norm):
-        if not any(t.name == needed for t in tensors):
-            raise ShardCutError(f"{model_path}: the model has no {needed!r} tensor")
+    tensors = [out for out, _ in _plan_tensors(src, adapter, start, end, n_embd, model_path)]
 
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     binding = _write_bound(out_path, kv, tensors, model_path, src.alignment, progress)
     return ShardInfo(
         out_path, arch, adapter.adapter_id, digest, n_layer, start, end, n_embd, True, source_tokenizer, quantization, binding
     )
+
+
+def _plan_tensors(src: GGUFFile, adapter: ArchitectureAdapter, start: int, end: int, n_embd: int,
+                  what: str) -> list[tuple[OutTensor, "TensorInfo | None"]]:
+    """The shard's tensors in order, each with the source tensor its bytes are copied
+    from (None for a synthesised one)."""
+    n_layer = src.get(adapter.key("block_count"))
+    head, tail = start == 0, end == n_layer
+    plan: list[tuple[OutTensor, TensorInfo | None]] = []
+    for t in src.tensors:
+        block = adapter.block_of(t.name)
+        source_offset = src.data_offset + t.offset
+        if block is not None:
+            idx, rest = block
+            if start <= idx < end:
+                plan.append((OutTensor(f"blk.{idx - start}.{rest}", t.dims, t.ggml_type, t.nbytes, source_offset), t))
+        elif t.name == adapter.token_embd and not (head or tail):
+            dummy = struct.pack(f"<{n_embd}f", *([0.0] * n_embd))
+            plan.append((OutTensor(t.name, (n_embd, 1), GGMLQuantizationType.F32, len(dummy), data=dummy), None))
+        elif t.name in adapter.lm_head and not tail:
+            continue
+        else:
+            plan.append((OutTensor(t.name, t.dims, t.ggml_type, t.nbytes, source_offset), t))
+    if not any(adapter.block_of(out.name) for out, _ in plan):
+        raise ShardCutError(f"{what}: no block tensors found for layers {start}:{end}")
+    for needed in (adapter.token_embd, adapter.output_norm):
+        if not any(out.name == needed for out, _ in plan):
+            raise ShardCutError(f"{what}: the model has no {needed!r} tensor")
+    return plan
+
+
+def tensors_needed(src: GGUFFile, start: int, end: int) -> tuple[TensorInfo, ...]:
+    """The source tensors whose bytes a shard of layers [start, end) copies: all that
+    :func:`cut_shard` reads of the file besides its header (a fetcher needs no more)."""
+    arch, adapter, n_layer, n_embd = _model_shape(src)
+    if not 0 <= start < end <= n_layer:
+        raise LayerRangeError(f"layers {start}:{end} are outside the model, which has layers 0:{n_layer}")
+    return tuple(t for _, t in _plan_tensors(src, adapter, start, end, n_embd, src.path) if t is not None)
 
 
 def _write_bound(

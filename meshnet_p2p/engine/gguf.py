@@ -194,17 +194,18 @@ class _Cursor:
         return self.unpack(_SCALAR_FMT[t]), None
 
 
-def read_gguf(path: str | os.PathLike[str], *, buf: bytes | None = None) -> GGUFFile:
+def read_gguf(path: str | os.PathLike[str], *, buf: bytes | None = None, file_size: int | None = None) -> GGUFFile:
     """Parse a GGUF file's header, metadata and tensor table, with every bound checked.
 
     Tensor data is not read, only checked to lie inside the file. ``buf`` lets
-    tests and fuzzers parse bytes directly.
+    tests and fuzzers parse bytes directly, and a fetcher a header on its own
+    (``file_size``: the size of the whole file it heads; default ``len(buf)``).
     """
     path = os.fspath(path)
     what = os.path.basename(path) or "gguf"
     if buf is not None:
         try:
-            return _parse(memoryview(buf), len(buf), path, what)
+            return _parse(memoryview(buf), len(buf) if file_size is None else file_size, path, what)
         except _Short as e:
             raise GGUFFormatError(str(e)) from None
     try:
