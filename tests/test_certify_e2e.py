@@ -15,6 +15,7 @@ from meshnet_p2p.client.hop import route_fingerprint
 from meshnet_p2p.dataplane.stub import ShardError
 from meshnet_p2p.engine.contract import SamplingParams
 from meshnet_p2p.engine.cut import inspect_gguf
+from meshnet_p2p.engine.manifest import build_manifest
 from meshnet_p2p.engine.tokenizer import Tokenizer
 from meshnet_p2p.core.identity import Identity
 from meshnet_p2p.swarm.view import survey
@@ -40,7 +41,7 @@ def status(addr, *extra) -> dict:
     return json.loads(r.stdout)
 
 
-def test_a_fresh_swarm_is_dark_until_a_trusted_certifier_certifies_it(tmp_path, reference):
+def test_a_fresh_swarm_is_dark_until_a_trusted_certifier_certifies_it(tmp_path, reference, model_path):
     boot, addr, joins = start_swarm(tmp_path, ["0:10", "10:20", "20:30"], certify=False)
     api = Proc("api", "--bootstrap", addr, "--listen", "127.0.0.1:0")
     try:
@@ -69,12 +70,20 @@ def test_a_fresh_swarm_is_dark_until_a_trusted_certifier_certifies_it(tmp_path, 
         assert summary["stored_on"] >= 1 and summary["stored_networks"] == 1 and "warning" not in summary
         r = generate(addr)
         assert r.returncode == 2 and "is dark" in r.stderr, r.stderr
+        assert status(addr)["names"] == []  # nor does its catalogue of names count for them
         trusted = generate(addr, "--trust", summary["certifier"])
         assert trusted.returncode == 0, trusted.stderr
         assert json.loads(trusted.stdout)["token_ids"] == reference
 
         # the bootstrap operator certifies with the bootstrap's own key: trusted by default
-        certify_swarm(addr, boot.identity_path)
+        named = certify_swarm(addr, boot.identity_path)
+        # and lists the model in its catalogue under its file's name, bound to the file's manifest
+        manifest = build_manifest(model_path)
+        assert (named["name"], named["manifest_digest"]) == ("SmolLM2-135M-Instruct", manifest.digest())
+        [listed] = status(addr)["names"]
+        assert listed == {"name": "SmolLM2-135M-Instruct", "files": 1, "models": [{
+            "name": "SmolLM2-135M-Instruct", "model_digest": manifest.model_digest,
+            "manifest_digest": manifest.digest(), "file_size": manifest.file_size, "certified_by": [boot.peer_id]}]}
         r = generate(addr)
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["token_ids"] == reference
@@ -82,6 +91,7 @@ def test_a_fresh_swarm_is_dark_until_a_trusted_certifier_certifies_it(tmp_path, 
         assert recipe["state"] == "certified" and recipe["certified_by"] == boot.peer_id
         text = meshnet_peer("status", "--bootstrap", addr, "--no-probe")
         assert text.returncode == 0 and f"certified by {boot.peer_id}" in text.stdout
+        assert f"name SmolLM2-135M-Instruct -> model {manifest.model_digest[:16]}" in text.stdout
     finally:
         for p in [api] + joins + [boot]:
             p.stop()
@@ -157,6 +167,7 @@ def test_certify_refuses_a_swarm_with_a_hole(tmp_path):
     (["status", "--model", "/nonexistent.gguf"], "no model file"),
     (["certify", "--method", "by-vote"], "invalid choice"),
     (["certify", "--max-tokens", "0"], "at least 1"),
+    (["certify", "--name", "my model"], "--name 'my model'"),
 ])
 def test_bad_certification_flags_are_one_clear_error(command, needle):
     nobody = f"/ip4/127.0.0.1/udp/9/p2p/{Identity.generate().peer_id}"

@@ -60,3 +60,33 @@ def ensure_shard(model_path: str, start: int, end: int, source_sha256: str, prog
             pass  # a damaged cache entry is simply cut again
     cut_shard(model_path, start, end, path, source_sha256=source_sha256, progress=progress)
     return path
+
+
+def manifest_cache_path(manifest_digest: str) -> str:
+    return os.path.join(cache_dir(), "manifests", f"{manifest_digest}.msgpack")
+
+
+def save_manifest(manifest) -> str:
+    """Keep a model's manifest in the cache under its digest (what a peer serves to fetchers)."""
+    from .gguf import written_atomically
+
+    path = manifest_cache_path(manifest.digest())
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with written_atomically(path, "manifest") as tmp:
+        with open(tmp, "wb") as f:
+            f.write(manifest.to_bytes())
+    return path
+
+
+def load_manifest(manifest_digest: str):
+    """The cached manifest of that digest, checked against it; None if there is none."""
+    from .manifest import Manifest, ManifestError
+
+    try:
+        with open(manifest_cache_path(manifest_digest), "rb") as f:
+            m = Manifest.from_bytes(f.read())
+    except FileNotFoundError:
+        return None
+    if m.digest() != manifest_digest:
+        raise ManifestError(f"the cached manifest {manifest_digest[:12]} is not what its name says")
+    return m

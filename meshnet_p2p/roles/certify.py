@@ -38,11 +38,13 @@ from meshnet_p2p.trust.evidence import (
     index_key,
     sign_index,
 )
+from meshnet_p2p.trust.catalogue import Entry, catalogue_key, entries_of, name_problem, sign_catalogue, with_entry
 from meshnet_p2p.trust.policy import TrustPolicy
 from meshnet_p2p.client import RouteOptions
 from meshnet_p2p.client.star import StarRoute
 from meshnet_p2p.client.generation import generate
 from meshnet_p2p.engine.contract import SamplingParams
+from meshnet_p2p.engine.models import save_manifest
 from meshnet_p2p.engine.recipe import explain_mismatch
 from meshnet_p2p.core.errors import unwrap_errors
 from meshnet_p2p.dht.node import Stored
@@ -70,6 +72,7 @@ class CertifyOptions:
     max_tokens: int = DEFAULT_TOKENS
     step_timeout: float = 10.0
     threads: int | None = None
+    name: str | None = None  # the name this model is listed under in the certifier's catalogue (default: its file's)
 
 
 def certification_planner(exclude: set[str]):
@@ -159,7 +162,7 @@ def run(args) -> int:
     opts = CertifyOptions(bootstrap=seeds, identity=load_or_create_identity(args.identity),
                           model_path=model_path(args.model), recipe=args.recipe, method=args.method,
                           prompt=args.prompt or DEFAULT_PROMPT, max_tokens=args.max_tokens,
-                          step_timeout=args.step_timeout)
+                          step_timeout=args.step_timeout, name=args.name)
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print_line
     summary = trio.run(certify, opts, log)
     if args.json:
@@ -169,11 +172,18 @@ def run(args) -> int:
 
 async def certify(opts: CertifyOptions, log: Callable[[str], None] = print) -> dict:
     """Certify one recipe of the model in the swarm; returns a summary."""
-    from meshnet_p2p.engine.cut import inspect_gguf, sha256_file
+    from meshnet_p2p.engine.cut import inspect_gguf
+    from meshnet_p2p.engine.manifest import build_manifest
     from meshnet_p2p.engine.tokenizer import Tokenizer
     from .progress import TerminalProgress
 
-    source_sha = await trio.to_thread.run_sync(sha256_file, opts.model_path, TerminalProgress("the model"))
+    name = opts.name or default_name(opts.model_path)
+    if (why := name_problem(name)) is not None:
+        raise CertificationError(f"--name {name!r}: {why}")
+    # the manifest's one pass over the file also gives its sha256
+    progress = TerminalProgress("the model")
+    manifest = await trio.to_thread.run_sync(lambda: build_manifest(opts.model_path, lambda _, d, t: progress("hashing", d, t)))
+    source_sha = manifest.source_sha256
     info = await trio.to_thread.run_sync(lambda: inspect_gguf(opts.model_path, source_sha256=source_sha))
     n_layer, model = info.source_layers, info.model_digest
     prompt = Tokenizer(opts.model_path).encode(opts.prompt)
@@ -201,9 +211,19 @@ async def certify(opts: CertifyOptions, log: Callable[[str], None] = print) -> d
             indexed = await node.publish(index_key(model, me), sign_index(opts.identity, model,
                                                                          [view.recipe_digest, *before], now_ms=wall_ms()),
                                          also=homes)
+            # and its catalogue: this name for this file (its manifest's digest), first
+            listed = await newest_signed_by(node, catalogue_key(me), me)
+            entry = Entry(name, model, manifest.digest(), manifest.file_size)
+            entries = with_entry(entries_of(listed) if listed else [], entry)
+            named = await node.publish(catalogue_key(me), sign_catalogue(opts.identity, entries, now_ms=wall_ms()),
+                                       also=homes)
             visible = networks([*node.table.contacts(), *homes])
             nursery.cancel_scope.cancel()
-    held = Stored(min(stored.nodes, indexed.nodes), min(stored.networks, indexed.networks))  # both must reach readers
+    # all three must reach readers
+    held = Stored(min(stored.nodes, indexed.nodes, named.nodes), min(stored.networks, indexed.networks, named.networks))
+    save_manifest(manifest)  # for this machine's peers to serve
+    summary["name"] = name
+    summary["manifest_digest"] = entry.manifest_digest
     summary["stored_on"] = held.nodes
     summary["stored_networks"] = held.networks
     problem = storage_problem(held, visible)
@@ -215,6 +235,13 @@ async def certify(opts: CertifyOptions, log: Callable[[str], None] = print) -> d
         summary["warning"] = problem
         log(f"warning: {problem}")
     return summary
+
+
+def default_name(path: str) -> str:
+    """A model's name from its file, as clients name it: "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct"."""
+    import os
+
+    return os.path.basename(path).split(".")[0]
 
 
 MIN_NETWORKS = 3  # distinct networks that should hold a certifier's records

@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bootstrap(cert, "bootstrap peers (repeatable; default $MESHNET_BOOTSTRAP)")
     cert.add_argument("--identity", help="key file that signs the evidence (e.g. a bootstrap peer's; default: a fresh one)")
     cert.add_argument("--model", help="GGUF model (default: the embedded SmolLM2-135M-Instruct)")
+    cert.add_argument("--name", help="the name this model is listed under in the certifier's catalogue "
+                                     "(default: its file name up to the first dot)")
     cert.add_argument("--recipe", metavar="DIGEST", help="the recipe to certify (a digest or its prefix; default: "
                                                          "the dark recipe most peers serve)")
     cert.add_argument("--method", choices=("auto", "whole-model", "two-routes"), default="auto",

@@ -12,6 +12,7 @@ The survey (:func:`survey_node`, through any running DHT node) is shared with
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -27,7 +28,8 @@ from meshnet_p2p.core.identity import Identity
 from meshnet_p2p.swarm.placement import Span
 from meshnet_p2p.core.records import Record, keep_newest
 from meshnet_p2p.swarm.relay_offers import RELAYS_KEY
-from meshnet_p2p.swarm.view import RecipeView, SwarmView, build_view, fetch_records
+from meshnet_p2p.swarm.view import RecipeView, SwarmView, build_view, fetch_records, newest_signed_by
+from meshnet_p2p.trust import catalogue
 
 MAX_MODELS = 32
 PROBE_TIMEOUT_S = 3.0
@@ -102,6 +104,7 @@ class Survey:
 
     relays: list[Record]
     models: list[tuple[str, SwarmView]]
+    catalogues: list[Record] = dataclasses.field(default_factory=list)  # trusted certifiers' names
 
 
 async def indexed_models(node) -> list[tuple[str, str, int]]:
@@ -129,7 +132,9 @@ async def survey_node(node, trust: TrustPolicy, models: Sequence[tuple[str, str,
         views.append((name, build_view(digest, n_layer or None, reports, certs, trust)))
     if node.stats["responses"] == answered:  # no DHT node answered: cut off (a partition), not an empty swarm
         raise MeshnetError("no DHT peer answered the survey: this node is cut off from the swarm")
-    return Survey(list(relays.values()), views)
+    catalogues = [r for c in sorted(trust.certifiers)
+                  if (r := await newest_signed_by(node, catalogue.catalogue_key(c), c)) is not None]
+    return Survey(list(relays.values()), views, catalogues)
 
 
 def relay_doc(rec: Record) -> dict[str, Any]:
@@ -142,6 +147,10 @@ def status_doc(survey: Survey, trust: TrustPolicy, rtt: dict[str, float | None])
     return {
         "relays": sorted((relay_doc(r) for r in survey.relays), key=lambda d: d["peer_id"]),
         "trusted_certifiers": sorted(trust.certifiers),
+        # a name given to two files is listed with both (and "files": 2), never resolved to one
+        "names": [{"name": name, "files": len(found),
+                   "models": [{**n.entry.to_content(), "certified_by": list(n.certifiers)} for n in found]}
+                  for name, found in catalogue.names(survey.catalogues, trust.certifiers).items()],
         "models": [{"model_digest": v.model_digest, "name": name, "n_layer": v.n_layer,
                     "recipes": [recipe_doc(v, r, rtt, load_records(records_path(v.model_digest)))
                                 for r in v.recipes]} for name, v in survey.models],
@@ -212,6 +221,11 @@ def format_status(doc: dict[str, Any]) -> str:
         lines.append(f"relay {r['peer_id']} {r['addr']}: {load['reservations_now']}/{lim['max_reservations']} "
                      f"reservations, {load['circuits_now']} circuits now; {load['spliced']} spliced, "
                      f"{load['bytes']} bytes, {load['refused']} refused since start")
+    for n in doc.get("names", []):
+        for m in n["models"]:
+            clash = f" (one of {n['files']} files under this name)" if n["files"] > 1 else ""
+            lines.append(f"name {n['name']} -> model {m['model_digest'][:16]} manifest {m['manifest_digest'][:16]} "
+                         f"({m['file_size']} bytes), named by {', '.join(m['certified_by'])}{clash}")
     if not doc["models"]:
         lines.append("no models found in the swarm")
     for m in doc["models"]:

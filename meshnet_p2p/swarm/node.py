@@ -19,7 +19,7 @@ import trio
 
 from . import capability
 from .capability import model_key
-from meshnet_p2p.trust import verdicts
+from meshnet_p2p.trust import catalogue, verdicts
 from meshnet_p2p.trust.evidence import CERT_INDEX, CERT_INDEX_TYPE, CERTIFICATE, CERTIFICATE_TYPE, model_of_key
 from meshnet_p2p.dht.node import DHTConfig, DHTNode
 from meshnet_p2p.dht.routing import Contact
@@ -36,9 +36,9 @@ DEFAULT_LIST = pathlib.Path(__file__).resolve().parents[2] / "bootstrap" / "peer
 
 
 # every record type a node accepts: capability reports, the model index, certificates, relays,
-# fraud reports and certifiers' peer verdicts
+# fraud reports, certifiers' peer verdicts and their catalogues of model names
 TYPES: dict[str, PayloadType] = {**capability.TYPES, CERTIFICATE: CERTIFICATE_TYPE, CERT_INDEX: CERT_INDEX_TYPE,
-                                 **RELAY_TYPES, **verdicts.TYPES}
+                                 **RELAY_TYPES, **verdicts.TYPES, **catalogue.TYPES}
 
 
 class BootstrapError(MeshnetError):
