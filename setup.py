@@ -7,7 +7,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PROTOS = ["shard_runtime.proto"]
+PROTOS = ["shard_runtime.proto", "weights.proto"]
 
 
 def generate_grpc() -> None:

@@ -1,0 +1,175 @@
+"""Fetching parts of a model file from peers (proto/weights.proto, docs/weights.md).
+
+:class:`WeightClient` is one peer's WeightStore. :func:`fetch_parts` fills a
+partial model (engine/partial.py) with the parts asked for, from several
+sources at once: each part from a source that holds it and is least busy,
+checked against the manifest before it is stored. A source that serves a part
+that is not the file's, or breaks, is set aside for the rest of the fetch and
+its part asked of another; one that is only busy (RESOURCE_EXHAUSTED) is asked
+again later. The fetch fails, naming the parts, only when no source is left
+for some part. What was stored stays stored (the partial model's journal), so
+a fetch killed at any point resumes with the parts it has.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+from meshnet_p2p._proto import weights_pb2 as pb
+from meshnet_p2p.core.errors import MeshnetError
+from meshnet_p2p.engine.manifest import Manifest, ManifestError
+from meshnet_p2p.engine.partial import HEADER, PartialModel
+from meshnet_p2p.dataplane.transport.channel import Channel, ChannelError
+from meshnet_p2p.dataplane.weights import method_path
+
+BUSY_RETRIES = 30  # a part asked again this many times of busy sources before the fetch gives up on it
+BUSY_WAIT_S = 0.2
+
+
+class FetchError(MeshnetError):
+    """Parts no source could give (each named, with why)."""
+
+
+class WeightClient:
+    """Calls to one peer's WeightStore over a channel (a pool's lease or a channel of its own)."""
+
+    def __init__(self, channel: Channel, *, timeout: float = 120.0) -> None:
+        self.channel = channel
+        self.timeout = timeout
+
+    def manifest(self, digest: str) -> tuple[Manifest, bool, frozenset[str]]:
+        """The manifest of that digest (checked against it), whether this peer holds the
+        whole file, and else which parts it holds."""
+        raw = self.channel.unary(method_path("GetManifest"), pb.ManifestRequest(manifest_digest=digest)
+                                 .SerializeToString(), timeout=self.timeout)
+        try:
+            reply = pb.ManifestReply.FromString(raw)
+            m = Manifest.from_bytes(reply.manifest)
+        except ManifestError:
+            raise
+        except Exception as e:
+            raise ManifestError(f"a peer's manifest reply is malformed: {e}") from None
+        if m.digest() != digest:
+            raise ManifestError(f"a peer answered manifest {digest[:12]} with another ({m.digest()[:12]})")
+        return m, reply.whole, frozenset(reply.parts)
+
+    def part(self, digest: str, part: str, size: int) -> bytes:
+        """The ``size`` bytes of one part (the caller knows its size from the manifest:
+        a peer that sends more is cut off, not believed)."""
+        deadline = time.monotonic() + self.timeout
+        stream = self.channel.stream(method_path("GetPart"), timeout=self.timeout, with_first_message=True)
+        try:
+            stream.send(pb.PartRequest(manifest_digest=digest, part=part).SerializeToString(), end=True)
+            out = bytearray()
+            while (raw := stream.recv(deadline=deadline)) is not None:
+                try:
+                    out += pb.PartChunk.FromString(raw).data
+                except Exception as e:
+                    raise ManifestError(f"a peer's part chunk is malformed: {e}") from None
+                if len(out) > size:
+                    raise ManifestError(f"a peer sent more than the {size} bytes of part {part!r}")
+            return bytes(out)
+        finally:
+            stream.cancel()
+
+
+@dataclass
+class FetchReport:
+    bytes_by_source: dict[str, int] = field(default_factory=dict)
+    set_aside: dict[str, str] = field(default_factory=dict)  # source -> why
+    busy_retries: int = 0
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.bytes_by_source.values())
+
+
+def fetch_parts(partial: PartialModel, names: Sequence[str], sources: Mapping[str, WeightClient],
+                holdings: Mapping[str, frozenset[str] | None], *, parallel: int = 4,
+                progress: Callable[[str, int, int], None] | None = None, sleep=time.sleep) -> FetchReport:
+    """Store every part of ``names`` not yet in ``partial``, from ``sources`` (name ->
+    client); ``holdings``: what each holds (None: everything). Raises FetchError
+    naming the parts no source could give; the others stay stored."""
+    m = partial.manifest
+    digest = m.digest()
+    size = {n: (m.header_size if n == HEADER else m.tensor(n).nbytes) for n in names}
+    todo = sorted((n for n in dict.fromkeys(names) if n not in partial.present), key=lambda n: -size[n])
+    total, done = sum(size[n] for n in todo), 0
+    report = FetchReport()
+    lock = threading.Lock()
+    busy: dict[str, int] = {s: 0 for s in sources}  # parts in flight per source
+    tries: dict[str, int] = {}
+    failed: dict[str, str] = {}
+
+    def holders(part: str) -> list[str]:
+        return [s for s in sources if s not in report.set_aside
+                and (holdings.get(s) is None or part in holdings[s])]
+
+    def take() -> tuple[str, str] | None:
+        """The next part and the least busy source holding it; None when nothing is left."""
+        with lock:
+            while todo:
+                part = todo.pop(0)
+                who = holders(part)
+                if not who:
+                    why = "; ".join(f"{s}: {report.set_aside[s]}" for s in sources if s in report.set_aside)
+                    failed[part] = f"no source holds it{' that was not set aside (' + why + ')' if why else ''}"
+                    continue
+                source = min(who, key=lambda s: busy[s])
+                busy[source] += 1
+                return part, source
+            return None
+
+    def work() -> None:
+        nonlocal done
+        while (job := take()) is not None:
+            part, source = job
+            requeue = was_busy = False
+            try:
+                data = sources[source].part(digest, part, size[part])
+                if part == HEADER:
+                    partial.put_header(data)
+                else:
+                    partial.put_tensor(part, data)
+                with lock:
+                    report.bytes_by_source[source] = report.bytes_by_source.get(source, 0) + len(data)
+                    done += len(data)
+                    if progress:
+                        progress("fetching", done, total)
+            except ChannelError as e:
+                with lock:
+                    if e.refused:  # busy: this part again later, maybe from another
+                        report.busy_retries += 1
+                        tries[part] = tries.get(part, 0) + 1
+                        if tries[part] > BUSY_RETRIES:
+                            failed[part] = f"every source holding it stayed busy ({e.detail})"
+                        else:
+                            requeue = was_busy = True
+                    else:
+                        report.set_aside.setdefault(source, f"{e.code}: {e.detail}")
+                        requeue = True
+            except ManifestError as e:  # the source's bytes are not the file's
+                with lock:
+                    report.set_aside.setdefault(source, str(e))
+                    requeue = True
+            finally:
+                with lock:
+                    busy[source] -= 1
+                    if requeue:
+                        todo.append(part)
+            if was_busy:
+                sleep(BUSY_WAIT_S)  # before asking again: the source said it is full now
+
+    threads = [threading.Thread(target=work, name=f"fetch-{i}", daemon=True)
+               for i in range(max(1, min(parallel, len(todo))))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failed:
+        shown = "; ".join(f"{p!r}: {why}" for p, why in list(failed.items())[:5])
+        raise FetchError(f"{len(failed)} parts could not be fetched: {shown}")
+    return report
