@@ -10,12 +10,12 @@ import shutil
 
 import pytest
 
-from meshnet_p2p.client.fetch import FetchError, WeightClient, fetch_parts
+from meshnet_p2p.client.fetch import FetchError, fetch_parts
 from meshnet_p2p.core.identity import Identity
 from meshnet_p2p.dataplane.transport.channel import Channel, ChannelError
 from meshnet_p2p.dataplane.transport.server import Caller, Server
 from meshnet_p2p.dataplane.transport.tls import TLS_NAME, make_tls_credentials
-from meshnet_p2p.dataplane.weights import CHUNK, WeightLimits, WeightStore, method_path
+from meshnet_p2p.dataplane.weights import CHUNK, WeightClient, WeightLimits, WeightStore, method_path
 from meshnet_p2p.engine.cut import cut_shard
 from meshnet_p2p.engine.manifest import ManifestError, build_manifest
 from meshnet_p2p.engine.partial import HEADER, PartialModel

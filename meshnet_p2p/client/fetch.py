@@ -1,6 +1,6 @@
 """Fetching parts of a model file from peers (proto/weights.proto, docs/weights.md).
 
-:class:`WeightClient` is one peer's WeightStore. :func:`fetch_parts` fills a
+:func:`fetch_parts` fills a
 partial model (engine/partial.py) with the parts asked for, from several
 sources at once: each part from a source that holds it and is least busy,
 checked against the manifest before it is stored. A source that serves a part
@@ -18,12 +18,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from meshnet_p2p._proto import weights_pb2 as pb
 from meshnet_p2p.core.errors import MeshnetError
-from meshnet_p2p.engine.manifest import Manifest, ManifestError
+from meshnet_p2p.engine.manifest import ManifestError
 from meshnet_p2p.engine.partial import HEADER, PartialModel
-from meshnet_p2p.dataplane.transport.channel import Channel, ChannelError
-from meshnet_p2p.dataplane.weights import method_path
+from meshnet_p2p.dataplane.transport.channel import ChannelError
+from meshnet_p2p.dataplane.weights import WeightClient
 
 BUSY_RETRIES = 30  # a part asked again this many times of busy sources before the fetch gives up on it
 BUSY_WAIT_S = 0.2
@@ -31,49 +30,6 @@ BUSY_WAIT_S = 0.2
 
 class FetchError(MeshnetError):
     """Parts no source could give (each named, with why)."""
-
-
-class WeightClient:
-    """Calls to one peer's WeightStore over a channel (a pool's lease or a channel of its own)."""
-
-    def __init__(self, channel: Channel, *, timeout: float = 120.0) -> None:
-        self.channel = channel
-        self.timeout = timeout
-
-    def manifest(self, digest: str) -> tuple[Manifest, bool, frozenset[str]]:
-        """The manifest of that digest (checked against it), whether this peer holds the
-        whole file, and else which parts it holds."""
-        raw = self.channel.unary(method_path("GetManifest"), pb.ManifestRequest(manifest_digest=digest)
-                                 .SerializeToString(), timeout=self.timeout)
-        try:
-            reply = pb.ManifestReply.FromString(raw)
-            m = Manifest.from_bytes(reply.manifest)
-        except ManifestError:
-            raise
-        except Exception as e:
-            raise ManifestError(f"a peer's manifest reply is malformed: {e}") from None
-        if m.digest() != digest:
-            raise ManifestError(f"a peer answered manifest {digest[:12]} with another ({m.digest()[:12]})")
-        return m, reply.whole, frozenset(reply.parts)
-
-    def part(self, digest: str, part: str, size: int) -> bytes:
-        """The ``size`` bytes of one part (the caller knows its size from the manifest:
-        a peer that sends more is cut off, not believed)."""
-        deadline = time.monotonic() + self.timeout
-        stream = self.channel.stream(method_path("GetPart"), timeout=self.timeout, with_first_message=True)
-        try:
-            stream.send(pb.PartRequest(manifest_digest=digest, part=part).SerializeToString(), end=True)
-            out = bytearray()
-            while (raw := stream.recv(deadline=deadline)) is not None:
-                try:
-                    out += pb.PartChunk.FromString(raw).data
-                except Exception as e:
-                    raise ManifestError(f"a peer's part chunk is malformed: {e}") from None
-                if len(out) > size:
-                    raise ManifestError(f"a peer sent more than the {size} bytes of part {part!r}")
-            return bytes(out)
-        finally:
-            stream.cancel()
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The WeightStore service (proto/weights.proto): parts of the model files this
-peer holds, for volunteers that fetch only their span (docs/weights.md).
+peer holds, for volunteers that fetch only their span (docs/weights.md); and
+:class:`WeightClient`, the typed client of a peer's WeightStore.
 
 A peer serves a model file it holds whole (``join --model PATH``) or the parts
 of one it fetched (engine/partial.py), by the file's manifest: its header and
@@ -28,6 +29,7 @@ from meshnet_p2p.core.ratelimit import SourceRates, TokenBucket
 from meshnet_p2p.engine.manifest import Manifest, ManifestError
 from meshnet_p2p.engine.partial import HEADER
 from meshnet_p2p.dataplane.transport import grpc_core
+from meshnet_p2p.dataplane.transport.channel import Channel
 from meshnet_p2p.dataplane.transport.server import SERVER_STREAM, UNARY, Abort, Caller, Method, Server
 
 SERVICE = "meshnet.weights.v1.WeightStore"
@@ -175,6 +177,49 @@ class WeightStore:
             if wait <= 0:
                 return
             self._sleep(wait)
+
+
+class WeightClient:
+    """Calls to one peer's WeightStore over a channel (a pool's lease or a channel of its own)."""
+
+    def __init__(self, channel: Channel, *, timeout: float = 120.0) -> None:
+        self.channel = channel
+        self.timeout = timeout
+
+    def manifest(self, digest: str) -> tuple[Manifest, bool, frozenset[str]]:
+        """The manifest of that digest (checked against it), whether this peer holds the
+        whole file, and else which parts it holds."""
+        raw = self.channel.unary(method_path("GetManifest"), pb.ManifestRequest(manifest_digest=digest)
+                                 .SerializeToString(), timeout=self.timeout)
+        try:
+            reply = pb.ManifestReply.FromString(raw)
+            m = Manifest.from_bytes(reply.manifest)
+        except ManifestError:
+            raise
+        except Exception as e:
+            raise ManifestError(f"a peer's manifest reply is malformed: {e}") from None
+        if m.digest() != digest:
+            raise ManifestError(f"a peer answered manifest {digest[:12]} with another ({m.digest()[:12]})")
+        return m, reply.whole, frozenset(reply.parts)
+
+    def part(self, digest: str, part: str, size: int) -> bytes:
+        """The ``size`` bytes of one part (the caller knows its size from the manifest:
+        a peer that sends more is cut off, not believed)."""
+        deadline = time.monotonic() + self.timeout
+        stream = self.channel.stream(method_path("GetPart"), timeout=self.timeout, with_first_message=True)
+        try:
+            stream.send(pb.PartRequest(manifest_digest=digest, part=part).SerializeToString(), end=True)
+            out = bytearray()
+            while (raw := stream.recv(deadline=deadline)) is not None:
+                try:
+                    out += pb.PartChunk.FromString(raw).data
+                except Exception as e:
+                    raise ManifestError(f"a peer's part chunk is malformed: {e}") from None
+                if len(out) > size:
+                    raise ManifestError(f"a peer sent more than the {size} bytes of part {part!r}")
+            return bytes(out)
+        finally:
+            stream.cancel()
 
 
 def _decoded(kind, raw: bytes):
