@@ -38,6 +38,7 @@ from hypothesis import strategies as st
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
 from meshnet_p2p.swarm.capability import CAPABILITY, MODEL_INDEX, MODELS_KEY
 from meshnet_p2p.trust.attestation import TOKENS_DOMAIN, Attestation, ids_digest
+from meshnet_p2p.trust.catalogue import CATALOGUE, catalogue_key
 from meshnet_p2p.trust.commitment import Commitment, CommitmentError
 from meshnet_p2p.trust.evidence import (
     CERTIFICATE,
@@ -305,6 +306,9 @@ def _contents() -> dict[str, tuple[Identity, dict]]:
                                     "certifier": str(CERTIFIER.peer_id), "model_digest": MODEL,
                                     "verified": [[str(PEERS[0].peer_id), 3]],
                                     "convicted": [[str(PEERS[1].peer_id), "a fraud report, re-checked by replay"]]}),
+        CATALOGUE: (CERTIFIER, {"key": catalogue_key(str(CERTIFIER.peer_id)), "certifier": str(CERTIFIER.peer_id),
+                                "entries": [{"name": "SmolLM2-135M-Instruct", "model_digest": MODEL,
+                                             "manifest_digest": "ab" * 32, "file_size": 101_000_000}]}),
         RELAY: (ALICE, {"key": RELAYS_KEY, "peer_id": str(ALICE.peer_id),
                         "addr": f"/ip4/10.0.0.1/tcp/4002/p2p/{ALICE.peer_id}",
                         "limits": {"max_reservations": 128, "max_connections_per_peer": 16,

@@ -82,7 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-message-bytes", type=_positive, default=16 << 20)
 
     join = sub.add_parser("join", help="volunteer: serve a range of layers to the swarm")
-    join.add_argument("--model", help="GGUF model to serve (default: the embedded SmolLM2-135M-Instruct)")
+    join.add_argument("--model", help="GGUF model file to serve (default: the embedded SmolLM2-135M-Instruct); or, "
+                                      "with no such file here, a model name or digest the trusted certifiers list: "
+                                      "only this peer's span is fetched from the peers serving it")
     join.add_argument("--layers", default="auto", help="A:B, or auto: what the swarm most needs (default)")
     join.add_argument("--num-layers", type=_positive, help="with --layers auto: how many layers (default: a third)")
     join.add_argument("--listen", default="0.0.0.0:0", help="HOST:PORT for the data plane (gRPC over TLS); on every "
@@ -94,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "not where it listens (port forwarding, a proxy): /ip4/HOST/tcp/PORT")
     _add_engine_flags(join)
     join.add_argument("--public-name", default="", help="a name shown to clients")
+    _add_trust(join)
     _add_metrics(join)
 
     demo = sub.add_parser("demo", help="start a local swarm (bootstrap + 3 volunteers), generate, shut down")

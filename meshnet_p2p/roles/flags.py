@@ -150,6 +150,28 @@ def model_path(arg: str | None) -> str:
     return arg
 
 
+def model_source(arg: str | None) -> tuple[str | None, str | None]:
+    """``join --model``: (a GGUF path, None), or (None, a name or model digest to fetch
+    the span of from peers) when no such file is here."""
+    import re
+
+    from meshnet_p2p.engine.models import DEFAULT_MODEL_NAME, ModelNotFound, default_model_path
+    from meshnet_p2p.trust.catalogue import name_problem
+
+    if arg is None or arg == DEFAULT_MODEL_NAME:
+        try:
+            return default_model_path(), None
+        except ModelNotFound:
+            if arg is None:
+                raise
+            return None, arg  # the embedded model's name, without its package: fetched like any name
+    if os.path.isfile(arg):
+        return arg, None
+    if re.fullmatch(r"[0-9a-f]{64}", arg) or (name_problem(arg) is None and not arg.endswith(".gguf")):
+        return None, arg
+    raise ModelNotFound(f"no model file at {arg}, and it is not a model name or digest")
+
+
 def engine_options(args: argparse.Namespace):
     from meshnet_p2p.engine.contract import EngineOptions
 

@@ -23,7 +23,11 @@ from meshnet_p2p.swarm.capability import CAPABILITY_TTL_MS, MODELS_KEY, Capabili
 from .serve import start_data_plane
 from meshnet_p2p.dataplane.servicer import Limits
 from meshnet_p2p.engine.contract import HIDDEN, DecodeRequest, EngineOptions, OpenRequest, PrefillRequest, Tensor, TensorBundle
-from meshnet_p2p.engine.cut import inspect_gguf, sha256_file
+from meshnet_p2p.engine.cut import inspect_gguf
+from meshnet_p2p.engine.manifest import Manifest, build_manifest
+from meshnet_p2p.dataplane.weights import WeightStore
+from meshnet_p2p.trust.policy import TrustPolicy
+from .fetch_model import find_model, obtain
 from meshnet_p2p.engine.llama_engine import LlamaCppShardEngine
 from meshnet_p2p.core.errors import MeshnetError, unwrap_errors
 from meshnet_p2p.core.guard import Guard
@@ -47,7 +51,7 @@ DRAIN_IDLE_MS = 2_000  # while leaving, a session silent this long is released
 
 @dataclass
 class JoinOptions:
-    model_path: str
+    model_path: str | None  # a whole GGUF file; None: fetch ``model_ref``'s span from peers
     layers: tuple[int, int] | None  # None: choose automatically
     num_layers: int | None  # for automatic choice; default: a third of the model
     listen_host: str
@@ -61,6 +65,8 @@ class JoinOptions:
     progress: Callable | None = None
     limits: Limits = Limits()
     metrics: str | None = None  # HOST:PORT to serve Prometheus metrics at (metrics.py)
+    model_ref: str | None = None  # with no model_path: a name or model digest the trusted certifiers list
+    trust: TrustPolicy | None = None  # whose catalogues name models (default: the bootstrap peers')
 
     @property
     def bootstrap_peer_ids(self) -> set:
@@ -105,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
     from meshnet_p2p.engine.cut import parse_layer_range
     from meshnet_p2p.core.multiaddr import announced
     from meshnet_p2p.swarm.node import parse_listen
-    from .flags import engine_options, keep_warm, load_or_create_identity, metrics_listen, model_path, print_line, \
-        required_seeds, run_listener
+    from .flags import engine_options, keep_warm, load_or_create_identity, metrics_listen, model_source, print_line, \
+        required_seeds, run_listener, trust_policy
     from .progress import TerminalProgress
 
     host, port = parse_listen(args.listen)
@@ -114,9 +120,10 @@ def run(args: argparse.Namespace) -> int:
     layers = None if args.layers == "auto" else parse_layer_range(args.layers)
     seeds = required_seeds(args)
     identity = load_or_create_identity(args.identity)
+    path, ref = model_source(args.model)
     opts = JoinOptions(
-        model_path=model_path(args.model), layers=layers, num_layers=args.num_layers, listen_host=host,
-        listen_port=port, bootstrap=seeds, identity=identity,
+        model_path=path, model_ref=ref, trust=trust_policy(args, seeds), layers=layers, num_layers=args.num_layers,
+        listen_host=host, listen_port=port, bootstrap=seeds, identity=identity,
         relay=Multiaddr.parse(args.relay) if args.relay else None,
         announce=announced(args.announce, identity.peer_id) if args.announce else None, engine=engine_options(args),
         public_name=args.public_name, progress=TerminalProgress("preparing the shard"),
@@ -125,50 +132,80 @@ def run(args: argparse.Namespace) -> int:
     return run_listener(args.listen, join, opts, print_line, doing="serve")
 
 
+@dataclass
+class _Source:
+    """The model file shards are cut from: whole, or a partial copy of it (fetched)."""
+
+    path: str
+    source_sha: str
+    n_layer: int
+    digest: str  # the model digest
+    name: str
+    manifest: Manifest
+    parts: Callable[[], set[str]] | None = None  # what a partial copy holds now; None: all
+
+
 async def join(opts: JoinOptions, print_line: Callable[[str], None] = print) -> None:
-    source_sha = await trio.to_thread.run_sync(sha256_file, opts.model_path, opts.progress)
-    info = await trio.to_thread.run_sync(lambda: inspect_gguf(opts.model_path, source_sha256=source_sha))
-    if info.is_cut:
-        raise MeshnetError(f"{opts.model_path} is a shard; join needs the whole model to cut from")
-    digest = info.model_digest
-    key = model_key(digest)
+    source = None
+    if opts.model_path is not None:
+        info = await trio.to_thread.run_sync(lambda: inspect_gguf(opts.model_path, source_sha256="0" * 64, verify=False))
+        if info.is_cut:
+            raise MeshnetError(f"{opts.model_path} is a shard; join needs the whole model to cut from")
+        # the manifest's one pass over the file also gives its sha256, and so the model digest
+        manifest = await trio.to_thread.run_sync(lambda: build_manifest(opts.model_path, opts.progress))
+        source = _Source(opts.model_path, manifest.source_sha256, manifest.n_layer, manifest.model_digest,
+                         os.path.basename(opts.model_path).split(".")[0], manifest)
     engine = LlamaCppShardEngine()
     try:
         with unwrap_errors():
-            await _serve(opts, engine, info, source_sha, digest, key, print_line)
+            await _serve(opts, engine, source, print_line)
     finally:
         engine.close()  # only after every task that could touch it has ended
 
 
-async def _serve(opts, engine, info, source_sha, digest, key, print_line) -> None:
+async def _serve(opts, engine, source, print_line) -> None:
     status = StatusLine()  # on a terminal: one line redrawn in place, the others printed above it
     print_line = status.wrap(print_line)
     try:
-        await _serving(opts, engine, info, source_sha, digest, key, print_line, status)
+        await _serving(opts, engine, source, print_line, status)
     finally:
         status.close()
 
 
-async def _serving(opts, engine, info, source_sha, digest, key, print_line, status: StatusLine) -> None:
+async def _serving(opts, engine, source: "_Source | None", print_line, status: StatusLine) -> None:
     async with trio.open_nursery() as nursery:
         node = await start_node(nursery, opts.identity, listen=f"{opts.listen_host}:0", bootstrap=opts.bootstrap,
                                 serve=dial_checks)  # it checks others' reachability, as they check its
-        if opts.layers is None:
-            reports = await peers_for_model(node, digest)
-            num = opts.num_layers or max(1, info.source_layers // 3)
-            start, end = choose_span([Span.from_report(r) for r in reports], info.source_layers, num)
+
+        def choose(spans: list[Span], n_layer: int) -> tuple[int, int]:
+            if opts.layers is not None:
+                return opts.layers
+            return choose_span(spans, n_layer, opts.num_layers or max(1, n_layer // 3))
+
+        if source is None:  # no file: the span's parts from the peers that serve the model
+            named = await find_model(node, opts.model_ref, opts.trust or TrustPolicy.default(opts.bootstrap))
+            partial, start, end, fetched = await obtain(node, named, choose, print_line, opts.progress)
+            print_line(f"fetched {fetched['bytes']} bytes of {partial.manifest.file_size} for layers {start}:{end}")
+            source = _Source(partial.path, partial.manifest.source_sha256, partial.manifest.n_layer,
+                             partial.manifest.model_digest, named.entry.name, partial.manifest,
+                             lambda: set(partial.present))
         else:
-            start, end = opts.layers
-        shard = opts.model_path if (start, end) == (0, info.source_layers) else await trio.to_thread.run_sync(
-            lambda: ensure_shard(opts.model_path, start, end, source_sha, opts.progress))
-        whole = shard == opts.model_path
+            spans = [Span.from_report(r) for r in await peers_for_model(node, source.digest)] if opts.layers is None else []
+            start, end = choose(spans, source.n_layer)
+        digest, key, source_sha = source.digest, model_key(source.digest), source.source_sha
+        whole = (start, end) == (0, source.n_layer) and source.parts is None
+        shard = source.path if whole else await trio.to_thread.run_sync(
+            lambda: ensure_shard(source.path, start, end, source_sha, opts.progress))
         load = await trio.to_thread.run_sync(
             lambda: engine.load(opts.engine.load_request(shard, source_sha256=source_sha if whole else None,
                                                          progress=opts.progress)))
         load.status.raise_for_status()
         throughput = await trio.to_thread.run_sync(measure_throughput, engine)
+        weights = WeightStore()  # this file's parts, for volunteers that fetch only their span
+        weights.add(source.manifest, source.path, source.parts)
         plane = await start_data_plane(nursery, engine, opts.identity, opts.listen_host, opts.listen_port,
-                                       relay=opts.relay, limits=opts.limits, on_open=lambda sid: print_line(f"session {sid[:12]} opened"))
+                                       relay=opts.relay, limits=opts.limits, weights=weights,
+                                       on_open=lambda sid: print_line(f"session {sid[:12]} opened"))
         servicer, creds = plane.servicer, plane.creds
         if opts.metrics is not None:
             from .metrics import DataPlaneCollector, DhtCollector, EngineCollector, metrics_url, serve_metrics
@@ -212,14 +249,14 @@ async def _serving(opts, engine, info, source_sha, digest, key, print_line, stat
             now = wall_ms()
             return rep.sign(opts.identity, seq=now, now_ms=now, ttl_ms=10_000 if departing else CAPABILITY_TTL_MS)
 
-        name = os.path.basename(opts.model_path).split(".")[0]
+        name = source.name
 
         async def publish_all() -> None:
             if reach.unreachable and reach.relay is None:
                 return  # nobody could dial it: its report would only cost clients a timeout
             try:  # a refusal by other nodes is theirs to have; this peer keeps serving and tries again
                 stored = await node.publish(key, report())
-                await node.publish(MODELS_KEY, sign_model_index(opts.identity, digest, name, info.source_layers,
+                await node.publish(MODELS_KEY, sign_model_index(opts.identity, digest, name, source.n_layer,
                                                                 now_ms=wall_ms()))
             except MeshnetError as e:
                 print_line(f"announce failed, retrying in {ANNOUNCE_INTERVAL_S:g} s: {e}")

@@ -57,14 +57,18 @@ class DataPlane:
 
 
 async def start_data_plane(nursery: trio.Nursery, engine, identity: Identity, host: str, port: int, *,
-                           relay: Multiaddr | None = None, limits: Limits = Limits(), on_open=None) -> DataPlane:
+                           relay: Multiaddr | None = None, limits: Limits = Limits(), on_open=None,
+                           weights=None) -> DataPlane:
     """Serve ``engine`` over gRPC with a fresh identity-bound TLS certificate (and
-    through ``relay`` too, if given), in ``nursery``. Shared by serve and join."""
+    through ``relay`` too, if given), in ``nursery``; and ``weights`` (a WeightStore)
+    on the same server, if given. Shared by serve and join."""
     creds = make_tls_credentials(identity)
     servicer = ShardRuntimeServicer(engine, identity=identity, limits=limits, on_open=on_open)
     # a worker per session the engine admits, and room beside them for sessions being refused or reclaimed
     server = servicer.register(Server(creds, host=host, port=port,
                                       max_workers=max(32, 2 * engine.capabilities().max_sessions + 8)))
+    if weights is not None:  # parts of the model file, beside the shard (dataplane/weights.py)
+        weights.register(server)
     await nursery.start(server.serve)
     nursery.start_soon(_reap_idle_sessions, servicer)
     if relay is not None:

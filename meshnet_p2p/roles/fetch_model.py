@@ -1,0 +1,99 @@
+"""A model a volunteer does not hold: its name resolved through the trusted
+certifiers' catalogues, its manifest and only the parts its span needs fetched
+from the peers that serve it (docs/weights.md).
+
+Used by ``join --model NAME|DIGEST`` on a machine with no model file: the
+result is a partial model in the cache (engine/partial.py) that shards are cut
+from exactly as from the whole file, and whose parts this peer then serves to
+the next volunteer.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Callable
+
+import trio
+
+from meshnet_p2p.client.fetch import fetch_parts
+from meshnet_p2p.client.hop import connect
+from meshnet_p2p.core.errors import MeshnetError
+from meshnet_p2p.dataplane.transport.channel import ChannelError
+from meshnet_p2p.dataplane.weights import WeightClient
+from meshnet_p2p.engine.manifest import Manifest, ManifestError
+from meshnet_p2p.engine.models import cache_dir
+from meshnet_p2p.engine.partial import HEADER, PartialModel
+from meshnet_p2p.swarm.node import peers_for_model
+from meshnet_p2p.swarm.placement import Span
+from meshnet_p2p.swarm.view import newest_signed_by
+from meshnet_p2p.trust.catalogue import CatalogueError, Named, catalogue_key, names, resolve
+from meshnet_p2p.trust.policy import TrustPolicy
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+CALL_TIMEOUT_S = 120.0
+
+
+class ModelUnavailable(MeshnetError):
+    """No peer could give the manifest or a needed part of the model asked for."""
+
+
+async def find_model(node, ref: str, trust: TrustPolicy) -> Named:
+    """What ``ref`` (a name, or a model digest) names in the trusted certifiers' catalogues."""
+    records = [r for c in sorted(trust.certifiers)
+               if (r := await newest_signed_by(node, catalogue_key(c), c)) is not None]
+    if _HEX64.fullmatch(ref):
+        found = [n for named in names(records, trust.certifiers).values() for n in named if n.entry.model_digest == ref]
+        if len({n.entry.manifest_digest for n in found}) != 1:
+            raise CatalogueError(f"model {ref[:12]} is in no trusted certifier's catalogue" if not found else
+                                 f"model {ref[:12]} is listed with {len(found)} different manifests")
+        return found[0]
+    return resolve(ref, records, trust.certifiers)
+
+
+async def obtain(node, named: Named, choose: Callable[[list[Span], int], tuple[int, int]],
+                 log: Callable[[str], None], progress=None) -> tuple[PartialModel, int, int, dict]:
+    """The manifest, the span ``choose`` picks (from the peers' spans and the layer count)
+    and that span's parts, from the peers serving the model; returns the partial model,
+    the span and what the fetch did."""
+    digest, model = named.entry.manifest_digest, named.entry.model_digest
+    reports = await peers_for_model(node, model)
+    spans = [Span.from_report(r) for r in reports if r.content.get("departing") is not True]
+    sources: dict[str, WeightClient] = {}
+    holdings: dict[str, frozenset[str] | None] = {}
+    manifest: Manifest | None = None
+    for s in spans:  # ask every serving peer what it holds (a few small calls)
+        try:
+            client = WeightClient(connect(s, CALL_TIMEOUT_S).channel, timeout=CALL_TIMEOUT_S)
+            m, whole, parts = await trio.to_thread.run_sync(client.manifest, digest)
+        except (ChannelError, ManifestError, MeshnetError) as e:
+            log(f"peer {s.peer_id[-8:]} gives no parts: {e}")
+            continue
+        manifest = manifest or m
+        sources[s.peer_id] = client
+        holdings[s.peer_id] = None if whole else parts
+    if manifest is None:
+        raise ModelUnavailable(f"no peer serving model {model[:12]} gives its manifest {digest[:12]} "
+                               f"({len(spans)} asked)")
+    partial = PartialModel(os.path.join(cache_dir(), "models"), manifest)
+    report: dict = {"bytes": 0, "set_aside": {}}
+    try:
+        if partial.header is None:
+            r = await trio.to_thread.run_sync(lambda: fetch_parts(partial, [HEADER], sources, holdings))
+            report["bytes"] += r.bytes
+        start, end = choose(spans, manifest.n_layer)
+        missing = [t.name for t in partial.missing(start, end)]
+        need = sum(t.nbytes for t in partial.needed(start, end))
+        log(f"fetching layers {start}:{end} of {named.entry.name}: {len(missing)} parts, "
+            f"{need - sum(t.nbytes for t in partial.needed(start, end) if t.name in partial.present)} bytes "
+            f"({need} for the span, of {manifest.file_size} in the file) from {len(sources)} peers")
+        r = await trio.to_thread.run_sync(lambda: fetch_parts(partial, missing, sources, holdings, progress=progress))
+        report["bytes"] += r.bytes
+        report["set_aside"] = r.set_aside
+        for who, why in r.set_aside.items():
+            log(f"set peer {who[-8:]} aside: {why}")
+    finally:
+        for c in sources.values():
+            c.channel.close()
+    return partial, start, end, report
+
