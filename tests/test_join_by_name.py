@@ -1,9 +1,9 @@
-"""A volunteer with no model file joins by the model's name (issue 29, point 3): real
+"""A volunteer with no model file joins by the model's name (issue 29, points 3 and 5): real
 processes on loopback. Two peers hold the file; the bootstrap operator certifies
 the swarm and names the model; volunteers with empty caches `join --model NAME`
 (or its digest), each fetching only its span's parts, checked, from the peers
-that have them; with the file's holders gone, a client's output is still the
-whole model's."""
+that have them; with the file's holders gone, a client with no file either
+(by name: only the tokenizer's header fetched) gets the whole model's output."""
 
 from __future__ import annotations
 
@@ -53,9 +53,16 @@ def test_volunteers_with_no_file_join_by_name_and_serve_exactly(tmp_path, model_
             print(f"layers {span[0]}-{span[1] - 1}: fetched {got} of {whole} bytes ({got / whole:.0%})")
         for h in holders:  # only the volunteers are left
             h.stop()
-        r = meshnet_peer("generate", "--bootstrap", addr, "--prompt", PROMPT, "--max-tokens", "16", "--json")
+        # a client with no file either: by name, only the header (tokenizer) is fetched, from the volunteers
+        client_cache = tmp_path / "client-cache"
+        r = meshnet_peer("generate", "--bootstrap", addr, "--model", NAME, "--prompt", PROMPT, "--max-tokens", "16",
+                         "--json", env={**os.environ, "MESHNET_CACHE_DIR": str(client_cache)})
         assert r.returncode == 0, r.stderr
         doc = json.loads(r.stdout)
+        assert doc["model_digest"] == manifest.model_digest
+        on_disk = sum(f.stat().st_blocks * 512 for f in client_cache.rglob("*") if f.is_file())
+        print(f"the client's cache: {on_disk} bytes on disk (the header is {manifest.header_size})")
+        assert on_disk < manifest.header_size + (1 << 20), "the client fetched more than the header"
         local = meshnet_peer("generate", "--local", "--prompt", PROMPT, "--max-tokens", "16", "--json")
         assert doc["token_ids"] == json.loads(local.stdout)["token_ids"]
         assert [h["peer_id"] for h in doc["route"]] == [p.peer_id for p in joined]
@@ -69,6 +76,10 @@ def test_a_name_nobody_certified_is_one_clear_error(tmp_path):
     try:
         env = {**os.environ, "MESHNET_CACHE_DIR": str(tmp_path / "empty")}
         r = meshnet_peer("join", "--bootstrap", addr, "--model", "no-such-model", "--listen", "127.0.0.1:0", env=env,
+                         timeout=120)
+        assert r.returncode != 0 and "no certifier this client trusts names a model 'no-such-model'" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+        r = meshnet_peer("generate", "--bootstrap", addr, "--model", "no-such-model", "--prompt", "hi", env=env,
                          timeout=120)
         assert r.returncode != 0 and "no certifier this client trusts names a model 'no-such-model'" in r.stderr, r.stderr
         assert "Traceback" not in r.stderr

@@ -96,25 +96,32 @@ class Client:
                  model_digest: str | None = None, step_timeout: float = 10.0, max_failovers: int = 4,
                  on_event: Callable[[str], None] | None = None, trust: TrustPolicy | None = None,
                  identity: Identity | None = None, ring: bool = True, verify: str = "auto",
-                 audit_rate: float = AUDIT_RATE, keep_records: bool = False) -> None:
+                 audit_rate: float = AUDIT_RATE, keep_records: bool = False, model_ref: str | None = None) -> None:
         from meshnet_p2p.engine.cut import inspect_gguf
         from meshnet_p2p.engine.tokenizer import Tokenizer
         from meshnet_p2p.engine.models import default_model_path
 
         self.bootstrap = list(bootstrap)
-        path = model_path or default_model_path()
-        info = inspect_gguf(path)  # hashes an uncut model; a shard carries its source's digest
-        self.n_layer = info.source_layers
-        self.model_digest = model_digest or info.model_digest
-        self.tokenizer = Tokenizer(path)
-        # the file name up to its first dot: "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct"
-        self.model_name = os.path.basename(path).split(".")[0] or self.model_digest
+        self.trust = trust if trust is not None else TrustPolicy.default(self.bootstrap, own=identity)
+        if model_ref is not None:  # no file here: a name (or digest) the trusted catalogues give, its header fetched
+            from .named import open_named
+
+            named = open_named(self.bootstrap, model_ref, self.trust, log=lambda m: on_event and on_event(m))
+            path, self.n_layer, self.model_digest, self.model_name = (named.path, named.n_layer, named.model_digest,
+                                                                      named.name)
+        else:
+            path = model_path or default_model_path()
+            info = inspect_gguf(path)  # hashes an uncut model; a shard carries its source's digest
+            self.n_layer = info.source_layers
+            self.model_digest = model_digest or info.model_digest
+            # the file name up to its first dot: "SmolLM2-135M-Instruct.Q4_1.gguf" -> "SmolLM2-135M-Instruct"
+            self.model_name = os.path.basename(path).split(".")[0] or self.model_digest
+        self.tokenizer = Tokenizer(path)  # vocabulary only: the client loads no weights
         self.step_timeout = step_timeout
         self.max_failovers = max_failovers
         self.on_event = on_event
         self.ring = ring  # peers forward hidden states to each other (docs/ring.md)
         self.pool = ChannelPool()  # one connection per peer for all of this client's generations
-        self.trust = trust if trust is not None else TrustPolicy.default(self.bootstrap, own=identity)
         self.measures = PeerMeasures()  # round trips and decode costs, kept across generations
         # peers count this client's sessions under its identity (the process's own when none is given)
         self.client_creds = make_client_credentials(identity) if identity is not None else None

@@ -213,12 +213,13 @@ def _usage(result) -> dict[str, int]:
 def run(args) -> int:
     """The ``api`` command: a :class:`Client` of the swarm behind the HTTP API."""
     from meshnet_p2p.swarm.node import parse_listen
-    from .flags import metrics_listen, model_path, print_line, required_seeds, run_listener, trust_policy
+    from .flags import metrics_listen, model_source, print_line, required_seeds, run_listener, trust_policy
 
     host, port = parse_listen(args.listen)
     metrics = metrics_listen(args)
     seeds = required_seeds(args)
-    client = Client(seeds, model_path=model_path(args.model) if args.model else None, step_timeout=args.step_timeout,
+    path, ref = model_source(args.model)  # a file here, or a name/digest whose tokenizer is fetched
+    client = Client(seeds, model_path=path, model_ref=ref, step_timeout=args.step_timeout,
                     trust=trust_policy(args, seeds), verify=args.verify, audit_rate=args.audit_rate,
                     keep_records=True)
     return run_listener(args.listen, serve_api, client, client.model_name, host, port, print_line, metrics)

@@ -19,6 +19,7 @@ from meshnet_p2p.core.errors import MeshnetError, sanitize, unwrap_errors
 from .flags import (
     add_bootstrap as _add_bootstrap, add_engine_flags as _add_engine_flags, add_identity as _add_identity,
     add_metrics as _add_metrics, add_trust as _add_trust, add_verify as _add_verify, model_path as _model_path,
+    model_source as _model_source,
     nonneg_float as _nonneg_float, positive as _positive, positive_float as _positive_float, required_seeds as _required_seeds,
     trust_policy as _trust,
 )
@@ -109,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     api = sub.add_parser("api", help="serve an OpenAI-compatible HTTP API in front of the swarm")
     _add_bootstrap(api, "bootstrap peers (repeatable; default $MESHNET_BOOTSTRAP)")
     api.add_argument("--listen", default="127.0.0.1:8000", help="HOST:PORT for HTTP (port 0: any)")
-    api.add_argument("--model", help="GGUF model whose tokenizer to use (default: the embedded model)")
+    api.add_argument("--model", help="GGUF model whose tokenizer to use (default: the embedded model), or a model "
+                                     "name or digest the trusted certifiers list (its tokenizer fetched from peers)")
     api.add_argument("--step-timeout", type=float, default=10.0)
     _add_verify(api)
     _add_trust(api)
@@ -150,8 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "the ring, where peers forward to each other (docs/ring.md)")
     _add_trust(gen)
     gen.add_argument("--identity", help="this client's key file (its own certificates are trusted too)")
-    gen.add_argument("--model", help="GGUF model (default: the embedded SmolLM2-135M-Instruct); "
-                                     "over the network also a model digest, with the embedded model's tokenizer")
+    gen.add_argument("--model", help="GGUF model (default: the embedded SmolLM2-135M-Instruct); over the network "
+                                     "also, with no file here, a model name or digest the trusted certifiers list "
+                                     "(only its tokenizer is fetched, from peers)")
     gen.add_argument("--split", default="", help="layer cut points, e.g. 10,20 for shards [0,10) [10,20) [20,N)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-tokens", type=_positive, default=64)
@@ -218,19 +221,12 @@ AUDIT_WAIT_S = 120.0  # how long `generate` waits, after the answer, for the aud
 
 
 def _generate_network(args: argparse.Namespace, sampling) -> int:
-    import re
-
     from meshnet_p2p.client import Client
 
     seeds = _required_seeds(args, ", or --local")
-    digest = None
-    model = None
-    if args.model and re.fullmatch(r"[0-9a-f]{64}", args.model):
-        digest = args.model
-    else:
-        model = _model_path(args.model)
+    model, ref = _model_source(args.model)  # a file here, or a name/digest whose header is fetched
     events = (lambda msg: print(f"[{sanitize(msg)}]", file=sys.stderr, flush=True))
-    client = Client(seeds, model_path=model, model_digest=digest, step_timeout=args.step_timeout, on_event=events,
+    client = Client(seeds, model_path=model, model_ref=ref, step_timeout=args.step_timeout, on_event=events,
                     trust=_trust(args, seeds), ring=not args.star, verify=args.verify,
                     audit_rate=args.audit_rate, keep_records=True)
     result = client.generate(args.prompt, args.max_tokens, sampling, chat=args.chat,

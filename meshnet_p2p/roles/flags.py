@@ -151,8 +151,9 @@ def model_path(arg: str | None) -> str:
 
 
 def model_source(arg: str | None) -> tuple[str | None, str | None]:
-    """``join --model``: (a GGUF path, None), or (None, a name or model digest to fetch
-    the span of from peers) when no such file is here."""
+    """``--model`` of join, generate and api: (a GGUF path, None), or (None, a name or
+    model digest the catalogues give) when no such file is here: join fetches its
+    span's parts from peers, a client only the tokenizer."""
     import re
 
     from meshnet_p2p.engine.models import DEFAULT_MODEL_NAME, ModelNotFound, default_model_path

@@ -27,7 +27,7 @@ from meshnet_p2p.engine.cut import inspect_gguf
 from meshnet_p2p.engine.manifest import Manifest, build_manifest
 from meshnet_p2p.dataplane.weights import WeightStore
 from meshnet_p2p.trust.policy import TrustPolicy
-from .fetch_model import find_model, obtain
+from meshnet_p2p.client.named import find_model, obtain
 from meshnet_p2p.engine.llama_engine import LlamaCppShardEngine
 from meshnet_p2p.core.errors import MeshnetError, unwrap_errors
 from meshnet_p2p.core.guard import Guard

@@ -1,18 +1,22 @@
-"""A model a volunteer does not hold: its name resolved through the trusted
-certifiers' catalogues, its manifest and only the parts its span needs fetched
-from the peers that serve it (docs/weights.md).
+"""A model this machine does not hold: its name resolved through the trusted
+certifiers' catalogues, its manifest and only the parts it needs fetched from
+the peers that serve it (docs/weights.md).
 
-Used by ``join --model NAME|DIGEST`` on a machine with no model file: the
-result is a partial model in the cache (engine/partial.py) that shards are cut
-from exactly as from the whole file, and whose parts this peer then serves to
-the next volunteer.
+``join --model NAME|DIGEST`` on a machine with no model file fetches its
+span's parts (:func:`obtain`): a partial model in the cache (engine/partial.py)
+that shards are cut from exactly as from the whole file, and whose parts this
+peer then serves to the next volunteer. A client by name fetches only the
+header (:func:`open_named`): the metadata and vocabulary a tokenizer needs,
+checked against the manifest, in a sparse file of the model's size that
+llama.cpp loads vocab-only (it reads no tensor, and the holes are never read).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from typing import Callable
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import trio
 
@@ -24,7 +28,8 @@ from meshnet_p2p.dataplane.weights import WeightClient
 from meshnet_p2p.engine.manifest import Manifest, ManifestError
 from meshnet_p2p.engine.models import cache_dir
 from meshnet_p2p.engine.partial import HEADER, PartialModel
-from meshnet_p2p.swarm.node import peers_for_model
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.swarm.node import peers_for_model, start_node
 from meshnet_p2p.swarm.placement import Span
 from meshnet_p2p.swarm.view import newest_signed_by
 from meshnet_p2p.trust.catalogue import CatalogueError, Named, catalogue_key, names, resolve
@@ -51,11 +56,9 @@ async def find_model(node, ref: str, trust: TrustPolicy) -> Named:
     return resolve(ref, records, trust.certifiers)
 
 
-async def obtain(node, named: Named, choose: Callable[[list[Span], int], tuple[int, int]],
-                 log: Callable[[str], None], progress=None) -> tuple[PartialModel, int, int, dict]:
-    """The manifest, the span ``choose`` picks (from the peers' spans and the layer count)
-    and that span's parts, from the peers serving the model; returns the partial model,
-    the span and what the fetch did."""
+async def _sources(node, named: Named, log: Callable[[str], None]
+                   ) -> tuple[Manifest, list[Span], dict[str, WeightClient], dict[str, frozenset[str] | None]]:
+    """The manifest the catalogue names, from the peers serving the model, and what each holds."""
     digest, model = named.entry.manifest_digest, named.entry.model_digest
     reports = await peers_for_model(node, model)
     spans = [Span.from_report(r) for r in reports if r.content.get("departing") is not True]
@@ -63,11 +66,14 @@ async def obtain(node, named: Named, choose: Callable[[list[Span], int], tuple[i
     holdings: dict[str, frozenset[str] | None] = {}
     manifest: Manifest | None = None
     for s in spans:  # ask every serving peer what it holds (a few small calls)
+        client = WeightClient(connect(s, CALL_TIMEOUT_S).channel, timeout=CALL_TIMEOUT_S)
         try:
-            client = WeightClient(connect(s, CALL_TIMEOUT_S).channel, timeout=CALL_TIMEOUT_S)
             m, whole, parts = await trio.to_thread.run_sync(client.manifest, digest)
+            if m.model_digest != model:  # the manifest is the digest's (checked); its model must be the name's
+                raise ManifestError(f"manifest {digest[:12]} is of model {m.model_digest[:12]}, not {model[:12]}")
         except (ChannelError, ManifestError, MeshnetError) as e:
             log(f"peer {s.peer_id[-8:]} gives no parts: {e}")
+            client.channel.close()
             continue
         manifest = manifest or m
         sources[s.peer_id] = client
@@ -75,6 +81,15 @@ async def obtain(node, named: Named, choose: Callable[[list[Span], int], tuple[i
     if manifest is None:
         raise ModelUnavailable(f"no peer serving model {model[:12]} gives its manifest {digest[:12]} "
                                f"({len(spans)} asked)")
+    return manifest, spans, sources, holdings
+
+
+async def obtain(node, named: Named, choose: Callable[[list[Span], int], tuple[int, int]],
+                 log: Callable[[str], None], progress=None) -> tuple[PartialModel, int, int, dict]:
+    """The manifest, the span ``choose`` picks (from the peers' spans and the layer count)
+    and that span's parts, from the peers serving the model; returns the partial model,
+    the span and what the fetch did."""
+    manifest, spans, sources, holdings = await _sources(node, named, log)
     partial = PartialModel(os.path.join(cache_dir(), "models"), manifest)
     report: dict = {"bytes": 0, "set_aside": {}}
     try:
@@ -97,3 +112,44 @@ async def obtain(node, named: Named, choose: Callable[[list[Span], int], tuple[i
             c.channel.close()
     return partial, start, end, report
 
+
+async def fetch_header(node, named: Named, log: Callable[[str], None]) -> PartialModel:
+    """The model's header (metadata, vocabulary, tensor table) in its partial copy here."""
+    manifest, _, sources, holdings = await _sources(node, named, log)
+    partial = PartialModel(os.path.join(cache_dir(), "models"), manifest)
+    try:
+        if partial.header is None:
+            await trio.to_thread.run_sync(lambda: fetch_parts(partial, [HEADER], sources, holdings))
+    finally:
+        for c in sources.values():
+            c.channel.close()
+    return partial
+
+
+@dataclass(frozen=True)
+class NamedModel:
+    """What a client by name needs: a file to load the vocabulary from, and the model's identity."""
+
+    path: str  # the partial copy: its header, holes elsewhere
+    model_digest: str
+    n_layer: int
+    name: str
+    certifiers: tuple[str, ...]  # whose catalogues name it
+
+
+def open_named(bootstrap: Sequence[Any], ref: str, trust: TrustPolicy,
+               log: Callable[[str], None] = lambda _: None) -> NamedModel:
+    """Resolve ``ref`` (a name or model digest) and fetch the model's header, through a
+    client-mode DHT node joined at ``bootstrap``; typed errors (CatalogueError: no such
+    name, or two; ModelUnavailable: no peer gives it)."""
+
+    async def run() -> NamedModel:
+        async with trio.open_nursery() as nursery:
+            node = await start_node(nursery, Identity.generate(), bootstrap=bootstrap, client_mode=True)
+            named = await find_model(node, ref, trust)
+            partial = await fetch_header(node, named, log)
+            nursery.cancel_scope.cancel()
+        m = partial.manifest
+        return NamedModel(partial.path, m.model_digest, m.n_layer, named.entry.name, named.certifiers)
+
+    return trio.run(run)
