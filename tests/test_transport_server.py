@@ -115,6 +115,90 @@ def test_streams_send_what_handlers_yield_and_push_and_an_abort_ends_one_call(to
         ch.close()
 
 
+def niceness(request: bytes, caller: Caller):
+    """A stream that says at what CPU priority its handler's thread runs, then waits for ``release``."""
+    import os
+
+    yield str(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())).encode()
+    RELEASE.wait(10)
+
+
+RELEASE = threading.Event()
+
+
+def test_background_streams_run_below_the_others_and_never_take_a_sessions_worker():
+    """Serving model files must not starve inference (docs/weights.md): a background
+    method's streams run on threads of their own at the lowest CPU priority, at most
+    BACKGROUND_WORKERS at once (past that, RESOURCE_EXHAUSTED), holding no worker a
+    session needs; the other streams run at the process's priority."""
+    import os
+
+    from meshnet_p2p.dataplane.transport.server import BACKGROUND_WORKERS
+
+    creds = make_tls_credentials(Identity.generate())
+    srv = Server(creds, port=0, max_workers=1).register({
+        "/toy.Toy/Low": Method(SERVER_STREAM, niceness, background=True),
+        "/toy.Toy/Normal": Method(SERVER_STREAM, niceness)}).start()
+    ch = _channel(srv, creds)
+    RELEASE.clear()
+    try:
+        low = []
+        for _ in range(BACKGROUND_WORKERS):
+            call = ch.stream("/toy.Toy/Low", timeout=10, with_first_message=True)
+            call.send(b"", end=True)
+            low.append(call)
+        assert {int(c.recv()) for c in low} == {19}
+        over = ch.stream("/toy.Toy/Low", timeout=10, with_first_message=True)
+        over.send(b"", end=True)
+        with pytest.raises(ChannelError) as e:
+            over.recv()
+        assert e.value.code == "RESOURCE_EXHAUSTED"
+        # the only session worker is still free for a normal stream, at the process's priority
+        normal = ch.stream("/toy.Toy/Normal", timeout=10, with_first_message=True)
+        normal.send(b"", end=True)
+        assert int(normal.recv()) == os.getpriority(os.PRIO_PROCESS, 0)
+        RELEASE.set()
+        assert [c.recv() for c in [*low, normal]] == [None] * (BACKGROUND_WORKERS + 1)
+        # once they have ended, background streams are served again
+        again = ch.stream("/toy.Toy/Low", timeout=10, with_first_message=True)
+        again.send(b"", end=True)
+        assert int(again.recv()) == 19 and again.recv() is None
+    finally:
+        RELEASE.set()
+        ch.close()
+        srv.stop(0)
+
+
+ENDLESS_CLOSED = threading.Event()
+
+
+def endless(request: bytes, caller: Caller):
+    try:
+        while True:
+            yield b"more"
+    finally:
+        ENDLESS_CLOSED.set()
+
+
+def test_a_stream_the_client_cancels_stops_its_handler():
+    """Nobody reads the rest of a cancelled stream: its handler's generator is closed,
+    not run to its end (a cancelled download would otherwise keep spending the
+    shared upload rate, and its worker, on bytes sent nowhere)."""
+    ENDLESS_CLOSED.clear()
+    creds = make_tls_credentials(Identity.generate())
+    srv = Server(creds, port=0).register({"/toy.Toy/Endless": Method(SERVER_STREAM, endless)}).start()
+    ch = _channel(srv, creds)
+    try:
+        call = ch.stream("/toy.Toy/Endless", timeout=10, with_first_message=True)
+        call.send(b"", end=True)
+        assert call.recv() == b"more"
+        call.cancel()
+        assert ENDLESS_CLOSED.wait(10)
+    finally:
+        ch.close()
+        srv.stop(0)
+
+
 def test_a_method_table_is_checked_when_registered():
     with pytest.raises(ValueError):
         Method("client-stream", whoami)

@@ -185,3 +185,113 @@ def test_a_source_that_asks_too_often_is_refused(model_path, manifest):
     with pytest.raises(Abort, match="part requests a second"):
         next(store.get_part(req, CALLER))
     assert len(b"".join(store.get_part(req, Caller(None, "10.9.0.0/24", 9)))) == small.nbytes  # others are served
+
+
+# --- sources that lie, die or dawdle ---------------------------------------------------------------
+
+
+class Forging(WeightStore):
+    """Answers for a manifest it holds with another: the same file, one tensor's hash forged."""
+
+    def get_manifest(self, req, caller):
+        import dataclasses
+
+        from meshnet_p2p._proto import weights_pb2 as pb
+
+        real = self._find(req.manifest_digest).manifest
+        t = real.tensors[0]
+        forged = dataclasses.replace(real, tensors=(dataclasses.replace(t, sha256=bytes(32)), *real.tensors[1:]))
+        return pb.ManifestReply(manifest=forged.to_bytes(), whole=True)
+
+
+def test_a_forged_manifest_is_refused_and_the_peer_serves_on(model_path, manifest):
+    store = Forging()
+    store.add(manifest, model_path)
+    p = Peer(store)
+    try:
+        with pytest.raises(ManifestError, match="answered manifest .* with another"):
+            p.client.manifest(manifest.digest())
+        t = manifest.tensors[1]
+        assert p.client.part(manifest.digest(), t.name, t.nbytes) == open(model_path, "rb").read()[slice(*manifest.span(t))]
+    finally:
+        p.stop()
+
+
+class Hanging(WeightStore):
+    """Sends one chunk of the first part it is asked for, then hangs (a peer that froze or died)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.sent_one, self.release = threading.Event(), threading.Event()
+
+    def _send(self, path, offset, length):
+        chunks = super()._send(path, offset, length)
+        yield next(chunks)
+        if not self.sent_one.is_set():
+            self.sent_one.set()
+            self.release.wait(60)
+        yield from chunks
+
+
+def _with_header(tmp_path, model_path, manifest) -> PartialModel:
+    partial = PartialModel(str(tmp_path / "models"), manifest)
+    with open(model_path, "rb") as f:
+        partial.put_header(f.read(manifest.header_size))
+    return partial
+
+
+def test_a_source_killed_mid_transfer_is_set_aside_and_the_fetch_completes(tmp_path, model_path, manifest, peers):
+    import threading
+
+    partial = _with_header(tmp_path, model_path, manifest)
+    hanging = Hanging()
+    hanging.add(manifest, model_path)
+    doomed, good = Peer(hanging), peers(manifest, model_path)
+    big = max(manifest.tensors, key=lambda t: t.nbytes)  # asked first, of an idle source: either may get it
+    names = [t.name for t in partial.needed(0, 10)]
+    result: list = []
+    fetch = threading.Thread(target=lambda: result.append(fetch_parts(
+        partial, names, {"doomed": doomed.client, "good": good.client}, {"doomed": None, "good": None}, parallel=2)))
+    fetch.start()
+    # mid-transfer, its server stops with no grace: every connection is shut at once, as when the
+    # process is killed (the stop itself then waits for the hung handler, released at the end)
+    stopping = threading.Thread(target=doomed.server.stop, args=(0,))
+    try:
+        assert hanging.sent_one.wait(60)
+        stopping.start()
+        fetch.join(120)
+        assert not fetch.is_alive() and partial.missing(0, 10) == ()
+        report, = result
+        assert "doomed" in report.set_aside or report.bytes_by_source.get("doomed", 0) < big.nbytes
+    finally:
+        hanging.release.set()
+        fetch.join(60)
+        if stopping.is_alive() or stopping.ident is not None:
+            stopping.join(60)
+        else:
+            doomed.server.stop(0)
+        doomed.channel.close()
+    assert same_file(partial.cut(0, 10, str(tmp_path / "s.gguf")).path,
+                     cut_shard(model_path, 0, 10, str(tmp_path / "c.gguf")).path)
+
+
+def test_a_slow_source_costs_at_most_one_parts_wait(tmp_path, model_path, manifest, peers):
+    """A source at 1 MiB/s beside a fast one: once nothing is left to ask, what it is still
+    sending is asked of the fast one too, and the slow call cancelled (the endgame)."""
+    import time
+
+    partial = _with_header(tmp_path, model_path, manifest)
+    slow = peers(manifest, model_path, limits=WeightLimits(rate_bytes_s=CHUNK))
+    fast = peers(manifest, model_path)
+    names = [t.name for t in partial.needed(0, 10)]
+    t0 = time.monotonic()
+    report = fetch_parts(partial, names, {"slow": slow.client, "fast": fast.client}, {"slow": None, "fast": None},
+                         parallel=2)
+    took = time.monotonic() - t0
+    need = sum(t.nbytes for t in partial.needed(0, 10))
+    assert partial.missing(0, 10) == () and report.bytes == need
+    # the slow source alone would take need / 1 MiB/s (~50 s); the endgame asked the fast one for its last part
+    assert report.duplicates >= 1 and report.bytes_by_source["fast"] > need / 2
+    print(f"{need} bytes in {took:.1f} s: {report.bytes_by_source}, {report.duplicates} asked twice")

@@ -6,7 +6,10 @@ sources at once: each part from a source that holds it and is least busy,
 checked against the manifest before it is stored. A source that serves a part
 that is not the file's, or breaks, is set aside for the rest of the fetch and
 its part asked of another; one that is only busy (RESOURCE_EXHAUSTED) is asked
-again later. The fetch fails, naming the parts, only when no source is left
+again later. A slow source costs at most one part's wait: once nothing is left
+to ask, a part still coming from one source is asked of an idle other too
+(BitTorrent's endgame), the first to arrive whole and checked is kept and the
+other call cancelled. The fetch fails, naming the parts, only when no source is left
 for some part. What was stored stays stored (the partial model's journal), so
 a fetch killed at any point resumes with the parts it has.
 """
@@ -37,6 +40,7 @@ class FetchReport:
     bytes_by_source: dict[str, int] = field(default_factory=dict)
     set_aside: dict[str, str] = field(default_factory=dict)  # source -> why
     busy_retries: int = 0
+    duplicates: int = 0  # parts asked of a second source in the endgame
 
     @property
     def bytes(self) -> int:
@@ -59,6 +63,8 @@ def fetch_parts(partial: PartialModel, names: Sequence[str], sources: Mapping[st
     busy: dict[str, int] = {s: 0 for s in sources}  # parts in flight per source
     tries: dict[str, int] = {}
     failed: dict[str, str] = {}
+    asked: dict[str, set[str]] = {}  # part -> the sources fetching it now
+    stored: set[str] = set()  # parts stored (or being stored) by this fetch
 
     def holders(part: str) -> list[str]:
         return [s for s in sources if s not in report.set_aside
@@ -76,7 +82,17 @@ def fetch_parts(partial: PartialModel, names: Sequence[str], sources: Mapping[st
                     continue
                 source = min(who, key=lambda s: busy[s])
                 busy[source] += 1
+                asked.setdefault(part, set()).add(source)
                 return part, source
+            # the endgame: nothing left to ask, so a part coming from one source only is asked of an idle other
+            for part, who in asked.items():
+                if len(who) == 1 and part not in stored:
+                    idle = [s for s in holders(part) if s not in who and busy[s] == 0]
+                    if idle:
+                        busy[idle[0]] += 1
+                        who.add(idle[0])
+                        report.duplicates += 1
+                        return part, idle[0]
             return None
 
     def work() -> None:
@@ -85,16 +101,26 @@ def fetch_parts(partial: PartialModel, names: Sequence[str], sources: Mapping[st
             part, source = job
             requeue = was_busy = False
             try:
-                data = sources[source].part(digest, part, size[part])
-                if part == HEADER:
-                    partial.put_header(data)
-                else:
-                    partial.put_tensor(part, data)
+                data = sources[source].part(digest, part, size[part], stop=lambda: part in stored)
                 with lock:
-                    report.bytes_by_source[source] = report.bytes_by_source.get(source, 0) + len(data)
-                    done += len(data)
-                    if progress:
-                        progress("fetching", done, total)
+                    won = data is not None and part not in stored
+                    if won:
+                        stored.add(part)
+                if won:
+                    try:
+                        if part == HEADER:
+                            partial.put_header(data)
+                        else:
+                            partial.put_tensor(part, data)
+                    except BaseException:
+                        with lock:
+                            stored.discard(part)
+                        raise
+                    with lock:
+                        report.bytes_by_source[source] = report.bytes_by_source.get(source, 0) + len(data)
+                        done += len(data)
+                        if progress:
+                            progress("fetching", done, total)
             except ChannelError as e:
                 with lock:
                     if e.refused:  # busy: this part again later, maybe from another
@@ -114,7 +140,12 @@ def fetch_parts(partial: PartialModel, names: Sequence[str], sources: Mapping[st
             finally:
                 with lock:
                     busy[source] -= 1
-                    if requeue:
+                    who = asked.get(part, set())
+                    who.discard(source)
+                    if not who:
+                        asked.pop(part, None)
+                    # asked again unless stored, or still coming from the other source of the endgame
+                    if requeue and part not in stored and not who:
                         todo.append(part)
             if was_busy:
                 sleep(BUSY_WAIT_S)  # before asking again: the source said it is full now

@@ -56,7 +56,7 @@ async def find_model(node, ref: str, trust: TrustPolicy) -> Named:
     return resolve(ref, records, trust.certifiers)
 
 
-async def _sources(node, named: Named, log: Callable[[str], None]
+async def model_sources(node, named: Named, log: Callable[[str], None]
                    ) -> tuple[Manifest, list[Span], dict[str, WeightClient], dict[str, frozenset[str] | None]]:
     """The manifest the catalogue names, from the peers serving the model, and what each holds."""
     digest, model = named.entry.manifest_digest, named.entry.model_digest
@@ -89,7 +89,7 @@ async def obtain(node, named: Named, choose: Callable[[list[Span], int], tuple[i
     """The manifest, the span ``choose`` picks (from the peers' spans and the layer count)
     and that span's parts, from the peers serving the model; returns the partial model,
     the span and what the fetch did."""
-    manifest, spans, sources, holdings = await _sources(node, named, log)
+    manifest, spans, sources, holdings = await model_sources(node, named, log)
     partial = PartialModel(os.path.join(cache_dir(), "models"), manifest)
     report: dict = {"bytes": 0, "set_aside": {}}
     try:
@@ -115,7 +115,7 @@ async def obtain(node, named: Named, choose: Callable[[list[Span], int], tuple[i
 
 async def fetch_header(node, named: Named, log: Callable[[str], None]) -> PartialModel:
     """The model's header (metadata, vocabulary, tensor table) in its partial copy here."""
-    manifest, _, sources, holdings = await _sources(node, named, log)
+    manifest, _, sources, holdings = await model_sources(node, named, log)
     partial = PartialModel(os.path.join(cache_dir(), "models"), manifest)
     try:
         if partial.header is None:

@@ -8,6 +8,9 @@ its tensors, each in 1 MiB chunks. Nothing here is trusted by the fetcher,
 which checks every part against the manifest; what this side guards is its
 own capacity, so that serving weights never starves inference:
 
+- parts are sent from background threads (transport/server.py): the lowest CPU
+  priority, so under contention the OS runs the engine's and the sessions'
+  threads first, and no worker a session needs is held by a download;
 - all downloads together at most ``rate_bytes_s`` (a token bucket the sending
   threads wait on: a download is slowed, not refused);
 - at most ``max_downloads`` at once, ``per_source_downloads`` of them from one
@@ -47,7 +50,9 @@ class WeightLimits:
     rate_bytes_s: float = 32 << 20  # every download together (~250 Mbit/s)
     max_downloads: int = 4
     per_source_downloads: int = 2
-    requests_per_s: float = 16.0  # part requests one source may make (a burst of twice that)
+    # part requests one source may make (a burst of twice that): a span of a big model has a hundred tiny
+    # tensors (norms), each a request; bytes are what the rate above bounds
+    requests_per_s: float = 64.0
 
 
 @dataclass
@@ -85,7 +90,8 @@ class WeightStore:
                 yield pb.PartChunk(data=data).SerializeToString()
 
         return {method_path("GetManifest"): Method(UNARY, get_manifest),
-                method_path("GetPart"): Method(SERVER_STREAM, get_part)}
+                # below inference: its own threads at the lowest CPU priority, no session's worker
+                method_path("GetPart"): Method(SERVER_STREAM, get_part, background=True)}
 
     def register(self, server: Server) -> Server:
         return server.register(self.methods())
@@ -202,9 +208,10 @@ class WeightClient:
             raise ManifestError(f"a peer answered manifest {digest[:12]} with another ({m.digest()[:12]})")
         return m, reply.whole, frozenset(reply.parts)
 
-    def part(self, digest: str, part: str, size: int) -> bytes:
+    def part(self, digest: str, part: str, size: int, *, stop: Callable[[], bool] = lambda: False) -> bytes | None:
         """The ``size`` bytes of one part (the caller knows its size from the manifest:
-        a peer that sends more is cut off, not believed)."""
+        a peer that sends more is cut off, not believed); None if ``stop()`` turned true
+        between chunks (another source gave the part first: the call is cancelled)."""
         deadline = time.monotonic() + self.timeout
         stream = self.channel.stream(method_path("GetPart"), timeout=self.timeout, with_first_message=True)
         try:
@@ -217,6 +224,8 @@ class WeightClient:
                     raise ManifestError(f"a peer's part chunk is malformed: {e}") from None
                 if len(out) > size:
                     raise ManifestError(f"a peer sent more than the {size} bytes of part {part!r}")
+                if stop():
+                    return None
             return bytes(out)
         finally:
             stream.cancel()

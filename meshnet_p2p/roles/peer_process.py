@@ -112,15 +112,16 @@ class Swarm:
             self.stop()
             raise
 
-    def certify(self, model: str | None = None, log=lambda m: None) -> dict:
-        """Certify the swarm's recipe with the bootstrap peer's key, in this process."""
+    def certify(self, model: str | None = None, log=lambda m: None, name: str | None = None) -> dict:
+        """Certify the swarm's recipe with the bootstrap peer's key, in this process (and
+        list the model in its catalogue as ``name``, by default its file's stem)."""
         import trio
 
         from .certify import CertifyOptions, certify
         from meshnet_p2p.core.identity import Identity
         from meshnet_p2p.engine.models import default_model_path
 
-        opts = CertifyOptions([self.addr], Identity.load(self.boot_identity), model or default_model_path())
+        opts = CertifyOptions([self.addr], Identity.load(self.boot_identity), model or default_model_path(), name=name)
         return trio.run(certify, opts, log)
 
     def stop(self) -> list[int]:

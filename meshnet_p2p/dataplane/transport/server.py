@@ -20,7 +20,8 @@ never reads while one waits, so it never has to be asked to step aside.
 Among waiting handlers one reads at a time and hands the others what is theirs.
 
 Threads: one acceptor; one standby reader per connection; handlers on a
-bounded pool (a stream holds one for its lifetime, unary calls briefly).
+bounded pool (a stream holds one for its lifetime, unary calls briefly), and
+background streams on a small pool of their own at the lowest CPU priority.
 ``stop`` ends them all: no thread or session is left behind.
 """
 
@@ -68,6 +69,19 @@ UNARY_WORKERS = 4
 # flood of cheap calls at no CPU to us, and other sources' calls get read.
 CALLS_PER_SOURCE_PER_S = 200.0
 UNARY_QUEUE_PER_SOURCE = 64  # unary calls one source may have waiting for a worker
+# Background streams (bulk transfers, e.g. model files) at once: past it, RESOURCE_EXHAUSTED.
+BACKGROUND_WORKERS = 8
+BACKGROUND_NICE = 19  # the lowest CPU priority: under contention the OS runs every other thread first
+
+
+def _lowest_priority() -> None:
+    """Run this thread (only: on Linux a thread's ID names it alone) at the lowest CPU
+    priority. A thread can lower its own priority unprivileged, never raise it back, so
+    only threads that serve background calls for their whole life do this."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICE)
+    except (AttributeError, OSError):  # no per-thread priority here: background calls just run
+        pass
 
 
 # --- what a service registers, and what its handlers are given ---------------------------------
@@ -84,6 +98,9 @@ KINDS = (UNARY, SERVER_STREAM, BIDI)
 class Method:
     kind: str  # one of KINDS
     handler: Callable
+    # a stream below everything else: on threads of its own at the lowest CPU priority, holding
+    # no worker a session needs (serving model files must not starve inference)
+    background: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -113,7 +130,7 @@ _connections = itertools.count(1)  # Caller.connection: never reused within the 
 
 
 class _Call:
-    __slots__ = ("sid", "method", "inbox", "ended", "done", "started", "created")
+    __slots__ = ("sid", "method", "inbox", "ended", "done", "cancelled", "started", "created")
 
     def __init__(self, sid: int, method: Method) -> None:
         self.created = time.monotonic()
@@ -122,6 +139,7 @@ class _Call:
         self.inbox: list[bytes] = []
         self.ended = False  # no more requests: the client half-closed or reset, or the connection is gone
         self.done = False  # our side finished (trailers sent)
+        self.cancelled = False  # the client reset it, or it could not be sent to: nobody reads more replies
         self.started = False  # a handler runs it
 
 
@@ -230,6 +248,7 @@ class _Connection(Driver):
                 if call is not None:
                     call.ended = True
                     if isinstance(ev, grpc_core.StreamReset):  # a cancelled call's unread requests are void
+                        call.cancelled = True
                         self._discard_inbox(call)
                         if not call.started:  # never took a worker: nothing runs for it (rapid reset)
                             del self.calls[call.sid]
@@ -345,6 +364,9 @@ class _Connection(Driver):
         if call.started:
             return
         streaming = call.method.kind != UNARY
+        if call.method.background:
+            self._launch_background(call)
+            return
         if streaming and not self.server.take_session_slot():
             self.calls.pop(call.sid, None)  # every worker runs a session: refused, never queued
             self._discard_inbox(call)
@@ -368,6 +390,23 @@ class _Connection(Driver):
             self._discard_inbox(call)
             self.wire.send_trailers(call.sid, grpc_core.UNAVAILABLE, "the server is shutting down")
 
+    def _launch_background(self, call: _Call) -> None:
+        if not self.server.background_slots.acquire(blocking=False):
+            self.calls.pop(call.sid, None)  # refused, never queued: the client asks another peer or later
+            self._discard_inbox(call)
+            self.wire.send_trailers(call.sid, grpc_core.RESOURCE_EXHAUSTED,
+                                    f"{BACKGROUND_WORKERS} background calls are running here")
+            return
+        call.started = True
+        self.last_active = time.monotonic()
+        try:
+            self.server.background_executor.submit(self._handle, call)
+        except RuntimeError:  # the pool is shut down
+            self.server.background_slots.release()
+            self.calls.pop(call.sid, None)
+            self._discard_inbox(call)
+            self.wire.send_trailers(call.sid, grpc_core.UNAVAILABLE, "the server is shutting down")
+
     def _handle(self, call: _Call) -> None:
         try:
             kind = call.method.kind
@@ -380,7 +419,9 @@ class _Connection(Driver):
         except Exception as e:  # a bug must end this call, not the connection or the peer
             self.finish(call, grpc_core.INTERNAL, f"{type(e).__name__}: {e}")
         finally:
-            if call.method.kind != UNARY:
+            if call.method.background:
+                self.server.background_slots.release()
+            elif call.method.kind != UNARY:
                 self.server.release_session_slot()
             with self.cond:
                 self.calls.pop(call.sid, None)
@@ -397,8 +438,16 @@ class _Connection(Driver):
         if raw is None:
             return self.finish(call, grpc_core.INTERNAL, "no request message")
         replies = call.method.handler(raw, self.caller)
-        for reply in (replies if streaming else (replies,)):
-            self.send(call, reply)
+        if not streaming:
+            self.send(call, replies)
+        else:
+            try:
+                for reply in replies:
+                    if call.cancelled or self.broken:  # nobody reads the rest: stop making it
+                        return
+                    self.send(call, reply)
+            finally:
+                getattr(replies, "close", lambda: None)()  # the handler's own finally runs now
         self.finish(call, grpc_core.OK, "")
 
     def _bidi(self, call: _Call) -> None:
@@ -432,14 +481,14 @@ class _Connection(Driver):
             try:
                 self.wire.send_message(call.sid, message)
             except grpc_core.H2StreamClosed:
-                call.ended = True
+                call.ended = call.cancelled = True
                 return
             self.write_quietly()
             if trace.enabled() and self.wire.pending(call.sid):
                 trace.event("srv.window", sid=call.sid)  # the client's flow-control window holds it back
             if not self.wait_locked(lambda: not self.wire.pending(call.sid),  # a reset call has nothing pending
                                      time.monotonic() + SEND_TIMEOUT):
-                call.ended = True
+                call.ended = call.cancelled = True
                 self.wire.reset_stream(call.sid, grpc_core.CANCEL)
                 self.write_quietly()
 
@@ -486,6 +535,10 @@ class Server:
         # Unary calls have workers of their own, shared between sources in turn: a
         # Cancel never waits behind streams, nor one source's calls behind another's flood.
         self.unary_executor = FairPool(UNARY_WORKERS, per_source=UNARY_QUEUE_PER_SOURCE, name="shard-rpc-unary")
+        self.background_executor = futures.ThreadPoolExecutor(max_workers=BACKGROUND_WORKERS,
+                                                              thread_name_prefix="shard-rpc-background",
+                                                              initializer=_lowest_priority)
+        self.background_slots = threading.BoundedSemaphore(BACKGROUND_WORKERS)
         self.max_connections = max_connections
         self.max_connections_per_source = max_connections_per_source
         self.idle_timeout = idle_timeout
@@ -669,6 +722,7 @@ class Server:
             c.close()
         self.executor.shutdown(wait=True)
         self.unary_executor.shutdown(wait=True)
+        self.background_executor.shutdown(wait=True)
         for c in conns:
             c.thread.join()
         for fd in (self._stop_r, self._stop_w):
