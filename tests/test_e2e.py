@@ -296,7 +296,10 @@ def test_the_ring_survives_any_hop_failing(tmp_path, reference, model_path, wher
         events = []
         client = Client([addr], model_path=model_path, step_timeout=3.0, on_event=events.append, ring=True)
         on_token, count = fail_the_serving_one(twins, 3, fault)
-        result = client.generate(PROMPT, 32, on_token=on_token, stop_at_eog=False)
+        try:
+            result = client.generate(PROMPT, 32, on_token=on_token, stop_at_eog=False)
+        except Exception as e:  # what the client saw on the way: who it blamed, and why
+            raise AssertionError(f"{e}\nevents: {events}") from e
         assert result.token_ids == reference
         assert result.failovers == 1, events
         survivor = next(m for m in twins if m is not count["victim"])
