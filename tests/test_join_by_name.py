@@ -65,6 +65,19 @@ def test_volunteers_with_no_file_join_by_name_and_serve_exactly(tmp_path, model_
         assert on_disk < manifest.header_size + (1 << 20), "the client fetched more than the header"
         local = meshnet_peer("generate", "--local", "--prompt", PROMPT, "--max-tokens", "16", "--json")
         assert doc["token_ids"] == json.loads(local.stdout)["token_ids"]
+        # the API by name too: the model it lists is the catalogue's name, and it answers as the model
+        from openai import OpenAI
+
+        api = Proc("api", "--bootstrap", addr, "--model", NAME, "--listen", "127.0.0.1:0",
+                   env={**os.environ, "MESHNET_CACHE_DIR": str(tmp_path / "api-cache")})
+        try:
+            url = api.wait_line("listening on ", 120).removeprefix("listening on ")
+            openai = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+            assert [m.id for m in openai.models.list().data] == [NAME]
+            r = openai.completions.create(model=NAME, prompt=PROMPT, max_tokens=16, temperature=0)
+            assert r.choices[0].text == doc["text"]
+        finally:
+            assert api.stop() == 0
         assert [h["peer_id"] for h in doc["route"]] == [p.peer_id for p in joined]
     finally:
         for p in [*joined, *holders, boot]:
