@@ -9,6 +9,8 @@ from __future__ import annotations
 import shutil
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from meshnet_p2p.client.fetch import FetchError, fetch_parts
 from meshnet_p2p.core.identity import Identity
@@ -295,3 +297,55 @@ def test_a_slow_source_costs_at_most_one_parts_wait(tmp_path, model_path, manife
     # the slow source alone would take need / 1 MiB/s (~50 s); the endgame asked the fast one for its last part
     assert report.duplicates >= 1 and report.bytes_by_source["fast"] > need / 2
     print(f"{need} bytes in {took:.1f} s: {report.bytes_by_source}, {report.duplicates} asked twice")
+
+
+# --- any request a stranger sends --------------------------------------------------------------------
+
+REAL = "(the manifest's digest)"
+_names = st.sampled_from([HEADER, "token_embd.weight", "output_norm.weight", "blk.0.attn_q.weight", "", "x" * 300,
+                          "blk.999.attn_q.weight", "\0header\0"])
+_digests = st.sampled_from([REAL, "0" * 64, "", "z" * 10_000])
+_sizes = st.integers(0, 2**64 - 1)
+# what a stranger may send: random bytes, or requests with fields drawn near the real ones
+_REQUESTS = st.one_of(st.binary(max_size=200).map(lambda b: ("raw", b)),
+                      st.tuples(st.just("part"), _digests, _names, _sizes, _sizes),
+                      st.tuples(st.just("manifest"), _digests))
+
+
+def _encoded(request, digest: str) -> bytes:
+    from meshnet_p2p._proto import weights_pb2 as pb
+
+    kind, *f = request
+    if kind == "raw":
+        return f[0]
+    d = digest if f[0] == REAL else f[0]
+    if kind == "manifest":
+        return pb.ManifestRequest(manifest_digest=d).SerializeToString()
+    return pb.PartRequest(manifest_digest=d, part=f[1], offset=f[2], length=f[3]).SerializeToString()
+
+
+@settings(max_examples=300, deadline=None)
+@given(path=st.sampled_from([method_path("GetManifest"), method_path("GetPart")]), request=_REQUESTS)
+def test_any_request_is_served_or_refused_with_the_requests_error(model_path, manifest, path, request):
+    """Every method on any bytes: a reply of at most what was asked, or a refusal the
+    request earns (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED), nothing else;
+    and the store serves a real request after it."""
+    from meshnet_p2p._proto import weights_pb2 as pb
+    from meshnet_p2p.dataplane.transport import grpc_core
+    from meshnet_p2p.dataplane.transport.server import UNARY, Abort
+
+    store = WeightStore(WeightLimits(requests_per_s=1e9), clock=lambda: 0.0)
+    store.add(manifest, model_path)
+    table = store.methods()
+    method = table[path]
+    try:
+        out = method.handler(_encoded(request, manifest.digest()), CALLER)
+        sent = out if method.kind == UNARY else b"".join(out)
+    except Abort as e:
+        assert e.status in {grpc_core.INVALID_ARGUMENT, grpc_core.NOT_FOUND, grpc_core.RESOURCE_EXHAUSTED}, e.message
+    else:
+        assert len(sent) <= manifest.file_size + 1024
+    small = min(manifest.tensors, key=lambda t: t.nbytes)
+    real = pb.PartRequest(manifest_digest=manifest.digest(), part=small.name).SerializeToString()
+    chunks = [pb.PartChunk.FromString(c).data for c in table[method_path("GetPart")].handler(real, CALLER)]
+    assert len(b"".join(chunks)) == small.nbytes
