@@ -14,7 +14,6 @@ llama.cpp loads vocab-only (it reads no tensor, and the holes are never read).
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -32,10 +31,9 @@ from meshnet_p2p.core.identity import Identity
 from meshnet_p2p.swarm.node import peers_for_model, start_node
 from meshnet_p2p.swarm.placement import Span
 from meshnet_p2p.swarm.view import newest_signed_by
-from meshnet_p2p.trust.catalogue import CatalogueError, Named, catalogue_key, names, resolve
+from meshnet_p2p.trust.catalogue import HEX64, CatalogueError, Named, catalogue_key, names, resolve
 from meshnet_p2p.trust.policy import TrustPolicy
 
-_HEX64 = re.compile(r"[0-9a-f]{64}")
 CALL_TIMEOUT_S = 120.0
 
 
@@ -47,7 +45,7 @@ async def find_model(node, ref: str, trust: TrustPolicy) -> Named:
     """What ``ref`` (a name, or a model digest) names in the trusted certifiers' catalogues."""
     records = [r for c in sorted(trust.certifiers)
                if (r := await newest_signed_by(node, catalogue_key(c), c)) is not None]
-    if _HEX64.fullmatch(ref):
+    if HEX64.fullmatch(ref):
         found = [n for named in names(records, trust.certifiers).values() for n in named if n.entry.model_digest == ref]
         if len({n.entry.manifest_digest for n in found}) != 1:
             raise CatalogueError(f"model {ref[:12]} is in no trusted certifier's catalogue" if not found else
@@ -97,12 +95,13 @@ async def obtain(node, named: Named, choose: Callable[[list[Span], int], tuple[i
             r = await trio.to_thread.run_sync(lambda: fetch_parts(partial, [HEADER], sources, holdings))
             report["bytes"] += r.bytes
         start, end = choose(spans, manifest.n_layer)
-        missing = [t.name for t in partial.missing(start, end)]
+        missing = partial.missing(start, end)
         need = sum(t.nbytes for t in partial.needed(start, end))
         log(f"fetching layers {start}:{end} of {named.entry.name}: {len(missing)} parts, "
-            f"{need - sum(t.nbytes for t in partial.needed(start, end) if t.name in partial.present)} bytes "
-            f"({need} for the span, of {manifest.file_size} in the file) from {len(sources)} peers")
-        r = await trio.to_thread.run_sync(lambda: fetch_parts(partial, missing, sources, holdings, progress=progress))
+            f"{sum(t.nbytes for t in missing)} bytes ({need} for the span, of {manifest.file_size} in the file) "
+            f"from {len(sources)} peers")
+        wanted = [t.name for t in missing]
+        r = await trio.to_thread.run_sync(lambda: fetch_parts(partial, wanted, sources, holdings, progress=progress))
         report["bytes"] += r.bytes
         report["set_aside"] = r.set_aside
         for who, why in r.set_aside.items():

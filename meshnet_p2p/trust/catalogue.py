@@ -26,7 +26,7 @@ CATALOGUE_TTL_MS = 24 * 3600 * 1000  # as certificates: a certifier renews it wh
 MAX_ENTRIES = 64
 MAX_NAME = 96
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")  # what a user types after --model
-_HEX64 = re.compile(r"[0-9a-f]{64}")
+HEX64 = re.compile(r"[0-9a-f]{64}")  # a digest as text
 MAX_FILE_SIZE = 1 << 50
 
 
@@ -61,7 +61,7 @@ def _entry_problem(e: Any) -> str | None:
         return "an entry is {name, model_digest, manifest_digest, file_size}"
     if (why := name_problem(e["name"])) is not None:
         return why
-    if not all(isinstance(e[k], str) and _HEX64.fullmatch(e[k]) for k in ("model_digest", "manifest_digest")):
+    if not all(isinstance(e[k], str) and HEX64.fullmatch(e[k]) for k in ("model_digest", "manifest_digest")):
         return "an entry's digests are sha256 hex"
     if type(e["file_size"]) is not int or not 0 < e["file_size"] <= MAX_FILE_SIZE:
         return "an entry's file_size is a positive integer"

@@ -360,14 +360,16 @@ class _Connection(Driver):
     def _launch(self, call: _Call) -> None:
         """Give a call its handler once its first message (or its end) has come.
         Streams hold a worker of the main pool for their lifetime; unary calls are
-        brief and have a pool of their own, so a Cancel never waits behind streams."""
+        brief and have a pool of their own, so a Cancel never waits behind streams;
+        background streams have theirs, at the lowest CPU priority."""
         if call.started:
             return
-        streaming = call.method.kind != UNARY
-        if call.method.background:
-            self._launch_background(call)
-            return
-        if streaming and not self.server.take_session_slot():
+        streaming, background = call.method.kind != UNARY, call.method.background
+        if background and not self.server.background_slots.acquire(blocking=False):
+            # refused, never queued: the client asks another peer or later
+            return self._drop(call, grpc_core.RESOURCE_EXHAUSTED,
+                              f"{BACKGROUND_WORKERS} background calls are running here")
+        if streaming and not background and not self.server.take_session_slot():
             self.calls.pop(call.sid, None)  # every worker runs a session: refused, never queued
             self._discard_inbox(call)
             self.wire.refuse(call.sid)
@@ -375,37 +377,30 @@ class _Connection(Driver):
         call.started = True
         self.last_active = time.monotonic()
         try:
-            if streaming:
+            if background:
+                self.server.background_executor.submit(self._handle, call)
+            elif streaming:
                 self.server.executor.submit(self._handle, call)
             elif not self.server.unary_executor.submit(self.caller.host_group, lambda: self._handle(call)):
                 call.started = False  # its source has a full queue: this call is refused, not queued
-                self.calls.pop(call.sid, None)
-                self._discard_inbox(call)
-                self.wire.send_trailers(call.sid, grpc_core.RESOURCE_EXHAUSTED,
-                                        f"over {UNARY_QUEUE_PER_SOURCE} calls from your address wait already")
+                self._drop(call, grpc_core.RESOURCE_EXHAUSTED,
+                           f"over {UNARY_QUEUE_PER_SOURCE} calls from your address wait already")
         except RuntimeError:  # the pool is shut down
-            if streaming:
-                self.server.release_session_slot()
-            self.calls.pop(call.sid, None)
-            self._discard_inbox(call)
-            self.wire.send_trailers(call.sid, grpc_core.UNAVAILABLE, "the server is shutting down")
+            self._release_worker(call)
+            self._drop(call, grpc_core.UNAVAILABLE, "the server is shutting down")
 
-    def _launch_background(self, call: _Call) -> None:
-        if not self.server.background_slots.acquire(blocking=False):
-            self.calls.pop(call.sid, None)  # refused, never queued: the client asks another peer or later
-            self._discard_inbox(call)
-            self.wire.send_trailers(call.sid, grpc_core.RESOURCE_EXHAUSTED,
-                                    f"{BACKGROUND_WORKERS} background calls are running here")
-            return
-        call.started = True
-        self.last_active = time.monotonic()
-        try:
-            self.server.background_executor.submit(self._handle, call)
-        except RuntimeError:  # the pool is shut down
+    def _drop(self, call: _Call, status: int, message: str) -> None:
+        """End a call no handler runs, with ``status``."""
+        self.calls.pop(call.sid, None)
+        self._discard_inbox(call)
+        self.wire.send_trailers(call.sid, status, message)
+
+    def _release_worker(self, call: _Call) -> None:
+        """Give back the place a launched stream took (unary calls take none)."""
+        if call.method.background:
             self.server.background_slots.release()
-            self.calls.pop(call.sid, None)
-            self._discard_inbox(call)
-            self.wire.send_trailers(call.sid, grpc_core.UNAVAILABLE, "the server is shutting down")
+        elif call.method.kind != UNARY:
+            self.server.release_session_slot()
 
     def _handle(self, call: _Call) -> None:
         try:
@@ -419,10 +414,7 @@ class _Connection(Driver):
         except Exception as e:  # a bug must end this call, not the connection or the peer
             self.finish(call, grpc_core.INTERNAL, f"{type(e).__name__}: {e}")
         finally:
-            if call.method.background:
-                self.server.background_slots.release()
-            elif call.method.kind != UNARY:
-                self.server.release_session_slot()
+            self._release_worker(call)
             with self.cond:
                 self.calls.pop(call.sid, None)
                 self.last_active = time.monotonic()
