@@ -170,7 +170,7 @@ def test_ping_is_answered_and_reset_and_goaway_end_calls():
     assert isinstance(events[0], h2.ConnectionEnded) and events[0].detail == "bye"
     # h2 takes nothing after a GOAWAY: a call it had taken ends too (our servers send GOAWAY last)
     assert events[1:] == [StreamEnded(a, h2.UNAVAILABLE, "the peer closed the connection (bye)"),
-                          StreamEnded(b, h2.UNAVAILABLE, "the peer went away before taking this call",
+                          StreamEnded(b, h2.UNAVAILABLE, "the peer went away before taking this call (bye)",
                                       refused=True)]  # never processed: safe to retry (a busy peer, not a fault)
     with pytest.raises(H2StreamClosed):
         c.open_stream("/svc/C")

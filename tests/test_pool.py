@@ -80,3 +80,58 @@ def test_an_idle_channel_old_enough_to_be_closing_is_not_reused():
     assert [ch.closed for ch, _ in chans] == [1, 1, 0]
     pool.close()
     capped.close()
+
+
+def test_first_contact_on_a_pooled_connection_the_peer_just_closed_tries_a_new_one(shard_dir, load_engine, monkeypatch):
+    """The keep-alive race, end to end (bench/wan.py, 2026-12-03: a route's only
+    head banned for "connection lost: Broken pipe"): a client's pooled channel sits
+    idle; the peer closes it to make room while the next first contact leases it, so
+    the GOAWAY crosses the contact's first call. That says nothing about the peer:
+    the contact tries once more on a new connection and succeeds."""
+    import select
+    import socket
+    from types import SimpleNamespace
+
+    from meshnet_p2p.client import hop
+    from meshnet_p2p.client.options import PeerMeasures, RouteOptions
+    from meshnet_p2p.core.identity import Identity
+    from meshnet_p2p.dataplane.servicer import ShardRuntimeServicer
+    from meshnet_p2p.dataplane.transport.server import Server
+    from meshnet_p2p.dataplane.transport.tls import make_tls_credentials
+    from meshnet_p2p.swarm.placement import Span
+
+    identity = Identity.generate()
+    creds = make_tls_credentials(identity)
+    srv = ShardRuntimeServicer(load_engine(shard_dir[(10, 20)])).register(
+        Server(creds, max_connections_per_source=1)).start()
+    pool = ChannelPool()
+    newer = []
+    try:
+        pid = str(identity.peer_id)
+        record = SimpleNamespace(content={"peer_id": pid, "tls_cert": creds.cert_pem.decode(),
+                                          "addrs": [f"/ip4/127.0.0.1/tcp/{srv.port}/p2p/{pid}"]})
+        span = Span(pid, 10, 20, record=record)
+        opts, measures = RouteOptions(max_tokens=8, pool=pool), PeerMeasures()
+        first = hop.connect(span, 10, pool=pool)
+        fp = first.peer_capability().fingerprint
+        record.content.update(model_digest=fp.model_digest, recipe_digest=fp.recipe_digest)
+        first.close()  # idle in the pool now
+
+        real_connect = hop.connect
+
+        def connect_as_the_peer_gives_way(*args, **kwargs):
+            client = real_connect(*args, **kwargs)
+            if client.channel.wire is not None and not newer:  # the pooled one: the peer closes it now
+                newer.append(socket.create_connection(("127.0.0.1", srv.port)))  # over the source's cap
+                assert select.select([client.channel.sock], [], [], 10)[0]  # the GOAWAY came, unread
+            return client
+
+        monkeypatch.setattr(hop, "connect", connect_as_the_peer_gives_way)
+        contact = hop.first_contact(span, opts, measures)
+        assert newer and contact.cap.start == 10 and contact.client.channel is not first.channel
+        contact.client.close()
+    finally:
+        for s in newer:
+            s.close()
+        pool.close()
+        srv.stop(0)

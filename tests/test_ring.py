@@ -269,6 +269,45 @@ def test_a_link_is_checked_before_any_dial_and_bounded(middle, other):
         c.close()
 
 
+def test_a_link_on_a_pooled_connection_that_died_while_idle_dials_anew(middle, monkeypatch):
+    """Rings through one next hop share a connection to it (pool.py); one that died
+    while idle (the next hop closed it to make room, a NAT dropped it) is found dead
+    only by the attach written on it. That says nothing about the next hop: the link
+    attaches on a new connection, instead of reporting a next hop that "did not take
+    the attach" and making the client replace a healthy peer."""
+    import socket as sockets
+
+    from meshnet_p2p.dataplane import ring
+    from meshnet_p2p.dataplane.transport.pool import ChannelPool
+
+    creds = make_client_credentials(FEEDER)
+    hop = ring.NextHop(middle.peer_id, middle.cert, (middle.addr.host, middle.addr.port), None)
+    pool = ChannelPool()
+    died = []
+    real_lease = ring.lease_channel
+
+    def lease_one_that_died(*args, **kwargs):
+        channel, release = real_lease(*args, **kwargs)
+        if channel.wire is not None and not died:  # the pooled one: its connection is gone now
+            died.append(channel)
+            channel.sock.shutdown(sockets.SHUT_WR)
+        return channel, release
+
+    try:
+        warm, release = real_lease(pool, middle.cert, peer_id=middle.peer_id, client=creds, **hop.way)
+        assert ShardClient(warm).health().serving
+        release()  # idle in the pool, for the next ring through this hop
+        monkeypatch.setattr(ring, "lease_channel", lease_one_that_died)
+        with _owner(middle) as (_, owner, token):
+            msg = pb.LinkSignal(route_epoch=0, session_id=owner.session_id, attach_token=token, forward_until=100)
+            link = ring.RingLink(msg, hop, creds, pool)
+            assert died == [warm] and link.error is None
+            link.close()
+            owner.release()
+    finally:
+        pool.close()
+
+
 # --- whom a failed link blames (the client's side, with stand-in hops) ------------------------------------
 
 class _Stream:

@@ -357,6 +357,36 @@ def test_one_source_holds_a_bounded_share_of_connections_and_idle_ones_give_way(
         srv.stop(0)
 
 
+def test_a_call_written_after_the_server_gave_way_is_refused_never_lost(shard_dir, load_engine):
+    """The keep-alive race (bench/wan.py, 2026-12-03): a pooled idle connection the
+    server closed to make room (GOAWAY, then its end shut) was written to before the
+    GOAWAY was read. The second write failed (EPIPE) and the call ended "connection
+    lost: Broken pipe", which a client takes for a dead peer and bans. What arrived
+    before the failure is read first, so the call is known never processed: refused,
+    safe to send again on a new connection."""
+    import select
+
+    from meshnet_p2p.dataplane.stub import method_path
+
+    engine = load_engine(shard_dir[(10, 20)])
+    creds = make_tls_credentials()
+    srv = ShardRuntimeServicer(engine).register(Server(creds, max_connections_per_source=1)).start()
+    try:
+        idle = _ours(creds, srv)
+        assert idle.health().serving  # connected, then idle: the one that gives way
+        newer = socket.create_connection(("127.0.0.1", srv.port))  # the same source, over its cap
+        assert select.select([idle.channel.sock], [], [], 10)[0]  # its GOAWAY is here, unread
+        with pytest.raises(ChannelError) as e:
+            call = idle.channel.stream(method_path("Health"), timeout=10)  # the headers: a write
+            for _ in range(100):  # the server's end answers data with a reset: a write fails soon
+                call.send(b"x", end=False)
+        assert e.value.refused and "gave way" in e.value.detail, e.value
+        assert _ours(creds, srv).health().serving  # a new connection is served
+        newer.close()
+    finally:
+        srv.stop(0)
+
+
 def _frames_until_closed(sock, timeout: float = 10, answer_pings: bool = False) -> tuple[list, bool]:
     """Read a raw connection's frames until the server closes it (True) or
     ``timeout`` passes (False); optionally acking each PING as a live client does."""

@@ -103,10 +103,20 @@ def first_contact(span: Span, opts: RouteOptions, measures: PeerMeasures) -> Con
     """Connect, and check the peer is what its report says (raises MeshnetError)."""
     c = span.record.content
     peer = PeerId.from_string(c["peer_id"])
-    # first contact: a short bound
-    client = connect(span, min(opts.step_timeout, CONNECT_TIMEOUT_S), opts.client_creds, opts.pool)
+    bound = min(opts.step_timeout, CONNECT_TIMEOUT_S)  # first contact: a short bound
+    client = connect(span, bound, opts.client_creds, opts.pool)
     try:
-        cap = client.peer_capability()  # also sets up the connection (TLS handshake)
+        try:
+            reused = client.channel.wire is not None  # a pooled connection, idle until now
+            cap = client.peer_capability()  # also sets up the connection (TLS handshake)
+        except ShardConnectionError:
+            if not reused:
+                raise
+            # The peer may have closed it while it sat idle, its GOAWAY crossing our call (the
+            # keep-alive race): that says nothing of the peer, so once more on a new connection.
+            client.close()
+            client = connect(span, bound, opts.client_creds, opts.pool)
+            cap = client.peer_capability()
         client.timeout = opts.step_timeout
         for _ in range(ROUND_TRIP_SAMPLES):  # used when re-planning: the least of a few (~1 ms each)
             t0 = time.perf_counter()

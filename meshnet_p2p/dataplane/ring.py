@@ -154,15 +154,12 @@ class RingLink:
         self.peer = hop.peer
         self.error: str | None = None  # why the link stopped, once it has
         self._lock = threading.Lock()  # forwards from several handler threads go out one at a time
-        # rings through the same next hop share one connection to it (pool.py)
-        channel, self._release = lease_channel(pool, hop.cert_pem, peer_id=hop.peer, client=creds, **hop.way)
-        channel.connect_timeout = dial_timeout
-        self._channel = channel
         self._call = None
+        self._release = lambda: None  # until a channel is leased
         try:
-            self._call, reply = open_attach(channel, msg.session_id, msg.attach_token, msg.route_epoch,
-                                            LINK_TIMEOUT_S)
+            reply = self._attach(msg, hop, creds, pool, dial_timeout)
         except ChannelError as e:
+            channel = self._channel
             proven = channel.wire is not None  # the TLS handshake with the pinned certificate completed
             self.close()
             # the reason stays here: a client must not learn from a peer what answers at an address
@@ -181,6 +178,25 @@ class RingLink:
         self._credits = self._granted
         self._reader = threading.Thread(target=self._drain, name="ring-link", daemon=True)
         self._reader.start()
+
+    def _attach(self, msg, hop: NextHop, creds: TlsCredentials | None, pool: ChannelPool, dial_timeout: float):
+        """Attach to the next hop's session; its first answer. Rings through the same
+        next hop share one connection to it (pool.py). A pooled connection the next hop
+        (or a NAT between) closed while it sat idle says nothing about the next hop:
+        the attach is tried once more on a new connection."""
+        for last in (False, True):
+            channel, self._release = lease_channel(pool, hop.cert_pem, peer_id=hop.peer, client=creds, **hop.way)
+            channel.connect_timeout = dial_timeout
+            self._channel = channel
+            reused = channel.wire is not None
+            try:
+                self._call, reply = open_attach(channel, msg.session_id, msg.attach_token, msg.route_epoch,
+                                                LINK_TIMEOUT_S)
+                return reply
+            except ChannelError:
+                if last or not reused:
+                    raise
+                self._release()  # broken: the pool drops it, and the next lease connects anew
 
     def forward(self, position: int, decode: bool, *, token_id: int | None = None,
                 hidden=None, is_eog: bool = False, upstream=None) -> bool:

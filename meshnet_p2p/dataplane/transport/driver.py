@@ -34,6 +34,7 @@ from .tls import decrypt
 
 POLL_IN = select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP
 READ_SIZE = 1 << 18
+SALVAGE_READS = 4  # reads of what came before a failed write (a GOAWAY is one frame)
 
 
 class Driver:
@@ -92,7 +93,24 @@ class Driver:
         except (BlockingIOError, TimeoutError):
             self.break_locked("the peer took no data for the send timeout")
         except (OSError, ssl.SSLError) as e:
+            self._salvage_locked()
             self.break_locked(f"connection lost: {e}")
+
+    def _salvage_locked(self) -> None:
+        """A write failed: read what the peer sent before it hung up. A server that
+        closes a connection says so first (GOAWAY: which calls it never processed),
+        and a reset makes writes fail while those bytes still wait to be read; lost,
+        a call it never saw would look like a dead peer's (the keep-alive race of a
+        pooled connection)."""
+        for _ in range(SALVAGE_READS):
+            try:
+                data = self.sock.recv(READ_SIZE, socket.MSG_DONTWAIT)
+                plain = decrypt(self.tls, self.tls_in, data) if data else None
+                if not plain:
+                    return
+                self.dispatch_locked(self.wire.receive_data(plain))
+            except Exception:  # whatever else is wrong with it, the connection is ending anyway
+                return
 
     # --- receiving ------------------------------------------------------------------------------
 

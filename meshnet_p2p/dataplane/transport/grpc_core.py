@@ -540,7 +540,7 @@ class GrpcConnection:
                 if self.client_side:
                     # above last_stream_id: never processed, so safe to retry elsewhere or later (as gRPC's)
                     untaken = st.id > self.goaway.last_stream_id
-                    why = "the peer went away before taking this call" if untaken \
+                    why = f"the peer went away before taking this call ({self.goaway.detail})" if untaken \
                         else f"the peer closed the connection ({self.goaway.detail})"
                     events.append(StreamEnded(st.id, UNAVAILABLE, why, refused=untaken))
                 else:
