@@ -87,6 +87,7 @@ def connect(port: int, inner: socket.socket) -> None:
         if target is None:
             raise OSError("no target")
         outer = socket.create_connection(target, timeout=10)
+        outer.settimeout(None)  # the 10 s bound the connect only: an idle link stays up, as a real one does
     except OSError:
         inner.close()
         return
