@@ -358,8 +358,9 @@ def test_topics_for_models_nobody_announces_hold_a_bounded_share_of_gossip():
     assert verdicts.count("new") == 10 and len(state._short) == 10
     for i, ident in enumerate(idents[:20]):  # honest topics still find room
         assert state.offer(f"model/{i:064x}", rec(ident, f"model/{i:064x}"), now) == "new"
-    # a short topic's newer records replace as ever; it leaves the share when its records expire
-    assert state.offer("certs/" + f"{0:064x}/x", rec(idents[0], f"certs/{0:064x}/x", 2), now, short=True) == "new"
+    # a short topic's newer records replace as ever (the same content re-signed: a refresh, kept
+    # in its place but not pushed on); it leaves the share when its records expire
+    assert state.offer("certs/" + f"{0:064x}/x", rec(idents[0], f"certs/{0:064x}/x", 2), now, short=True) == "refresh"
     state.expire(now + 120_000)
     assert state._short == {} and state._short_count == 0 and state.topics == {}
 

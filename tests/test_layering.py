@@ -18,6 +18,7 @@ LAYERS = {
     "nat": 7,
     "client": 8,
     "roles": 9,
+    "sim": 10,  # the simulator drives the roles' code on a simulated network (issue 30)
 }
 # the generated protobuf modules belong to the data plane above its transport
 PRIVATE = {"_proto": {"dataplane"}}

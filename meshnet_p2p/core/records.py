@@ -88,6 +88,9 @@ class PayloadType:
     replay_key_field: str | None = None  # records of one signer are ordered per this field's value
     validate: Callable[[Mapping[str, Any]], str | None] | None = None  # why content is malformed, or None
     max_lifetime_ms: int | None = None  # the longest this kind may live (default: the verifier's bound)
+    # fields that change from one record of a signer to its next (load figures): a record that
+    # differs from the one held only in these is a refresh, which gossip keeps but does not push
+    volatile_fields: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ from meshnet_p2p.core.netgroup import ip_group
 R = TypeVar("R")
 PER_ANSWER = MAX_PER_GROUP_IN_BUCKET  # contacts of one network taken from one answer
 PER_PATH = MAX_PER_GROUP  # members of one network among a path's k closest
+SLOW_FACTOR = 3.0  # round trips (the lookup's median) after which a request is slow, if beyond slow_after
 
 
 @dataclass
@@ -98,9 +99,10 @@ async def iterative_lookup(
     directly, whatever their distance (where a key's signer keeps its records);
     their answers join ``responses``, their contacts are not followed.
 
-    A request unanswered after ``slow_after`` (default: a tenth of ``timeout``)
-    stops holding one of the ``alpha`` slots and stops counting among the k
-    closest, so a frozen peer delays nothing; if it answers before the lookup
+    A request unanswered after ``slow_after`` (default: a tenth of ``timeout``), or
+    after SLOW_FACTOR times the median round trip this lookup has seen if that is
+    longer, stops holding one of the ``alpha`` slots and stops counting among the
+    k closest, so a frozen peer delays nothing; if it answers before the lookup
     ends its answer is still used, and if it times out it is reported failed.
     A path ends when no request is in flight except slow ones and nothing
     closer is left to ask; the lookup ends when every path has ended and the
@@ -110,7 +112,7 @@ async def iterative_lookup(
     an empty key).
     """
     max_queries = max_queries or 8 * k
-    slow_after = timeout / 10 if slow_after is None else slow_after
+    slow = _Slow(timeout / 10 if slow_after is None else slow_after, timeout)
     result: LookupResult[R] = LookupResult([], target=target)
     claimed: dict[int, int] = {}  # node id -> the path that asked it (disjointness)
     ordered = sorted({c.node_id: c for c in seeds}.values(), key=lambda c: c.node_id ^ target)
@@ -120,7 +122,7 @@ async def iterative_lookup(
     async def path(i: int) -> None:
         outcomes[i] = await _one_path(
             target, ordered[i::d], call, i, claimed, result, k=k, alpha=alpha, timeout=timeout,
-            slow_after=slow_after, on_fail=on_fail, done=done, max_queries=max_queries,
+            slow=slow, on_fail=on_fail, done=done, max_queries=max_queries,
             per_answer=per_answer, per_path=per_path)
 
     direct: dict[int, tuple[Contact, float]] = {}  # direct asks in flight: node id -> (contact, start)
@@ -148,7 +150,7 @@ async def iterative_lookup(
             for i in range(d if ordered else 0):
                 walks.start_soon(path, i)
         if direct:  # like any request: waited for until slow, then abandoned
-            with trio.move_on_at(max(t0 for _, t0 in direct.values()) + slow_after):
+            with trio.move_on_at(max(t0 for _, t0 in direct.values()) + slow.after):
                 await answered.wait()
         abandoned = [c for c, _ in direct.values()]
         nursery.cancel_scope.cancel()
@@ -163,8 +165,27 @@ async def iterative_lookup(
     return result
 
 
+class _Slow:
+    """When an unanswered request counts as slow: after ``floor``, or SLOW_FACTOR
+    round trips as this lookup measures them, whichever is longer (at most
+    ``timeout``). A fixed tenth of a second suited loopback; on the internet,
+    round trips of 100-350 ms are common, and a lookup that called every peer
+    past 100 ms slow ended as soon as its near peers had answered, without the
+    far ones that held the key (bench/sim.py, docs/scale.md)."""
+
+    def __init__(self, floor: float, timeout: float) -> None:
+        self.floor, self.timeout = floor, timeout
+        self.after = floor
+        self._rtts: list[float] = []
+
+    def answered(self, rtt: float) -> None:
+        self._rtts.append(rtt)
+        median = sorted(self._rtts)[len(self._rtts) // 2]
+        self.after = min(self.timeout, max(self.floor, SLOW_FACTOR * median))
+
+
 async def _one_path(target: int, seeds: list[Contact], call, me: int, claimed: dict[int, int],
-                    result: LookupResult, *, k: int, alpha: int, timeout: float, slow_after: float,
+                    result: LookupResult, *, k: int, alpha: int, timeout: float, slow: _Slow,
                     on_fail, done, max_queries: int, per_answer: int | None, per_path: int | None,
                     ) -> tuple[list[Contact], dict[int, R], list[Contact]]:
     """One path: returns its k closest that answered, its answers, and the
@@ -188,9 +209,11 @@ async def _one_path(target: int, seeds: list[Contact], call, me: int, claimed: d
         return [c for c in usable if c.node_id not in state]
 
     async def query(c: Contact) -> None:
-        answer = None
+        answer, t0 = None, trio.current_time()
         with trio.move_on_after(timeout):
             answer = await call(c)
+        if answer is not None:
+            slow.answered(trio.current_time() - t0)
         send.send_nowait((c, answer))
 
     async with trio.open_nursery() as nursery:
@@ -208,7 +231,7 @@ async def _one_path(target: int, seeds: list[Contact], call, me: int, claimed: d
                 break
             # with nobody answered yet (on any path), the slow requests are all there is (a loaded
             # host, not a frozen one): wait for them, each bounded by its own timeout
-            with trio.move_on_at(min(started.values()) + slow_after if started else trio.current_time() + slow_after):
+            with trio.move_on_at(min(started.values()) + slow.after if started else trio.current_time() + slow.after):
                 c, answer = await recv.receive()
                 started.pop(c.node_id, None)
                 if answer is None:
@@ -226,7 +249,7 @@ async def _one_path(target: int, seeds: list[Contact], call, me: int, claimed: d
                 continue
             now = trio.current_time()
             for node_id, t0 in list(started.items()):
-                if t0 + slow_after <= now:
+                if t0 + slow.after <= now:
                     del started[node_id]
                     state[node_id] = "slow"
         nursery.cancel_scope.cancel()

@@ -774,18 +774,20 @@ class DHTNode:
         # a topic the role's policy keeps short (e.g. evidence for a model nobody announces) gets a bounded share
         short = (topic not in self.gossip.topics and self.lifetime_cap is not None
                  and record.signer != self.peer_id and self.lifetime_cap(topic, self._holds) is not None)
-        verdict = self.gossip.offer(topic, record, self.now_ms(), short=short)
-        if verdict != "new":
+        kind = self.verifier.types.get(record.payload_type)
+        verdict = self.gossip.offer(topic, record, self.now_ms(), short=short,
+                                    volatile=kind.volatile_fields if kind is not None else frozenset())
+        if verdict not in ("new", "refresh"):
             if verdict == "rate-limited":
                 self.stats["gossip_rate_limited"] += 1
             return False
-        self.stats["gossip_new"] += 1
+        self.stats["gossip_" + verdict] += 1
         for chan in self._subscribers.get(topic, []):
             try:
                 chan.send_nowait(record)
             except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
-        if self._nursery is not None:
+        if verdict == "new" and self._nursery is not None:  # a refresh travels by pull (gossip.py)
             targets = [c for c in self.table.contacts() if c.peer_id != from_peer and c.peer_id != record.signer]
             for c in random.sample(targets, min(len(targets), self.config.gossip_fanout)):
                 if self._pushing >= MAX_PUSHES_IN_FLIGHT:

@@ -176,7 +176,9 @@ _valid = never_raising(_why)
 
 MAX_REPORT_LIFETIME_MS = 10 * 60_000  # a report is re-announced every 30 s: it lives minutes, not a day
 CAPABILITY_TYPE = PayloadType(CAPABILITY, max_payload_bytes=8192, replay_key_field="key", validate=_valid,
-                              max_lifetime_ms=MAX_REPORT_LIFETIME_MS)
+                              max_lifetime_ms=MAX_REPORT_LIFETIME_MS,
+                              # a peer re-announces every 30 s; only what is news travels by push
+                              volatile_fields=frozenset({"throughput", "free_sessions", "kv_tokens_free", "load"}))
 
 # Which models a swarm serves: each serving peer also signs a small index entry
 # under one well-known key, so `status` can list models without knowing them.

@@ -1,0 +1,170 @@
+"""Datagrams between simulated hosts, in virtual time.
+
+A host sits in a region; a datagram from a to b arrives after the two regions'
+one-way delay plus both hosts' access delay (fixed per host, log-normal), or is
+lost with probability ``loss``. A host behind NAT takes a datagram only from an
+address it sent to within ``nat_window_s`` (address-dependent filtering, what most
+home routers do): nobody reaches it unasked. Every datagram is counted, per sender
+and receiver, in messages and bytes.
+
+One task delivers them all, from a heap ordered by arrival time; under trio's
+``MockClock(autojump_threshold=0)`` time jumps to the next arrival whenever every
+node waits, so a simulated hour of a thousand nodes costs only their CPU work.
+Implements ``dht.transport.DatagramTransport``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+
+import trio
+
+from meshnet_p2p.dht.transport import Addr
+
+# Regions, their share of hosts, and round-trip times between them (ms). Rounded from
+# public inter-city ping tables (e.g. wondernetwork.com/pings, 2024): an assumption,
+# order of magnitude only; docs/scale.md says so.
+REGIONS = ("na", "eu", "as", "sa", "oc", "af")
+REGION_SHARE = (0.30, 0.30, 0.25, 0.07, 0.04, 0.04)
+_RTT = {
+    ("na", "na"): 40, ("eu", "eu"): 30, ("as", "as"): 70, ("sa", "sa"): 50, ("oc", "oc"): 30, ("af", "af"): 90,
+    ("na", "eu"): 90, ("na", "as"): 170, ("na", "sa"): 130, ("na", "oc"): 160, ("na", "af"): 200,
+    ("eu", "as"): 180, ("eu", "sa"): 200, ("eu", "oc"): 280, ("eu", "af"): 120,
+    ("as", "sa"): 300, ("as", "oc"): 120, ("as", "af"): 250, ("sa", "oc"): 300, ("sa", "af"): 300,
+    ("oc", "af"): 350,
+}
+RTT_MS = {**_RTT, **{(b, a): v for (a, b), v in _RTT.items()}}
+
+
+@dataclass
+class NetModel:
+    loss: float = 0.01  # each datagram lost with this probability
+    access_ms_median: float = 10.0  # a host's own one-way delay to its region's core (log-normal)
+    access_sigma: float = 0.7
+    nat_share: float = 0.0  # hosts behind NAT (assigned by the caller: ``endpoint(natted=...)``)
+    nat_window_s: float = 60.0  # how long a NAT keeps an outbound mapping open for answers
+
+
+@dataclass
+class Host:
+    addr: Addr
+    region: str
+    access_s: float
+    natted: bool
+    sent_to: dict[Addr, float] = field(default_factory=dict)  # NAT mappings: destination -> last send
+
+
+def _public_ip(rng: random.Random, used: set[str]) -> str:
+    """A distinct address outside private, loopback and shared ranges: each host its own
+    network (/24), as homes on the internet are; the DHT's diversity rules apply."""
+    while True:
+        a = rng.choice([*range(11, 100), *range(101, 126), *range(128, 169), *range(170, 172), *range(173, 192),
+                        *range(193, 223)])
+        ip = f"{a}.{rng.randrange(256)}.{rng.randrange(256)}.{rng.randrange(1, 255)}"
+        prefix = ip.rsplit(".", 1)[0]
+        if prefix not in used:
+            used.add(prefix)
+            return ip
+
+
+class SimNetwork:
+    def __init__(self, rng: random.Random, model: NetModel | None = None) -> None:
+        self.rng = rng
+        self.model = model or NetModel()
+        self.hosts: dict[Addr, Host] = {}
+        self.inboxes: dict[Addr, trio.MemorySendChannel] = {}  # attached endpoints
+        self.sent = Counter()  # per address: datagrams, and bytes (key (addr, "bytes"))
+        self.received = Counter()
+        self.sent_total = self.sent_bytes_total = 0
+        self.lost = 0
+        self._prefixes: set[str] = set()
+        self._heap: list[tuple[float, int, Addr, bytes, Addr]] = []
+        self._seq = 0
+        self._changed = trio.Event()
+
+    def host(self, *, natted: bool = False, region: str | None = None, ip: str | None = None) -> Host:
+        """A new host (an address that keeps its region and access delay across restarts)."""
+        region = region or self.rng.choices(REGIONS, REGION_SHARE)[0]
+        access = self.model.access_ms_median * math.exp(self.rng.gauss(0, self.model.access_sigma)) / 1000
+        addr = (ip or _public_ip(self.rng, self._prefixes), 4001)
+        h = Host(addr, region, access, natted)
+        self.hosts[addr] = h
+        return h
+
+    def one_way_s(self, a: Host, b: Host) -> float:
+        return RTT_MS[a.region, b.region] / 2000 + a.access_s + b.access_s
+
+    def attach(self, host: Host) -> "SimTransport":
+        """The host's socket, open until closed (a node's process that stops)."""
+        send, recv = trio.open_memory_channel[tuple[bytes, Addr]](math.inf)
+        self.inboxes[host.addr] = send
+        return SimTransport(self, host, recv)
+
+    def _send(self, src: Host, data: bytes, dst: Addr) -> None:
+        self.sent[src.addr] += 1
+        self.sent[src.addr, "bytes"] += len(data)
+        self.sent_total += 1
+        self.sent_bytes_total += len(data)
+        now = trio.current_time()
+        if src.natted:
+            src.sent_to[dst] = now
+        target = self.hosts.get(dst)
+        if target is None or self.rng.random() < self.model.loss:
+            self.lost += 1
+            return
+        due = now + self.one_way_s(src, target)
+        self._seq += 1
+        heapq.heappush(self._heap, (due, self._seq, dst, bytes(data), src.addr))
+        if self._heap[0][1] == self._seq:  # a new earliest arrival: the deliverer waits for it instead
+            self._changed.set()
+
+    def _deliver(self, dst: Addr, data: bytes, src: Addr) -> None:
+        host, inbox = self.hosts.get(dst), self.inboxes.get(dst)
+        if inbox is None or host is None:
+            self.lost += 1  # nobody listens there now (the node left)
+            return
+        if host.natted and trio.current_time() - host.sent_to.get(src, -math.inf) > self.model.nat_window_s:
+            self.lost += 1  # unsolicited: the NAT drops it
+            return
+        self.received[dst] += 1
+        self.received[dst, "bytes"] += len(data)
+        inbox.send_nowait((data, src))
+
+    async def run(self) -> None:
+        """Deliver every datagram at its arrival time, for ever (cancel to stop)."""
+        while True:
+            if self._heap:
+                with trio.move_on_at(self._heap[0][0]):
+                    await self._changed.wait()
+            else:
+                await self._changed.wait()
+            self._changed = trio.Event()
+            now = trio.current_time()
+            while self._heap and self._heap[0][0] <= now:
+                _, _, dst, data, src = heapq.heappop(self._heap)
+                self._deliver(dst, data, src)
+
+
+class SimTransport:
+    """A host's datagram socket on the simulated network."""
+
+    def __init__(self, network: SimNetwork, host: Host, inbox: trio.MemoryReceiveChannel) -> None:
+        self.network = network
+        self.host = host
+        self.local_addr = host.addr
+        self._inbox = inbox
+
+    async def send(self, data: bytes, addr: Addr) -> None:
+        self.network._send(self.host, data, addr)
+        await trio.lowlevel.checkpoint()
+
+    async def receive(self) -> tuple[bytes, Addr]:
+        return await self._inbox.receive()
+
+    def close(self) -> None:
+        if self.network.inboxes.get(self.local_addr) is not None:
+            self.network.inboxes.pop(self.local_addr).close()

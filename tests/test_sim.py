@@ -1,0 +1,81 @@
+"""The simulator (meshnet_p2p/sim, bench/sim.py): its network, its stand-in
+signatures, and that it runs the production DHT code it claims to."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import trio
+import trio.testing
+
+from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.dht import gossip
+from meshnet_p2p.sim.crypto import stand_in_signatures
+from meshnet_p2p.sim.net import RTT_MS, NetModel, SimNetwork
+from meshnet_p2p.sim.swarm import SimConfig, simulate
+
+
+@pytest.fixture
+def autojump_clock():
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+async def test_a_datagram_arrives_after_its_one_way_delay_and_a_nat_takes_only_answers(autojump_clock):
+    net = SimNetwork(random.Random(1), NetModel(loss=0.0))
+    a, b = net.host(region="na"), net.host(region="eu")
+    hidden = net.host(region="eu", natted=True)
+    ta, tb, th = net.attach(a), net.attach(b), net.attach(hidden)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(net.run)
+        t0 = trio.current_time()
+        await ta.send(b"hello", b.addr)
+        assert await tb.receive() == (b"hello", a.addr)
+        assert trio.current_time() - t0 == pytest.approx(RTT_MS["na", "eu"] / 2000 + a.access_s + b.access_s)
+        await ta.send(b"unasked", hidden.addr)  # nobody reaches a host behind NAT unasked...
+        await trio.sleep(1)
+        await th.send(b"question", a.addr)
+        assert (await ta.receive())[0] == b"question"
+        await ta.send(b"answer", hidden.addr)  # ...but its NAT lets the answer in
+        assert await th.receive() == (b"answer", a.addr)
+        assert net.lost == 1
+        tb.close()
+        await ta.send(b"to nobody", b.addr)  # a host that left: lost, like UDP
+        await trio.sleep(1)
+        assert net.lost == 2
+        nursery.cancel_scope.cancel()
+
+
+def test_stand_in_signatures_verify_only_their_signer_and_bytes_and_go_away():
+    alice, mallory = Identity.from_seed(b"\x01" * 32), Identity.from_seed(b"\x02" * 32)
+    real = alice.sign(b"data")
+    with stand_in_signatures():
+        sig = alice.sign(b"data")
+        assert len(sig) == 64 and sig != real
+        assert alice.peer_id.verify(sig, b"data")
+        assert not alice.peer_id.verify(sig, b"datA")  # other bytes
+        assert not alice.peer_id.verify(mallory.sign(b"data"), b"data")  # another signer's
+        assert not alice.peer_id.verify(real, b"data")  # only stand-ins while it lasts
+    assert alice.peer_id.verify(real, b"data") and not alice.peer_id.verify(sig, b"data")
+
+
+SMALL = dict(peers=30, minutes=0.5, warmup_minutes=1.0, seed=3)
+
+
+def test_a_small_simulated_swarm_finds_its_models_and_nodes():
+    doc = simulate(SimConfig(**SMALL))
+    assert doc["model_lookups"] >= 20 and doc["node_lookups"] >= 10
+    assert doc["model_lookup_found_any"] >= 0.9 and doc["model_lookup_recall_mean"] >= 0.8
+    assert doc["node_lookup_success"] >= 0.8
+    assert 0 < doc["model_lookup_s_p50"] < 2.0  # simulated seconds: a few internet round trips
+    assert doc["messages_per_node_s"] > 0 and doc["requests_per_node_s"]
+
+
+def test_the_simulation_runs_the_production_gossip(monkeypatch):
+    """A change in a protocol core changes what the simulation measures: with
+    gossip.py pushing every re-announcement again (what it did before the
+    simulator's first finding, docs/scale.md), each node pushes several times as much."""
+    ours = simulate(SimConfig(**SMALL))["requests_per_node_s"].get("gossip_push", 0.0)
+    monkeypatch.setattr(gossip, "_same_but", lambda a, b, volatile: False)
+    before = simulate(SimConfig(**SMALL))["requests_per_node_s"]["gossip_push"]
+    assert before > 2 * ours, (before, ours)
