@@ -79,3 +79,20 @@ def test_the_simulation_runs_the_production_gossip(monkeypatch):
     monkeypatch.setattr(gossip, "_same_but", lambda a, b, volatile: False)
     before = simulate(SimConfig(**SMALL))["requests_per_node_s"]["gossip_push"]
     assert before > 2 * ours, (before, ours)
+
+
+def test_requests_are_counted_from_when_measuring_began():
+    """A node online when measuring began counts only what it sent since, for every
+    kind (an early version subtracted its start for one kind only)."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from meshnet_p2p.sim.swarm import SimSwarm
+
+    sim = SimSwarm(SimConfig(peers=2))
+    node = SimpleNamespace(stats=Counter(sent_ping=5, sent_store=2, timeouts=1))
+    sim._kinds_at_start[id(node)] = dict(node.stats)
+    node.stats.update(sent_ping=2, sent_store=1, sent_gossip_pull=4)
+    sim.measuring = True
+    sim._count(node)
+    assert sim.kinds == Counter(ping=2, store=1, gossip_pull=4)

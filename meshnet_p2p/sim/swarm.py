@@ -135,9 +135,10 @@ class SimSwarm:
     def _count(self, node: DHTNode) -> None:
         """Add what ``node`` sent, by kind, to the run's totals (while measuring)."""
         if self.measuring:
+            start = self._kinds_at_start.pop(id(node), {})
             for k, v in node.stats.items():
                 if k.startswith("sent_"):
-                    self.kinds[k[5:]] += v - self._kinds_at_start.pop(id(node), {}).get(k, 0)
+                    self.kinds[k[5:]] += v - start.get(k, 0)
 
     async def _announce(self, p: Peer, node: DHTNode, started: float) -> None:
         digest = self.models[p.model]
