@@ -287,7 +287,7 @@ async def test_a_re_announcement_travels_by_pull_and_only_news_is_pushed(autojum
     """bench/sim.py (docs/scale.md): every peer re-announces every 30 s, and each
     re-announcement was pushed on by every node that took it, so each node sent
     fanout x (announcements per second in the whole swarm): a load per node that
-    grew with the swarm (14 pushes a second per node at 200 peers). A refresh (the
+    grew with the swarm (10 pushes a second per node at 200 peers). A refresh (the
     same report re-signed, its load figures aside) is now kept and spread by pulls;
     news (a new peer, or what a report says changed) is still pushed at once."""
     async with trio.open_nursery() as nursery:

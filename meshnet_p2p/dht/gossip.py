@@ -7,7 +7,7 @@ is news: its signer new to the topic here, or what it says changed beyond its
 load figures. A refresh (the same report re-signed, as peers re-announce every
 30 s) is kept, and travels by pull and DHT lookups: pushed, every re-announce
 of every peer cost every node ``fanout`` messages, a load per node that grew
-with the swarm (the simulator measured 14 pushes a second per node at 200
+with the swarm (the simulator measured 10 pushes a second per node at 200
 peers, docs/scale.md). Duplicates
 cost nothing, not even rate budget: the same report arriving from six
 neighbours is one report. A signer may publish ``burst`` records at once and
