@@ -334,7 +334,12 @@ def test_any_request_is_served_or_refused_with_the_requests_error(model_path, ma
     from meshnet_p2p.dataplane.transport import grpc_core
     from meshnet_p2p.dataplane.transport.server import UNARY, Abort
 
-    store = WeightStore(WeightLimits(requests_per_s=1e9), clock=lambda: 0.0)
+    # The upload rate's waits advance this clock instead of sleeping: with a clock that
+    # never moved, a request larger than the bucket's burst waited for ever (a random
+    # seed in .ci/run found it, 2026-12-03)
+    now = [0.0]
+    store = WeightStore(WeightLimits(requests_per_s=1e9), clock=lambda: now[0],
+                        sleep=lambda s: now.__setitem__(0, now[0] + s))
     store.add(manifest, model_path)
     table = store.methods()
     method = table[path]
