@@ -105,10 +105,8 @@ class Driver:
         for _ in range(SALVAGE_READS):
             try:
                 data = self.sock.recv(READ_SIZE, socket.MSG_DONTWAIT)
-                plain = decrypt(self.tls, self.tls_in, data) if data else None
-                if not plain:
+                if not data or not self._take_locked(data):
                     return
-                self.dispatch_locked(self.wire.receive_data(plain))
             except Exception:  # whatever else is wrong with it, the connection is ending anyway
                 return
 
@@ -117,12 +115,19 @@ class Driver:
     def feed_locked(self, data: bytes) -> None:
         """Decrypt, parse, dispatch, and send what the core answers (acks, window).
         Raises ``grpc_core.H2ProtocolError``, ``ssl.SSLError``, ``ConnectionError``."""
+        if not self._take_locked(data):
+            raise ConnectionError("the peer closed the TLS session")
+        self.write_locked()
+
+    def _take_locked(self, data: bytes) -> bool:
+        """Decrypt and parse ``data`` and dispatch what it completes; False once the
+        peer closed the TLS session."""
         plain = decrypt(self.tls, self.tls_in, data)
         if plain is None:
-            raise ConnectionError("the peer closed the TLS session")
+            return False
         if plain:
             self.dispatch_locked(self.wire.receive_data(plain))
-        self.write_locked()
+        return True
 
     def poll(self, timeout: float | None, *, standby: bool = False) -> bool:
         """Without the lock: wait until the socket is readable (True) or ``timeout``;
