@@ -53,6 +53,13 @@ class DHTError(MeshnetError):
 MAX_KEY_CHARS = 512
 AMPLIFICATION = 3  # an unproven address gets replies at most this many times what it sent
 COOKIE_BYTES = 16
+# A request that asks for contacts (k of them: ~1.3 KB with IPv4 addresses) to an address
+# we hold no cookie for is padded by this much (~230 B bare, ~490 B padded), so that the
+# answer fits AMPLIFICATION times it and comes at once, not after a cookie round trip
+# (QUIC pads its first flight for the same reason). Answers with values are larger: those
+# still go through the cookie.
+PAD_BYTES = 260
+PADDED_KINDS = frozenset({"find_node", "find_value"})
 COOKIE_SECRET_S = 120.0
 MAX_ADDRESSES = 16_384  # proven addresses and cookies kept
 MAX_SEEN_DATAGRAMS = 65_536
@@ -241,8 +248,11 @@ class DHTNode:
             body = {**body, "client": True}
         for _ in range(2):
             cookie = self._cookies.get(addr)
-            reply = await self._request_once(addr, expect, kind, {**body, "cookie": cookie} if cookie else body,
-                                             timeout=timeout)
+            if cookie:
+                sent = {**body, "cookie": cookie}
+            else:
+                sent = {**body, "pad": bytes(PAD_BYTES)} if kind in PADDED_KINDS else body
+            reply = await self._request_once(addr, expect, kind, sent, timeout=timeout)
             if reply is None or reply.kind != "cookie":
                 return reply
             got = reply.body.get("cookie")
