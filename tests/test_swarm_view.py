@@ -17,7 +17,8 @@ from meshnet_p2p.core.identity import Identity
 from meshnet_p2p.swarm.placement import NoRoute
 from meshnet_p2p.core.records import Record
 from meshnet_p2p.swarm.view import (CERTIFY_HINT, SURVEY_RETRY_WAITS_S, RecipeNotCertified, build_view,
-                                    fetch_believable, routable_spans)
+                                    fetch_believable, fetch_records, routable_spans)
+from meshnet_p2p.trust.evidence import cert_key, index_key
 from meshnet_p2p.testing import sample_report
 
 AXES = json.loads((pathlib.Path(__file__).parent / "data" / "recipe_vectors.json").read_text())["recipes"][0]["axes"]
@@ -136,3 +137,38 @@ async def test_a_survey_that_leaves_layers_unserved_is_asked_again(autojump_cloc
     node = Partial(held, lost=0)
     reports, _ = await fetch_believable(node, MODEL, TrustPolicy(), 30)
     assert {r.signer for r in reports} == {r.signer for r in held} and node.asked == 2
+
+
+async def test_a_survey_costs_two_lookups_one_after_the_other_not_one_per_key(autojump_clock):
+    """Each lookup is a few internet round trips (seconds, bench/sim.py); a fresh
+    client surveys before its first token. Only a certificate waits (for the
+    recipes its certifier indexed and peers serve): the reports, the verdicts
+    and the index are looked up side by side. Failed before: the reports, then
+    per certifier the verdicts, the index and the certificates, in turn (4 s)."""
+    certifier = Identity.generate()
+    me = str(certifier.peer_id)
+
+    def signed(content: dict) -> Record:
+        return Record("x", content, 1, 0, 2**62, certifier.peer_id, b"", b"")
+
+    held = [keyed(record((0, 30))), signed({"key": index_key(MODEL, me), "recipes": [GOOD, DARK]}),
+            signed({"key": cert_key(MODEL, GOOD, me)}),
+            signed({"key": cert_key(MODEL, DARK, me)})]  # indexed, but no peer serves it: not looked up
+
+    class Slow(_LossyNode):
+        keys: list[str] = []
+
+        def homes_of(self, signer):
+            return []
+
+        async def get(self, key, also_ask=()):
+            self.keys.append(key)
+            await trio.sleep(1.0)
+            return [r for r in self.held if r.content.get("key") == key]
+
+    node = Slow(held, lost=0)
+    start = trio.current_time()
+    reports, certs = await fetch_records(node, MODEL, [me])
+    assert trio.current_time() - start == pytest.approx(2.0)
+    assert reports == held[:1] and {c.content["key"] for c in certs} == {cert_key(MODEL, GOOD, me)}
+    assert cert_key(MODEL, DARK, me) not in node.keys

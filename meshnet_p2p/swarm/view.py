@@ -200,31 +200,45 @@ async def fetch_records(node, model_digest: str, certifiers: Iterable[str], *,
     # the bootstrap peers are asked directly too: they hold every report gossip brought them,
     # whatever group sits closest to the key in the lookups
     seeds = list(getattr(node, "seeds", ()))
-    found = keep_newest({r.signer.multihash: r for r in node.records(key)},
-                        await (node.get(key, also_ask=seeds) if seeds else node.get(key)))
+    chosen = sorted(certifiers)[:MAX_CERTIFIERS]
+    found: dict[bytes, Record] = {}
+    indexes: dict[str, Record | None] = {}
+    certs: list[Record] = []
+
+    async def reports_() -> None:
+        found.update(keep_newest({r.signer.multihash: r for r in node.records(key)},
+                                 await (node.get(key, also_ask=seeds) if seeds else node.get(key))))
+
+    async def verdicts_(certifier: str) -> None:  # its verdicts on the model's peers ride with its certificates
+        verdicts = await newest_signed_by(node, verdicts_key(model_digest, certifier), certifier)
+        if verdicts is not None:
+            certs.append(verdicts)
+
+    async def index_(certifier: str) -> None:
+        indexes[certifier] = await newest_signed_by(node, index_key(model_digest, certifier), certifier)
+
+    # Side by side: each lookup costs round trips across the internet, and only the
+    # certificates wait for anything (the recipes both indexed and served)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reports_)
+        for certifier in chosen:
+            nursery.start_soon(verdicts_, certifier)
+            nursery.start_soon(index_, certifier)
     staying = [r for r in found.values() if not r.content.get("departing")]
     reports = list(found.values()) if keep_departing else staying
     served = {r.content["recipe_digest"] for r in staying}
-    certs: list[Record] = []
 
-    async def one(certifier: str) -> None:
-        verdicts = await newest_signed_by(node, verdicts_key(model_digest, certifier), certifier)
-        if verdicts is not None:  # its verdicts on the model's peers ride with its certificates
-            certs.append(verdicts)
-        index = await newest_signed_by(node, index_key(model_digest, certifier), certifier)
-        wanted = [d for d in (index.content["recipes"] if index else []) if d in served]
-        async with trio.open_nursery() as inner:
-            async def fetch(recipe: str) -> None:
-                rec = await newest_signed_by(node, cert_key(model_digest, recipe, certifier), certifier)
-                if rec is not None:
-                    certs.append(rec)
-
-            for d in wanted:
-                inner.start_soon(fetch, d)
+    async def cert_(certifier: str, recipe: str) -> None:
+        rec = await newest_signed_by(node, cert_key(model_digest, recipe, certifier), certifier)
+        if rec is not None:
+            certs.append(rec)
 
     async with trio.open_nursery() as nursery:
-        for certifier in sorted(certifiers)[:MAX_CERTIFIERS]:
-            nursery.start_soon(one, certifier)
+        for certifier in chosen:
+            index = indexes.get(certifier)
+            for d in (index.content["recipes"] if index else []):
+                if d in served:
+                    nursery.start_soon(cert_, certifier, d)
     return sorted(reports, key=lambda r: r.content["layers"][0]), certs
 
 
