@@ -5,8 +5,12 @@
 Runs ``meshnet_p2p.sim``: every peer a production DHTNode on a simulated internet
 (region RTTs, access delays, 1 % loss, a share behind NAT in client mode),
 heavy-tailed churn, volunteers re-announcing capability reports every 30 s as
-``join`` does, and clients looking models and nodes up. Reports lookup recall,
-completeness and latency percentiles, node-lookup success and queries, how long
+``join`` does, a certifier's certificates, clients looking models and nodes up,
+fresh clients surveying for a certified route as ``generate`` does, and
+optionally attackers (``--sybils``). Reports lookup recall,
+completeness and latency percentiles, node-lookup success and queries, how
+often and how fast a fresh client finds a route and how good it is against an
+oracle (``route_quality``: its ring's time per token over the best ring's), how long
 a new volunteer takes to be found, messages and bytes per node per second (and
 requests by kind), memory per peer, and the wall time the simulation took.
 docs/scale.md: the figures, the assumptions and their sources.
@@ -36,15 +40,23 @@ def main() -> int:
     ap.add_argument("--loss", type=float, default=0.01)
     ap.add_argument("--session-minutes", type=float, default=60.0, help="median online session")
     ap.add_argument("--lookups-per-s", type=float, default=2.0)
+    ap.add_argument("--surveys-per-s", type=float, default=0.5, help="fresh clients surveying for a route")
+    ap.add_argument("--sybils", type=int, default=0, help="attacker identities (meshnet_p2p/sim/sybil.py)")
+    ap.add_argument("--sybil-behaviour", choices=("eclipse", "slow", "liar"), default="eclipse")
+    ap.add_argument("--sybil-target", choices=("model", "certifier"), default="model",
+                    help="ground close to model 0's key, or to the certifier's index of model 0")
+    ap.add_argument("--sybil-networks", type=int, default=1, help="the /24s the attackers' addresses span")
     ap.add_argument("--json", action="store_true")
-    args = parse_args(ap, peers=40, minutes=0.5, warmup_minutes=0.5)
+    args = parse_args(ap, peers=40, minutes=0.5, warmup_minutes=0.5, models=1, sybils=4)
     churn = Churn(session_median_s=args.session_minutes * 60, gap_median_s=args.session_minutes * 60)
     cfg = SimConfig(peers=args.peers, minutes=args.minutes, warmup_minutes=args.warmup_minutes, seed=args.seed,
                     models=args.models, nat_share=args.nat, lookups_per_s=args.lookups_per_s, churn=churn,
-                    net=NetModel(loss=args.loss))
+                    net=NetModel(loss=args.loss), surveys_per_s=args.surveys_per_s, sybils=args.sybils,
+                    sybil_behaviour=args.sybil_behaviour, sybil_target=args.sybil_target,
+                    sybil_networks=args.sybil_networks)
     doc = simulate(cfg)
     print_report(doc, args.json)
-    if args.smoke and not (doc["model_lookups"] and doc["model_lookup_found_any"] == 1.0):
+    if args.smoke and not (doc["model_lookups"] and doc["model_lookup_found_any"] == 1.0 and doc["surveys"]):
         print("smoke: no model lookup found the model's peers", file=sys.stderr)
         return 1
     return 0

@@ -9,7 +9,7 @@ import pytest
 import trio
 import trio.testing
 
-from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.core.identity import Identity, signed_by_peer
 from meshnet_p2p.dht import gossip
 from meshnet_p2p.sim.crypto import stand_in_signatures
 from meshnet_p2p.sim.net import RTT_MS, NetModel, SimNetwork
@@ -56,7 +56,11 @@ def test_stand_in_signatures_verify_only_their_signer_and_bytes_and_go_away():
         assert not alice.peer_id.verify(sig, b"datA")  # other bytes
         assert not alice.peer_id.verify(mallory.sign(b"data"), b"data")  # another signer's
         assert not alice.peer_id.verify(real, b"data")  # only stand-ins while it lasts
+        # statements (attestations, commitments) verify through the same stand-in
+        assert signed_by_peer(str(alice.peer_id), sig, b"data")
+        assert not signed_by_peer(str(alice.peer_id), mallory.sign(b"data"), b"data")
     assert alice.peer_id.verify(real, b"data") and not alice.peer_id.verify(sig, b"data")
+    assert signed_by_peer(str(alice.peer_id), real, b"data") and not signed_by_peer(str(alice.peer_id), sig, b"data")
 
 
 SMALL = dict(peers=30, minutes=0.5, warmup_minutes=1.0, seed=3)
@@ -69,6 +73,52 @@ def test_a_small_simulated_swarm_finds_its_models_and_nodes():
     assert doc["node_lookup_success"] >= 0.8
     assert 0 < doc["model_lookup_s_p50"] < 2.0  # simulated seconds: a few internet round trips
     assert doc["messages_per_node_s"] > 0 and doc["requests_per_node_s"]
+    assert doc["surveys"] >= 5  # (30 peers over 4 models x 3 slices: mostly holes, see below)
+
+
+def test_the_oracle_prices_a_ring_and_finds_the_fastest():
+    """Three slices, two peers each; the oracle's ring beats every other choice."""
+    from types import SimpleNamespace
+
+    from meshnet_p2p.sim.clients import Clients
+    from meshnet_p2p.sim.records import SLICES
+    from meshnet_p2p.swarm.placement import Span
+
+    net = SimNetwork(random.Random(2), NetModel(loss=0.0))
+    peers = {}
+    for i, (a, b) in enumerate(SLICES * 2):
+        peers[f"p{i}"] = SimpleNamespace(host=net.host(region="eu" if i < 3 else "as"), compute_ms=5.0 + i)
+    clients = Clients(SimpleNamespace(net=net, m=None, rng=None))
+    spans = [Span(f"p{i}", a, b) for i, (a, b) in enumerate(SLICES * 2)]
+    best = clients._oracle_ms(spans, peers)
+    every = [clients._ring_ms([peers[f"p{x}"], peers[f"p{y}"], peers[f"p{z}"]])
+             for x in (0, 3) for y in (1, 4) for z in (2, 5)]
+    assert best == pytest.approx(min(every))
+    assert best == pytest.approx(clients._ring_ms([peers["p0"], peers["p1"], peers["p2"]]))  # all in one region
+
+
+def test_liars_claiming_the_whole_model_cost_fresh_clients_first_contacts_not_the_route():
+    """Identities announcing the target model's whole span, fast, at addresses
+    nobody answers on: every fresh client's route search (the production
+    planner and its widening first contacts) tries them first, sets each aside,
+    and still reaches the honest route."""
+    doc = simulate(SimConfig(**{**SMALL, "models": 1}, sybils=6, sybil_behaviour="liar"))
+    assert doc["target_surveys"] >= 5
+    routed = doc["target_survey_outcomes"].get("route", 0)
+    assert routed >= 0.7 * doc["target_surveys"], doc["target_survey_outcomes"]
+    assert doc["target_failed_contacts_mean"] >= 5  # each liar was planned and tried
+    assert doc["target_contact_rounds_p90"] >= 2  # side by side after the first failure
+    assert doc["target_route_quality_p50"] >= 1.0  # the oracle's ring is never beaten
+
+
+def test_ground_identities_share_the_key_s_top_bits():
+    from meshnet_p2p.dht.routing import node_id_of
+    from meshnet_p2p.sim.sybil import grind
+
+    target = random.Random(4).getrandbits(256)
+    found = grind(target, 3, 8, random.Random(5))
+    assert len({str(i.peer_id) for i in found}) == 3
+    assert all((node_id_of(i.peer_id) ^ target) >> 248 == 0 for i in found)
 
 
 def test_the_simulation_runs_the_production_gossip(monkeypatch):

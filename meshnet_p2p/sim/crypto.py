@@ -17,6 +17,9 @@ import hmac
 import os
 from typing import Iterator
 
+from cryptography.exceptions import InvalidSignature
+
+from meshnet_p2p.core import identity as identity_module
 from meshnet_p2p.core.identity import Identity, PeerId
 
 
@@ -34,8 +37,17 @@ def stand_in_signatures() -> Iterator[None]:
         return key is not None and isinstance(signature, bytes) and \
             hmac.compare_digest(hashlib.blake2b(data, key=key, digest_size=64).digest(), signature)
 
-    Identity.sign, PeerId.verify = sign, verify
+    class _Key:  # what ``signed_by_peer`` (statements: attestations, commitments) verifies with
+        def __init__(self, peer_id: str) -> None:
+            self.peer = PeerId.from_string(peer_id)
+
+        def verify(self, signature: bytes, data: bytes) -> None:
+            if not verify(self.peer, signature, data):
+                raise InvalidSignature()
+
+    real_verifier = identity_module._verifier
+    Identity.sign, PeerId.verify, identity_module._verifier = sign, verify, _Key
     try:
         yield
     finally:
-        Identity.sign, PeerId.verify = real_sign, real_verify
+        Identity.sign, PeerId.verify, identity_module._verifier = real_sign, real_verify, real_verifier

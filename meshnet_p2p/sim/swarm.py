@@ -12,6 +12,8 @@ what they found against what was true (``Measures``).
 
 from __future__ import annotations
 
+import contextlib
+import math
 import random
 import resource
 import time
@@ -23,18 +25,23 @@ import trio
 from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.core.identity import Identity
 from meshnet_p2p.dht.node import DHTConfig, DHTNode
-from meshnet_p2p.dht.routing import Contact
+from meshnet_p2p.dht.routing import Contact, key_id
 from meshnet_p2p.roles.join import ANNOUNCE_INTERVAL_S
 from meshnet_p2p.swarm.capability import model_key
 from meshnet_p2p.swarm.node import TYPES, lifetime_cap
-from meshnet_p2p.testing import sample_report
+from meshnet_p2p.trust.evidence import cert_key, index_key
+from meshnet_p2p.trust.policy import TrustPolicy
 
+from . import records
 from .churn import Churn
+from .clients import SETTLED_S, Clients, Measures
 from .crypto import stand_in_signatures
 from .net import Host, NetModel, SimNetwork
+from .records import N_LAYER, SLICES
+from .report import report
+from .sybil import Behaviour, SybilNode, grind
 
 EPOCH_MS = 1_800_000_000_000  # the simulated wall clock at time 0 (records carry wall-clock times)
-SETTLED_S = 30.0  # a peer online this long has joined, and a volunteer announced (every 30 s): it should be found
 
 
 @dataclass
@@ -46,9 +53,20 @@ class SimConfig:
     models: int = 4
     volunteer_share: float = 0.5  # the others are clients: they look models up
     nat_share: float = 0.3
-    bootstrap: int = 8  # always-online bootstrap peers (public, not counted as volunteers)
+    bootstrap: int = 8  # always-online bootstrap peers (public, not counted as volunteers); the first certifies
     lookups_per_s: float = 2.0  # model lookups by clients, over the whole swarm
     find_nodes_per_s: float = 1.0  # lookups of a random online node's ID
+    surveys_per_s: float = 0.5  # fresh clients surveying a model for a route, as ``generate`` does
+    layer_ms_median: float = 1.0  # a volunteer's compute per layer per token (log-normal)
+    layer_ms_sigma: float = 0.5
+    # attackers (sybil.py): identities ground close to model 0's key ("model") or to the
+    # certifier's index of model 0 ("certifier"), on ``sybil_networks`` /24s, always online
+    sybils: int = 0
+    sybil_behaviour: str = "eclipse"
+    sybil_target: str = "model"
+    sybil_networks: int = 1
+    sybil_bits: int | None = None  # shared with the key; None: log2(peers) + 4 (closer than any honest node)
+    slow_s: float = 3.0
     churn: Churn = field(default_factory=Churn)
     net: NetModel = field(default_factory=NetModel)
     dht: DHTConfig = field(default_factory=DHTConfig)
@@ -60,21 +78,13 @@ class Peer:
     identity: Identity
     host: Host
     model: int | None  # the model it serves; None: a client
+    layers: tuple[int, int] | None = None
+    compute_ms: float = 0.0  # its span's compute per token (what it claims: honest peers claim the truth)
+    sybil: Behaviour | None = None
     online_since: float | None = None
     node: DHTNode | None = None
     scope: trio.CancelScope | None = None
     announced_at: float | None = None  # its first announce of this session stored
-
-
-@dataclass
-class Measures:
-    model_lookups: list[dict] = field(default_factory=list)  # {t, s, recall, found, live}
-    node_lookups: list[dict] = field(default_factory=list)  # {t, s, found, queried}
-    routable_s: list[float] = field(default_factory=list)  # join -> a stranger's lookup finds its report
-    never_routable: int = 0
-    online_samples: list[int] = field(default_factory=list)
-    joins: int = 0
-    leaves: int = 0
 
 
 def _identity(seed: int, i: int) -> Identity:
@@ -89,29 +99,82 @@ class SimSwarm:
         self.models = [f"{m:02x}" * 32 for m in range(1, cfg.models + 1)]
         self.peers: list[Peer] = []
         self.m = Measures()
+        self.clients = Clients(self)
         self.measuring = False
         self.seeds: list[Contact] = []
+        self.certifier: Identity | None = None  # the first bootstrap peer's operator
+        self.trust = TrustPolicy()
         self.kinds: Counter[str] = Counter()  # requests sent while measuring, by kind
         self._kinds_at_start: dict[int, dict] = {}  # node -> its counts when measuring began
 
     def now_ms(self) -> int:
         return EPOCH_MS + int(trio.current_time() * 1000)
 
-    def online(self, *, settled: bool = False, public: bool = False, clients: bool | None = None) -> list[Peer]:
+    def fresh_identity(self) -> Identity:
+        return Identity.from_seed(self.rng.randbytes(32))
+
+    def online(self, *, settled: bool = False, public: bool = False, clients: bool | None = None,
+               sybils: bool = False) -> list[Peer]:
+        """Honest peers online (and, with ``sybils``, the attackers too)."""
         now = trio.current_time()
-        return [p for p in self.peers if p.node is not None and p.node.running
+        return [p for p in self.peers if p.node is not None and p.node.running and (sybils or p.sybil is None)
                 and (not settled or now - p.online_since >= SETTLED_S)
                 and (not public or not p.host.natted)
                 and (clients is None or (p.model is None) == clients)]
 
+    # --- who is in the swarm ------------------------------------------------------------------
+
+    def _populate(self) -> None:
+        cfg = self.cfg
+        for i in range(cfg.peers + cfg.bootstrap):
+            boot = i < cfg.bootstrap
+            natted = not boot and self.rng.random() < cfg.nat_share
+            serves = not boot and self.rng.random() < cfg.volunteer_share
+            p = Peer(i, _identity(cfg.seed, i), self.net.host(natted=natted),
+                     self.rng.randrange(cfg.models) if serves else None)
+            if serves:
+                p.layers = self.rng.choice(SLICES)
+                p.compute_ms = (p.layers[1] - p.layers[0]) * cfg.layer_ms_median * \
+                    math.exp(self.rng.gauss(0, cfg.layer_ms_sigma))
+            self.peers.append(p)
+        self.certifier = self.peers[0].identity
+        self.trust = TrustPolicy(frozenset({str(self.certifier.peer_id)}))
+        self.seeds = [Contact.of(p.identity.peer_id, *p.host.addr) for p in self.peers[:cfg.bootstrap]]
+        if cfg.sybils:
+            self._add_sybils()
+
+    def _add_sybils(self) -> None:
+        cfg = self.cfg
+        target = model_key(self.models[0]) if cfg.sybil_target == "model" else \
+            index_key(self.models[0], str(self.certifier.peer_id))
+        bits = cfg.sybil_bits if cfg.sybil_bits is not None else max(1, math.ceil(math.log2(max(2, cfg.peers)))) + 4
+        idents = grind(key_id(target.encode()), cfg.sybils, bits, random.Random(cfg.seed + 7))
+        prefixes = [self.net.host().addr[0].rsplit(".", 1)[0] for _ in range(cfg.sybil_networks)]
+        behaviour = Behaviour(cfg.sybil_behaviour)
+        for j, ident in enumerate(idents):
+            ip = f"{prefixes[j % len(prefixes)]}.{10 + j // len(prefixes)}"
+            p = Peer(len(self.peers), ident, self.net.host(ip=ip), 0 if behaviour is Behaviour.LIAR else None,
+                     sybil=behaviour)
+            if behaviour is Behaviour.LIAR:  # claims the whole model, fast
+                p.layers, p.compute_ms = (0, N_LAYER), 1.0
+            self.peers.append(p)
+
     # --- peers coming and going -----------------------------------------------------------------
+
+    def _node(self, p: Peer) -> DHTNode:
+        config = DHTConfig(**{**self.cfg.dht.__dict__, "client_mode": p.host.natted})
+        if p.sybil is None:
+            return DHTNode(p.identity, self.net.attach(p.host), TYPES, config, now_ms=self.now_ms,
+                           lifetime_cap=lifetime_cap)
+        node = SybilNode(p.identity, self.net.attach(p.host), TYPES, config, now_ms=self.now_ms,
+                         lifetime_cap=lifetime_cap)
+        node.behaviour, node.slow_s = p.sybil, self.cfg.slow_s
+        node.siblings = [Contact.of(q.identity.peer_id, *q.host.addr) for q in self.peers if q.sybil is not None]
+        return node
 
     async def _serve(self, p: Peer) -> None:
         """One online session of ``p``: start its node, join, announce until cancelled."""
-        natted = p.host.natted
-        node = DHTNode(p.identity, self.net.attach(p.host), TYPES,
-                       DHTConfig(**{**self.cfg.dht.__dict__, "client_mode": natted}),
-                       now_ms=self.now_ms, lifetime_cap=lifetime_cap)
+        node = self._node(p)
         started = trio.current_time()
         p.announced_at = None  # this session has announced nothing yet
         try:
@@ -127,6 +190,8 @@ class SimSwarm:
                             break
                 if p.model is not None:
                     inner.start_soon(self._announce, p, node, started)
+                if p.index == 0:
+                    inner.start_soon(self._certify, node)
         finally:
             node.transport.close()
             p.node = None
@@ -142,21 +207,38 @@ class SimSwarm:
 
     async def _announce(self, p: Peer, node: DHTNode, started: float) -> None:
         digest = self.models[p.model]
+        liar = p.sybil is Behaviour.LIAR
         first = True
         while True:
             now = self.now_ms()
-            report = sample_report(p.identity, digest, layers=(0, 10)).sign(p.identity, seq=now, now_ms=now)
+            report = records.report(p.identity, digest, p.layers, ip=p.host.addr[0], port=7001 if liar else 7000,
+                                    throughput=1000.0 / p.compute_ms, now_ms=now)
             try:
                 await node.publish(model_key(digest), report)
             except MeshnetError:  # as join: this announce failed, the next may not
                 await trio.sleep(ANNOUNCE_INTERVAL_S)
                 continue
-            if first:
+            if first and not liar:
                 first = False
                 p.announced_at = trio.current_time()
                 if self.measuring:
                     trio.lowlevel.spawn_system_task(self._probe_routable, p, started)
             await trio.sleep(ANNOUNCE_INTERVAL_S)
+
+    async def _certify(self, node: DHTNode) -> None:
+        """The certifier's records for every model, once the swarm has begun to form
+        (as ``certify`` puts them: under its own keys, also at its homes)."""
+        await trio.sleep(self.cfg.warmup_minutes * 20)
+        me = self.certifier
+        homes = node.homes_of(me.peer_id)
+        hops = [self.fresh_identity() for _ in SLICES]  # the route it certified through (stand-ins)
+        for digest in self.models:
+            now = self.now_ms()
+            for key, wire in ((cert_key(digest, records.recipe_of(digest), str(me.peer_id)),
+                               records.certificate(me, digest, hops, now_ms=now)),
+                              (index_key(digest, str(me.peer_id)), records.index(me, digest, now_ms=now))):
+                with contextlib.suppress(MeshnetError):
+                    await node.publish(key, wire, also=homes)
 
     async def _probe_routable(self, p: Peer, started: float) -> None:
         """How long until a stranger's lookup of the model finds ``p``'s report."""
@@ -177,9 +259,9 @@ class SimSwarm:
         self.m.never_routable += 1
 
     async def _lifecycle(self, p: Peer) -> None:
-        """Online sessions and offline gaps, for ever (bootstrap peers stay)."""
+        """Online sessions and offline gaps, for ever (bootstrap peers and attackers stay)."""
         churn, rng = self.cfg.churn, random.Random(self.rng.random())
-        always = p.index < self.cfg.bootstrap
+        always = p.index < self.cfg.bootstrap or p.sybil is not None
         online = always or churn.online_at_start(rng)
         first = True
         while True:
@@ -195,51 +277,6 @@ class SimSwarm:
                 await trio.sleep(churn.gap(rng) * (rng.random() if first else 1.0))
             online, first = not online, False
 
-    # --- what clients do -------------------------------------------------------------------------
-
-    async def _model_lookups(self) -> None:
-        while True:
-            await trio.sleep(self.rng.expovariate(self.cfg.lookups_per_s))
-            askers = self.online(settled=True, clients=True)
-            if askers:
-                trio.lowlevel.spawn_system_task(self._model_lookup, self.rng.choice(askers), self.rng.randrange(len(self.models)))
-
-    async def _model_lookup(self, asker: Peer, model: int) -> None:
-        live = {p.identity.peer_id for p in self.online(settled=True) if p.model == model
-                and p.announced_at is not None and trio.current_time() - p.announced_at >= SETTLED_S}
-        t0 = trio.current_time()
-        node = asker.node
-        if node is None:
-            return
-        try:
-            got = await node.get(model_key(self.models[model]))
-        except MeshnetError:  # counted as a lookup that found nothing
-            got = []
-        found = {r.signer for r in got}
-        self.m.model_lookups.append({"t": t0, "s": trio.current_time() - t0, "live": len(live),
-                                     "found": len(found & live),
-                                     "recall": len(found & live) / len(live) if live else 1.0})
-
-    async def _node_lookups(self) -> None:
-        while True:
-            await trio.sleep(self.rng.expovariate(self.cfg.find_nodes_per_s))
-            askers, targets = self.online(settled=True), self.online(settled=True, public=True)
-            if askers and targets:
-                trio.lowlevel.spawn_system_task(self._node_lookup, self.rng.choice(askers), self.rng.choice(targets))
-
-    async def _node_lookup(self, asker: Peer, target: Peer) -> None:
-        node = asker.node
-        if node is None or target is asker:
-            return
-        t0 = trio.current_time()
-        try:  # (the private call: a lookup's request count is what is measured)
-            result = await node._find_node(target.node.node_id if target.node else 0)
-        except MeshnetError:
-            self.m.node_lookups.append({"t": t0, "s": trio.current_time() - t0, "queried": 0, "found": False})
-            return
-        self.m.node_lookups.append({"t": t0, "s": trio.current_time() - t0, "queried": result.queried,
-                                    "found": bool(result.closest) and result.closest[0].peer_id == target.identity.peer_id})
-
     async def _sample_online(self) -> None:
         while True:
             self.m.online_samples.append(len(self.online()))
@@ -249,13 +286,7 @@ class SimSwarm:
 
     async def run(self) -> dict:
         cfg = self.cfg
-        for i in range(cfg.peers + cfg.bootstrap):
-            boot = i < cfg.bootstrap
-            natted = not boot and self.rng.random() < cfg.nat_share
-            serves = not boot and self.rng.random() < cfg.volunteer_share
-            self.peers.append(Peer(i, _identity(cfg.seed, i), self.net.host(natted=natted),
-                                   self.rng.randrange(cfg.models) if serves else None))
-        self.seeds = [Contact.of(p.identity.peer_id, *p.host.addr) for p in self.peers[:cfg.bootstrap]]
+        self._populate()
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         wall0 = time.perf_counter()
         async with trio.open_nursery() as nursery:
@@ -263,19 +294,22 @@ class SimSwarm:
             for p in self.peers[:cfg.bootstrap]:
                 nursery.start_soon(self._lifecycle, p)
             await trio.sleep(1.0)  # the bootstrap peers are up before anyone joins through them
-            for p in self.peers[cfg.bootstrap:]:
+            arrivals = self.peers[cfg.bootstrap:]
+            for p in arrivals:
                 nursery.start_soon(self._lifecycle, p)
-                await trio.sleep(cfg.warmup_minutes * 60 / 2 / max(1, cfg.peers))  # arrivals over half the warm-up
+                await trio.sleep(cfg.warmup_minutes * 60 / 2 / max(1, len(arrivals)))  # over half the warm-up
             await trio.sleep(cfg.warmup_minutes * 30)
             self.measuring = True
-            for p in self.online():
+            for p in self.online(sybils=True):
                 self._kinds_at_start[id(p.node)] = dict(p.node.stats)
             sent0, bytes0, t0 = self.net.sent_total, self.net.sent_bytes_total, trio.current_time()
-            nursery.start_soon(self._model_lookups)
-            nursery.start_soon(self._node_lookups)
+            nursery.start_soon(self.clients.model_lookups)
+            nursery.start_soon(self.clients.node_lookups)
+            if cfg.surveys_per_s > 0:
+                nursery.start_soon(self.clients.surveys)
             nursery.start_soon(self._sample_online)
             await trio.sleep(cfg.minutes * 60)
-            for p in self.online():
+            for p in self.online(sybils=True):
                 self._count(p.node)
             self.measuring = False
             span = trio.current_time() - t0
@@ -285,44 +319,6 @@ class SimSwarm:
         peak = max(self.m.online_samples, default=0)
         rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return report(self, span, sent, sent_bytes, online, peak, (rss1 - rss0) * 1024, time.perf_counter() - wall0)
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    return s[min(len(s) - 1, int(q * len(s)))]
-
-
-def report(sim: SimSwarm, span: float, sent: int, sent_bytes: int, online: float, peak: int, rss_bytes: int,
-           wall_s: float) -> dict:
-    m, cfg = sim.m, sim.cfg
-    ml, nl = m.model_lookups, m.node_lookups
-    r3 = lambda x: None if x is None else round(x, 3)  # noqa: E731
-    return {
-        "peers": cfg.peers, "simulated_s": round(span), "wall_s": round(wall_s, 1), "seed": cfg.seed,
-        "online_mean": round(online, 1), "online_peak": peak, "joins": m.joins, "leaves": m.leaves,
-        "model_lookups": len(ml),
-        "model_lookup_recall_mean": r3(sum(x["recall"] for x in ml) / len(ml)) if ml else None,
-        "model_lookup_complete": r3(sum(1 for x in ml if x["found"] == x["live"]) / len(ml)) if ml else None,
-        "model_lookup_found_any": r3(sum(1 for x in ml if x["found"] or not x["live"]) / len(ml)) if ml else None,
-        "model_lookup_s_p50": r3(_pct([x["s"] for x in ml], 0.5)),
-        "model_lookup_s_p90": r3(_pct([x["s"] for x in ml], 0.9)),
-        "model_lookup_s_p99": r3(_pct([x["s"] for x in ml], 0.99)),
-        "node_lookups": len(nl),
-        "node_lookup_success": r3(sum(1 for x in nl if x["found"]) / len(nl)) if nl else None,
-        "node_lookup_s_p50": r3(_pct([x["s"] for x in nl], 0.5)),
-        "node_lookup_s_p90": r3(_pct([x["s"] for x in nl], 0.9)),
-        "node_lookup_queried_p50": _pct([x["queried"] for x in nl], 0.5),
-        "node_lookup_queried_p90": _pct([x["queried"] for x in nl], 0.9),
-        "routable_s_p50": r3(_pct(m.routable_s, 0.5)), "routable_s_p90": r3(_pct(m.routable_s, 0.9)),
-        "never_routable": m.never_routable, "routable_probed": len(m.routable_s) + m.never_routable,
-        "messages_per_node_s": r3(sent / span / max(1.0, online)),
-        "bytes_per_node_s": round(sent_bytes / span / max(1.0, online)),
-        "requests_per_node_s": {k: r3(v / span / max(1.0, online)) for k, v in sim.kinds.most_common(8)},
-        "lost_datagrams": sim.net.lost,
-        "rss_per_peer_kb": round(rss_bytes / 1024 / max(1, peak), 1),
-    }
 
 
 def simulate(cfg: SimConfig) -> dict:

@@ -1,0 +1,222 @@
+"""What the simulated swarm's users do, and what they found against what was true.
+
+- *Model lookups*: a long-lived client's DHT ``get`` of a model's key, against
+  the model's volunteers online and announced (recall).
+- *Node lookups*: a lookup of a random online public node's ID (is it first?).
+- *Surveys*: what ``generate`` does before its first token, with the production
+  code: a fresh client-mode node bootstraps, ``swarm.view.fetch_believable``
+  gathers reports and the certifier's certificates (gossip, lookups, the
+  certifier's homes, asked again when thin), ``build_view`` and
+  ``routable_spans`` decide whether a certified route exists, and
+  the route search plans it (``_first_route``). There is no data plane here:
+  a planned hop that could not answer (a liar's made-up address, a volunteer
+  gone since its report) is set aside as a failed first contact would set it;
+  the route that stands is priced against an oracle that knows every link (a
+  ring token: each hop's compute, each link from hop to hop, and the tail's
+  back to the head).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import TYPE_CHECKING
+
+import trio
+
+from meshnet_p2p.client.search import MAX_OPEN_TRIES, PROBE_WIDTH, RouteSearch
+from meshnet_p2p.core.errors import MeshnetError
+from meshnet_p2p.dht.node import DHTConfig, DHTNode
+from meshnet_p2p.swarm.capability import model_key
+from meshnet_p2p.swarm.node import TYPES, lifetime_cap
+from meshnet_p2p.swarm.placement import NoRoute, Span, plan_route
+from meshnet_p2p.swarm.view import RecipeNotCertified, build_view, fetch_believable, routable_spans
+
+from .records import N_LAYER
+
+if TYPE_CHECKING:
+    from .swarm import Peer, SimSwarm
+
+SETTLED_S = 30.0  # a peer online this long has joined, and a volunteer announced (every 30 s): it should be found
+ORACLE_HEADS = 40  # heads the oracle tries (the cheapest by compute): bounds its cost at large N
+
+
+@dataclass
+class Measures:
+    model_lookups: list[dict] = field(default_factory=list)  # {t, s, recall, found, live}
+    node_lookups: list[dict] = field(default_factory=list)  # {t, s, found, queried}
+    surveys: list[dict] = field(default_factory=list)  # {t, s, model, outcome, failed_contacts, quality}
+    routable_s: list[float] = field(default_factory=list)  # join -> a stranger's lookup finds its report
+    never_routable: int = 0
+    online_samples: list[int] = field(default_factory=list)
+    joins: int = 0
+    leaves: int = 0
+
+
+class Clients:
+    def __init__(self, sim: "SimSwarm") -> None:
+        self.sim = sim
+        self.m = sim.m
+        self.rng = sim.rng
+
+    def _settled_volunteers(self, model: int) -> list["Peer"]:
+        now = trio.current_time()
+        return [p for p in self.sim.online(settled=True) if p.model == model and p.announced_at is not None
+                and now - p.announced_at >= SETTLED_S]
+
+    # --- model and node lookups -------------------------------------------------------------
+
+    async def model_lookups(self) -> None:
+        while True:
+            await trio.sleep(self.rng.expovariate(self.sim.cfg.lookups_per_s))
+            askers = self.sim.online(settled=True, clients=True)
+            if askers:
+                trio.lowlevel.spawn_system_task(self._model_lookup, self.rng.choice(askers),
+                                                self.rng.randrange(len(self.sim.models)))
+
+    async def _model_lookup(self, asker: "Peer", model: int) -> None:
+        live = {p.identity.peer_id for p in self._settled_volunteers(model)}
+        t0 = trio.current_time()
+        node = asker.node
+        if node is None:
+            return
+        try:
+            got = await node.get(model_key(self.sim.models[model]))
+        except MeshnetError:  # counted as a lookup that found nothing
+            got = []
+        found = {r.signer for r in got}
+        self.m.model_lookups.append({"t": t0, "s": trio.current_time() - t0, "live": len(live), "model": model,
+                                     "found": len(found & live),
+                                     "recall": len(found & live) / len(live) if live else 1.0})
+
+    async def node_lookups(self) -> None:
+        while True:
+            await trio.sleep(self.rng.expovariate(self.sim.cfg.find_nodes_per_s))
+            askers, targets = self.sim.online(settled=True), self.sim.online(settled=True, public=True)
+            if askers and targets:
+                trio.lowlevel.spawn_system_task(self._node_lookup, self.rng.choice(askers), self.rng.choice(targets))
+
+    async def _node_lookup(self, asker: "Peer", target: "Peer") -> None:
+        node = asker.node
+        if node is None or target is asker:
+            return
+        t0 = trio.current_time()
+        try:  # (the private call: a lookup's request count is what is measured)
+            result = await node._find_node(target.node.node_id if target.node else 0)
+        except MeshnetError:
+            self.m.node_lookups.append({"t": t0, "s": trio.current_time() - t0, "queried": 0, "found": False})
+            return
+        self.m.node_lookups.append({"t": t0, "s": trio.current_time() - t0, "queried": result.queried,
+                                    "found": bool(result.closest) and result.closest[0].peer_id == target.identity.peer_id})
+
+    # --- surveys: a fresh client's way to its first route ------------------------------------
+
+    async def surveys(self) -> None:
+        while True:
+            await trio.sleep(self.rng.expovariate(self.sim.cfg.surveys_per_s))
+            trio.lowlevel.spawn_system_task(self._survey, self.rng.randrange(len(self.sim.models)))
+
+    async def _survey(self, model: int) -> None:
+        sim = self.sim
+        digest = sim.models[model]
+        host = sim.net.host(natted=True)  # a user's machine, behind its home router
+        node = DHTNode(sim.fresh_identity(), sim.net.attach(host), TYPES,
+                       DHTConfig(**{**sim.cfg.dht.__dict__, "client_mode": True}), now_ms=sim.now_ms,
+                       lifetime_cap=lifetime_cap)
+        t0 = trio.current_time()
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(node.run)
+                for timeout in (None, 2.0, 5.0):  # as start_node
+                    if await node.bootstrap(sim.seeds, timeout=timeout):
+                        break
+                reports, certs = await fetch_believable(node, digest, sim.trust, N_LAYER)
+                nursery.cancel_scope.cancel()
+        finally:
+            node.transport.close()
+        entry = {"t": t0, "s": trio.current_time() - t0, "model": model, "reports": len(reports),
+                 "certs": len(certs), "failed_contacts": 0, "contact_rounds": 0, "quality": None}
+        try:
+            spans = routable_spans(build_view(digest, N_LAYER, reports, certs, sim.trust), sim.trust)
+        except RecipeNotCertified:
+            entry["outcome"] = "dark"
+        except NoRoute:
+            entry["outcome"] = "hole"
+        else:
+            entry.update(self._first_route(host, spans))
+        self.m.surveys.append(entry)
+
+    def _first_route(self, client_host, spans: list[Span]) -> dict:
+        """The route search's own planning (``client.search.RouteSearch``: plan, first
+        contacts side by side, widening to PROBE_WIDTH candidates once one failed),
+        with each first contact's outcome known here: a hop that could not answer
+        (a liar's made-up address, a volunteer gone since its report) is set
+        aside. Plans as the client of a swarm whose certifiers vouched for nobody
+        yet (``prefer`` empty: api.py's planner). The route that stands is priced
+        against the oracle."""
+        answering = {str(p.identity.peer_id): p for p in self.sim.online() if p.sybil is None and p.model is not None}
+        search = RouteSearch(lambda: spans, SimpleNamespace(planner=functools.partial(plan_route, prefer=frozenset())))
+        search.survey()
+        tried: set[str] = set()  # set aside
+        known: set[str] = set()  # answered their first contact
+        rounds = 0
+        while len(tried) < MAX_OPEN_TRIES:
+            try:
+                route = search._plan(0, N_LAYER, tried)
+            except NoRoute:
+                return {"outcome": "no live route", "failed_contacts": len(tried), "contact_rounds": rounds}
+            if all(s.peer_id in known for s in route):
+                live = [s for s in spans if s.peer_id in answering]
+                best = self._oracle_ms(live, answering)
+                got = self._ring_ms([answering[s.peer_id] for s in route])
+                return {"outcome": "route", "failed_contacts": len(tried), "contact_rounds": rounds,
+                        "quality": got / best if best else None, "hops": len(route)}
+            width = PROBE_WIDTH if tried else len(route)
+            rounds += 1
+            for s in search._to_contact(0, N_LAYER, route, tried, known, width):
+                (known if s.peer_id in answering else tried).add(s.peer_id)
+        return {"outcome": "gave up", "failed_contacts": len(tried), "contact_rounds": rounds}
+
+    def _ring_ms(self, hops: list["Peer"]) -> float:
+        """A token's time around a ring of ``hops``: compute, hop to hop, tail to head."""
+        one_way = self.sim.net.one_way_s
+        links = sum(one_way(a.host, b.host) for a, b in zip(hops, hops[1:] + hops[:1])) if len(hops) > 1 else 0.0
+        return sum(h.compute_ms for h in hops) + links * 1000
+
+    def _oracle_ms(self, spans: list[Span], peers: dict[str, "Peer"]) -> float | None:
+        """The fastest ring over ``spans`` (boundary to boundary), knowing every link:
+        for each head, the cheapest chain to every span by dynamic programming over
+        the spans in order of their start, closed by the tail's link back."""
+        one_way = self.sim.net.one_way_s
+        by_start: dict[int, list[Span]] = {}
+        for s in spans:
+            by_start.setdefault(s.start, []).append(s)
+        heads = sorted(by_start.get(0, []), key=lambda s: peers[s.peer_id].compute_ms)[:ORACLE_HEADS]
+        best = None
+        for head in heads:
+            h = peers[head.peer_id]
+            if head.end == N_LAYER:  # one hop: no link
+                best = h.compute_ms if best is None else min(best, h.compute_ms)
+                continue
+            cost = {head.peer_id: h.compute_ms}  # peer -> the cheapest chain from the head to the end of its span
+            frontier = [head]
+            while frontier:
+                nxt: dict[str, tuple[float, Span]] = {}
+                for a in frontier:
+                    pa = peers[a.peer_id]
+                    for b in by_start.get(a.end, []):
+                        if b.peer_id == head.peer_id:
+                            continue
+                        c = cost[a.peer_id] + one_way(pa.host, peers[b.peer_id].host) * 1000 + peers[b.peer_id].compute_ms
+                        if b.peer_id not in nxt or c < nxt[b.peer_id][0]:
+                            nxt[b.peer_id] = (c, b)
+                frontier = []
+                for peer, (c, s) in nxt.items():
+                    if s.end == N_LAYER:
+                        total = c + one_way(peers[peer].host, h.host) * 1000
+                        best = total if best is None else min(best, total)
+                    elif c < cost.get(peer, float("inf")):
+                        cost[peer] = c
+                        frontier.append(s)
+        return best

@@ -1,0 +1,82 @@
+"""A simulated run's measures, summed up for bench/sim.py (simulated seconds)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .swarm import SimSwarm
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def _r3(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
+def _share(items: list[dict], pred) -> float | None:
+    return _r3(sum(1 for x in items if pred(x)) / len(items)) if items else None
+
+
+def _surveys(surveys: list[dict], prefix: str) -> dict[str, Any]:
+    routed = [x for x in surveys if x["outcome"] == "route"]
+    outcomes: dict[str, int] = {}
+    for x in surveys:
+        outcomes[x["outcome"]] = outcomes.get(x["outcome"], 0) + 1
+    return {
+        f"{prefix}surveys": len(surveys),
+        f"{prefix}route_found": _share(surveys, lambda x: x["outcome"] == "route"),
+        f"{prefix}survey_outcomes": outcomes,
+        f"{prefix}survey_s_p50": _r3(_pct([x["s"] for x in surveys], 0.5)),
+        f"{prefix}survey_s_p90": _r3(_pct([x["s"] for x in surveys], 0.9)),
+        f"{prefix}failed_contacts_mean": _r3(sum(x["failed_contacts"] for x in surveys) / len(surveys)) if surveys else None,
+        f"{prefix}contact_rounds_p90": _pct([x["contact_rounds"] for x in surveys], 0.9),
+        f"{prefix}route_quality_p50": _r3(_pct([x["quality"] for x in routed if x["quality"]], 0.5)),
+        f"{prefix}route_quality_p90": _r3(_pct([x["quality"] for x in routed if x["quality"]], 0.9)),
+    }
+
+
+def report(sim: "SimSwarm", span: float, sent: int, sent_bytes: int, online: float, peak: int, rss_bytes: int,
+           wall_s: float) -> dict:
+    m, cfg = sim.m, sim.cfg
+    ml, nl = m.model_lookups, m.node_lookups
+    doc = {
+        "peers": cfg.peers, "simulated_s": round(span), "wall_s": round(wall_s, 1), "seed": cfg.seed,
+        "online_mean": round(online, 1), "online_peak": peak, "joins": m.joins, "leaves": m.leaves,
+        "model_lookups": len(ml),
+        "model_lookup_recall_mean": _r3(sum(x["recall"] for x in ml) / len(ml)) if ml else None,
+        "model_lookup_complete": _share(ml, lambda x: x["found"] == x["live"]),
+        "model_lookup_found_any": _share(ml, lambda x: x["found"] or not x["live"]),
+        "model_lookup_s_p50": _r3(_pct([x["s"] for x in ml], 0.5)),
+        "model_lookup_s_p90": _r3(_pct([x["s"] for x in ml], 0.9)),
+        "model_lookup_s_p99": _r3(_pct([x["s"] for x in ml], 0.99)),
+        "node_lookups": len(nl),
+        "node_lookup_success": _share(nl, lambda x: x["found"]),
+        "node_lookup_s_p50": _r3(_pct([x["s"] for x in nl], 0.5)),
+        "node_lookup_s_p90": _r3(_pct([x["s"] for x in nl], 0.9)),
+        "node_lookup_queried_p50": _pct([x["queried"] for x in nl], 0.5),
+        "node_lookup_queried_p90": _pct([x["queried"] for x in nl], 0.9),
+        **_surveys(m.surveys, ""),
+        "routable_s_p50": _r3(_pct(m.routable_s, 0.5)), "routable_s_p90": _r3(_pct(m.routable_s, 0.9)),
+        "never_routable": m.never_routable, "routable_probed": len(m.routable_s) + m.never_routable,
+        "messages_per_node_s": _r3(sent / span / max(1.0, online)),
+        "bytes_per_node_s": round(sent_bytes / span / max(1.0, online)),
+        "requests_per_node_s": {k: _r3(v / span / max(1.0, online)) for k, v in sim.kinds.most_common(8)},
+        "lost_datagrams": sim.net.lost,
+        "rss_per_peer_kb": round(rss_bytes / 1024 / max(1, peak), 1),
+    }
+    if cfg.sybils:  # what the attack did to its target (model 0) against the other models
+        target = [x for x in ml if x["model"] == 0]
+        doc.update({
+            "sybils": cfg.sybils, "sybil_behaviour": cfg.sybil_behaviour, "sybil_target": cfg.sybil_target,
+            "sybil_networks": cfg.sybil_networks,
+            "target_model_lookup_recall_mean": _r3(sum(x["recall"] for x in target) / len(target)) if target else None,
+            **_surveys([x for x in m.surveys if x["model"] == 0], "target_"),
+            **_surveys([x for x in m.surveys if x["model"] != 0], "other_"),
+        })
+    return doc
