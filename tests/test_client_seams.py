@@ -98,6 +98,33 @@ async def _where() -> trio.lowlevel.TrioToken:
     return trio.lowlevel.current_trio_token()
 
 
+def test_many_liars_cost_a_route_search_rounds_that_grow_as_their_log(monkeypatch):
+    """Identities cost nothing, nor does a report claiming the whole model, fast,
+    at an address that never answers: the planner tries them first, and a
+    first contact with each costs its timeout (3 s). At 16 contacts a round,
+    400 liars cost 26 rounds, past the search's 60 s (bench/sim.py --sybils ...
+    --sybil-behaviour liar counts them). The width doubles with what was set
+    aside, so the rounds grow as the log of the liars' number."""
+    from meshnet_p2p.client import search as search_module
+
+    liars = [Span(f"liar{i:03d}", 0, 30, throughput=1000.0) for i in range(400)]
+    honest = [Span("h0", 0, 15, throughput=60.0), Span("h1", 15, 30, throughput=60.0)]
+    rounds = []
+
+    def first_contacts(self, spans):
+        rounds.append(len(spans))
+        return {s.peer_id: (search_module.Contact(s, SimpleNamespace(close=lambda: None), None) if s.peer_id[0] == "h"
+                            else ShardConnectionError("connect timed out")) for s in spans}
+
+    monkeypatch.setattr(RouteSearch, "_first_contacts", first_contacts)
+    monkeypatch.setattr(search_module, "open_hop", lambda contact, opts, epoch: contact.span)
+    search = RouteSearch(lambda: liars + honest, RouteOptions(max_tokens=8))
+    search.survey()
+    assert [h.peer_id for h in search.open_chain(0, 30, 0)] == ["h0", "h1"]
+    assert len(rounds) <= 8, rounds  # 1, 16, 32, 64, 128, then 256 at once: every liar set aside
+    assert max(rounds) <= search_module.MAX_PROBE_WIDTH
+
+
 def test_from_plain_code_runs_each_async_call_in_a_loop_of_its_own():
     tokens = bridge.from_plain_code(lambda run: [run(_where), run(_where)])
     assert tokens[0] != tokens[1]

@@ -17,7 +17,11 @@ from .errors import GenerationError, RequestRefused, is_full, refuses_the_reques
 from .hop import Contact, Hop, first_contact, open_hop
 from .options import PeerMeasures, RouteOptions
 
-PROBE_WIDTH = 16  # first contacts at once, once a search has met a failing candidate
+PROBE_WIDTH = 16  # first contacts at once, once a search has met a failing candidate...
+# ...and, as more fail, as many as have failed, up to this: reports cost nothing to forge, and
+# a first contact with a made-up address costs its timeout, so a swarm full of liars must cost
+# rounds that grow as the log of their number, not in proportion (400 liars: 7 rounds, not 26)
+MAX_PROBE_WIDTH = 256
 MAX_OPEN_TRIES = 1024  # candidates one route search may set aside (a refused dial costs ~1 ms; open_timeout bounds the rest)
 BACKOFF_BASE_S = 0.25  # the first wait for busy peers; doubling to BACKOFF_MAX_S
 BACKOFF_MAX_S = 4.0
@@ -29,6 +33,12 @@ def backoff(waits: int, hint_s: float) -> float:
     clients turned away together do not come back together."""
     base = max(min(BACKOFF_BASE_S * 2 ** waits, BACKOFF_MAX_S), min(hint_s, BACKOFF_MAX_S))
     return base * random.uniform(0.75, 1.25)
+
+
+def probe_width(route_hops: int, failed: int) -> int:
+    """First contacts to make at once: the route's own until a candidate has failed,
+    then PROBE_WIDTH, then as many as have failed, up to MAX_PROBE_WIDTH."""
+    return min(MAX_PROBE_WIDTH, max(PROBE_WIDTH, failed)) if failed else route_hops
 
 
 def _tried_text(tried: dict[str, str]) -> str:
@@ -70,7 +80,8 @@ class RouteSearch:
         no failover, only time, bounded by ``open_timeout`` and MAX_OPEN_TRIES.
         First contacts run side by side: the route's new peers at once, and once
         anything has failed, up to PROBE_WIDTH candidates of the next-best
-        routes with them, so lies behind addresses that hang cost their timeout
+        routes with them (as many as have failed, once more have: up to
+        MAX_PROBE_WIDTH), so lies behind addresses that hang cost their timeout
         together, not one after another. Hops already open are kept for the next
         plan. It gives up only when no untried route is left, naming what it tried."""
         opts = self.opts
@@ -132,7 +143,7 @@ class RouteSearch:
                                           + _tried_text(tried)) from None
                 known = set(opened) | set(contacts)
                 if any(s.peer_id not in known for s in route):
-                    width = PROBE_WIDTH if tried else len(route)  # widen only once a candidate has failed
+                    width = probe_width(len(route), len(tried))
                     batch = self._to_contact(start, end, route, self.banned_now() | set(tried), known, width)
                     for peer, outcome in self._first_contacts(batch).items():
                         if isinstance(outcome, Contact):

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from meshnet_p2p.client.search import MAX_OPEN_TRIES, PROBE_WIDTH, RouteSearch
+from meshnet_p2p.client.search import MAX_OPEN_TRIES, RouteSearch, probe_width
 from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.dht.node import DHTConfig, DHTNode
 from meshnet_p2p.swarm.capability import model_key
@@ -149,7 +149,7 @@ class Clients:
 
     def _first_route(self, client_host, spans: list[Span]) -> dict:
         """The route search's own planning (``client.search.RouteSearch``: plan, first
-        contacts side by side, widening to PROBE_WIDTH candidates once one failed),
+        contacts side by side, widening as candidates fail: ``probe_width``),
         with each first contact's outcome known here: a hop that could not answer
         (a liar's made-up address, a volunteer gone since its report) is set
         aside. Plans as the client of a swarm whose certifiers vouched for nobody
@@ -172,7 +172,7 @@ class Clients:
                 got = self._ring_ms([answering[s.peer_id] for s in route])
                 return {"outcome": "route", "failed_contacts": len(tried), "contact_rounds": rounds,
                         "quality": got / best if best else None, "hops": len(route)}
-            width = PROBE_WIDTH if tried else len(route)
+            width = probe_width(len(route), len(tried))
             rounds += 1
             for s in search._to_contact(0, N_LAYER, route, tried, known, width):
                 (known if s.peer_id in answering else tried).add(s.peer_id)
