@@ -170,8 +170,13 @@ class Clients:
                 live = [s for s in spans if s.peer_id in answering]
                 best = self._oracle_ms(live, answering)
                 got = self._ring_ms([answering[s.peer_id] for s in route])
-                return {"outcome": "route", "failed_contacts": len(tried), "contact_rounds": rounds,
-                        "quality": got / best if best else None, "hops": len(route)}
+                # and had it measured its round trip to every live candidate first (what
+                # first contacts tell the planner; no client measures them all)
+                rtt = {p: 2000 * self.sim.net.one_way_s(client_host, answering[p].host) for p in answering}
+                near = plan_route(live, 0, N_LAYER, latency_ms=rtt, prefer=frozenset())
+                informed = self._ring_ms([answering[s.peer_id] for s in near])
+                return {"outcome": "route", "failed_contacts": len(tried), "contact_rounds": rounds, "hops": len(route),
+                        "quality": got / best if best else None, "quality_rtt": informed / best if best else None}
             width = probe_width(len(route), len(tried))
             rounds += 1
             for s in search._to_contact(0, N_LAYER, route, tried, known, width):

@@ -38,6 +38,9 @@ def _surveys(surveys: list[dict], prefix: str) -> dict[str, Any]:
         f"{prefix}contact_rounds_p90": _pct([x["contact_rounds"] for x in surveys], 0.9),
         f"{prefix}route_quality_p50": _r3(_pct([x["quality"] for x in routed if x["quality"]], 0.5)),
         f"{prefix}route_quality_p90": _r3(_pct([x["quality"] for x in routed if x["quality"]], 0.9)),
+        # had the client measured its round trip to every candidate first (star pricing)
+        f"{prefix}route_quality_rtt_p50": _r3(_pct([x["quality_rtt"] for x in routed if x.get("quality_rtt")], 0.5)),
+        f"{prefix}route_quality_rtt_p90": _r3(_pct([x["quality_rtt"] for x in routed if x.get("quality_rtt")], 0.9)),
     }
 
 
