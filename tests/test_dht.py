@@ -647,6 +647,23 @@ async def test_replies_to_an_unproven_address_are_at_most_three_times_the_reques
         nursery.cancel_scope.cancel()
 
 
+async def test_a_node_whose_run_ended_is_not_running_and_a_late_lookup_fails_quietly(autojump_clock):
+    """A caller may still hold a node whose run has ended (its nursery closed): the
+    simulator's clients do when a peer leaves mid-lookup. It said `running`, and a
+    lookup through it crashed on starting a background check in the closed
+    nursery (RuntimeError), instead of finding nothing."""
+    async with trio.open_nursery() as nursery:
+        _, nodes = await start_swarm(nursery, 8, TYPES)
+        leaver = nodes[5]
+        leaver.stop()
+        await trio.sleep(1)  # its run returns
+        assert not leaver.running
+        with pytest.raises(RuntimeError, match="not running"):
+            leaver.start_soon(trio.sleep, 0)
+        assert await leaver.get(KEY) == []  # its requests go unanswered: nothing found, nothing raised
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_fresh_node_looks_up_without_a_cookie_round_trip_per_node(autojump_clock):
     """A lookup's answers name k contacts (~1.3 KB), more than three times a bare
     request (~230 B): every node a fresh client asked answered with a cookie first,

@@ -189,12 +189,15 @@ class DHTNode:
     # --- lifecycle -------------------------------------------------------------------
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            nursery.start_soon(self._receive_loop)
-            nursery.start_soon(self._maintenance_loop)
-            nursery.start_soon(self._gossip_pull_loop)
-            task_status.started(self)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._receive_loop)
+                nursery.start_soon(self._maintenance_loop)
+                nursery.start_soon(self._gossip_pull_loop)
+                task_status.started(self)
+        finally:  # ended: not running, and nothing starts a task in the closed nursery
+            self._nursery = None
 
     def stop(self) -> None:
         if self._nursery is not None:
