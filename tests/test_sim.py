@@ -11,6 +11,7 @@ import trio.testing
 
 from meshnet_p2p.core.identity import Identity, signed_by_peer
 from meshnet_p2p.dht import gossip
+from meshnet_p2p.sim.churn import Churn
 from meshnet_p2p.sim.crypto import stand_in_signatures
 from meshnet_p2p.sim.net import RTT_MS, NetModel, SimNetwork
 from meshnet_p2p.sim.swarm import SimConfig, simulate
@@ -102,7 +103,11 @@ def test_liars_claiming_the_whole_model_cost_fresh_clients_first_contacts_not_th
     nobody answers on: every fresh client's route search (the production
     planner and its widening first contacts) tries them first, sets each aside,
     and still reaches the honest route."""
-    doc = simulate(SimConfig(**{**SMALL, "models": 1}, sybils=6, sybil_behaviour="liar"))
+    # a swarm whose honest peers cover every slice throughout (few leave, most serve):
+    # with a slice uncovered, the liars' whole-model claims are all there is ("no live route")
+    steady = Churn(session_median_s=36_000.0, gap_median_s=60.0)
+    doc = simulate(SimConfig(**{**SMALL, "models": 1, "volunteer_share": 0.8, "churn": steady}, sybils=6,
+                             sybil_behaviour="liar"))
     assert doc["target_surveys"] >= 5
     routed = doc["target_survey_outcomes"].get("route", 0)
     assert routed >= 0.7 * doc["target_surveys"], doc["target_survey_outcomes"]

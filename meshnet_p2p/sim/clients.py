@@ -72,7 +72,7 @@ class Clients:
             await trio.sleep(self.rng.expovariate(self.sim.cfg.lookups_per_s))
             askers = self.sim.online(settled=True, clients=True)
             if askers:
-                trio.lowlevel.spawn_system_task(self._model_lookup, self.rng.choice(askers),
+                self.sim.tasks.start_soon(self._model_lookup, self.rng.choice(askers),
                                                 self.rng.randrange(len(self.sim.models)))
 
     async def _model_lookup(self, asker: "Peer", model: int) -> None:
@@ -85,6 +85,8 @@ class Clients:
             got = await node.get(model_key(self.sim.models[model]))
         except MeshnetError:  # counted as a lookup that found nothing
             got = []
+        if asker.node is not node:
+            return  # the asker left meanwhile: its node stopped answering itself, not the swarm
         found = {r.signer for r in got}
         self.m.model_lookups.append({"t": t0, "s": trio.current_time() - t0, "live": len(live), "model": model,
                                      "found": len(found & live),
@@ -95,7 +97,7 @@ class Clients:
             await trio.sleep(self.rng.expovariate(self.sim.cfg.find_nodes_per_s))
             askers, targets = self.sim.online(settled=True), self.sim.online(settled=True, public=True)
             if askers and targets:
-                trio.lowlevel.spawn_system_task(self._node_lookup, self.rng.choice(askers), self.rng.choice(targets))
+                self.sim.tasks.start_soon(self._node_lookup, self.rng.choice(askers), self.rng.choice(targets))
 
     async def _node_lookup(self, asker: "Peer", target: "Peer") -> None:
         node = asker.node
@@ -105,6 +107,10 @@ class Clients:
         try:  # (the private call: a lookup's request count is what is measured)
             result = await node._find_node(target.node.node_id if target.node else 0)
         except MeshnetError:
+            result = None
+        if asker.node is not node:
+            return  # the asker left meanwhile
+        if result is None:
             self.m.node_lookups.append({"t": t0, "s": trio.current_time() - t0, "queried": 0, "found": False})
             return
         self.m.node_lookups.append({"t": t0, "s": trio.current_time() - t0, "queried": result.queried,
@@ -115,7 +121,7 @@ class Clients:
     async def surveys(self) -> None:
         while True:
             await trio.sleep(self.rng.expovariate(self.sim.cfg.surveys_per_s))
-            trio.lowlevel.spawn_system_task(self._survey, self.rng.randrange(len(self.sim.models)))
+            self.sim.tasks.start_soon(self._survey, self.rng.randrange(len(self.sim.models)))
 
     async def _survey(self, model: int) -> None:
         sim = self.sim

@@ -100,6 +100,7 @@ class SimSwarm:
         self.peers: list[Peer] = []
         self.m = Measures()
         self.clients = Clients(self)
+        self.tasks: trio.Nursery | None = None
         self.measuring = False
         self.seeds: list[Contact] = []
         self.certifier: Identity | None = None  # the first bootstrap peer's operator
@@ -222,7 +223,7 @@ class SimSwarm:
                 first = False
                 p.announced_at = trio.current_time()
                 if self.measuring:
-                    trio.lowlevel.spawn_system_task(self._probe_routable, p, started)
+                    self.tasks.start_soon(self._probe_routable, p, started)
             await trio.sleep(ANNOUNCE_INTERVAL_S)
 
     async def _certify(self, node: DHTNode) -> None:
@@ -290,6 +291,7 @@ class SimSwarm:
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         wall0 = time.perf_counter()
         async with trio.open_nursery() as nursery:
+            self.tasks = nursery  # what users do runs here: an error in it ends the run, with its traceback
             nursery.start_soon(self.net.run)
             for p in self.peers[:cfg.bootstrap]:
                 nursery.start_soon(self._lifecycle, p)
