@@ -664,6 +664,25 @@ async def test_a_node_whose_run_ended_is_not_running_and_a_late_lookup_fails_qui
         nursery.cancel_scope.cancel()
 
 
+async def test_what_a_node_learns_by_pulling_it_does_not_push_on(autojump_clock):
+    """A record a node pulled is not news: the neighbour it came from had it, and so
+    does the swarm. A node that joined (a restart, a client's survey node) pulled
+    every record there is and pushed each on to 6 peers, all of whom held it
+    (bench/sim.py: pushes per node tripled once fresh clients surveyed)."""
+    async with trio.open_nursery() as nursery:
+        net, nodes = await start_swarm(nursery, 12, TYPES, config=DHTConfig(gossip_pull_interval=0.5))
+        for i in range(10):
+            await nodes[1].publish(KEY, report(swarm_identity(4000 + i)))
+        fresh = DHTNode(swarm_identity(98), net.endpoint(), TYPES, DHTConfig(gossip_pull_interval=0.5))
+        await nursery.start(fresh.run)
+        await fresh.bootstrap([nodes[0].contact()])
+        with trio.fail_after(60):
+            while len(fresh.records(KEY)) < 10:
+                await trio.sleep(0.5)
+        assert fresh.stats["sent_gossip_push"] == 0
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_fresh_node_looks_up_without_a_cookie_round_trip_per_node(autojump_clock):
     """A lookup's answers name k contacts (~1.3 KB), more than three times a bare
     request (~230 B): every node a fresh client asked answered with a cookie first,

@@ -772,7 +772,8 @@ class DHTNode:
         """Announce a record: gossip it at once and store it in the DHT."""
         return await self.put(key, record_wire, also=also)
 
-    def _gossip_in(self, record_wire: bytes, *, from_peer: PeerId | None, record: Record | None = None) -> bool:
+    def _gossip_in(self, record_wire: bytes, *, from_peer: PeerId | None, record: Record | None = None,
+                   pulled: bool = False) -> bool:
         if record is None:
             head = peek(record_wire)
             if head is not None and self.gossip.known(head[2], head[0], head[1]):
@@ -800,7 +801,9 @@ class DHTNode:
                 chan.send_nowait(record)
             except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
-        if verdict == "new" and self._nursery is not None:  # a refresh travels by pull (gossip.py)
+        # A refresh travels by pull (gossip.py); so does what was pulled: the neighbour it came
+        # from had it, and so does the swarm (a node that joins pulls everything there is)
+        if verdict == "new" and not pulled and self._nursery is not None:
             targets = [c for c in self.table.contacts() if c.peer_id != from_peer and c.peer_id != record.signer]
             for c in random.sample(targets, min(len(targets), self.config.gossip_fanout)):
                 if self._pushing >= MAX_PUSHES_IN_FLIGHT:
@@ -844,7 +847,7 @@ class DHTNode:
         if isinstance(records, list):
             for w in records[:64]:
                 if isinstance(w, bytes):
-                    self._gossip_in(w, from_peer=peer.peer_id)
+                    self._gossip_in(w, from_peer=peer.peer_id, pulled=True)
 
     # --- maintenance -------------------------------------------------------------------------
 

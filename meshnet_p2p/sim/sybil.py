@@ -72,10 +72,10 @@ class SybilNode(DHTNode):
             return "gossip_records", {"records": []}
         return super()._handle(msg, addr)
 
-    def _gossip_in(self, record_wire: bytes, *, from_peer=None, record=None) -> bool:
+    def _gossip_in(self, record_wire: bytes, *, from_peer=None, record=None, pulled: bool = False) -> bool:
         if self.behaviour is Behaviour.ECLIPSE:
             return False  # passes nothing on
-        return super()._gossip_in(record_wire, from_peer=from_peer, record=record)
+        return super()._gossip_in(record_wire, from_peer=from_peer, record=record, pulled=pulled)
 
     async def _reply(self, msg: wire.Message, addr, kind: str, body: dict[str, Any], request_bytes: int,
                      proven: bool) -> None:
