@@ -18,12 +18,12 @@ import trio.testing
 from meshnet_p2p.trust.evidence import index_key, sign_index
 from meshnet_p2p.roles.certify import certifier_homes, storage_problem
 from meshnet_p2p.dht import node as node_module
-from meshnet_p2p.dht import wire
 from meshnet_p2p.dht.lookup import PER_ANSWER, PER_PATH, diverse, iterative_lookup
 from meshnet_p2p.dht.node import DHTConfig, DHTNode, Stored
 from meshnet_p2p.dht.routing import Contact, key_id, node_id_of
 from meshnet_p2p.core.netgroup import networks
 from meshnet_p2p.dht.transport import UdpTransport
+from meshnet_p2p.sim.sybil import SybilNode
 from meshnet_p2p.core.identity import Identity
 from meshnet_p2p.swarm.node import TYPES
 from meshnet_p2p.core.records import wall_ms
@@ -37,21 +37,9 @@ HONEST = 12
 QUIET = DHTConfig(gossip_pull_interval=3600.0)  # gossip is not what finds a key: lookups are
 
 
-class Sybil(DHTNode):
-    """A test double of a colluding node: takes every store and keeps nothing,
-    and names only its siblings, whatever it is asked."""
-
-    siblings: list[Contact] = []
-
-    def _handle(self, msg: wire.Message, addr):
-        others = [c for c in self.siblings if c.node_id != self.node_id][: self.config.k * 2]
-        if msg.kind == "store":
-            return "stored", {"ok": True, "reason": "stored"}
-        if msg.kind == "find_node":
-            return "nodes", {"nodes": wire.encode_contacts(others)}
-        if msg.kind == "find_value":
-            return "values", {"values": [], "more": False, "nodes": wire.encode_contacts(others)}
-        return super()._handle(msg, addr)
+# the simulator's colluding node (meshnet_p2p/sim/sybil.py): takes every store and keeps
+# nothing, names only its siblings whatever it is asked, passes no gossip on
+Sybil = SybilNode
 
 
 def grind(target: int, count: int, bits: int) -> list[Identity]:

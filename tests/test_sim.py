@@ -67,8 +67,14 @@ def test_stand_in_signatures_verify_only_their_signer_and_bytes_and_go_away():
 SMALL = dict(peers=30, minutes=0.5, warmup_minutes=1.0, seed=3)
 
 
-def test_a_small_simulated_swarm_finds_its_models_and_nodes():
-    doc = simulate(SimConfig(**SMALL))
+@pytest.fixture(scope="module")
+def small():
+    """One run of the small swarm, shared: each costs ~20 s of CI."""
+    return simulate(SimConfig(**SMALL))
+
+
+def test_a_small_simulated_swarm_finds_its_models_and_nodes(small):
+    doc = small
     assert doc["model_lookups"] >= 20 and doc["node_lookups"] >= 10
     assert doc["model_lookup_found_any"] >= 0.9 and doc["model_lookup_recall_mean"] >= 0.8
     assert doc["node_lookup_success"] >= 0.8
@@ -126,11 +132,11 @@ def test_ground_identities_share_the_key_s_top_bits():
     assert all((node_id_of(i.peer_id) ^ target) >> 248 == 0 for i in found)
 
 
-def test_the_simulation_runs_the_production_gossip(monkeypatch):
+def test_the_simulation_runs_the_production_gossip(small, monkeypatch):
     """A change in a protocol core changes what the simulation measures: with
     gossip.py pushing every re-announcement again (what it did before the
     simulator's first finding, docs/scale.md), each node pushes several times as much."""
-    ours = simulate(SimConfig(**SMALL))["requests_per_node_s"].get("gossip_push", 0.0)
+    ours = small["requests_per_node_s"].get("gossip_push", 0.0)
     monkeypatch.setattr(gossip, "_same_but", lambda a, b, volatile: False)
     before = simulate(SimConfig(**SMALL))["requests_per_node_s"]["gossip_push"]
     assert before > 2 * ours, (before, ours)
