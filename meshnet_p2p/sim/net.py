@@ -92,6 +92,10 @@ class SimNetwork:
         self.hosts[addr] = h
         return h
 
+    def network(self) -> str:
+        """A fresh public /24 (its first three octets), for hosts that share one network."""
+        return _public_ip(self.rng, self._prefixes).rsplit(".", 1)[0]
+
     def one_way_s(self, a: Host, b: Host) -> float:
         return RTT_MS[a.region, b.region] / 2000 + a.access_s + b.access_s
 

@@ -150,7 +150,7 @@ class SimSwarm:
             index_key(self.models[0], str(self.certifier.peer_id))
         bits = cfg.sybil_bits if cfg.sybil_bits is not None else max(1, math.ceil(math.log2(max(2, cfg.peers)))) + 4
         idents = grind(key_id(target.encode()), cfg.sybils, bits, random.Random(cfg.seed + 7))
-        prefixes = [self.net.host().addr[0].rsplit(".", 1)[0] for _ in range(cfg.sybil_networks)]
+        prefixes = [self.net.network() for _ in range(cfg.sybil_networks)]
         behaviour = Behaviour(cfg.sybil_behaviour)
         for j, ident in enumerate(idents):
             ip = f"{prefixes[j % len(prefixes)]}.{10 + j // len(prefixes)}"
