@@ -53,6 +53,7 @@ class DHTError(MeshnetError):
 MAX_KEY_CHARS = 512
 AMPLIFICATION = 3  # an unproven address gets replies at most this many times what it sent
 COOKIE_BYTES = 16
+COOKIE_SECRET_S = 120.0
 # A request that asks for contacts (k of them: ~1.3 KB with IPv4 addresses) to an address
 # we hold no cookie for is padded by this much (~230 B bare, ~490 B padded), so that the
 # answer fits AMPLIFICATION times it and comes at once, not after a cookie round trip
@@ -60,7 +61,6 @@ COOKIE_BYTES = 16
 # still go through the cookie.
 PAD_BYTES = 260
 PADDED_KINDS = frozenset({"find_node", "find_value"})
-COOKIE_SECRET_S = 120.0
 MAX_ADDRESSES = 16_384  # proven addresses and cookies kept
 MAX_SEEN_DATAGRAMS = 65_536
 MAX_VERIFYING = 64  # new (peer, address) pairs pinged at once

@@ -46,7 +46,7 @@ ORACLE_HEADS = 40  # heads the oracle tries (the cheapest by compute): bounds it
 class Measures:
     model_lookups: list[dict] = field(default_factory=list)  # {t, s, recall, found, live}
     node_lookups: list[dict] = field(default_factory=list)  # {t, s, found, queried}
-    surveys: list[dict] = field(default_factory=list)  # {t, s, model, outcome, failed_contacts, quality}
+    surveys: list[dict] = field(default_factory=list)  # {t, s, model, outcome, failed_contacts, contact_rounds, quality, quality_rtt}
     routable_s: list[float] = field(default_factory=list)  # join -> a stranger's lookup finds its report
     never_routable: int = 0
     online_samples: list[int] = field(default_factory=list)
