@@ -79,3 +79,23 @@ def load_engine():
     yield load
     for e in engines:
         e.close()
+
+
+@pytest.fixture(autouse=True)
+def _clients_closed_after_each_test(monkeypatch):
+    """Every Client a test made is closed when the test ends: an unclosed client's audit
+    thread outlives its test and surveys through whatever the next test patched in (CI:
+    test_load's survey double was consumed by the previous test's client)."""
+    from meshnet_p2p.client.api import Client
+
+    made = []
+    real_init = Client.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(Client, "__init__", init)
+    yield
+    for client in made:
+        client.close()

@@ -94,3 +94,39 @@ def test_a_proof_found_here_is_published_with_the_next_exchange(rig):
     run(rig, [])
     assert rig.calls == [([("fraud/key", b"wire")], [])]  # the transferable one only
     assert set(rig.records.caught()) == {"cheat", "mute"}  # both caught here, whatever others can check
+
+
+def test_an_audit_under_way_when_its_client_closes_surveys_the_swarm_no_more(monkeypatch):
+    """A closed client's audit thread went on: its next survey ran after the client was
+    closed (CI: test_load's survey double, patched in for the next test, was consumed by
+    a previous test's client still auditing). After close, nothing of it looks at the swarm."""
+    import threading
+
+    surveys: list[int] = []
+    looked, closed, done = threading.Event(), threading.Event(), threading.Event()
+    outcome: list[BaseException] = []
+
+    def fake_audit_hop(t, provider, opts, exclude=(), measures=None):
+        try:
+            provider()  # a route's first look
+            looked.set()
+            assert closed.wait(30)
+            provider()  # looking again (a failover), after close
+        except BaseException as e:
+            outcome.append(e)
+            raise
+        finally:
+            done.set()
+
+    monkeypatch.setattr(auditing, "audit_hop", fake_audit_hop)
+    events: list[str] = []
+    a = Auditor(PeerRecords(), lambda: surveys.append(1) or [], lambda: RouteOptions(max_tokens=1), PeerMeasures(),
+                0.05, on_event=events.append)
+    a.submit([SimpleNamespace(peer_id="p")])
+    assert looked.wait(30)
+    a.close()
+    closed.set()
+    assert done.wait(30) and a.wait(30)
+    assert surveys == [1], surveys
+    assert outcome and "closed" in str(outcome[0]), outcome
+    assert not [e for e in events if "could not audit" in e], events  # a closed client's audit blames nobody

@@ -147,9 +147,15 @@ class Client:
 
     def close(self) -> None:
         """Close the connections this client keeps to peers (generations under way fail, audits not started
-        are dropped)."""
+        are dropped, one under way stops at its next look at the swarm)."""
         self.auditor.close()
         self.pool.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def wait_audits(self, timeout: float | None = None) -> bool:
         """Wait for the audits of past generations (False if ``timeout`` passed first)."""

@@ -40,7 +40,7 @@ from meshnet_p2p.swarm.placement import NoRoute, Span, plan_route
 from meshnet_p2p.trust.fraud import MAX_PROOF_STEPS, MAX_PROOF_TOKENS, ChainLink, FraudProof, output_digest
 
 from .chain import Chain
-from .errors import GenerationError, RequestRefused, is_full
+from .errors import ClientClosed, GenerationError, RequestRefused, is_full
 from .hop import route_fingerprint
 from .options import PeerMeasures, RouteOptions
 from .search import RouteSearch
@@ -250,6 +250,8 @@ def replay_steps(search: RouteSearch, start: int, end: int, n_layer: int, steps:
     for _ in range(MAX_CHAINS):
         try:
             hops = search.open_chain(start, end, 0)
+        except ClientClosed:
+            raise  # not a replayer's failure: the audit stops, with no verdict
         except (GenerationError, RequestRefused, NoRoute) as e:
             on_event(f"no replayer for layers {start}-{end - 1}: {e}")
             return None

@@ -38,6 +38,7 @@ from meshnet_p2p.core.errors import MeshnetError, sanitize
 from .audit import AuditResult, Verdict, audit_hop
 from .recheck import Recheck, RecheckResult, recheck_proof
 from .chain import Chain
+from .errors import ClientClosed
 from .options import PeerMeasures, RouteOptions
 from .records import PeerRecords
 from .transcript import HopTranscript, route_tokens, transcript_of
@@ -68,7 +69,7 @@ class Auditor:
                  measures: PeerMeasures, rate: float, on_event: Callable[[str], None] = lambda m: None, *,
                  sign_report: SignReport | None = None, exchange: ExchangeReports | None = None) -> None:
         self.records = records
-        self.spans_provider = spans_provider  # plain code: usable from the auditing thread
+        self._spans_provider = spans_provider  # plain code: usable from the auditing thread
         self.opts = opts
         self.measures = measures
         self.rate = rate
@@ -87,6 +88,13 @@ class Auditor:
         self._seen: set[bytes] = set()  # report signatures already re-checked
         self._liars: set[str] = set()  # reporters whose report this client's replays refuted: not heard again
         self.rechecks: list[RecheckResult] = []
+
+    def spans_provider(self) -> list:
+        """The spans an audit routes over; once closed, ClientClosed: a closed client's
+        audit under way surveys the swarm no more."""
+        if self._closed:
+            raise ClientClosed("the client was closed")
+        return self._spans_provider()
 
     def audit(self, t: HopTranscript, *, exclude: set[str] = frozenset(), spans_provider=None) -> AuditResult:
         """One audit, now (blocking); its verdict applied to the records. ``spans_provider``:
@@ -163,6 +171,8 @@ class Auditor:
                     self._exchange(list(t[1]))
                 else:
                     self.audit(t)
+            except ClientClosed:
+                pass
             except Exception as e:  # an audit that cannot run blames nobody; the next one still runs
                 self.on_event(f"could not audit {getattr(t, 'peer_id', 'reports')}: {sanitize(e)}")
             finally:
@@ -176,6 +186,8 @@ class Auditor:
             outbox, self._outbox = self._outbox, []
         if not outbox and not peers:
             return
+        if self._closed:
+            raise ClientClosed("the client was closed")
         found = self.exchange(outbox, peers)
         for peer, reports in found.items():
             for record in reports:

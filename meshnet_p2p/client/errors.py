@@ -11,6 +11,11 @@ class GenerationError(MeshnetError):
     pass
 
 
+class ClientClosed(GenerationError):
+    """The client was closed: work of it still under way (an audit, a re-check)
+    stops at its next look at the swarm."""
+
+
 class RequestRefused(MeshnetError):
     """Every peer that could serve refused the request itself (it asks for more
     than they hold, or is malformed): the request's error, no peer's fault."""
