@@ -23,6 +23,7 @@ import sys
 
 from meshnet_p2p.sim.churn import Churn
 from meshnet_p2p.sim.net import NetModel
+from meshnet_p2p.sim.records import N_LAYER
 from meshnet_p2p.sim.swarm import SimConfig, simulate
 
 from _report import print_report  # bench/ is on sys.path when a bench runs
@@ -41,11 +42,16 @@ def main() -> int:
     ap.add_argument("--session-minutes", type=float, default=60.0, help="median online session")
     ap.add_argument("--lookups-per-s", type=float, default=2.0)
     ap.add_argument("--surveys-per-s", type=float, default=0.5, help="fresh clients surveying for a route")
+    ap.add_argument("--generation-tokens", type=int, default=64,
+                    help="tokens each routed survey then generates on its route, failing over as peers leave")
     ap.add_argument("--sybils", type=int, default=0, help="attacker identities (meshnet_p2p/sim/sybil.py)")
     ap.add_argument("--sybil-behaviour", choices=("eclipse", "slow", "liar"), default="eclipse")
     ap.add_argument("--sybil-target", choices=("model", "certifier"), default="model",
                     help="ground close to model 0's key, or to the certifier's index of model 0")
     ap.add_argument("--sybil-networks", type=int, default=1, help="the /24s the attackers' addresses span")
+    ap.add_argument("--placement", choices=("slices", "auto"), default="slices",
+                    help="volunteers serve a random third, or choose as join --layers auto does")
+    ap.add_argument("--sybil-layers", default=f"0:{N_LAYER}", help="A:B, what a liar claims to serve")
     ap.add_argument("--json", action="store_true")
     args = parse_args(ap, peers=40, minutes=0.5, warmup_minutes=0.5, models=1, sybils=4)
     churn = Churn(session_median_s=args.session_minutes * 60, gap_median_s=args.session_minutes * 60)
@@ -53,7 +59,8 @@ def main() -> int:
                     models=args.models, nat_share=args.nat, lookups_per_s=args.lookups_per_s, churn=churn,
                     net=NetModel(loss=args.loss), surveys_per_s=args.surveys_per_s, sybils=args.sybils,
                     sybil_behaviour=args.sybil_behaviour, sybil_target=args.sybil_target,
-                    sybil_networks=args.sybil_networks)
+                    sybil_networks=args.sybil_networks, placement=args.placement, generation_tokens=args.generation_tokens,
+                    sybil_layers=tuple(int(x) for x in args.sybil_layers.split(":")))
     doc = simulate(cfg)
     print_report(doc, args.json)
     if args.smoke and not (doc["model_lookups"] and doc["model_lookup_found_any"] == 1.0 and doc["surveys"]):

@@ -221,3 +221,48 @@ def test_the_unverified_charge_grows_with_a_layers_compute(scale):
     route = plan_route([h1, h2, liar], 0, 30, latency_ms={"h1": 5.0 * scale ** 0.5, "h2": 5.0 * scale ** 0.5},
                        prefer={"h1", "h2"})
     assert [s.peer_id for s in route] == ["h1", "h2"]
+
+
+def test_one_networks_claims_count_no_more_on_a_layer_than_the_median_networks():
+    """Ten identities on one /24 claiming layers 0-9 at ten times an honest peer's rate made
+    every `join --layers auto` volunteer avoid layers 0-9 (the simulator: with the
+    attackers in place first, every fresh client found no route). Coverage counts a
+    network at most as much as the median network counts."""
+    from meshnet_p2p.swarm.placement import choose_span, coverage
+
+    honest = [Span("h0", 0, 10, 100.0, network="198.51.100.0/24")] + \
+        [Span(f"h{i}", a, a + 10, 100.0, network=f"203.0.{i}.0/24") for i, a in enumerate((10, 10, 20, 20), 1)]
+    liars = [Span(f"l{i}", 0, 10, 1000.0, network="192.0.2.0/24") for i in range(10)]
+    assert choose_span(honest, 30, 10) == (0, 10)
+    assert choose_span(honest + liars, 30, 10) == (0, 10)  # was (10, 20): layers 0-9 looked served 10,100 times
+    assert coverage(honest + liars, 30)[0] == pytest.approx(200.0)  # h0, and the liars' network as one median one
+    # spans no check placed in a network count alone, as before
+    assert coverage([Span("a", 0, 10, 50.0), Span("b", 0, 10, 50.0)], 30)[0] == pytest.approx(100.0)
+
+
+async def test_placement_believes_only_the_peers_that_answered_where_their_reports_say():
+    """A report's address is a claim; placement counts a span only once its peer answered a
+    dial there (a TLS handshake bound to its identity: ``join``'s dial), in the network it
+    answered from, and dials a bounded sample, side by side."""
+    import trio
+
+    from meshnet_p2p.swarm.placing import answering_spans
+
+    spans = [Span(f"p{i}", 0, 10, 100.0) for i in range(100)]
+    dialled = []
+    at_once = [0, 0]
+
+    async def dial(span):
+        dialled.append(span.peer_id)
+        at_once[0] += 1
+        at_once[1] = max(at_once)
+        await trio.sleep(0.01)
+        at_once[0] -= 1
+        return None if int(span.peer_id[1:]) % 2 else f"93.184.216.{span.peer_id[1:]}"
+
+    got = await answering_spans(spans, dial, limit=40)
+    assert len(dialled) == 40 and len(set(dialled)) == 40  # a sample, each once
+    assert 1 < at_once[1] <= 16  # side by side, bounded
+    assert {s.peer_id for s in got} == {p for p in dialled if int(p[1:]) % 2 == 0}
+    assert {s.network for s in got} == {"93.184.216.0/24"}
+    assert await answering_spans([], dial) == []

@@ -157,3 +157,72 @@ def test_requests_are_counted_from_when_measuring_began():
     sim.measuring = True
     sim._count(node)
     assert sim.kinds == Counter(ping=2, store=1, gossip_pull=4)
+
+
+def test_liars_squatting_a_slice_cannot_empty_it_under_auto_placement():
+    """Ten identities on one /24, in place before the swarm forms, claim layers 0-9 at ten
+    times an honest rate, at an address nobody answers on. Volunteers placed by `join
+    --layers auto`'s own code (swarm.placing) must still cover those layers: before the
+    fix every volunteer avoided them and no fresh client found a route."""
+    steady = Churn(session_median_s=36_000.0, gap_median_s=60.0)
+    doc = simulate(SimConfig(**{**SMALL, "models": 1, "volunteer_share": 0.8, "churn": steady}, placement="auto",
+                             sybils=10, sybil_behaviour="liar", sybil_layers=(0, 10), surveys_per_s=0.3))
+    assert doc["target_hole_share"] == 0.0, doc
+    assert doc["target_cover_min_mean"] >= 0.5 * doc["target_cover_mean"], doc  # and evenly
+    assert doc["target_surveys"] >= 5 and doc["target_route_found"] >= 0.7, doc
+
+
+async def test_a_generation_fails_over_when_a_hop_leaves_and_completes(autojump_clock):
+    """The simulated generation steps a ring token by token; a hop whose peer leaves fails
+    the next step, and the client's failover (a fresh look, the route search for exactly
+    that hop's layers, a replay) carries it to its last token, one failover spent. With
+    no peer left for those layers, the generation ends saying so."""
+    from types import SimpleNamespace
+
+    from meshnet_p2p.sim.clients import REPLAY_SPEEDUP, Clients
+    from meshnet_p2p.sim.records import SLICES
+    from meshnet_p2p.swarm.placement import Span
+
+    net = SimNetwork(random.Random(1), NetModel(loss=0.0))
+    layout = {"head": SLICES[0], "mid": SLICES[1], "tail": SLICES[2], "twin": SLICES[1]}
+    peers = {name: SimpleNamespace(identity=SimpleNamespace(peer_id=name), host=net.host(region="eu"),
+                                   layer_ms=1.0, compute_ms=10.0, node=object(), sybil=None, model=0)
+             for name in layout}
+    sim = SimpleNamespace(net=net, by_id=peers, cfg=SimpleNamespace(generation_tokens=50), m=None, rng=None,
+                          online=lambda: [p for p in peers.values() if p.node is not None])
+    clients = Clients(sim)
+    spans = [Span(name, a, b, 100.0 if name != "twin" else 10.0) for name, (a, b) in layout.items()]
+    looks = []
+
+    async def look(model, host):  # a fresh survey: the reports of the peers still online
+        looks.append(trio.current_time())
+        return [s for s in spans if peers[s.peer_id].node is not None], len(spans), 1
+
+    clients._look = look
+    client = net.host(region="eu")
+
+    async def generate(leaving: list[str]) -> dict:
+        search = clients._search(spans)
+        opened = clients._open(search, 0, 30)
+        route = opened["route"]
+        assert [s.peer_id for s in route] == ["head", "mid", "tail"]  # the twin claims less
+        token_s = clients._ring_ms([peers[s.peer_id] for s in route]) / 1000
+        entry: dict = {}
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(clients._generate, 0, client, search, route, entry)
+            await trio.sleep(token_s * 10.5)
+            for name in leaving:  # after ten tokens
+                peers[name].node = None
+        return entry, token_s
+
+    entry, token_s = await generate(["mid"])
+    assert entry["generation"] == "complete" and entry["failovers"] == 1, entry
+    assert len(looks) == 1
+    replay_s = 10 * (1 + 10 / REPLAY_SPEEDUP) / 1000  # the twin's 10 layers, for the 10 positions so far
+    after_s = clients._ring_ms([peers["head"], peers["twin"], peers["tail"]]) / 1000
+    # ten tokens, the eleventh's step that failed, the replay, the forty left on the new ring
+    assert entry["generation_s"] == pytest.approx(11 * token_s + replay_s + 40 * after_s)
+
+    peers["mid"].node = object()
+    entry, _ = await generate(["mid", "twin"])
+    assert entry["generation"] == "failover: no live route" and entry["failovers"] == 1, entry

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import trio
 
@@ -82,7 +82,7 @@ async def model_sources(node, named: Named, log: Callable[[str], None]
     return manifest, spans, sources, holdings
 
 
-async def obtain(node, named: Named, choose: Callable[[list[Span], int], tuple[int, int]],
+async def obtain(node, named: Named, choose: Callable[[list[Span], int], Awaitable[tuple[int, int]]],
                  log: Callable[[str], None], progress=None) -> tuple[PartialModel, int, int, dict]:
     """The manifest, the span ``choose`` picks (from the peers' spans and the layer count)
     and that span's parts, from the peers serving the model; returns the partial model,
@@ -94,7 +94,7 @@ async def obtain(node, named: Named, choose: Callable[[list[Span], int], tuple[i
         if partial.header is None:
             r = await trio.to_thread.run_sync(lambda: fetch_parts(partial, [HEADER], sources, holdings))
             report["bytes"] += r.bytes
-        start, end = choose(spans, manifest.n_layer)
+        start, end = await choose(spans, manifest.n_layer)
         missing = partial.missing(start, end)
         need = sum(t.nbytes for t in partial.needed(start, end))
         log(f"fetching layers {start}:{end} of {named.entry.name}: {len(missing)} parts, "

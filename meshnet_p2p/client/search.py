@@ -113,7 +113,7 @@ class RouteSearch:
                     raise GenerationError(f"could not open a route for layers {start}-{end - 1} in {why}"
                                           + _tried_text({**busy, **tried}))
                 try:
-                    route = self._plan(start, end, self.banned_now() | set(tried))
+                    route = self.plan(start, end, self.banned_now() | set(tried))
                 except NoRoute as e:
                     if tried and not rediscovered:  # the swarm may have changed while we tried
                         rediscovered = True
@@ -144,7 +144,7 @@ class RouteSearch:
                 known = set(opened) | set(contacts)
                 if any(s.peer_id not in known for s in route):
                     width = probe_width(len(route), len(tried))
-                    batch = self._to_contact(start, end, route, self.banned_now() | set(tried), known, width)
+                    batch = self.to_contact(start, end, route, self.banned_now() | set(tried), known, width)
                     for peer, outcome in self._first_contacts(batch).items():
                         if isinstance(outcome, Contact):
                             contacts[peer] = outcome
@@ -164,11 +164,11 @@ class RouteSearch:
             for contact in contacts.values():
                 contact.client.close()
 
-    def _plan(self, start: int, end: int, banned: set[str]) -> list[Span]:
+    def plan(self, start: int, end: int, banned: set[str]) -> list[Span]:
         return self.opts.planner(self.spans, start, end, banned=banned, latency_ms=self.measures.latency_ms,
                                  measured_ms=self.measures.measured_ms)
 
-    def _to_contact(self, start: int, end: int, route: list[Span], banned: set[str], known: set[str],
+    def to_contact(self, start: int, end: int, route: list[Span], banned: set[str], known: set[str],
                     width: int) -> list[Span]:
         """The new peers of ``route``, then those of the next-best routes (each
         planned without the peers already chosen), up to ``width``."""
@@ -176,7 +176,7 @@ class RouteSearch:
         skip = banned | set(batch)
         while len(batch) < width:
             try:
-                new = [s for s in self._plan(start, end, skip) if s.peer_id not in known]
+                new = [s for s in self.plan(start, end, skip) if s.peer_id not in known]
             except NoRoute:
                 break
             if not new:  # a route of peers already contacted: nothing more to learn here

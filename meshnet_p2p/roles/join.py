@@ -31,14 +31,16 @@ from meshnet_p2p.client.named import find_model, obtain
 from meshnet_p2p.engine.llama_engine import LlamaCppShardEngine
 from meshnet_p2p.core.errors import MeshnetError, unwrap_errors
 from meshnet_p2p.core.guard import Guard
-from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.core.identity import Identity, PeerId
 from meshnet_p2p.core.lifecycle import until_signalled
 from meshnet_p2p.engine.models import ensure_shard
 from meshnet_p2p.core.multiaddr import Multiaddr, ip_of
 from meshnet_p2p.swarm.node import advertised_host, peers_for_model, start_node
-from meshnet_p2p.swarm.placement import Span, choose_span
+from meshnet_p2p.swarm.placement import Span, choose_span, default_num_layers
 from meshnet_p2p.nat.dialback import UNKNOWN, UNREACHABLE, Reachability
-from meshnet_p2p.nat.reachability import ReachabilityError, check_reachability, dial_checks
+from meshnet_p2p.nat.reachability import ReachabilityError, check_reachability, dial_checks, relay_dial_check, \
+    tls_dial_check
+from meshnet_p2p.swarm.placing import answering_spans
 from .progress import StatusLine
 from meshnet_p2p.core.records import wall_ms
 from meshnet_p2p.nat.keeper import RelayKeeper
@@ -145,6 +147,19 @@ class _Source:
     parts: Callable[[], set[str]] | None = None  # what a partial copy holds now; None: all
 
 
+async def dial_report(span: Span) -> str | None:
+    """placing's dial: a TLS handshake bound to the report's signer at the address its
+    report names, or through the relay it names; the host it answered at."""
+    c, peer = span.record.content, PeerId.from_string(span.peer_id)
+    if c["relay"]:
+        relay = Multiaddr.parse(c["relay"])
+        return relay.host if (await relay_dial_check(peer, relay))[0] else None
+    for addr in c["addrs"][:2]:
+        if (await tls_dial_check(peer, addr))[0]:
+            return Multiaddr.parse(addr).host
+    return None
+
+
 async def join(opts: JoinOptions, print_line: Callable[[str], None] = print) -> None:
     source = None
     if opts.model_path is not None:
@@ -177,10 +192,12 @@ async def _serving(opts, engine, source: "_Source | None", print_line, status: S
         node = await start_node(nursery, opts.identity, listen=f"{opts.listen_host}:0", bootstrap=opts.bootstrap,
                                 serve=dial_checks)  # it checks others' reachability, as they check its
 
-        def choose(spans: list[Span], n_layer: int) -> tuple[int, int]:
+        async def choose(spans: list[Span], n_layer: int) -> tuple[int, int]:
             if opts.layers is not None:
                 return opts.layers
-            return choose_span(spans, n_layer, opts.num_layers or max(1, n_layer // 3))
+            mine = str(opts.identity.peer_id)  # a restart's own report is not someone else's coverage
+            answered = await answering_spans([s for s in spans if s.peer_id != mine], dial_report)
+            return choose_span(answered, n_layer, opts.num_layers or default_num_layers(n_layer))
 
         if source is None:  # no file: the span's parts from the peers that serve the model
             named = await find_model(node, opts.model_ref, opts.trust or TrustPolicy.default(opts.bootstrap))
@@ -191,7 +208,7 @@ async def _serving(opts, engine, source: "_Source | None", print_line, status: S
                              lambda: set(partial.present))
         else:
             spans = [Span.from_report(r) for r in await peers_for_model(node, source.digest)] if opts.layers is None else []
-            start, end = choose(spans, source.n_layer)
+            start, end = await choose(spans, source.n_layer)
         digest, key, source_sha = source.digest, model_key(source.digest), source.source_sha
         whole = (start, end) == (0, source.n_layer) and source.parts is None
         shard = source.path if whole else await trio.to_thread.run_sync(

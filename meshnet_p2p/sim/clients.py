@@ -8,7 +8,7 @@
   gathers reports and the certifier's certificates (gossip, lookups, the
   certifier's homes, asked again when thin), ``build_view`` and
   ``routable_spans`` decide whether a certified route exists, and
-  the route search plans it (``_first_route``). There is no data plane here:
+  the route search plans it (``_open``). There is no data plane here:
   a planned hop that could not answer (a liar's made-up address, a volunteer
   gone since its report) is set aside as a failed first contact would set it;
   the route that stands is priced against an oracle that knows every link (a
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from meshnet_p2p.client.options import RouteOptions
 from meshnet_p2p.client.search import MAX_OPEN_TRIES, RouteSearch, probe_width
 from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.dht.node import DHTConfig, DHTNode
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from .swarm import Peer, SimSwarm
 
 SETTLED_S = 30.0  # a peer online this long has joined, and a volunteer announced (every 30 s): it should be found
+REPLAY_SPEEDUP = 8  # a replay is a prefill: a position costs about 1/8 of a decode step's compute (llama.cpp, CPU)
 ORACLE_HEADS = 40  # heads the oracle tries (the cheapest by compute): bounds its cost at large N
 
 
@@ -50,6 +52,7 @@ class Measures:
     routable_s: list[float] = field(default_factory=list)  # join -> a stranger's lookup finds its report
     never_routable: int = 0
     online_samples: list[int] = field(default_factory=list)
+    coverage: list[dict] = field(default_factory=list)  # every 10 s per model: {model, min, mean} volunteers a layer
     joins: int = 0
     leaves: int = 0
 
@@ -123,14 +126,16 @@ class Clients:
             await trio.sleep(self.rng.expovariate(self.sim.cfg.surveys_per_s))
             self.sim.tasks.start_soon(self._survey, self.rng.randrange(len(self.sim.models)))
 
-    async def _survey(self, model: int) -> None:
+    async def _look(self, model: int, host) -> tuple[list[Span] | str, int, int]:
+        """What ``generate`` does to see the model's certified spans (a first look and
+        every failover's): a new client-mode node on ``host`` bootstraps and runs
+        ``fetch_believable``, ``build_view`` and ``routable_spans``. (the spans, or
+        "dark"/"hole"; reports and certificates found)."""
         sim = self.sim
         digest = sim.models[model]
-        host = sim.net.host(natted=True)  # a user's machine, behind its home router
         node = DHTNode(sim.fresh_identity(), sim.net.attach(host), TYPES,
                        DHTConfig(**{**sim.cfg.dht.__dict__, "client_mode": True}), now_ms=sim.now_ms,
                        lifetime_cap=lifetime_cap)
-        t0 = trio.current_time()
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(node.run)
@@ -141,53 +146,142 @@ class Clients:
                 nursery.cancel_scope.cancel()
         finally:
             node.transport.close()
-        entry = {"t": t0, "s": trio.current_time() - t0, "model": model, "reports": len(reports),
-                 "certs": len(certs), "failed_contacts": 0, "contact_rounds": 0, "quality": None}
         try:
-            spans = routable_spans(build_view(digest, N_LAYER, reports, certs, sim.trust), sim.trust)
+            return routable_spans(build_view(digest, N_LAYER, reports, certs, sim.trust), sim.trust), \
+                len(reports), len(certs)
         except RecipeNotCertified:
-            entry["outcome"] = "dark"
+            return "dark", len(reports), len(certs)
         except NoRoute:
-            entry["outcome"] = "hole"
-        else:
-            entry.update(self._first_route(host, spans))
-        self.m.surveys.append(entry)
+            return "hole", len(reports), len(certs)
 
-    def _first_route(self, client_host, spans: list[Span]) -> dict:
-        """The route search's own planning (``client.search.RouteSearch``: plan, first
-        contacts side by side, widening as candidates fail: ``probe_width``),
-        with each first contact's outcome known here: a hop that could not answer
-        (a liar's made-up address, a volunteer gone since its report) is set
-        aside. Plans as the client of a swarm whose certifiers vouched for nobody
-        yet (``prefer`` empty: api.py's planner). The route that stands is priced
-        against the oracle."""
-        answering = {str(p.identity.peer_id): p for p in self.sim.online() if p.sybil is None and p.model is not None}
-        search = RouteSearch(lambda: spans, SimpleNamespace(planner=functools.partial(plan_route, prefer=frozenset())))
+    async def _survey(self, model: int) -> None:
+        host = self.sim.net.host(natted=True)  # a user's machine, behind its home router
+        t0 = trio.current_time()
+        spans, n_reports, n_certs = await self._look(model, host)
+        entry = {"t": t0, "s": trio.current_time() - t0, "model": model, "reports": n_reports,
+                 "certs": n_certs, "failed_contacts": 0, "contact_rounds": 0, "quality": None}
+        if isinstance(spans, str):
+            entry["outcome"] = spans
+            self.m.surveys.append(entry)
+            return
+        search = self._search(spans)
+        opened = self._open(search, 0, N_LAYER)
+        entry.update({k: v for k, v in opened.items() if k != "route"})
+        if opened["outcome"] == "route":
+            entry.update(self._quality(host, spans, opened["route"]))
+        self.m.surveys.append(entry)
+        if opened["outcome"] == "route" and self.sim.cfg.generation_tokens:
+            await self._generate(model, host, search, opened["route"], entry)
+
+    @staticmethod
+    def _search(spans: list[Span]) -> RouteSearch:
+        """The client's route search over ``spans``, planning as a client of a swarm whose
+        certifiers vouched for nobody yet (``prefer`` empty: api.py's planner)."""
+        search = RouteSearch(lambda: spans, SimpleNamespace(
+            planner=functools.partial(plan_route, prefer=frozenset()), ban_seconds=RouteOptions.ban_seconds))
         search.survey()
+        return search
+
+    def _open(self, search: RouteSearch, start: int, end: int) -> dict:
+        """The route search's own planning for layers [start, end) (``client.search.RouteSearch``:
+        plan, first contacts side by side, widening as candidates fail: ``probe_width``),
+        with each first contact's outcome known here: a hop that could not answer (a
+        liar's made-up address, a volunteer gone since its report) is set aside, and
+        banned, as a failed first contact would be."""
+        answering = self._answering()
         tried: set[str] = set()  # set aside
         known: set[str] = set()  # answered their first contact
         rounds = 0
         while len(tried) < MAX_OPEN_TRIES:
             try:
-                route = search._plan(0, N_LAYER, tried)
+                route = search.plan(start, end, search.banned_now() | tried)
             except NoRoute:
                 return {"outcome": "no live route", "failed_contacts": len(tried), "contact_rounds": rounds}
             if all(s.peer_id in known for s in route):
-                live = [s for s in spans if s.peer_id in answering]
-                best = self._oracle_ms(live, answering)
-                got = self._ring_ms([answering[s.peer_id] for s in route])
-                # and had it measured its round trip to every live candidate first (what
-                # first contacts tell the planner; no client measures them all)
-                rtt = {p: 2000 * self.sim.net.one_way_s(client_host, answering[p].host) for p in answering}
-                near = plan_route(live, 0, N_LAYER, latency_ms=rtt, prefer=frozenset())
-                informed = self._ring_ms([answering[s.peer_id] for s in near])
                 return {"outcome": "route", "failed_contacts": len(tried), "contact_rounds": rounds, "hops": len(route),
-                        "quality": got / best if best else None, "quality_rtt": informed / best if best else None}
+                        "route": route}
             width = probe_width(len(route), len(tried))
             rounds += 1
-            for s in search._to_contact(0, N_LAYER, route, tried, known, width):
-                (known if s.peer_id in answering else tried).add(s.peer_id)
+            for s in search.to_contact(start, end, route, search.banned_now() | tried, known, width):
+                if s.peer_id in answering:
+                    known.add(s.peer_id)
+                else:
+                    tried.add(s.peer_id)
+                    search.ban(s.peer_id)
         return {"outcome": "gave up", "failed_contacts": len(tried), "contact_rounds": rounds}
+
+    def _answering(self) -> dict[str, "Peer"]:
+        return {str(p.identity.peer_id): p for p in self.sim.online() if p.sybil is None and p.model is not None}
+
+    def _quality(self, client_host, spans: list[Span], route: list[Span]) -> dict:
+        """The route that stands, priced against the oracle; and the route the same
+        planner finds after measuring the client's round trip to every live candidate
+        (what first contacts tell the planner; no client measures them all)."""
+        answering = self._answering()
+        live = [s for s in spans if s.peer_id in answering]
+        best = self._oracle_ms(live, answering)
+        got = self._ring_ms([answering[s.peer_id] for s in route])
+        rtt = {p: 2000 * self.sim.net.one_way_s(client_host, answering[p].host) for p in answering}
+        near = plan_route(live, 0, N_LAYER, latency_ms=rtt, prefer=frozenset())
+        informed = self._ring_ms([answering[s.peer_id] for s in near])
+        return {"quality": got / best if best else None, "quality_rtt": informed / best if best else None}
+
+    # --- a generation on the route, failing over as peers leave ----------------------------------
+
+    async def _generate(self, model: int, host, search: RouteSearch, route: list[Span], entry: dict) -> None:
+        """``generation_tokens`` ring tokens on ``route``, each taking the ring's time
+        (compute, hop-to-hop links, the tail's link back). A hop whose peer left (its
+        session gone with its node) fails the next step, and the client fails over as
+        client/failover.py does: a failover spent (at most RouteOptions.max_failovers),
+        the peer banned, a fresh look at the swarm (``_look``, as the provider's second
+        look surveys afresh), a replacement for the hop's layers opened by the route
+        search, its inputs replayed (a prefill of every position so far on the new hops).
+        The client notices a departure at its next step (a process that exits closes its
+        connections; a machine that vanishes would cost the step timeout more)."""
+        peers = {p: self.sim.by_id[p] for p in {s.peer_id for s in route}}
+        nodes = {p: q.node for p, q in peers.items()}  # a hop's session lives in this node's run
+        t0, left, failovers = trio.current_time(), self.sim.cfg.generation_tokens, 0
+        max_failovers = RouteOptions.max_failovers
+        while True:
+            hops = [peers[s.peer_id] for s in route]
+            token_s = self._ring_ms(hops) / 1000
+            while left and all(peers[s.peer_id].node is nodes[s.peer_id] for s in route):
+                await trio.sleep(token_s)
+                left -= 1
+            gone = [i for i, s in enumerate(route) if peers[s.peer_id].node is not nodes[s.peer_id]]
+            if not gone:
+                break
+            left += 1  # the step that failed is taken again
+            failovers += 1
+            index = gone[-1]
+            failed = route[index]
+            if failovers > max_failovers:
+                entry["generation"] = "too many failovers"
+                break
+            search.ban(failed.peer_id)
+            spans, _, _ = await self._look(model, host)
+            if isinstance(spans, str):
+                entry["generation"] = f"failover found {spans}"
+                break
+            search.spans = spans
+            opened = self._open(search, failed.start, failed.end)
+            if opened["outcome"] != "route":
+                # client/failover.py replaces the failed hop's layers exactly; would a whole new route have done?
+                whole = self._open(search, 0, N_LAYER)["outcome"] == "route"
+                entry["generation"] = f"failover: {opened['outcome']}" + (" (a whole new route existed)" if whole else "")
+                break
+            new = opened["route"]
+            for s in new:
+                peers[s.peer_id] = self.sim.by_id[s.peer_id]
+                nodes[s.peer_id] = peers[s.peer_id].node
+            done = self.sim.cfg.generation_tokens - left
+            replay_s = sum(peers[s.peer_id].layer_ms * (s.end - s.start) for s in new) * \
+                (1 + done / REPLAY_SPEEDUP) / 1000
+            await trio.sleep(replay_s)
+            route = route[:index] + new + route[index + 1:]
+        entry.setdefault("generation", "complete")
+        entry["failovers"] = failovers
+        entry["generation_s"] = trio.current_time() - t0
 
     def _ring_ms(self, hops: list["Peer"]) -> float:
         """A token's time around a ring of ``hops``: compute, hop to hop, tail to head."""

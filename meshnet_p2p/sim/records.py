@@ -19,7 +19,7 @@ from meshnet_p2p.trust.attestation import TOKENS_DOMAIN, Attestation, ids_digest
 from meshnet_p2p.trust.evidence import WHOLE_MODEL, Evidence, RouteRun, expected_digests, sign_index
 
 N_LAYER = 30
-SLICES = ((0, 10), (10, 20), (20, 30))  # what volunteers serve (placement is not simulated yet)
+SLICES = ((0, 10), (10, 20), (20, 30))  # what volunteers serve with --placement slices (the certified route too)
 PROMPT = (11, 12, 13)
 STEPS = ((0, 3, 21), (3, 1, 22), (4, 1, 23))  # a prefill, then two decodes
 GENERATED = [21, 22, 23]

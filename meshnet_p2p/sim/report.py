@@ -23,11 +23,17 @@ def _share(items: list[dict], pred) -> float | None:
     return _r3(sum(1 for x in items if pred(x)) / len(items)) if items else None
 
 
+def _counts(items) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return out
+
+
 def _surveys(surveys: list[dict], prefix: str) -> dict[str, Any]:
     routed = [x for x in surveys if x["outcome"] == "route"]
-    outcomes: dict[str, int] = {}
-    for x in surveys:
-        outcomes[x["outcome"]] = outcomes.get(x["outcome"], 0) + 1
+    generated = [x for x in routed if "generation" in x]
+    outcomes = _counts(x["outcome"] for x in surveys)
     return {
         f"{prefix}surveys": len(surveys),
         f"{prefix}route_found": _share(surveys, lambda x: x["outcome"] == "route"),
@@ -41,6 +47,23 @@ def _surveys(surveys: list[dict], prefix: str) -> dict[str, Any]:
         # had the client measured its round trip to every candidate first (star pricing)
         f"{prefix}route_quality_rtt_p50": _r3(_pct([x["quality_rtt"] for x in routed if x.get("quality_rtt")], 0.5)),
         f"{prefix}route_quality_rtt_p90": _r3(_pct([x["quality_rtt"] for x in routed if x.get("quality_rtt")], 0.9)),
+        # of every survey: found a route and generated every token on it (failing over as peers left)
+        f"{prefix}generated": _share([x for x in surveys if x["outcome"] != "route" or "generation" in x],
+                                     lambda x: x.get("generation") == "complete"),  # (those the run's end cut: out)
+        f"{prefix}generation_outcomes": _counts(x["generation"] for x in generated),
+        f"{prefix}failed_over": sum(1 for x in generated if x["failovers"]),
+        f"{prefix}completed_after_failover": sum(1 for x in generated if x["failovers"] and x["generation"] == "complete"),
+        f"{prefix}generation_s_p50": _r3(_pct([x["generation_s"] for x in generated], 0.5)),
+    }
+
+
+def _coverage(samples: list[dict], prefix: str) -> dict[str, Any]:
+    """How evenly the announced volunteers cover a model's layers: the share of samples with
+    a layer nobody serves, and the fewest volunteers on a layer against the mean."""
+    return {
+        f"{prefix}hole_share": _share(samples, lambda x: x["min"] == 0),
+        f"{prefix}cover_min_mean": _r3(sum(x["min"] for x in samples) / len(samples)) if samples else None,
+        f"{prefix}cover_mean": _r3(sum(x["mean"] for x in samples) / len(samples)) if samples else None,
     }
 
 
@@ -64,6 +87,8 @@ def report(sim: "SimSwarm", span: float, sent: int, sent_bytes: int, online: flo
         "node_lookup_s_p90": _r3(_pct([x["s"] for x in nl], 0.9)),
         "node_lookup_queried_p50": _pct([x["queried"] for x in nl], 0.5),
         "node_lookup_queried_p90": _pct([x["queried"] for x in nl], 0.9),
+        "placement": cfg.placement,
+        **_coverage(m.coverage, ""),
         **_surveys(m.surveys, ""),
         "routable_s_p50": _r3(_pct(m.routable_s, 0.5)), "routable_s_p90": _r3(_pct(m.routable_s, 0.9)),
         "never_routable": m.never_routable, "routable_probed": len(m.routable_s) + m.never_routable,
@@ -79,6 +104,7 @@ def report(sim: "SimSwarm", span: float, sent: int, sent_bytes: int, online: flo
             "sybils": cfg.sybils, "sybil_behaviour": cfg.sybil_behaviour, "sybil_target": cfg.sybil_target,
             "sybil_networks": cfg.sybil_networks,
             "target_model_lookup_recall_mean": _r3(sum(x["recall"] for x in target) / len(target)) if target else None,
+            **_coverage([x for x in m.coverage if x["model"] == 0], "target_"),
             **_surveys([x for x in m.surveys if x["model"] == 0], "target_"),
             **_surveys([x for x in m.surveys if x["model"] != 0], "other_"),
         })

@@ -28,7 +28,9 @@ from meshnet_p2p.dht.node import DHTConfig, DHTNode
 from meshnet_p2p.dht.routing import Contact, key_id
 from meshnet_p2p.roles.join import ANNOUNCE_INTERVAL_S
 from meshnet_p2p.swarm.capability import model_key
-from meshnet_p2p.swarm.node import TYPES, lifetime_cap
+from meshnet_p2p.swarm.node import TYPES, lifetime_cap, peers_for_model
+from meshnet_p2p.swarm.placement import Span, choose_span, default_num_layers
+from meshnet_p2p.swarm.placing import PLACEMENT_DIAL_TIMEOUT_S, answering_spans
 from meshnet_p2p.trust.evidence import cert_key, index_key
 from meshnet_p2p.trust.policy import TrustPolicy
 
@@ -57,6 +59,10 @@ class SimConfig:
     lookups_per_s: float = 2.0  # model lookups by clients, over the whole swarm
     find_nodes_per_s: float = 1.0  # lookups of a random online node's ID
     surveys_per_s: float = 0.5  # fresh clients surveying a model for a route, as ``generate`` does
+    generation_tokens: int = 64  # each routed survey then generates this many tokens on its route (0: none)
+    # "slices": each volunteer serves one of SLICES at random; "auto": each session's span
+    # chosen as ``join --layers auto`` chooses it, from the model's reports its node finds
+    placement: str = "slices"
     layer_ms_median: float = 1.0  # a volunteer's compute per layer per token (log-normal)
     layer_ms_sigma: float = 0.5
     # attackers (sybil.py): identities ground close to model 0's key ("model") or to the
@@ -65,6 +71,7 @@ class SimConfig:
     sybil_behaviour: str = "eclipse"
     sybil_target: str = "model"
     sybil_networks: int = 1
+    sybil_layers: tuple[int, int] = (0, N_LAYER)  # what a liar claims to serve
     sybil_bits: int | None = None  # shared with the key; None: log2(peers) + 4 (closer than any honest node)
     slow_s: float = 3.0
     churn: Churn = field(default_factory=Churn)
@@ -80,6 +87,7 @@ class Peer:
     model: int | None  # the model it serves; None: a client
     layers: tuple[int, int] | None = None
     compute_ms: float = 0.0  # its span's compute per token (what it claims: honest peers claim the truth)
+    layer_ms: float = 0.0  # its compute per layer per token
     sybil: Behaviour | None = None
     online_since: float | None = None
     node: DHTNode | None = None
@@ -98,6 +106,7 @@ class SimSwarm:
         self.net = SimNetwork(self.rng, cfg.net)
         self.models = [f"{m:02x}" * 32 for m in range(1, cfg.models + 1)]
         self.peers: list[Peer] = []
+        self.by_id: dict[str, Peer] = {}
         self.m = Measures()
         self.clients = Clients(self)
         self.tasks: trio.Nursery | None = None
@@ -134,15 +143,20 @@ class SimSwarm:
             p = Peer(i, _identity(cfg.seed, i), self.net.host(natted=natted),
                      self.rng.randrange(cfg.models) if serves else None)
             if serves:
-                p.layers = self.rng.choice(SLICES)
-                p.compute_ms = (p.layers[1] - p.layers[0]) * cfg.layer_ms_median * \
-                    math.exp(self.rng.gauss(0, cfg.layer_ms_sigma))
+                p.layer_ms = cfg.layer_ms_median * math.exp(self.rng.gauss(0, cfg.layer_ms_sigma))
+                self._serves(p, self.rng.choice(SLICES))
             self.peers.append(p)
+        self.by_id = {str(p.identity.peer_id): p for p in self.peers}
         self.certifier = self.peers[0].identity
         self.trust = TrustPolicy(frozenset({str(self.certifier.peer_id)}))
         self.seeds = [Contact.of(p.identity.peer_id, *p.host.addr) for p in self.peers[:cfg.bootstrap]]
         if cfg.sybils:
             self._add_sybils()
+
+    @staticmethod
+    def _serves(p: Peer, layers: tuple[int, int]) -> None:
+        p.layers = layers
+        p.compute_ms = (layers[1] - layers[0]) * p.layer_ms
 
     def _add_sybils(self) -> None:
         cfg = self.cfg
@@ -156,9 +170,10 @@ class SimSwarm:
             ip = f"{prefixes[j % len(prefixes)]}.{10 + j // len(prefixes)}"
             p = Peer(len(self.peers), ident, self.net.host(ip=ip), 0 if behaviour is Behaviour.LIAR else None,
                      sybil=behaviour)
-            if behaviour is Behaviour.LIAR:  # claims the whole model, fast
-                p.layers, p.compute_ms = (0, N_LAYER), 1.0
+            if behaviour is Behaviour.LIAR:  # claims its layers (the whole model unless told), fast
+                p.layers, p.compute_ms = tuple(cfg.sybil_layers), 1.0
             self.peers.append(p)
+            self.by_id[str(ident.peer_id)] = p
 
     # --- peers coming and going -----------------------------------------------------------------
 
@@ -190,6 +205,8 @@ class SimSwarm:
                         if await node.bootstrap(seeds, timeout=timeout):
                             break
                 if p.model is not None:
+                    if p.sybil is None and self.cfg.placement == "auto":
+                        await self._place(p, node)
                     inner.start_soon(self._announce, p, node, started)
                 if p.index == 0:
                     inner.start_soon(self._certify, node)
@@ -205,6 +222,26 @@ class SimSwarm:
             for k, v in node.stats.items():
                 if k.startswith("sent_"):
                     self.kinds[k[5:]] += v - start.get(k, 0)
+
+    async def _place(self, p: Peer, node: DHTNode) -> None:
+        """``join --layers auto``: the span the swarm most needs, by the reports of the
+        model's peers that answered a dial where their reports say (swarm.placing)."""
+        try:
+            found = await peers_for_model(node, self.models[p.model])
+        except MeshnetError:  # as join: no reports found, the coverage is empty
+            found = []
+
+        async def dial(span: Span) -> str | None:  # a TCP connect and a TLS handshake: two round trips
+            q = self.by_id.get(span.peer_id)
+            if q is None or q.sybil is not None or q.node is None:  # nobody answers there
+                await trio.sleep(PLACEMENT_DIAL_TIMEOUT_S)
+                return None
+            await trio.sleep(4 * self.net.one_way_s(p.host, q.host))
+            return q.host.addr[0]
+
+        spans = [Span.from_report(r) for r in found if r.signer != p.identity.peer_id]
+        spans = await answering_spans(spans, dial, rng=self.rng)
+        self._serves(p, choose_span(spans, N_LAYER, default_num_layers(N_LAYER)))
 
     async def _announce(self, p: Peer, node: DHTNode, started: float) -> None:
         digest = self.models[p.model]
@@ -280,7 +317,15 @@ class SimSwarm:
 
     async def _sample_online(self) -> None:
         while True:
-            self.m.online_samples.append(len(self.online()))
+            online = self.online()
+            self.m.online_samples.append(len(online))
+            for model in range(len(self.models)):  # how many announced honest volunteers serve each layer
+                per_layer = [0] * N_LAYER
+                for p in online:
+                    if p.model == model and p.announced_at is not None:
+                        for layer in range(*p.layers):
+                            per_layer[layer] += 1
+                self.m.coverage.append({"model": model, "min": min(per_layer), "mean": sum(per_layer) / N_LAYER})
             await trio.sleep(10.0)
 
     # --- the run ---------------------------------------------------------------------------------
@@ -296,7 +341,8 @@ class SimSwarm:
             for p in self.peers[:cfg.bootstrap]:
                 nursery.start_soon(self._lifecycle, p)
             await trio.sleep(1.0)  # the bootstrap peers are up before anyone joins through them
-            arrivals = self.peers[cfg.bootstrap:]
+            # attackers first: they are in place before the swarm forms (the hardest case for placement)
+            arrivals = sorted(self.peers[cfg.bootstrap:], key=lambda p: p.sybil is None)
             for p in arrivals:
                 nursery.start_soon(self._lifecycle, p)
                 await trio.sleep(cfg.warmup_minutes * 60 / 2 / max(1, len(arrivals)))  # over half the warm-up

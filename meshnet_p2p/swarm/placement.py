@@ -3,7 +3,9 @@ should use: pure functions of the capability reports (no network here).
 
 - :func:`choose_span` is the volunteer's side (petals' block selection idea):
   serve the window whose weakest layer has the least throughput today, so
-  missing layers are covered first and the swarm's bottleneck rises.
+  missing layers are covered first and the swarm's bottleneck rises. Its
+  spans are those whose peers answered a dial (placing.py), counted by
+  network (:func:`coverage`).
 - :func:`plan_route` is the client's side: a shortest path over layer
   boundaries, where a peer serving [a, b) is an edge a -> b costing its
   per-token time; full or departing peers and banned ones are left out. When
@@ -54,6 +56,7 @@ class Span:
     departing: bool = False
     record: Any = None  # the verified capability report it came from
     relayed: bool = False  # reached through a relay: a round trip costs two crossings until measured
+    network: str | None = None  # the network its peer answered a dial from (placing.py); None: not dialled
 
     @classmethod
     def from_report(cls, record) -> "Span":
@@ -66,14 +69,28 @@ class Span:
 
 
 def coverage(spans: Iterable[Span], n_layer: int) -> list[float]:
-    """Throughput serving each layer, summed over peers (a peer without a measure counts 1)."""
-    per_layer = [0.0] * n_layer
+    """Throughput serving each layer (a peer without a measure counts 1), summed over
+    networks, each network counting on a layer at most what the median network's
+    busiest layer has: throughput and identities are free to claim, and networks are
+    not, so one host's crowd of fast claims counts as one ordinary network. A span
+    with no ``network`` (not dialled) counts as a network of its own."""
+    by_net: dict[str, list[float]] = {}
     for s in spans:
         if s.departing:
             continue
+        mine = by_net.setdefault(s.network or f"peer:{s.peer_id}", [0.0] * n_layer)
         for layer in range(max(0, s.start), min(n_layer, s.end)):
-            per_layer[layer] += s.throughput or 1.0
-    return per_layer
+            mine[layer] += s.throughput or 1.0
+    if not by_net:
+        return [0.0] * n_layer
+    peaks = sorted(max(v) for v in by_net.values())
+    cap = peaks[(len(peaks) - 1) // 2]  # of an even count the lower middle: half the networks cannot lift it
+    return [sum(min(v[layer], cap) for v in by_net.values()) for layer in range(n_layer)]
+
+
+def default_num_layers(n_layer: int) -> int:
+    """How many layers ``join --layers auto`` serves unless told (``--num-layers``): a third."""
+    return max(1, n_layer // 3)
 
 
 def choose_span(spans: Iterable[Span], n_layer: int, num_layers: int) -> tuple[int, int]:
