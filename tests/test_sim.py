@@ -122,6 +122,18 @@ def test_liars_claiming_the_whole_model_cost_fresh_clients_first_contacts_not_th
     assert doc["target_route_quality_p50"] >= 1.0  # the oracle's ring is never beaten
 
 
+def test_a_certifiers_verdicts_spare_fresh_clients_the_liars():
+    """With the certifier vouching for the volunteers it audited (review's verdicts, the
+    real record), a fresh client's planner prefers them (api.py's ``prefer``): the
+    liars' whole-model claims cost it no first contact once the verdicts are out."""
+    steady = Churn(session_median_s=36_000.0, gap_median_s=60.0)
+    doc = simulate(SimConfig(**{**SMALL, "models": 1, "volunteer_share": 0.8, "churn": steady}, sybils=6,
+                             sybil_behaviour="liar", verdicts=True))
+    assert doc["target_surveys"] >= 5 and doc["target_route_found"] >= 0.7, doc
+    assert doc["target_vouched_mean"] >= 3, doc
+    assert doc["target_failed_contacts_mean"] <= 1.0, doc  # against >= 5 without verdicts (above)
+
+
 def test_ground_identities_share_the_key_s_top_bits():
     from meshnet_p2p.dht.routing import node_id_of
     from meshnet_p2p.sim.sybil import grind
@@ -196,7 +208,7 @@ async def test_a_generation_fails_over_when_a_hop_leaves_and_completes(autojump_
 
     async def look(model, host):  # a fresh survey: the reports of the peers still online
         looks.append(trio.current_time())
-        return [s for s in spans if peers[s.peer_id].node is not None], len(spans), 1
+        return [s for s in spans if peers[s.peer_id].node is not None], len(spans), 1, frozenset()
 
     clients._look = look
     client = net.host(region="eu")

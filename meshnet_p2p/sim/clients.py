@@ -126,11 +126,13 @@ class Clients:
             await trio.sleep(self.rng.expovariate(self.sim.cfg.surveys_per_s))
             self.sim.tasks.start_soon(self._survey, self.rng.randrange(len(self.sim.models)))
 
-    async def _look(self, model: int, host) -> tuple[list[Span] | str, int, int]:
+    async def _look(self, model: int, host) -> tuple[list[Span] | str, int, int, frozenset[str]]:
         """What ``generate`` does to see the model's certified spans (a first look and
         every failover's): a new client-mode node on ``host`` bootstraps and runs
         ``fetch_believable``, ``build_view`` and ``routable_spans``. (the spans, or
-        "dark"/"hole"; reports and certificates found)."""
+        "dark"/"hole"; reports and certificates found; the peers it holds verified: those
+        of a trusted certificate's route and those a trusted certifier's verdicts vouch
+        for, as api.py's ``spans`` vouches for them)."""
         sim = self.sim
         digest = sim.models[model]
         node = DHTNode(sim.fresh_identity(), sim.net.attach(host), TYPES,
@@ -146,25 +148,28 @@ class Clients:
                 nursery.cancel_scope.cancel()
         finally:
             node.transport.close()
+        view = build_view(digest, N_LAYER, reports, certs, sim.trust)
+        vouched = frozenset({p for r in view.certified() for p, _, _ in r.certificate.route}
+                            | view.verified_by_certifiers())
         try:
-            return routable_spans(build_view(digest, N_LAYER, reports, certs, sim.trust), sim.trust), \
-                len(reports), len(certs)
+            return routable_spans(view, sim.trust), len(reports), len(certs), vouched
         except RecipeNotCertified:
-            return "dark", len(reports), len(certs)
+            return "dark", len(reports), len(certs), vouched
         except NoRoute:
-            return "hole", len(reports), len(certs)
+            return "hole", len(reports), len(certs), vouched
 
     async def _survey(self, model: int) -> None:
         host = self.sim.net.host(natted=True)  # a user's machine, behind its home router
         t0 = trio.current_time()
-        spans, n_reports, n_certs = await self._look(model, host)
+        spans, n_reports, n_certs, vouched = await self._look(model, host)
         entry = {"t": t0, "s": trio.current_time() - t0, "model": model, "reports": n_reports,
                  "certs": n_certs, "failed_contacts": 0, "contact_rounds": 0, "quality": None}
         if isinstance(spans, str):
             entry["outcome"] = spans
             self.m.surveys.append(entry)
             return
-        search = self._search(spans)
+        entry["vouched"] = sum(1 for s in spans if s.peer_id in vouched)
+        search = self._search(spans, vouched)
         opened = self._open(search, 0, N_LAYER)
         entry.update({k: v for k, v in opened.items() if k != "route"})
         if opened["outcome"] == "route":
@@ -174,11 +179,11 @@ class Clients:
             await self._generate(model, host, search, opened["route"], entry)
 
     @staticmethod
-    def _search(spans: list[Span]) -> RouteSearch:
-        """The client's route search over ``spans``, planning as a client of a swarm whose
-        certifiers vouched for nobody yet (``prefer`` empty: api.py's planner)."""
+    def _search(spans: list[Span], vouched: frozenset[str] = frozenset()) -> RouteSearch:
+        """The client's route search over ``spans``, preferring the ``vouched`` peers (a
+        fresh client holds verified records of no others: api.py's planner)."""
         search = RouteSearch(lambda: spans, SimpleNamespace(
-            planner=functools.partial(plan_route, prefer=frozenset()), ban_seconds=RouteOptions.ban_seconds))
+            planner=functools.partial(plan_route, prefer=vouched), ban_seconds=RouteOptions.ban_seconds))
         search.survey()
         return search
 
@@ -259,11 +264,12 @@ class Clients:
                 entry["generation"] = "too many failovers"
                 break
             search.ban(failed.peer_id)
-            spans, _, _ = await self._look(model, host)
+            spans, _, _, vouched = await self._look(model, host)
             if isinstance(spans, str):
                 entry["generation"] = f"failover found {spans}"
                 break
             search.spans = spans
+            search.opts.planner = functools.partial(plan_route, prefer=vouched)
             opened = self._open(search, failed.start, failed.end)
             if opened["outcome"] != "route":
                 # client/failover.py replaces the failed hop's layers exactly; would a whole new route have done?

@@ -40,6 +40,7 @@ def _surveys(surveys: list[dict], prefix: str) -> dict[str, Any]:
         f"{prefix}survey_outcomes": outcomes,
         f"{prefix}survey_s_p50": _r3(_pct([x["s"] for x in surveys], 0.5)),
         f"{prefix}survey_s_p90": _r3(_pct([x["s"] for x in surveys], 0.9)),
+        f"{prefix}vouched_mean": _r3(sum(x.get("vouched", 0) for x in surveys) / len(surveys)) if surveys else None,
         f"{prefix}failed_contacts_mean": _r3(sum(x["failed_contacts"] for x in surveys) / len(surveys)) if surveys else None,
         f"{prefix}contact_rounds_p90": _pct([x["contact_rounds"] for x in surveys], 0.9),
         f"{prefix}route_quality_p50": _r3(_pct([x["quality"] for x in routed if x["quality"]], 0.5)),

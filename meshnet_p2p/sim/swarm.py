@@ -33,6 +33,7 @@ from meshnet_p2p.swarm.placement import Span, choose_span, default_num_layers
 from meshnet_p2p.swarm.placing import PLACEMENT_DIAL_TIMEOUT_S, answering_spans
 from meshnet_p2p.trust.evidence import cert_key, index_key
 from meshnet_p2p.trust.policy import TrustPolicy
+from meshnet_p2p.trust.verdicts import sign_verdicts, verdicts_key
 
 from . import records
 from .churn import Churn
@@ -43,6 +44,8 @@ from .records import N_LAYER, SLICES
 from .report import report
 from .sybil import Behaviour, SybilNode, grind
 
+AUDITED_AFTER_S = 30.0  # a volunteer the certifier has served a while: audited (its replays matched)
+VERDICTS_EVERY_S = 30.0
 EPOCH_MS = 1_800_000_000_000  # the simulated wall clock at time 0 (records carry wall-clock times)
 
 
@@ -59,6 +62,7 @@ class SimConfig:
     lookups_per_s: float = 2.0  # model lookups by clients, over the whole swarm
     find_nodes_per_s: float = 1.0  # lookups of a random online node's ID
     surveys_per_s: float = 0.5  # fresh clients surveying a model for a route, as ``generate`` does
+    verdicts: bool = False  # the certifier also publishes verdicts vouching for the volunteers it audited
     generation_tokens: int = 64  # each routed survey then generates this many tokens on its route (0: none)
     # "slices": each volunteer serves one of SLICES at random; "auto": each session's span
     # chosen as ``join --layers auto`` chooses it, from the model's reports its node finds
@@ -277,6 +281,15 @@ class SimSwarm:
                               (index_key(digest, str(me.peer_id)), records.index(me, digest, now_ms=now))):
                 with contextlib.suppress(MeshnetError):
                     await node.publish(key, wire, also=homes)
+        while self.cfg.verdicts:  # as `review` does after auditing: vouch for the volunteers checked
+            for model, digest in enumerate(self.models):
+                now = trio.current_time()
+                audited = {str(p.identity.peer_id): 1 for p in self.online()
+                           if p.model == model and p.announced_at is not None and now - p.announced_at >= AUDITED_AFTER_S}
+                with contextlib.suppress(MeshnetError):
+                    await node.publish(verdicts_key(digest, str(me.peer_id)),
+                                       sign_verdicts(me, digest, audited, {}, now_ms=self.now_ms()), also=homes)
+            await trio.sleep(VERDICTS_EVERY_S)
 
     async def _probe_routable(self, p: Peer, started: float) -> None:
         """How long until a stranger's lookup of the model finds ``p``'s report."""
