@@ -44,6 +44,10 @@ def main() -> int:
     ap.add_argument("--surveys-per-s", type=float, default=0.5, help="fresh clients surveying for a route")
     ap.add_argument("--generation-tokens", type=int, default=64,
                     help="tokens each routed survey then generates on its route, failing over as peers leave")
+    ap.add_argument("--partition", metavar="REGIONS", default="",
+                    help="cut these regions (comma-separated: na,eu,as,sa,oc,af) off from the rest")
+    ap.add_argument("--partition-at", type=float, default=0.5, help="measured minutes before the cut")
+    ap.add_argument("--partition-minutes", type=float, default=1.0, help="how long the cut lasts")
     ap.add_argument("--verdicts", action="store_true",
                     help="the certifier also vouches for the volunteers it audited (review's verdicts)")
     ap.add_argument("--sybils", type=int, default=0, help="attacker identities (meshnet_p2p/sim/sybil.py)")
@@ -62,7 +66,8 @@ def main() -> int:
                     net=NetModel(loss=args.loss), surveys_per_s=args.surveys_per_s, sybils=args.sybils,
                     sybil_behaviour=args.sybil_behaviour, sybil_target=args.sybil_target,
                     sybil_networks=args.sybil_networks, placement=args.placement, generation_tokens=args.generation_tokens,
-                    verdicts=args.verdicts,
+                    verdicts=args.verdicts, partition_regions=tuple(r for r in args.partition.split(",") if r),
+                    partition_at_minutes=args.partition_at, partition_minutes=args.partition_minutes,
                     sybil_layers=tuple(int(x) for x in args.sybil_layers.split(":")))
     doc = simulate(cfg)
     print_report(doc, args.json)

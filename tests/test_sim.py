@@ -47,6 +47,25 @@ async def test_a_datagram_arrives_after_its_one_way_delay_and_a_nat_takes_only_a
         nursery.cancel_scope.cancel()
 
 
+async def test_a_partition_drops_what_crosses_it_until_it_heals(autojump_clock):
+    net = SimNetwork(random.Random(1), NetModel(loss=0.0))
+    asia, asia2, europe = net.host(region="as"), net.host(region="as"), net.host(region="eu")
+    ta, ta2, te = net.attach(asia), net.attach(asia2), net.attach(europe)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(net.run)
+        net.cut = frozenset({"as"})
+        assert net.side(asia) and not net.side(europe)
+        await ta.send(b"across", europe.addr)
+        await ta.send(b"within", asia2.addr)
+        assert await ta2.receive() == (b"within", asia.addr)
+        await trio.sleep(5)
+        assert net.partitioned == 1 and net.lost == 0
+        net.cut = frozenset()  # healed
+        await ta.send(b"across", europe.addr)
+        assert await te.receive() == (b"across", asia.addr)
+        nursery.cancel_scope.cancel()
+
+
 def test_stand_in_signatures_verify_only_their_signer_and_bytes_and_go_away():
     alice, mallory = Identity.from_seed(b"\x01" * 32), Identity.from_seed(b"\x02" * 32)
     real = alice.sign(b"data")

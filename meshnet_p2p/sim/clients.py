@@ -79,7 +79,8 @@ class Clients:
                                                 self.rng.randrange(len(self.sim.models)))
 
     async def _model_lookup(self, asker: "Peer", model: int) -> None:
-        live = {p.identity.peer_id for p in self._settled_volunteers(model)}
+        side = self.sim.net.side  # during a partition, what the asker's side of it holds
+        live = {p.identity.peer_id for p in self._settled_volunteers(model) if side(p.host) == side(asker.host)}
         t0 = trio.current_time()
         node = asker.node
         if node is None:
@@ -92,6 +93,7 @@ class Clients:
             return  # the asker left meanwhile: its node stopped answering itself, not the swarm
         found = {r.signer for r in got}
         self.m.model_lookups.append({"t": t0, "s": trio.current_time() - t0, "live": len(live), "model": model,
+                                     "phase": self.sim.phase(t0), "cut_side": side(asker.host),
                                      "found": len(found & live),
                                      "recall": len(found & live) / len(live) if live else 1.0})
 
@@ -163,6 +165,7 @@ class Clients:
         t0 = trio.current_time()
         spans, n_reports, n_certs, vouched = await self._look(model, host)
         entry = {"t": t0, "s": trio.current_time() - t0, "model": model, "reports": n_reports,
+                 "phase": self.sim.phase(t0), "cut_side": self.sim.net.side(host),
                  "certs": n_certs, "failed_contacts": 0, "contact_rounds": 0, "quality": None}
         if isinstance(spans, str):
             entry["outcome"] = spans

@@ -5,7 +5,9 @@ one-way delay plus both hosts' access delay (fixed per host, log-normal), or is
 lost with probability ``loss``. A host behind NAT takes a datagram only from an
 address it sent to within ``nat_window_s`` (address-dependent filtering, what most
 home routers do): nobody reaches it unasked. Every datagram sent is counted, in
-messages and bytes, and every one lost.
+messages and bytes, and every one lost. While ``cut`` names regions, no
+datagram crosses between them and the rest (a partition: a cable cut, a
+national firewall).
 
 One task delivers them all, from a heap ordered by arrival time; under trio's
 ``MockClock(autojump_threshold=0)`` time jumps to the next arrival whenever every
@@ -78,6 +80,8 @@ class SimNetwork:
         self.inboxes: dict[Addr, trio.MemorySendChannel] = {}  # attached endpoints
         self.sent_total = self.sent_bytes_total = 0  # datagrams and their bytes
         self.lost = 0
+        self.cut: frozenset[str] = frozenset()  # regions cut off from the others (a partition), while set
+        self.partitioned = 0  # datagrams the partition dropped
         self._prefixes: set[str] = set()
         self._heap: list[tuple[float, int, Addr, bytes, Addr]] = []
         self._seq = 0
@@ -95,6 +99,10 @@ class SimNetwork:
     def network(self) -> str:
         """A fresh public /24 (its first three octets), for hosts that share one network."""
         return _public_ip(self.rng, self._prefixes).rsplit(".", 1)[0]
+
+    def side(self, host: Host) -> bool:
+        """Which side of the partition ``host`` is on (all on one side when there is none)."""
+        return host.region in self.cut
 
     def one_way_s(self, a: Host, b: Host) -> float:
         return RTT_MS[a.region, b.region] / 2000 + a.access_s + b.access_s
@@ -114,6 +122,9 @@ class SimNetwork:
         target = self.hosts.get(dst)
         if target is None or self.rng.random() < self.model.loss:
             self.lost += 1
+            return
+        if self.cut and (src.region in self.cut) != (target.region in self.cut):
+            self.partitioned += 1
             return
         due = now + self.one_way_s(src, target)
         self._seq += 1

@@ -99,6 +99,22 @@ def report(sim: "SimSwarm", span: float, sent: int, sent_bytes: int, online: flo
         "lost_datagrams": sim.net.lost,
         "rss_per_peer_kb": round(rss_bytes / 1024 / max(1, peak), 1),
     }
+    if cfg.partition_regions and cfg.partition_minutes > 0:  # before, during (each side) and after the cut
+        doc["partitioned_datagrams"] = sim.net.partitioned
+        for phase, pick in (("before", lambda x: x["phase"] == "before"),
+                            ("during_inside", lambda x: x["phase"] == "during" and x["cut_side"]),
+                            ("during_outside", lambda x: x["phase"] == "during" and not x["cut_side"]),
+                            ("after", lambda x: x["phase"] == "after")):
+            got = [x for x in ml if pick(x)]
+            surveys = [x for x in m.surveys if pick(x)]
+            doc[f"partition_{phase}"] = {
+                "model_lookups": len(got),
+                "found_any": _share(got, lambda x: x["found"] or not x["live"]),
+                "recall_mean": _r3(sum(x["recall"] for x in got) / len(got)) if got else None,
+                "lookup_s_p50": _r3(_pct([x["s"] for x in got], 0.5)),
+                "surveys": len(surveys), "route_found": _share(surveys, lambda x: x["outcome"] == "route"),
+                "survey_outcomes": _counts(x["outcome"] for x in surveys),
+            }
     if cfg.sybils:  # what the attack did to its target (model 0) against the other models
         target = [x for x in ml if x["model"] == 0]
         doc.update({

@@ -62,6 +62,11 @@ class SimConfig:
     lookups_per_s: float = 2.0  # model lookups by clients, over the whole swarm
     find_nodes_per_s: float = 1.0  # lookups of a random online node's ID
     surveys_per_s: float = 0.5  # fresh clients surveying a model for a route, as ``generate`` does
+    # a partition: ``partition_regions`` cut off from the rest for ``partition_minutes``,
+    # starting ``partition_at_minutes`` into the measured time
+    partition_regions: tuple[str, ...] = ()
+    partition_at_minutes: float = 0.0
+    partition_minutes: float = 0.0
     verdicts: bool = False  # the certifier also publishes verdicts vouching for the volunteers it audited
     generation_tokens: int = 64  # each routed survey then generates this many tokens on its route (0: none)
     # "slices": each volunteer serves one of SLICES at random; "auto": each session's span
@@ -114,6 +119,8 @@ class SimSwarm:
         self.m = Measures()
         self.clients = Clients(self)
         self.tasks: trio.Nursery | None = None
+        self.partition_began: float | None = None
+        self.partition_healed: float | None = None
         self.measuring = False
         self.seeds: list[Contact] = []
         self.certifier: Identity | None = None  # the first bootstrap peer's operator
@@ -328,6 +335,23 @@ class SimSwarm:
                 await trio.sleep(churn.gap(rng) * (rng.random() if first else 1.0))
             online, first = not online, False
 
+    async def _partition(self) -> None:
+        cfg = self.cfg
+        await trio.sleep(cfg.partition_at_minutes * 60)
+        self.partition_began = trio.current_time()
+        self.net.cut = frozenset(cfg.partition_regions)
+        await trio.sleep(cfg.partition_minutes * 60)
+        self.net.cut = frozenset()
+        self.partition_healed = trio.current_time()
+
+    def phase(self, t: float) -> str:
+        """Whether ``t`` was before, during or after the partition ("all" with none)."""
+        if not self.cfg.partition_regions or self.cfg.partition_minutes <= 0:
+            return "all"
+        if self.partition_began is None or t < self.partition_began:
+            return "before"
+        return "during" if self.partition_healed is None or t < self.partition_healed else "after"
+
     async def _sample_online(self) -> None:
         while True:
             online = self.online()
@@ -369,6 +393,8 @@ class SimSwarm:
             if cfg.surveys_per_s > 0:
                 nursery.start_soon(self.clients.surveys)
             nursery.start_soon(self._sample_online)
+            if cfg.partition_regions and cfg.partition_minutes > 0:
+                nursery.start_soon(self._partition)
             await trio.sleep(cfg.minutes * 60)
             for p in self.online(sybils=True):
                 self._count(p.node)
