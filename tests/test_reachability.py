@@ -488,3 +488,27 @@ def test_dial_target_accepts_only_an_ip_a_tcp_port_and_the_askers_id():
     assert dial_target("junk", me) == (None, dialback.NOT_A_MULTIADDR)
     assert dial_target(f"/dns/x.org/tcp/1/p2p/{me}", me) == (None, dialback.DNS_NAME)
     assert dial_target(f"/ip4/1.2.3.4/tcp/1/p2p/{OTHER.peer_id}", me) == (None, dialback.ANOTHER_PEER)
+
+
+async def test_placement_counts_a_report_only_where_its_signer_answers():
+    """join --layers auto's dial (roles.join.dial_report): the report's address must
+    complete a TLS handshake bound to the report's signer; the host it answered at is
+    what placement groups by. Another peer's certificate there, nobody there, or an
+    address that does not parse: not answered."""
+    from types import SimpleNamespace
+
+    from meshnet_p2p.roles.join import dial_report
+    from meshnet_p2p.swarm.placement import Span
+
+    me, other = Identity.generate(), Identity.generate()
+
+    def span(addrs, relay=None):
+        return Span(str(me.peer_id), 0, 10, 10.0, record=SimpleNamespace(content={"addrs": addrs, "relay": relay}))
+
+    with data_plane(me) as port, data_plane(other) as other_port:
+        assert await dial_report(span([tcp(me.peer_id, port)])) == "127.0.0.1"
+        assert await dial_report(span([tcp(me.peer_id, other_port)])) is None  # another's certificate
+        assert await dial_report(span([tcp(me.peer_id, free_port())])) is None
+        assert await dial_report(span(["/ip4/127.0.0.1/tcp/nope"])) is None
+        # the second address is tried when the first does not answer
+        assert await dial_report(span([tcp(me.peer_id, free_port()), tcp(me.peer_id, port)])) == "127.0.0.1"

@@ -151,12 +151,15 @@ async def dial_report(span: Span) -> str | None:
     """placing's dial: a TLS handshake bound to the report's signer at the address its
     report names, or through the relay it names; the host it answered at."""
     c, peer = span.record.content, PeerId.from_string(span.peer_id)
-    if c["relay"]:
-        relay = Multiaddr.parse(c["relay"])
-        return relay.host if (await relay_dial_check(peer, relay))[0] else None
-    for addr in c["addrs"][:2]:
-        if (await tls_dial_check(peer, addr))[0]:
-            return Multiaddr.parse(addr).host
+    try:
+        if c["relay"]:
+            relay = Multiaddr.parse(c["relay"])
+            return relay.host if (await relay_dial_check(peer, relay))[0] else None
+        for addr in c["addrs"][:2]:
+            if (await tls_dial_check(peer, addr))[0]:
+                return Multiaddr.parse(addr).host
+    except MeshnetError:  # an address this side cannot parse: not answered
+        return None
     return None
 
 
