@@ -89,7 +89,7 @@ SMALL = dict(peers=30, minutes=0.5, warmup_minutes=1.0, seed=3)
 @pytest.fixture(scope="module")
 def small():
     """One run of the small swarm, shared: each costs ~20 s of CI."""
-    return simulate(SimConfig(**SMALL))
+    return simulate(SimConfig(**SMALL, reachability=True))
 
 
 def test_a_small_simulated_swarm_finds_its_models_and_nodes(small):
@@ -100,6 +100,15 @@ def test_a_small_simulated_swarm_finds_its_models_and_nodes(small):
     assert 0 < doc["model_lookup_s_p50"] < 2.0  # simulated seconds: a few internet round trips
     assert doc["messages_per_node_s"] > 0 and doc["requests_per_node_s"]
     assert doc["surveys"] >= 5  # (30 peers over 4 models x 3 slices: mostly holes, see below)
+
+
+def test_joining_volunteers_learn_whether_others_can_dial_them(small):
+    """Reachability checks (nat/reachability.py's asker, nat/dialer.py's dialers, the real
+    dial_back requests over the simulated DHT): a public volunteer hears "reachable", one
+    behind NAT "unreachable", whatever the swarm's churn."""
+    assert small["reachability_checks"] >= 3, small
+    assert small["reachability_public_found_reachable"] >= 0.8, small
+    assert small["reachability_natted_found_unreachable"] >= 0.8, small
 
 
 def test_the_oracle_prices_a_ring_and_finds_the_fastest():
@@ -169,7 +178,7 @@ def test_the_simulation_runs_the_production_gossip(small, monkeypatch):
     simulator's first finding, docs/scale.md), each node pushes several times as much."""
     ours = small["requests_per_node_s"].get("gossip_push", 0.0)
     monkeypatch.setattr(gossip, "_same_but", lambda a, b, volatile: False)
-    before = simulate(SimConfig(**SMALL))["requests_per_node_s"]["gossip_push"]
+    before = simulate(SimConfig(**SMALL, reachability=True))["requests_per_node_s"]["gossip_push"]
     assert before > 2 * ours, (before, ours)
 
 

@@ -52,6 +52,7 @@ class Measures:
     routable_s: list[float] = field(default_factory=list)  # join -> a stranger's lookup finds its report
     never_routable: int = 0
     online_samples: list[int] = field(default_factory=list)
+    reachability: list[dict] = field(default_factory=list)  # a joining volunteer's check: {natted, status, s}
     coverage: list[dict] = field(default_factory=list)  # every 10 s per model: {model, min, mean} volunteers a layer
     joins: int = 0
     leaves: int = 0

@@ -99,6 +99,17 @@ def report(sim: "SimSwarm", span: float, sent: int, sent_bytes: int, online: flo
         "lost_datagrams": sim.net.lost,
         "rss_per_peer_kb": round(rss_bytes / 1024 / max(1, peak), 1),
     }
+    if cfg.reachability:  # did joining volunteers learn the truth about themselves?
+        rc = m.reachability
+        public, natted = [x for x in rc if not x["natted"]], [x for x in rc if x["natted"]]
+        doc.update({
+            "reachability_checks": len(rc),
+            "reachability_public_found_reachable": _share(public, lambda x: x["status"] == "reachable"),
+            "reachability_natted_found_unreachable": _share(natted, lambda x: x["status"] == "unreachable"),
+            "reachability_outcomes": _counts(("natted " if x["natted"] else "public ") + x["status"] for x in rc),
+            "reachability_s_p50": _r3(_pct([x["s"] for x in rc], 0.5)),
+            "reachability_s_p90": _r3(_pct([x["s"] for x in rc], 0.9)),
+        })
     if cfg.partition_regions and cfg.partition_minutes > 0:  # before, during (each side) and after the cut
         doc["partitioned_datagrams"] = sim.net.partitioned
         for phase, pick in (("before", lambda x: x["phase"] == "before"),

@@ -13,6 +13,7 @@ what they found against what was true (``Measures``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import random
 import resource
@@ -23,7 +24,10 @@ from dataclasses import dataclass, field
 import trio
 
 from meshnet_p2p.core.errors import MeshnetError
-from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.core.identity import Identity, PeerId
+from meshnet_p2p.core.multiaddr import Multiaddr
+from meshnet_p2p.nat.dialer import DIAL_TIMEOUT, serve_dial_backs
+from meshnet_p2p.nat.reachability import check_reachability
 from meshnet_p2p.dht.node import DHTConfig, DHTNode
 from meshnet_p2p.dht.routing import Contact, key_id
 from meshnet_p2p.roles.join import ANNOUNCE_INTERVAL_S
@@ -67,6 +71,7 @@ class SimConfig:
     partition_regions: tuple[str, ...] = ()
     partition_at_minutes: float = 0.0
     partition_minutes: float = 0.0
+    reachability: bool = False  # public peers dial others back; each volunteer checks its own reachability
     verdicts: bool = False  # the certifier also publishes verdicts vouching for the volunteers it audited
     generation_tokens: int = 64  # each routed survey then generates this many tokens on its route (0: none)
     # "slices": each volunteer serves one of SLICES at random; "auto": each session's span
@@ -116,6 +121,7 @@ class SimSwarm:
         self.models = [f"{m:02x}" * 32 for m in range(1, cfg.models + 1)]
         self.peers: list[Peer] = []
         self.by_id: dict[str, Peer] = {}
+        self.by_ip: dict[str, Peer] = {}
         self.m = Measures()
         self.clients = Clients(self)
         self.tasks: trio.Nursery | None = None
@@ -158,6 +164,7 @@ class SimSwarm:
                 self._serves(p, self.rng.choice(SLICES))
             self.peers.append(p)
         self.by_id = {str(p.identity.peer_id): p for p in self.peers}
+        self.by_ip = {p.host.addr[0]: p for p in self.peers}
         self.certifier = self.peers[0].identity
         self.trust = TrustPolicy(frozenset({str(self.certifier.peer_id)}))
         self.seeds = [Contact.of(p.identity.peer_id, *p.host.addr) for p in self.peers[:cfg.bootstrap]]
@@ -185,14 +192,18 @@ class SimSwarm:
                 p.layers, p.compute_ms = tuple(cfg.sybil_layers), 1.0
             self.peers.append(p)
             self.by_id[str(ident.peer_id)] = p
+            self.by_ip[ip] = p
 
     # --- peers coming and going -----------------------------------------------------------------
 
     def _node(self, p: Peer) -> DHTNode:
         config = DHTConfig(**{**self.cfg.dht.__dict__, "client_mode": p.host.natted})
         if p.sybil is None:
-            return DHTNode(p.identity, self.net.attach(p.host), TYPES, config, now_ms=self.now_ms,
+            node = DHTNode(p.identity, self.net.attach(p.host), TYPES, config, now_ms=self.now_ms,
                            lifetime_cap=lifetime_cap)
+            if self.cfg.reachability:  # as roles' start_node(..., serve=dial_checks)
+                serve_dial_backs(node, functools.partial(self._dial_back, p.host))
+            return node
         node = SybilNode(p.identity, self.net.attach(p.host), TYPES, config, now_ms=self.now_ms,
                          lifetime_cap=lifetime_cap)
         node.behaviour, node.slow_s = p.sybil, self.cfg.slow_s
@@ -215,6 +226,8 @@ class SimSwarm:
                     for timeout in (None, 2.0, 5.0):  # as start_node: a late answer is not none
                         if await node.bootstrap(seeds, timeout=timeout):
                             break
+                if p.model is not None and p.sybil is None and self.cfg.reachability:
+                    inner.start_soon(self._check_reachability, p, node)
                 if p.model is not None:
                     if p.sybil is None and self.cfg.placement == "auto":
                         await self._place(p, node)
@@ -233,6 +246,30 @@ class SimSwarm:
             for k, v in node.stats.items():
                 if k.startswith("sent_"):
                     self.kinds[k[5:]] += v - start.get(k, 0)
+
+    async def _dial_back(self, dialer: Host, peer_id: PeerId, addr_text: str) -> tuple[bool, str]:
+        """A dialer's TCP connect and TLS handshake to ``addr_text`` (reachability.tls_dial_check's
+        outcomes): two round trips to a host that takes connections and is its signer's,
+        the dial timeout to one behind NAT or gone."""
+        ip = Multiaddr.parse(addr_text).host
+        target = self.by_ip.get(ip)
+        if target is None or target.node is None or target.host.natted or target.identity.peer_id != peer_id:
+            await trio.sleep(DIAL_TIMEOUT)
+            return False, "timeout"
+        await trio.sleep(4 * self.net.one_way_s(dialer, target.host))
+        return True, "ok"
+
+    async def _check_reachability(self, p: Peer, node: DHTNode) -> None:
+        """What ``join`` asks before announcing: can others dial the address it would announce?"""
+        t0 = trio.current_time()
+        addr = str(Multiaddr.for_socket(p.host.addr[0], "tcp", 7000, p.identity.peer_id))
+        try:
+            found = await check_reachability(node, [addr], avoid=[c.peer_id for c in self.seeds])
+            status = found.status
+        except MeshnetError as e:
+            status = f"error: {e}"
+        # every join's, the warm-up's too: most joins are there (a swarm forming)
+        self.m.reachability.append({"t": t0, "natted": p.host.natted, "status": status, "s": trio.current_time() - t0})
 
     async def _place(self, p: Peer, node: DHTNode) -> None:
         """``join --layers auto``: the span the swarm most needs, by the reports of the
