@@ -48,6 +48,8 @@ def main() -> int:
                     help="cut these regions (comma-separated: na,eu,as,sa,oc,af) off from the rest")
     ap.add_argument("--partition-at", type=float, default=0.5, help="measured minutes before the cut")
     ap.add_argument("--partition-minutes", type=float, default=1.0, help="how long the cut lasts")
+    ap.add_argument("--relays", type=int, default=0, help="public relays; NATed volunteers reserve on one")
+    ap.add_argument("--relay-capacity", type=int, default=128, help="reservations a relay holds")
     ap.add_argument("--reachability", action="store_true",
                     help="public peers dial others back and each joining volunteer checks its own reachability")
     ap.add_argument("--verdicts", action="store_true",
@@ -68,7 +70,8 @@ def main() -> int:
                     net=NetModel(loss=args.loss), surveys_per_s=args.surveys_per_s, sybils=args.sybils,
                     sybil_behaviour=args.sybil_behaviour, sybil_target=args.sybil_target,
                     sybil_networks=args.sybil_networks, placement=args.placement, generation_tokens=args.generation_tokens,
-                    verdicts=args.verdicts, reachability=args.reachability, partition_regions=tuple(r for r in args.partition.split(",") if r),
+                    verdicts=args.verdicts, reachability=args.reachability, relays=args.relays,
+                    relay_capacity=args.relay_capacity, partition_regions=tuple(r for r in args.partition.split(",") if r),
                     partition_at_minutes=args.partition_at, partition_minutes=args.partition_minutes,
                     sybil_layers=tuple(int(x) for x in args.sybil_layers.split(":")))
     doc = simulate(cfg)

@@ -84,12 +84,13 @@ def test_stand_in_signatures_verify_only_their_signer_and_bytes_and_go_away():
 
 
 SMALL = dict(peers=30, minutes=0.5, warmup_minutes=1.0, seed=3)
+WITH = dict(reachability=True, relays=2, relay_capacity=3)  # the shared run's extras
 
 
 @pytest.fixture(scope="module")
 def small():
     """One run of the small swarm, shared: each costs ~20 s of CI."""
-    return simulate(SimConfig(**SMALL, reachability=True))
+    return simulate(SimConfig(**SMALL, **WITH))
 
 
 def test_a_small_simulated_swarm_finds_its_models_and_nodes(small):
@@ -106,9 +107,18 @@ def test_joining_volunteers_learn_whether_others_can_dial_them(small):
     """Reachability checks (nat/reachability.py's asker, nat/dialer.py's dialers, the real
     dial_back requests over the simulated DHT): a public volunteer hears "reachable", one
     behind NAT "unreachable", whatever the swarm's churn."""
-    assert small["reachability_checks"] >= 3, small
+    assert small["reachability_checks"] >= 2, small  # (the joins of the run: 6-11 seen)
     assert small["reachability_public_found_reachable"] >= 0.8, small
     assert small["reachability_natted_found_unreachable"] >= 0.8, small
+
+
+def test_natted_volunteers_reserve_on_relays_within_their_bound(small):
+    """A NATed volunteer's RelayKeeper (its offers(): the relays' signed records, one per
+    network, round trips measured; rank_relays) reserves on a relay with room; no relay
+    holds more than its bound."""
+    assert small["natted_volunteers_relayed"] >= 0.6, small  # (one joining at a sample: not yet)
+    assert small["relay_reservations_max"] <= 3, small
+    assert small["relay_found_s_p50"] is not None and small["relay_found_s_p50"] < 10, small
 
 
 def test_the_oracle_prices_a_ring_and_finds_the_fastest():
@@ -178,7 +188,7 @@ def test_the_simulation_runs_the_production_gossip(small, monkeypatch):
     simulator's first finding, docs/scale.md), each node pushes several times as much."""
     ours = small["requests_per_node_s"].get("gossip_push", 0.0)
     monkeypatch.setattr(gossip, "_same_but", lambda a, b, volatile: False)
-    before = simulate(SimConfig(**SMALL, reachability=True))["requests_per_node_s"]["gossip_push"]
+    before = simulate(SimConfig(**SMALL, **WITH))["requests_per_node_s"]["gossip_push"]
     assert before > 2 * ours, (before, ours)
 
 
@@ -206,7 +216,7 @@ def test_liars_squatting_a_slice_cannot_empty_it_under_auto_placement():
     fix every volunteer avoided them and no fresh client found a route."""
     steady = Churn(session_median_s=36_000.0, gap_median_s=60.0)
     doc = simulate(SimConfig(**{**SMALL, "models": 1, "volunteer_share": 0.8, "churn": steady}, placement="auto",
-                             sybils=10, sybil_behaviour="liar", sybil_layers=(0, 10), surveys_per_s=0.3))
+                             sybils=10, sybil_behaviour="liar", sybil_layers=(0, 10), surveys_per_s=0.6))
     assert doc["target_hole_share"] == 0.0, doc
     assert doc["target_cover_min_mean"] >= 0.5 * doc["target_cover_mean"], doc  # and evenly
     assert doc["target_surveys"] >= 5 and doc["target_route_found"] >= 0.7, doc
@@ -228,7 +238,7 @@ async def test_a_generation_fails_over_when_a_hop_leaves_and_completes(autojump_
     peers = {name: SimpleNamespace(identity=SimpleNamespace(peer_id=name), host=net.host(region="eu"),
                                    layer_ms=1.0, compute_ms=10.0, node=object(), sybil=None, model=0)
              for name in layout}
-    sim = SimpleNamespace(net=net, by_id=peers, cfg=SimpleNamespace(generation_tokens=50), m=None, rng=None,
+    sim = SimpleNamespace(net=net, by_id=peers, cfg=SimpleNamespace(generation_tokens=50, relays=0), m=None, rng=None,
                           online=lambda: [p for p in peers.values() if p.node is not None])
     clients = Clients(sim)
     spans = [Span(name, a, b, 100.0 if name != "twin" else 10.0) for name, (a, b) in layout.items()]

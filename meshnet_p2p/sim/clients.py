@@ -52,6 +52,8 @@ class Measures:
     routable_s: list[float] = field(default_factory=list)  # join -> a stranger's lookup finds its report
     never_routable: int = 0
     online_samples: list[int] = field(default_factory=list)
+    relayed: list[dict] = field(default_factory=list)  # a NATed volunteer's reservation: {t, s, relay}
+    relay_samples: list[dict] = field(default_factory=list)  # every 10 s: {natted, held, max_on_one}
     reachability: list[dict] = field(default_factory=list)  # a joining volunteer's check: {natted, status, s}
     coverage: list[dict] = field(default_factory=list)  # every 10 s per model: {model, min, mean} volunteers a layer
     joins: int = 0
@@ -220,7 +222,11 @@ class Clients:
         return {"outcome": "gave up", "failed_contacts": len(tried), "contact_rounds": rounds}
 
     def _answering(self) -> dict[str, "Peer"]:
-        return {str(p.identity.peer_id): p for p in self.sim.online() if p.sybil is None and p.model is not None}
+        """The volunteers a first contact reaches: online, honest, and with relays in the
+        simulation, public or holding a reservation."""
+        relays = self.sim.cfg.relays
+        return {str(p.identity.peer_id): p for p in self.sim.online() if p.sybil is None and p.model is not None
+                and not (relays and p.host.natted and p.relay is None)}
 
     def _quality(self, client_host, spans: list[Span], route: list[Span]) -> dict:
         """The route that stands, priced against the oracle; and the route the same
@@ -293,17 +299,25 @@ class Clients:
         entry["failovers"] = failovers
         entry["generation_s"] = trio.current_time() - t0
 
+    def _link_s(self, a: "Peer", b: "Peer") -> float:
+        """One way from hop ``a`` to hop ``b``: direct, or through ``b``'s relay when it
+        is behind one (``a`` dials ``b``; a NATed ``a`` dials out directly)."""
+        one_way = self.sim.net.one_way_s
+        relay = getattr(b, "relay", None)
+        if relay is None:
+            return one_way(a.host, b.host)
+        return one_way(a.host, relay.host) + one_way(relay.host, b.host)
+
     def _ring_ms(self, hops: list["Peer"]) -> float:
         """A token's time around a ring of ``hops``: compute, hop to hop, tail to head."""
-        one_way = self.sim.net.one_way_s
-        links = sum(one_way(a.host, b.host) for a, b in zip(hops, hops[1:] + hops[:1])) if len(hops) > 1 else 0.0
+        links = sum(self._link_s(a, b) for a, b in zip(hops, hops[1:] + hops[:1])) if len(hops) > 1 else 0.0
         return sum(h.compute_ms for h in hops) + links * 1000
 
     def _oracle_ms(self, spans: list[Span], peers: dict[str, "Peer"]) -> float | None:
         """The fastest ring over ``spans`` (boundary to boundary), knowing every link:
         for each head, the cheapest chain to every span by dynamic programming over
         the spans in order of their start, closed by the tail's link back."""
-        one_way = self.sim.net.one_way_s
+        link = self._link_s
         by_start: dict[int, list[Span]] = {}
         for s in spans:
             by_start.setdefault(s.start, []).append(s)
@@ -323,13 +337,13 @@ class Clients:
                     for b in by_start.get(a.end, []):
                         if b.peer_id == head.peer_id:
                             continue
-                        c = cost[a.peer_id] + one_way(pa.host, peers[b.peer_id].host) * 1000 + peers[b.peer_id].compute_ms
+                        c = cost[a.peer_id] + link(pa, peers[b.peer_id]) * 1000 + peers[b.peer_id].compute_ms
                         if b.peer_id not in nxt or c < nxt[b.peer_id][0]:
                             nxt[b.peer_id] = (c, b)
                 frontier = []
                 for peer, (c, s) in nxt.items():
                     if s.end == N_LAYER:
-                        total = c + one_way(peers[peer].host, h.host) * 1000
+                        total = c + link(peers[peer], h) * 1000
                         best = total if best is None else min(best, total)
                     elif c < cost.get(peer, float("inf")):
                         cost[peer] = c

@@ -99,6 +99,17 @@ def report(sim: "SimSwarm", span: float, sent: int, sent_bytes: int, online: flo
         "lost_datagrams": sim.net.lost,
         "rss_per_peer_kb": round(rss_bytes / 1024 / max(1, peak), 1),
     }
+    if cfg.relays:  # NATed volunteers: how many held a reservation, how long finding one took, the fullest relay
+        rs = m.relay_samples
+        doc.update({
+            "relays": cfg.relays,
+            "natted_volunteers_relayed": _r3(sum(x["held"] for x in rs) / max(1, sum(x["natted"] for x in rs))),
+            "relay_found_s_p50": _r3(_pct([x["s"] for x in m.relayed], 0.5)),
+            "relay_found_s_p90": _r3(_pct([x["s"] for x in m.relayed], 0.9)),
+            "relay_reservations_max": max((x["max_on_one"] for x in rs), default=0),
+            "relay_reservations_last_sample": rs[-1]["per_relay"] if rs else [],
+            "relay_capacity": cfg.relay_capacity,
+        })
     if cfg.reachability:  # did joining volunteers learn the truth about themselves?
         rc = m.reachability
         public, natted = [x for x in rc if not x["natted"]], [x for x in rc if x["natted"]]

@@ -27,6 +27,7 @@ from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.core.identity import Identity, PeerId
 from meshnet_p2p.core.multiaddr import Multiaddr
 from meshnet_p2p.nat.dialer import DIAL_TIMEOUT, serve_dial_backs
+from meshnet_p2p.nat.keeper import RTT_TIMEOUT_S, RelayKeeper
 from meshnet_p2p.nat.reachability import check_reachability
 from meshnet_p2p.dht.node import DHTConfig, DHTNode
 from meshnet_p2p.dht.routing import Contact, key_id
@@ -35,6 +36,7 @@ from meshnet_p2p.swarm.capability import model_key
 from meshnet_p2p.swarm.node import TYPES, lifetime_cap, peers_for_model
 from meshnet_p2p.swarm.placement import Span, choose_span, default_num_layers
 from meshnet_p2p.swarm.placing import PLACEMENT_DIAL_TIMEOUT_S, answering_spans
+from meshnet_p2p.swarm.relay_offers import RELAY_ANNOUNCE_INTERVAL_S, RELAYS_KEY, rank_relays, sign_relay_record
 from meshnet_p2p.trust.evidence import cert_key, index_key
 from meshnet_p2p.trust.policy import TrustPolicy
 from meshnet_p2p.trust.verdicts import sign_verdicts, verdicts_key
@@ -71,6 +73,8 @@ class SimConfig:
     partition_regions: tuple[str, ...] = ()
     partition_at_minutes: float = 0.0
     partition_minutes: float = 0.0
+    relays: int = 0  # always-online public relays announcing offers; NATed volunteers reserve on one
+    relay_capacity: int = 128  # reservations a relay holds (nat/relay.py's default)
     reachability: bool = False  # public peers dial others back; each volunteer checks its own reachability
     verdicts: bool = False  # the certifier also publishes verdicts vouching for the volunteers it audited
     generation_tokens: int = 64  # each routed survey then generates this many tokens on its route (0: none)
@@ -107,6 +111,9 @@ class Peer:
     node: DHTNode | None = None
     scope: trio.CancelScope | None = None
     announced_at: float | None = None  # its first announce of this session stored
+    is_relay: bool = False
+    relay: "Peer | None" = None  # the relay it holds a reservation on (a NATed volunteer)
+    reserved: set[int] = field(default_factory=set)  # a relay's: the peers holding a reservation
 
 
 def _identity(seed: int, i: int) -> Identity:
@@ -147,7 +154,7 @@ class SimSwarm:
         return [p for p in self.peers if p.node is not None and p.node.running and (sybils or p.sybil is None)
                 and (not settled or now - p.online_since >= SETTLED_S)
                 and (not public or not p.host.natted)
-                and (clients is None or (p.model is None) == clients)]
+                and (clients is None or (p.model is None and not p.is_relay) == clients)]
 
     # --- who is in the swarm ------------------------------------------------------------------
 
@@ -168,6 +175,10 @@ class SimSwarm:
         self.certifier = self.peers[0].identity
         self.trust = TrustPolicy(frozenset({str(self.certifier.peer_id)}))
         self.seeds = [Contact.of(p.identity.peer_id, *p.host.addr) for p in self.peers[:cfg.bootstrap]]
+        for _ in range(cfg.relays):  # public, always online, not volunteers
+            p = Peer(len(self.peers), self.fresh_identity(), self.net.host(), None, is_relay=True)
+            self.peers.append(p)
+            self.by_id[str(p.identity.peer_id)], self.by_ip[p.host.addr[0]] = p, p
         if cfg.sybils:
             self._add_sybils()
 
@@ -228,6 +239,10 @@ class SimSwarm:
                             break
                 if p.model is not None and p.sybil is None and self.cfg.reachability:
                     inner.start_soon(self._check_reachability, p, node)
+                if p.is_relay:
+                    inner.start_soon(self._offer_relay, p, node)
+                if p.model is not None and p.sybil is None and p.host.natted and self.cfg.relays:
+                    inner.start_soon(self._keep_relay, p, node)
                 if p.model is not None:
                     if p.sybil is None and self.cfg.placement == "auto":
                         await self._place(p, node)
@@ -237,6 +252,9 @@ class SimSwarm:
         finally:
             node.transport.close()
             p.node = None
+            if p.relay is not None:  # its reservation ends with its connection
+                p.relay.reserved.discard(p.index)
+                p.relay = None
             self._count(node)
 
     def _count(self, node: DHTNode) -> None:
@@ -258,6 +276,50 @@ class SimSwarm:
             return False, "timeout"
         await trio.sleep(4 * self.net.one_way_s(dialer, target.host))
         return True, "ok"
+
+    async def _offer_relay(self, p: Peer, node: DHTNode) -> None:
+        """As the ``relay`` role: its signed offer (address, limits, load) every 30 s."""
+        addr = Multiaddr.for_socket(p.host.addr[0], "tcp", 4002, p.identity.peer_id)
+        limits = {"max_reservations": self.cfg.relay_capacity, "max_connections_per_peer": 8,
+                  "bytes_per_second_per_peer": 1 << 20}
+        while True:
+            with contextlib.suppress(MeshnetError):
+                await node.publish(RELAYS_KEY, sign_relay_record(p.identity, addr, limits,
+                                                                 {"reservations_now": len(p.reserved)},
+                                                                 now_ms=self.now_ms()))
+            await trio.sleep(RELAY_ANNOUNCE_INTERVAL_S)
+
+    async def _keep_relay(self, p: Peer, node: DHTNode) -> None:
+        """A NATed volunteer's RelayKeeper: its own offers() (the DHT's relay records, one
+        per network, each relay's round trip measured: here known) and rank_relays, then a
+        reservation on the best that has room (the relay's own bound: nat/relay.py); a
+        relay that refuses is set aside. No offer with room: look again, backing off."""
+        async def measure(addr: Multiaddr) -> float | None:
+            relay = self.by_ip.get(addr.host)
+            if relay is None or relay.node is None:
+                await trio.sleep(RTT_TIMEOUT_S)
+                return None
+            rtt = 2 * self.net.one_way_s(p.host, relay.host)
+            await trio.sleep(rtt)
+            return rtt * 1000
+
+        keeper = RelayKeeper(node, p.identity, None, on_change=lambda held: None, print_line=lambda m: None,
+                             measure=measure)
+        t0, backoff = trio.current_time(), 1.0
+        while p.relay is None:
+            with contextlib.suppress(MeshnetError):
+                for offer in rank_relays(await keeper.offers(), me=str(p.identity.peer_id), avoid=keeper._avoid()):
+                    relay = self.by_id.get(offer.peer_id)
+                    await trio.sleep(4 * self.net.one_way_s(p.host, relay.host))  # its connect, TLS, reserve
+                    if relay.node is not None and len(relay.reserved) < self.cfg.relay_capacity:
+                        relay.reserved.add(p.index)
+                        p.relay = relay
+                        self.m.relayed.append({"t": t0, "s": trio.current_time() - t0, "relay": relay.index})
+                        break
+                    keeper.set_aside[offer.peer_id] = trio.current_time() + 60.0
+            if p.relay is None:
+                await trio.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
 
     async def _check_reachability(self, p: Peer, node: DHTNode) -> None:
         """What ``join`` asks before announcing: can others dial the address it would announce?"""
@@ -356,7 +418,7 @@ class SimSwarm:
     async def _lifecycle(self, p: Peer) -> None:
         """Online sessions and offline gaps, for ever (bootstrap peers and attackers stay)."""
         churn, rng = self.cfg.churn, random.Random(self.rng.random())
-        always = p.index < self.cfg.bootstrap or p.sybil is not None
+        always = p.index < self.cfg.bootstrap or p.sybil is not None or p.is_relay
         online = always or churn.online_at_start(rng)
         first = True
         while True:
@@ -393,6 +455,11 @@ class SimSwarm:
         while True:
             online = self.online()
             self.m.online_samples.append(len(online))
+            if self.cfg.relays:  # NATed volunteers online, and how many of them hold a reservation
+                natted = [p for p in online if p.model is not None and p.host.natted]
+                per_relay = sorted((len(r.reserved) for r in self.peers if r.is_relay), reverse=True)
+                self.m.relay_samples.append({"natted": len(natted), "held": sum(1 for p in natted if p.relay),
+                                             "max_on_one": per_relay[0], "per_relay": per_relay})
             for model in range(len(self.models)):  # how many announced honest volunteers serve each layer
                 per_layer = [0] * N_LAYER
                 for p in online:
@@ -415,8 +482,8 @@ class SimSwarm:
             for p in self.peers[:cfg.bootstrap]:
                 nursery.start_soon(self._lifecycle, p)
             await trio.sleep(1.0)  # the bootstrap peers are up before anyone joins through them
-            # attackers first: they are in place before the swarm forms (the hardest case for placement)
-            arrivals = sorted(self.peers[cfg.bootstrap:], key=lambda p: p.sybil is None)
+            # relays and attackers first: in place before the swarm forms (for attackers the hardest case)
+            arrivals = sorted(self.peers[cfg.bootstrap:], key=lambda p: p.sybil is None and not p.is_relay)
             for p in arrivals:
                 nursery.start_soon(self._lifecycle, p)
                 await trio.sleep(cfg.warmup_minutes * 60 / 2 / max(1, len(arrivals)))  # over half the warm-up
