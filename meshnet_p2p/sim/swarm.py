@@ -310,6 +310,8 @@ class SimSwarm:
             with contextlib.suppress(MeshnetError):
                 for offer in rank_relays(await keeper.offers(), me=str(p.identity.peer_id), avoid=keeper._avoid()):
                     relay = self.by_id.get(offer.peer_id)
+                    if relay is None:
+                        continue
                     await trio.sleep(4 * self.net.one_way_s(p.host, relay.host))  # its connect, TLS, reserve
                     if relay.node is not None and len(relay.reserved) < self.cfg.relay_capacity:
                         relay.reserved.add(p.index)
