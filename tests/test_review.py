@@ -219,7 +219,7 @@ def test_review_verifies_the_honest_peers_and_convicts_the_perturbing_one(review
     # exactly 10-14 or 15-19 (a span is replayed by its own span or a chain of sub-spans): no verdict
     assert doc["verified"] == {joins[i].peer_id: 1 for i in (1, 2, 3, 4, 7)}, (r.stdout, r.stderr)
     for i in (0, 5, 6):
-        assert doc["peers"][joins[i].peer_id]["audit"] == "no-replayer"
+        assert doc["peers"][joins[i].peer_id]["audit"] == "no-replayer", (doc["peers"][joins[i].peer_id], r.stderr)
         assert doc["peers"][joins[i].peer_id]["verdict"] is None
     assert doc["peers"][cheater.peer_id] | {"detail": ""} == {"layers": [10, 20], "audit": "mismatch",
                                                              "verdict": "convicted", "detail": ""}
