@@ -132,7 +132,8 @@ def test_the_oracle_prices_a_ring_and_finds_the_fastest():
     net = SimNetwork(random.Random(2), NetModel(loss=0.0))
     peers = {}
     for i, (a, b) in enumerate(SLICES * 2):
-        peers[f"p{i}"] = SimpleNamespace(host=net.host(region="eu" if i < 3 else "as"), compute_ms=5.0 + i)
+        peers[f"p{i}"] = SimpleNamespace(host=net.host(region="eu" if i < 3 else "as"), compute_ms=5.0 + i,
+                                         relay=None)
     clients = Clients(SimpleNamespace(net=net, m=None, rng=None))
     spans = [Span(f"p{i}", a, b) for i, (a, b) in enumerate(SLICES * 2)]
     best = clients._oracle_ms(spans, peers)
@@ -235,7 +236,7 @@ async def test_a_generation_fails_over_when_a_hop_leaves_and_completes(autojump_
 
     net = SimNetwork(random.Random(1), NetModel(loss=0.0))
     layout = {"head": SLICES[0], "mid": SLICES[1], "tail": SLICES[2], "twin": SLICES[1]}
-    peers = {name: SimpleNamespace(identity=SimpleNamespace(peer_id=name), host=net.host(region="eu"),
+    peers = {name: SimpleNamespace(identity=SimpleNamespace(peer_id=name), host=net.host(region="eu"), relay=None,
                                    layer_ms=1.0, compute_ms=10.0, node=object(), sybil=None, model=0)
              for name in layout}
     sim = SimpleNamespace(net=net, by_id=peers, cfg=SimpleNamespace(generation_tokens=50, relays=0), m=None, rng=None,
@@ -253,7 +254,7 @@ async def test_a_generation_fails_over_when_a_hop_leaves_and_completes(autojump_
 
     async def generate(leaving: list[str]) -> dict:
         search = clients._search(spans)
-        opened = clients._open(search, 0, 30)
+        opened = clients._open(search, 0, 30, clients._answering())
         route = opened["route"]
         assert [s.peer_id for s in route] == ["head", "mid", "tail"]  # the twin claims less
         token_s = clients._ring_ms([peers[s.peer_id] for s in route]) / 1000

@@ -53,7 +53,7 @@ class Measures:
     never_routable: int = 0
     online_samples: list[int] = field(default_factory=list)
     relayed: list[dict] = field(default_factory=list)  # a NATed volunteer's reservation: {t, s, relay}
-    relay_samples: list[dict] = field(default_factory=list)  # every 10 s: {natted, held, max_on_one}
+    relay_samples: list[dict] = field(default_factory=list)  # every 10 s: {natted, held, per_relay (most first)}
     reachability: list[dict] = field(default_factory=list)  # a joining volunteer's check: {natted, status, s}
     coverage: list[dict] = field(default_factory=list)  # every 10 s per model: {model, min, mean} volunteers a layer
     joins: int = 0
@@ -176,30 +176,34 @@ class Clients:
             return
         entry["vouched"] = sum(1 for s in spans if s.peer_id in vouched)
         search = self._search(spans, vouched)
-        opened = self._open(search, 0, N_LAYER)
+        answering = self._answering()
+        opened = self._open(search, 0, N_LAYER, answering)
         entry.update({k: v for k, v in opened.items() if k != "route"})
         if opened["outcome"] == "route":
-            entry.update(self._quality(host, spans, opened["route"]))
+            entry.update(self._quality(host, spans, opened["route"], answering))
         self.m.surveys.append(entry)
         if opened["outcome"] == "route" and self.sim.cfg.generation_tokens:
             await self._generate(model, host, search, opened["route"], entry)
 
     @staticmethod
-    def _search(spans: list[Span], vouched: frozenset[str] = frozenset()) -> RouteSearch:
-        """The client's route search over ``spans``, preferring the ``vouched`` peers (a
-        fresh client holds verified records of no others: api.py's planner)."""
-        search = RouteSearch(lambda: spans, SimpleNamespace(
-            planner=functools.partial(plan_route, prefer=vouched), ban_seconds=RouteOptions.ban_seconds))
+    def _planner(vouched: frozenset[str]):
+        """api.py's planner for a fresh client: it holds verified records of the ``vouched`` peers only."""
+        return functools.partial(plan_route, prefer=vouched)
+
+    @classmethod
+    def _search(cls, spans: list[Span], vouched: frozenset[str] = frozenset()) -> RouteSearch:
+        """The client's route search over ``spans``, preferring the ``vouched`` peers."""
+        search = RouteSearch(lambda: spans, SimpleNamespace(planner=cls._planner(vouched),
+                                                            ban_seconds=RouteOptions.ban_seconds))
         search.survey()
         return search
 
-    def _open(self, search: RouteSearch, start: int, end: int) -> dict:
+    def _open(self, search: RouteSearch, start: int, end: int, answering: dict[str, "Peer"]) -> dict:
         """The route search's own planning for layers [start, end) (``client.search.RouteSearch``:
         plan, first contacts side by side, widening as candidates fail: ``probe_width``),
         with each first contact's outcome known here: a hop that could not answer (a
         liar's made-up address, a volunteer gone since its report) is set aside, and
-        banned, as a failed first contact would be."""
-        answering = self._answering()
+        banned, as a failed first contact would be. ``answering``: who answers now."""
         tried: set[str] = set()  # set aside
         known: set[str] = set()  # answered their first contact
         rounds = 0
@@ -228,11 +232,10 @@ class Clients:
         return {str(p.identity.peer_id): p for p in self.sim.online() if p.sybil is None and p.model is not None
                 and not (relays and p.host.natted and p.relay is None)}
 
-    def _quality(self, client_host, spans: list[Span], route: list[Span]) -> dict:
+    def _quality(self, client_host, spans: list[Span], route: list[Span], answering: dict[str, "Peer"]) -> dict:
         """The route that stands, priced against the oracle; and the route the same
         planner finds after measuring the client's round trip to every live candidate
         (what first contacts tell the planner; no client measures them all)."""
-        answering = self._answering()
         live = [s for s in spans if s.peer_id in answering]
         best = self._oracle_ms(live, answering)
         got = self._ring_ms([answering[s.peer_id] for s in route])
@@ -279,11 +282,12 @@ class Clients:
                 entry["generation"] = f"failover found {spans}"
                 break
             search.spans = spans
-            search.opts.planner = functools.partial(plan_route, prefer=vouched)
-            opened = self._open(search, failed.start, failed.end)
+            search.opts.planner = self._planner(vouched)
+            answering = self._answering()
+            opened = self._open(search, failed.start, failed.end, answering)
             if opened["outcome"] != "route":
                 # client/failover.py replaces the failed hop's layers exactly; would a whole new route have done?
-                whole = self._open(search, 0, N_LAYER)["outcome"] == "route"
+                whole = self._open(search, 0, N_LAYER, answering)["outcome"] == "route"
                 entry["generation"] = f"failover: {opened['outcome']}" + (" (a whole new route existed)" if whole else "")
                 break
             new = opened["route"]
@@ -303,7 +307,7 @@ class Clients:
         """One way from hop ``a`` to hop ``b``: direct, or through ``b``'s relay when it
         is behind one (``a`` dials ``b``; a NATed ``a`` dials out directly)."""
         one_way = self.sim.net.one_way_s
-        relay = getattr(b, "relay", None)
+        relay = b.relay
         if relay is None:
             return one_way(a.host, b.host)
         return one_way(a.host, relay.host) + one_way(relay.host, b.host)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -24,10 +25,11 @@ def _share(items: list[dict], pred) -> float | None:
 
 
 def _counts(items) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for x in items:
-        out[x] = out.get(x, 0) + 1
-    return out
+    return dict(Counter(items))
+
+
+def _mean(values: list[float]) -> float | None:
+    return _r3(sum(values) / len(values)) if values else None
 
 
 def _surveys(surveys: list[dict], prefix: str) -> dict[str, Any]:
@@ -40,8 +42,8 @@ def _surveys(surveys: list[dict], prefix: str) -> dict[str, Any]:
         f"{prefix}survey_outcomes": outcomes,
         f"{prefix}survey_s_p50": _r3(_pct([x["s"] for x in surveys], 0.5)),
         f"{prefix}survey_s_p90": _r3(_pct([x["s"] for x in surveys], 0.9)),
-        f"{prefix}vouched_mean": _r3(sum(x.get("vouched", 0) for x in surveys) / len(surveys)) if surveys else None,
-        f"{prefix}failed_contacts_mean": _r3(sum(x["failed_contacts"] for x in surveys) / len(surveys)) if surveys else None,
+        f"{prefix}vouched_mean": _mean([x.get("vouched", 0) for x in surveys]),
+        f"{prefix}failed_contacts_mean": _mean([x["failed_contacts"] for x in surveys]),
         f"{prefix}contact_rounds_p90": _pct([x["contact_rounds"] for x in surveys], 0.9),
         f"{prefix}route_quality_p50": _r3(_pct([x["quality"] for x in routed if x["quality"]], 0.5)),
         f"{prefix}route_quality_p90": _r3(_pct([x["quality"] for x in routed if x["quality"]], 0.9)),
@@ -63,8 +65,8 @@ def _coverage(samples: list[dict], prefix: str) -> dict[str, Any]:
     a layer nobody serves, and the fewest volunteers on a layer against the mean."""
     return {
         f"{prefix}hole_share": _share(samples, lambda x: x["min"] == 0),
-        f"{prefix}cover_min_mean": _r3(sum(x["min"] for x in samples) / len(samples)) if samples else None,
-        f"{prefix}cover_mean": _r3(sum(x["mean"] for x in samples) / len(samples)) if samples else None,
+        f"{prefix}cover_min_mean": _mean([x["min"] for x in samples]),
+        f"{prefix}cover_mean": _mean([x["mean"] for x in samples]),
     }
 
 
@@ -76,7 +78,7 @@ def report(sim: "SimSwarm", span: float, sent: int, sent_bytes: int, online: flo
         "peers": cfg.peers, "simulated_s": round(span), "wall_s": round(wall_s, 1), "seed": cfg.seed,
         "online_mean": round(online, 1), "online_peak": peak, "joins": m.joins, "leaves": m.leaves,
         "model_lookups": len(ml),
-        "model_lookup_recall_mean": _r3(sum(x["recall"] for x in ml) / len(ml)) if ml else None,
+        "model_lookup_recall_mean": _mean([x["recall"] for x in ml]),
         "model_lookup_complete": _share(ml, lambda x: x["found"] == x["live"]),
         "model_lookup_found_any": _share(ml, lambda x: x["found"] or not x["live"]),
         "model_lookup_s_p50": _r3(_pct([x["s"] for x in ml], 0.5)),
@@ -106,7 +108,7 @@ def report(sim: "SimSwarm", span: float, sent: int, sent_bytes: int, online: flo
             "natted_volunteers_relayed": _r3(sum(x["held"] for x in rs) / max(1, sum(x["natted"] for x in rs))),
             "relay_found_s_p50": _r3(_pct([x["s"] for x in m.relayed], 0.5)),
             "relay_found_s_p90": _r3(_pct([x["s"] for x in m.relayed], 0.9)),
-            "relay_reservations_max": max((x["max_on_one"] for x in rs), default=0),
+            "relay_reservations_max": max((x["per_relay"][0] for x in rs if x["per_relay"]), default=0),
             "relay_reservations_last_sample": rs[-1]["per_relay"] if rs else [],
             "relay_capacity": cfg.relay_capacity,
         })
@@ -121,7 +123,7 @@ def report(sim: "SimSwarm", span: float, sent: int, sent_bytes: int, online: flo
             "reachability_s_p50": _r3(_pct([x["s"] for x in rc], 0.5)),
             "reachability_s_p90": _r3(_pct([x["s"] for x in rc], 0.9)),
         })
-    if cfg.partition_regions and cfg.partition_minutes > 0:  # before, during (each side) and after the cut
+    if cfg.partitioned:  # before, during (each side) and after the cut
         doc["partitioned_datagrams"] = sim.net.partitioned
         for phase, pick in (("before", lambda x: x["phase"] == "before"),
                             ("during_inside", lambda x: x["phase"] == "during" and x["cut_side"]),
@@ -132,7 +134,7 @@ def report(sim: "SimSwarm", span: float, sent: int, sent_bytes: int, online: flo
             doc[f"partition_{phase}"] = {
                 "model_lookups": len(got),
                 "found_any": _share(got, lambda x: x["found"] or not x["live"]),
-                "recall_mean": _r3(sum(x["recall"] for x in got) / len(got)) if got else None,
+                "recall_mean": _mean([x["recall"] for x in got]),
                 "lookup_s_p50": _r3(_pct([x["s"] for x in got], 0.5)),
                 "surveys": len(surveys), "route_found": _share(surveys, lambda x: x["outcome"] == "route"),
                 "survey_outcomes": _counts(x["outcome"] for x in surveys),
@@ -142,7 +144,7 @@ def report(sim: "SimSwarm", span: float, sent: int, sent_bytes: int, online: flo
         doc.update({
             "sybils": cfg.sybils, "sybil_behaviour": cfg.sybil_behaviour, "sybil_target": cfg.sybil_target,
             "sybil_networks": cfg.sybil_networks,
-            "target_model_lookup_recall_mean": _r3(sum(x["recall"] for x in target) / len(target)) if target else None,
+            "target_model_lookup_recall_mean": _mean([x["recall"] for x in target]),
             **_coverage([x for x in m.coverage if x["model"] == 0], "target_"),
             **_surveys([x for x in m.surveys if x["model"] == 0], "target_"),
             **_surveys([x for x in m.surveys if x["model"] != 0], "other_"),

@@ -93,6 +93,10 @@ class SimConfig:
     sybil_bits: int | None = None  # shared with the key; None: log2(peers) + 4 (closer than any honest node)
     slow_s: float = 3.0
     churn: Churn = field(default_factory=Churn)
+
+    @property
+    def partitioned(self) -> bool:
+        return bool(self.partition_regions) and self.partition_minutes > 0
     net: NetModel = field(default_factory=NetModel)
     dht: DHTConfig = field(default_factory=DHTConfig)
 
@@ -447,7 +451,7 @@ class SimSwarm:
 
     def phase(self, t: float) -> str:
         """Whether ``t`` was before, during or after the partition ("all" with none)."""
-        if not self.cfg.partition_regions or self.cfg.partition_minutes <= 0:
+        if not self.cfg.partitioned:
             return "all"
         if self.partition_began is None or t < self.partition_began:
             return "before"
@@ -461,7 +465,7 @@ class SimSwarm:
                 natted = [p for p in online if p.model is not None and p.host.natted]
                 per_relay = sorted((len(r.reserved) for r in self.peers if r.is_relay), reverse=True)
                 self.m.relay_samples.append({"natted": len(natted), "held": sum(1 for p in natted if p.relay),
-                                             "max_on_one": per_relay[0], "per_relay": per_relay})
+                                             "per_relay": per_relay})
             for model in range(len(self.models)):  # how many announced honest volunteers serve each layer
                 per_layer = [0] * N_LAYER
                 for p in online:
@@ -499,7 +503,7 @@ class SimSwarm:
             if cfg.surveys_per_s > 0:
                 nursery.start_soon(self.clients.surveys)
             nursery.start_soon(self._sample_online)
-            if cfg.partition_regions and cfg.partition_minutes > 0:
+            if cfg.partitioned:
                 nursery.start_soon(self._partition)
             await trio.sleep(cfg.minutes * 60)
             for p in self.online(sybils=True):
