@@ -100,7 +100,9 @@ def test_a_small_simulated_swarm_finds_its_models_and_nodes(small):
     assert doc["node_lookup_success"] >= 0.8
     assert 0 < doc["model_lookup_s_p50"] < 2.0  # simulated seconds: a few internet round trips
     assert doc["messages_per_node_s"] > 0 and doc["requests_per_node_s"]
-    assert doc["surveys"] >= 5  # (30 peers over 4 models x 3 slices: mostly holes, see below)
+    # (30 peers over 4 models x 3 slices: mostly holes, see below.) How many start is the
+    # seed's alone (13 for seed 3), and every one started is reported, slow ones too
+    assert doc["surveys"] >= 5
 
 
 def test_joining_volunteers_learn_whether_others_can_dial_them(small):

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import functools
+import random
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
@@ -64,7 +65,8 @@ class Clients:
     def __init__(self, sim: "SimSwarm") -> None:
         self.sim = sim
         self.m = sim.m
-        self.rng = sim.rng
+        self._surveys_open = 0
+        self._surveys_done = trio.Event()
 
     def _settled_volunteers(self, model: int) -> list["Peer"]:
         now = trio.current_time()
@@ -73,13 +75,23 @@ class Clients:
 
     # --- model and node lookups -------------------------------------------------------------
 
-    async def model_lookups(self) -> None:
+    async def _arrivals(self, name: str, rate_per_s: float, until: float):
+        """A Poisson process of ``rate_per_s`` until ``until``, drawn from a stream of its
+        own (yielded at each arrival, for the arrival's own choices): how many arrive in a
+        window is then the seed's alone, not moved by what else drew from a shared stream."""
+        rng = random.Random(f"{name}/{self.sim.cfg.seed}")
         while True:
-            await trio.sleep(self.rng.expovariate(self.sim.cfg.lookups_per_s))
+            gap = rng.expovariate(rate_per_s)
+            if trio.current_time() + gap >= until:
+                return
+            await trio.sleep(gap)
+            yield rng
+
+    async def model_lookups(self, until: float) -> None:
+        async for rng in self._arrivals("model lookups", self.sim.cfg.lookups_per_s, until):
             askers = self.sim.online(settled=True, clients=True)
             if askers:
-                self.sim.tasks.start_soon(self._model_lookup, self.rng.choice(askers),
-                                                self.rng.randrange(len(self.sim.models)))
+                self.sim.tasks.start_soon(self._model_lookup, rng.choice(askers), rng.randrange(len(self.sim.models)))
 
     async def _model_lookup(self, asker: "Peer", model: int) -> None:
         side = self.sim.net.side  # during a partition, what the asker's side of it holds
@@ -100,12 +112,11 @@ class Clients:
                                      "found": len(found & live),
                                      "recall": len(found & live) / len(live) if live else 1.0})
 
-    async def node_lookups(self) -> None:
-        while True:
-            await trio.sleep(self.rng.expovariate(self.sim.cfg.find_nodes_per_s))
+    async def node_lookups(self, until: float) -> None:
+        async for rng in self._arrivals("node lookups", self.sim.cfg.find_nodes_per_s, until):
             askers, targets = self.sim.online(settled=True), self.sim.online(settled=True, public=True)
             if askers and targets:
-                self.sim.tasks.start_soon(self._node_lookup, self.rng.choice(askers), self.rng.choice(targets))
+                self.sim.tasks.start_soon(self._node_lookup, rng.choice(askers), rng.choice(targets))
 
     async def _node_lookup(self, asker: "Peer", target: "Peer") -> None:
         node = asker.node
@@ -126,10 +137,23 @@ class Clients:
 
     # --- surveys: a fresh client's way to its first route ------------------------------------
 
-    async def surveys(self) -> None:
-        while True:
-            await trio.sleep(self.rng.expovariate(self.sim.cfg.surveys_per_s))
-            self.sim.tasks.start_soon(self._survey, self.rng.randrange(len(self.sim.models)))
+    async def surveys(self, until: float) -> None:
+        """Fresh clients arriving until ``until`` (a Poisson process)."""
+        async for rng in self._arrivals("surveys", self.sim.cfg.surveys_per_s, until):
+            self._surveys_open += 1
+            self.sim.tasks.start_soon(self._survey, rng.randrange(len(self.sim.models)))
+
+    async def surveys_reported(self) -> None:
+        """Until every survey started has its entry: a window's end would otherwise
+        censor the slow ones (a thin model's look takes seconds) and bias what is reported."""
+        while self._surveys_open:
+            await self._surveys_done.wait()
+            self._surveys_done = trio.Event()
+
+    def _reported(self, entry: dict) -> None:
+        self.m.surveys.append(entry)
+        self._surveys_open -= 1
+        self._surveys_done.set()
 
     async def _look(self, model: int, host) -> tuple[list[Span] | str, int, int, frozenset[str]]:
         """What ``generate`` does to see the model's certified spans (a first look and
@@ -172,7 +196,7 @@ class Clients:
                  "certs": n_certs, "failed_contacts": 0, "contact_rounds": 0, "quality": None}
         if isinstance(spans, str):
             entry["outcome"] = spans
-            self.m.surveys.append(entry)
+            self._reported(entry)
             return
         entry["vouched"] = sum(1 for s in spans if s.peer_id in vouched)
         search = self._search(spans, vouched)
@@ -181,7 +205,7 @@ class Clients:
         entry.update({k: v for k, v in opened.items() if k != "route"})
         if opened["outcome"] == "route":
             entry.update(self._quality(host, spans, opened["route"], answering))
-        self.m.surveys.append(entry)
+        self._reported(entry)
         if opened["outcome"] == "route" and self.sim.cfg.generation_tokens:
             await self._generate(model, host, search, opened["route"], entry)
 
