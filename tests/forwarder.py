@@ -1,8 +1,8 @@
 """A loopback TCP forwarder for multi-process tests: bytes spliced as they are
 (TLS runs end to end through it), outgoing connections from a chosen source
 address, the target settable after start (a peer's port is known only once it
-listens: a connection that comes first waits for it, up to 10 s), and a count
-of the connections it carried."""
+listens: a connection that comes first waits for it, up to 10 s), a count
+of the connections it carried, and a cut that ends them all."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ class Forwarder:
         self.port = self.listener.getsockname()[1]
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._spliced: list[socket.socket] = []  # both ends of every connection carried (cut() ends them)
         self._start(self._accept)
 
     @property
@@ -70,6 +71,7 @@ class Forwarder:
             inner.close()
             return
         self.carried += 1
+        self._spliced += [inner, outer]
         for a, b in ((inner, outer), (outer, inner)):
             self._start(self._pipe, a, b)
 
@@ -78,3 +80,13 @@ class Forwarder:
         self.listener.close()
         for t in self._threads[:1]:  # the acceptor; pipes end with their connections
             t.join(timeout=10)
+
+    def cut(self) -> None:
+        """Stop carrying: no new connection is taken, and every one carried is shut
+        (a client sees its connection end, with nothing from the peer)."""
+        self.close()
+        for s in list(self._spliced):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
