@@ -97,7 +97,7 @@ def test_a_small_simulated_swarm_finds_its_models_and_nodes(small):
     doc = small
     assert doc["model_lookups"] >= 20 and doc["node_lookups"] >= 10
     assert doc["model_lookup_found_any"] >= 0.9 and doc["model_lookup_recall_mean"] >= 0.8
-    assert doc["node_lookup_success"] >= 0.8
+    assert doc["node_lookup_success"] >= 0.9  # (0.88-0.91 before the target was waited for and asked again)
     assert 0 < doc["model_lookup_s_p50"] < 2.0  # simulated seconds: a few internet round trips
     assert doc["messages_per_node_s"] > 0 and doc["requests_per_node_s"]
     # (30 peers over 4 models x 3 slices: mostly holes, see below.) How many start is the
