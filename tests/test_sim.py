@@ -109,9 +109,13 @@ def test_joining_volunteers_learn_whether_others_can_dial_them(small):
     """Reachability checks (nat/reachability.py's asker, nat/dialer.py's dialers, the real
     dial_back requests over the simulated DHT): a public volunteer hears "reachable", one
     behind NAT "unreachable", whatever the swarm's churn."""
-    assert small["reachability_checks"] >= 2, small  # (the joins of the run: 6-11 seen)
-    assert small["reachability_public_found_reachable"] >= 0.8, small
-    assert small["reachability_natted_found_unreachable"] >= 0.8, small
+    outcomes, checks = small["reachability_outcomes"], small["reachability_checks"]
+    assert checks >= 2, small  # (the joins of the run: 4-11 seen)
+    # never a wrong answer; "unknown" is not wrong: 3 dialers asked, 2 must agree, and in a
+    # 30-peer swarm a NATed volunteer's table may hold only 2 to ask (1 of 20 runs saw one)
+    assert outcomes.get("public unreachable", 0) == 0 and outcomes.get("natted reachable", 0) == 0, small
+    assert outcomes.get("public reachable", 0) >= 1 and outcomes.get("natted unreachable", 0) >= 1, small
+    assert outcomes.get("public reachable", 0) + outcomes.get("natted unreachable", 0) >= 0.75 * checks, small
 
 
 def test_natted_volunteers_reserve_on_relays_within_their_bound(small):
