@@ -40,6 +40,8 @@ def main() -> int:
     ap.add_argument("--nat", type=float, default=0.3, help="share of peers behind NAT")
     ap.add_argument("--loss", type=float, default=0.01)
     ap.add_argument("--session-minutes", type=float, default=60.0, help="median online session")
+    ap.add_argument("--vanish-share", type=float, default=0.0,
+                    help="share of sessions ending with the machine gone (no FIN): a generation waits out a step")
     ap.add_argument("--lookups-per-s", type=float, default=2.0)
     ap.add_argument("--surveys-per-s", type=float, default=0.5, help="fresh clients surveying for a route")
     ap.add_argument("--generation-tokens", type=int, default=64,
@@ -64,7 +66,8 @@ def main() -> int:
     ap.add_argument("--sybil-layers", default=f"0:{N_LAYER}", help="A:B, what a liar claims to serve")
     ap.add_argument("--json", action="store_true")
     args = parse_args(ap, peers=40, minutes=0.5, warmup_minutes=0.5, models=1, sybils=4)
-    churn = Churn(session_median_s=args.session_minutes * 60, gap_median_s=args.session_minutes * 60)
+    churn = Churn(session_median_s=args.session_minutes * 60, gap_median_s=args.session_minutes * 60,
+                  vanish_share=args.vanish_share)
     cfg = SimConfig(peers=args.peers, minutes=args.minutes, warmup_minutes=args.warmup_minutes, seed=args.seed,
                     models=args.models, nat_share=args.nat, lookups_per_s=args.lookups_per_s, churn=churn,
                     net=NetModel(loss=args.loss), surveys_per_s=args.surveys_per_s, sybils=args.sybils,

@@ -232,10 +232,12 @@ def test_liars_squatting_a_slice_cannot_empty_it_under_auto_placement():
 async def test_a_generation_fails_over_when_a_hop_leaves_and_completes(autojump_clock):
     """The simulated generation steps a ring token by token; a hop whose peer leaves fails
     the next step, and the client's failover (a fresh look, the route search for exactly
-    that hop's layers, a replay) carries it to its last token, one failover spent. With
-    no peer left for those layers, the generation ends saying so."""
+    that hop's layers, a replay) carries it to its last token, one failover spent; a hop
+    whose machine vanished costs the step its timeout first. With no peer left for those
+    layers, the generation ends saying so."""
     from types import SimpleNamespace
 
+    from meshnet_p2p.client.options import RouteOptions
     from meshnet_p2p.sim.clients import REPLAY_SPEEDUP, Clients
     from meshnet_p2p.sim.records import SLICES
     from meshnet_p2p.swarm.placement import Span
@@ -243,7 +245,7 @@ async def test_a_generation_fails_over_when_a_hop_leaves_and_completes(autojump_
     net = SimNetwork(random.Random(1), NetModel(loss=0.0))
     layout = {"head": SLICES[0], "mid": SLICES[1], "tail": SLICES[2], "twin": SLICES[1]}
     peers = {name: SimpleNamespace(identity=SimpleNamespace(peer_id=name), host=net.host(region="eu"), relay=None,
-                                   layer_ms=1.0, compute_ms=10.0, node=object(), sybil=None, model=0)
+                                   layer_ms=1.0, compute_ms=10.0, node=object(), sybil=None, model=0, vanished=False)
              for name in layout}
     sim = SimpleNamespace(net=net, by_id=peers, cfg=SimpleNamespace(generation_tokens=50, relays=0), m=None, rng=None,
                           online=lambda: [p for p in peers.values() if p.node is not None])
@@ -279,6 +281,14 @@ async def test_a_generation_fails_over_when_a_hop_leaves_and_completes(autojump_
     after_s = clients._ring_ms([peers["head"], peers["twin"], peers["tail"]]) / 1000
     # ten tokens, the eleventh's step that failed, the replay, the forty left on the new ring
     assert entry["generation_s"] == pytest.approx(11 * token_s + replay_s + 40 * after_s)
+    assert entry["stalled_s"] == 0
+
+    # a hop whose machine vanished (no FIN): the step that fails waits out the client's step timeout
+    peers["mid"].node, peers["mid"].vanished = object(), True
+    entry, token_s = await generate(["mid"])
+    assert entry["generation"] == "complete" and entry["stalled_s"] == pytest.approx(RouteOptions.step_timeout - token_s)
+    assert entry["generation_s"] == pytest.approx(10 * token_s + RouteOptions.step_timeout + replay_s + 40 * after_s)
+    peers["mid"].vanished = False
 
     peers["mid"].node = object()
     entry, _ = await generate(["mid", "twin"])

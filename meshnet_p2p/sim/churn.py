@@ -20,6 +20,11 @@ class Churn:
     session_median_s: float = 3600.0  # half the sessions end within this
     gap_median_s: float = 3600.0  # and half the offline gaps
     shape: float = 0.5  # Weibull shape: < 1 is heavy-tailed (1 would be exponential)
+    # Sessions that end with the machine vanishing (power or network gone: no FIN closes
+    # its connections) rather than its process exiting. An assumption: the studies above
+    # see departures, not how they happen. A hop that vanished costs a generation through
+    # it the client's step timeout before it fails over.
+    vanish_share: float = 0.0
 
     def _weibull(self, rng: random.Random, median: float) -> float:
         scale = median / math.log(2) ** (1 / self.shape)  # the scale whose median is ``median``

@@ -141,19 +141,26 @@ class Clients:
         """Fresh clients arriving until ``until`` (a Poisson process)."""
         async for rng in self._arrivals("surveys", self.sim.cfg.surveys_per_s, until):
             self._surveys_open += 1
-            self.sim.tasks.start_soon(self._survey, rng.randrange(len(self.sim.models)))
+            self.sim.tasks.start_soon(self._survey_to_its_end, rng.randrange(len(self.sim.models)))
 
     async def surveys_reported(self) -> None:
-        """Until every survey started has its entry: a window's end would otherwise
-        censor the slow ones (a thin model's look takes seconds) and bias what is reported."""
+        """Until every survey started, and the generation on its route, has ended: a
+        window's end would otherwise censor the slow ones (a thin model's look takes
+        seconds, a generation that waits out a vanished hop ten more) and bias what is
+        reported."""
         while self._surveys_open:
             await self._surveys_done.wait()
             self._surveys_done = trio.Event()
 
+    async def _survey_to_its_end(self, model: int) -> None:
+        try:
+            await self._survey(model)
+        finally:
+            self._surveys_open -= 1
+            self._surveys_done.set()
+
     def _reported(self, entry: dict) -> None:
         self.m.surveys.append(entry)
-        self._surveys_open -= 1
-        self._surveys_done.set()
 
     async def _look(self, model: int, host) -> tuple[list[Span] | str, int, int, frozenset[str]]:
         """What ``generate`` does to see the model's certified spans (a first look and
@@ -278,11 +285,12 @@ class Clients:
         the peer banned, a fresh look at the swarm (``_look``, as the provider's second
         look surveys afresh), a replacement for the hop's layers opened by the route
         search, its inputs replayed (a prefill of every position so far on the new hops).
-        The client notices a departure at its next step (a process that exits closes its
-        connections; a machine that vanishes would cost the step timeout more)."""
+        The client notices a departure at its next step when the peer's process exited
+        (its connections closed); when its machine vanished (``Peer.vanished``: no FIN),
+        only once that step's timeout (RouteOptions.step_timeout) has passed: ``stalled_s``."""
         peers = {p: self.sim.by_id[p] for p in {s.peer_id for s in route}}
         nodes = {p: q.node for p, q in peers.items()}  # a hop's session lives in this node's run
-        t0, left, failovers = trio.current_time(), self.sim.cfg.generation_tokens, 0
+        t0, left, failovers, stalled = trio.current_time(), self.sim.cfg.generation_tokens, 0, 0.0
         max_failovers = RouteOptions.max_failovers
         while True:
             hops = [peers[s.peer_id] for s in route]
@@ -293,6 +301,10 @@ class Clients:
             gone = [i for i, s in enumerate(route) if peers[s.peer_id].node is not nodes[s.peer_id]]
             if not gone:
                 break
+            if any(peers[route[i].peer_id].vanished for i in gone):  # no FIN: the step waits out its timeout
+                wait = max(0.0, RouteOptions.step_timeout - token_s)
+                stalled += wait
+                await trio.sleep(wait)
             left += 1  # the step that failed is taken again
             failovers += 1
             index = gone[-1]
@@ -325,6 +337,7 @@ class Clients:
             route = route[:index] + new + route[index + 1:]
         entry.setdefault("generation", "complete")
         entry["failovers"] = failovers
+        entry["stalled_s"] = stalled
         entry["generation_s"] = trio.current_time() - t0
 
     def _link_s(self, a: "Peer", b: "Peer") -> float:

@@ -57,6 +57,9 @@ def _surveys(surveys: list[dict], prefix: str) -> dict[str, Any]:
         f"{prefix}failed_over": sum(1 for x in generated if x["failovers"]),
         f"{prefix}completed_after_failover": sum(1 for x in generated if x["failovers"] and x["generation"] == "complete"),
         f"{prefix}generation_s_p50": _r3(_pct([x["generation_s"] for x in generated], 0.5)),
+        # waiting out a step's timeout on a hop whose machine vanished (Churn.vanish_share)
+        f"{prefix}stalled_on_vanished": sum(1 for x in generated if x["stalled_s"]),
+        f"{prefix}stalled_s_mean": _mean([x["stalled_s"] for x in generated if x["stalled_s"]]),
     }
 
 

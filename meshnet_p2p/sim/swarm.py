@@ -118,6 +118,7 @@ class Peer:
     is_relay: bool = False
     relay: "Peer | None" = None  # the relay it holds a reservation on (a NATed volunteer)
     reserved: set[int] = field(default_factory=set)  # a relay's: the peers holding a reservation
+    vanished: bool = False  # its last session ended with the machine gone, not its process exiting
 
 
 def _identity(seed: int, i: int) -> Identity:
@@ -424,6 +425,7 @@ class SimSwarm:
     async def _lifecycle(self, p: Peer) -> None:
         """Online sessions and offline gaps, for ever (bootstrap peers and attackers stay)."""
         churn, rng = self.cfg.churn, random.Random(self.rng.random())
+        how = random.Random(f"vanish/{self.cfg.seed}/{p.index}")  # (apart: the sessions' draws stay as they were)
         always = p.index < self.cfg.bootstrap or p.sybil is not None or p.is_relay
         online = always or churn.online_at_start(rng)
         first = True
@@ -432,6 +434,7 @@ class SimSwarm:
                 length = None if always else (churn.remaining(rng) if first else churn.session(rng))
                 with trio.move_on_after(length if length is not None else float("inf")) as scope:
                     p.scope = scope
+                    p.vanished = how.random() < churn.vanish_share  # how this session will end
                     await self._serve(p)
                     await trio.sleep_forever()
                 if self.measuring:
@@ -512,7 +515,7 @@ class SimSwarm:
             self.measuring = False
             span = trio.current_time() - t0
             sent, sent_bytes = self.net.sent_total - sent0, self.net.sent_bytes_total - bytes0
-            with trio.move_on_after(SURVEY_GRACE_S):  # the window's surveys finish (their traffic is not counted)
+            with trio.move_on_after(SURVEY_GRACE_S):  # the window's surveys and generations end (traffic: not counted)
                 await self.clients.surveys_reported()
             nursery.cancel_scope.cancel()
         online = sum(self.m.online_samples) / max(1, len(self.m.online_samples))
@@ -521,7 +524,9 @@ class SimSwarm:
         return report(self, span, sent, sent_bytes, online, peak, (rss1 - rss0) * 1024, time.perf_counter() - wall0)
 
 
-SURVEY_GRACE_S = 120.0  # a survey's look is bounded well inside this (bootstrap and fetch timeouts)
+# A survey's look is bounded well inside this (bootstrap and fetch timeouts), and so is a
+# generation of the default 64 tokens with its failovers: what is still running then is cut.
+SURVEY_GRACE_S = 300.0
 
 
 def simulate(cfg: SimConfig) -> dict:
