@@ -159,9 +159,6 @@ class Clients:
             self._surveys_open -= 1
             self._surveys_done.set()
 
-    def _reported(self, entry: dict) -> None:
-        self.m.surveys.append(entry)
-
     async def _look(self, model: int, host) -> tuple[list[Span] | str, int, int, frozenset[str]]:
         """What ``generate`` does to see the model's certified spans (a first look and
         every failover's): a new client-mode node on ``host`` bootstraps and runs
@@ -203,7 +200,7 @@ class Clients:
                  "certs": n_certs, "failed_contacts": 0, "contact_rounds": 0, "quality": None}
         if isinstance(spans, str):
             entry["outcome"] = spans
-            self._reported(entry)
+            self.m.surveys.append(entry)
             return
         entry["vouched"] = sum(1 for s in spans if s.peer_id in vouched)
         search = self._search(spans, vouched)
@@ -212,7 +209,7 @@ class Clients:
         entry.update({k: v for k, v in opened.items() if k != "route"})
         if opened["outcome"] == "route":
             entry.update(self._quality(host, spans, opened["route"], answering))
-        self._reported(entry)
+        self.m.surveys.append(entry)
         if opened["outcome"] == "route" and self.sim.cfg.generation_tokens:
             await self._generate(model, host, search, opened["route"], entry)
 
