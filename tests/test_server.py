@@ -357,6 +357,47 @@ def test_one_source_holds_a_bounded_share_of_connections_and_idle_ones_give_way(
         srv.stop(0)
 
 
+def test_a_source_reconnecting_faster_than_its_budget_is_refused_before_the_handshake():
+    """h2load in tests/test_floods.py reconnects every client the peer makes give way,
+    for as long as the peer lets it; a TLS handshake costs the peer ~2 ms of CPU
+    (300 connections from one process, 2026-12-03: 2.1 ms each, 220 a second from a
+    single Python client), and nothing bounded how fast one source opened them, so a
+    reconnect loop spent the peer's CPU at will. A source may now open a burst of
+    connections at once, then so many a second: past that a new one's handshake waits
+    its turn (no TLS work meanwhile), and once a burst's worth wait, the next are closed
+    before any. Another source's are served at once."""
+    creds = make_tls_credentials()
+    srv = Server(creds, max_connections_per_source=3, connection_burst_per_source=3,
+                 connections_per_source_per_s=2.0).start()
+
+    def connect(source: str) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", srv.port), source_address=(source, 0), timeout=10)
+
+    def handshake_s(raw: socket.socket) -> float | None:
+        t0 = time.monotonic()
+        try:
+            _h2_tls_context(creds).wrap_socket(raw, server_hostname=TLS_NAME).close()
+            return time.monotonic() - t0
+        except (ssl.SSLError, OSError):  # closed before the handshake
+            return None
+        finally:
+            raw.close()
+
+    try:
+        first = [handshake_s(connect("127.0.0.2")) for _ in range(3)]  # its burst at once
+        assert all(t is not None and t < 0.5 for t in first), first
+        raws = [connect("127.0.0.2") for _ in range(5)]  # at once (TCP only): 3 wait their turn, 2 refused
+        other = handshake_s(connect("127.0.0.3"))  # another source: at once
+        took = [handshake_s(r) for r in raws]
+        assert [t is None for t in took] == [False] * 3 + [True] * 2, took
+        assert took[0] >= 0.4, took  # its turn: 0.5 s a connection at 2 a second
+        assert sum(took[:3]) >= 1.2, took  # (read one after another: each waited what the one before did not)
+        assert other is not None and other < 0.5
+        assert srv.stats.snapshot().get("connections_over_rate", 0) == 2
+    finally:
+        srv.stop(0)
+
+
 @pytest.mark.parametrize("WRITES", [100, 0])
 def test_a_call_written_after_the_server_gave_way_is_refused_never_lost(shard_dir, load_engine, WRITES):
     """The keep-alive race (bench/wan.py, 2026-12-03): a pooled idle connection the

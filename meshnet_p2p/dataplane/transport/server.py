@@ -68,6 +68,13 @@ UNARY_WORKERS = 4
 # connections are read no sooner than its budget allows, so TCP holds back a
 # flood of cheap calls at no CPU to us, and other sources' calls get read.
 CALLS_PER_SOURCE_PER_S = 200.0
+# Connections one source may open a second, after its cap of them at once: each costs a
+# TLS handshake (~2 ms of CPU here), so a source reconnecting in a loop (a client the
+# peer made give way, reconnecting at once) would spend the peer's CPU at will. Past it,
+# a new connection's handshake waits its turn (at most another burst's worth of them: the
+# rest are closed before any TLS work), as an over-budget source's calls wait to be read.
+CONNECTIONS_PER_SOURCE_PER_S = 10.0
+CONNECTION_BURST_PER_SOURCE = MAX_CONNECTIONS_PER_SOURCE  # at once: a crowd behind one NAT starting together
 UNARY_QUEUE_PER_SOURCE = 64  # unary calls one source may have waiting for a worker
 # Background streams (bulk transfers, e.g. model files) at once: past it, RESOURCE_EXHAUSTED.
 BACKGROUND_WORKERS = 8
@@ -147,10 +154,11 @@ class _Connection(Driver):
     """One client connection on the shared driver (driver.py): the calls it
     carries, their handlers, and a standby reader for when no handler waits."""
 
-    def __init__(self, server: "Server", sock: socket.socket) -> None:
+    def __init__(self, server: "Server", sock: socket.socket, handshake_after: float = 0.0) -> None:
         super().__init__()
         self.server = server
         self.sock = sock
+        self.handshake_after = handshake_after  # its source's turn (Server._connection_turn)
         self.tls = server.ssl_context.wrap_bio(self.tls_in, self.tls_out, server_side=True)
         self.wire = grpc_core.server(max_streams=MAX_CALLS)
         self.calls: dict[int, _Call] = {}
@@ -165,6 +173,11 @@ class _Connection(Driver):
 
     def _run(self) -> None:
         try:
+            if self.handshake_after > 0:  # no TLS work before its source's turn
+                with self.cond:
+                    self.cond.wait_for(lambda: self.broken is not None, self.handshake_after)
+                    if self.broken is not None:
+                        raise _Closed()
             self._handshake(time.monotonic() + self.server.handshake_timeout)
             self._standby()
         except (OSError, ssl.SSLError, grpc_core.H2ProtocolError, TlsBindingError, _Closed):
@@ -516,7 +529,9 @@ class Server:
 
     def __init__(self, creds: TlsCredentials, *, host: str = "127.0.0.1",
                  port: int = 0, max_workers: int = 32, max_connections: int = 64,
-                 max_connections_per_source: int = MAX_CONNECTIONS_PER_SOURCE, handshake_timeout: float = 10.0,
+                 max_connections_per_source: int = MAX_CONNECTIONS_PER_SOURCE,
+                 connections_per_source_per_s: float = CONNECTIONS_PER_SOURCE_PER_S,
+                 connection_burst_per_source: int = CONNECTION_BURST_PER_SOURCE, handshake_timeout: float = 10.0,
                  idle_timeout: float = IDLE_CONNECTION_S, keepalive: float = KEEPALIVE_S,
                  keepalive_timeout: float = KEEPALIVE_TIMEOUT_S) -> None:
         self.methods: dict[str, Method] = {}  # full path ("/package.Service/Method") -> Method
@@ -533,6 +548,9 @@ class Server:
         self.background_slots = threading.BoundedSemaphore(BACKGROUND_WORKERS)
         self.max_connections = max_connections
         self.max_connections_per_source = max_connections_per_source
+        self.connections_per_source_per_s = connections_per_source_per_s
+        self.connection_burst_per_source = connection_burst_per_source
+        self._connection_budgets: dict[str, TokenBucket] = {}  # per source, under self._lock (adopt)
         self.idle_timeout = idle_timeout
         self.keepalive = keepalive
         self.keepalive_timeout = keepalive_timeout
@@ -593,8 +611,14 @@ class Server:
     def adopt(self, sock: socket.socket) -> None:
         """Serve an already connected socket: an accepted client, or a data
         connection a relay opened for one (its TLS runs end to end through it)."""
+        source = _source_of(sock)
         with self._lock:
-            victim = None if self.draining else self._make_room(_source_of(sock))
+            wait = self._connection_turn(source)
+            if wait is None:
+                self.stats.add("connections_over_rate")
+                sock.close()
+                return
+            victim = None if self.draining else self._make_room(source)
             if victim is None:
                 sock.close()
                 return
@@ -603,13 +627,29 @@ class Server:
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(SEND_TIMEOUT), 0))
-                conn = _Connection(self, sock)
+                conn = _Connection(self, sock, handshake_after=wait)
             except OSError:  # e.g. no descriptor left for its pipe: drop this one, keep serving
                 sock.close()
                 return
             self._conns.add(conn)
             self.stats.add("connections")
             conn.thread.start()  # under the lock: stop() never sees a connection whose thread has not started
+
+    def _connection_turn(self, host: str) -> float | None:
+        """Under the lock: seconds a new connection from ``host`` waits before its
+        handshake (a burst of them at once, then connections_per_source_per_s), or None
+        if it is refused (already a burst's worth waiting)."""
+        now = time.monotonic()
+        budget = self._connection_budgets.get(host)
+        if budget is None:
+            if len(self._connection_budgets) >= 4 * self.max_connections:  # forget sources quiet long enough to be full
+                self._connection_budgets = {h: b for h, b in self._connection_budgets.items() if b.level(now) < b.burst}
+            budget = self._connection_budgets[host] = TokenBucket(self.connection_burst_per_source,
+                                                                  self.connections_per_source_per_s, now)
+        if budget.level(now) - 1 < -budget.burst:
+            return None
+        budget.charge(now)
+        return budget.debt_s(now)
 
     def _make_room(self, host: str):
         """Under the lock: may a new connection from ``host`` be served? True if
