@@ -68,7 +68,7 @@ UNARY_WORKERS = 4
 # connections are read no sooner than its budget allows, so TCP holds back a
 # flood of cheap calls at no CPU to us, and other sources' calls get read.
 CALLS_PER_SOURCE_PER_S = 200.0
-# Connections one source may open a second, after its cap of them at once: each costs a
+# Connections one source may open a second, after a burst of them at once: each costs a
 # TLS handshake (~2 ms of CPU here), so a source reconnecting in a loop (a client the
 # peer made give way, reconnecting at once) would spend the peer's CPU at will. Past it,
 # a new connection's handshake waits its turn (at most another burst's worth of them: the
