@@ -227,16 +227,21 @@ async def _one_path(target: int, seeds: list[Contact], call, me: int, claimed: d
         send.send_nowait((c, answer))
 
     async with trio.open_nursery() as nursery:
+
+        def ask(c: Contact) -> None:
+            nonlocal queried
+            started[c.node_id] = trio.current_time()
+            queried += 1
+            result.queried += 1
+            nursery.start_soon(query, c)
+
         while True:
             for c in next_up()[: max(0, alpha - len(started))]:
                 if queried >= max_queries:
                     break
                 claimed[c.node_id] = me
                 state[c.node_id] = "pending"
-                started[c.node_id] = trio.current_time()
-                queried += 1
-                result.queried += 1
-                nursery.start_soon(query, c)
+                ask(c)
             if not started and (result.responses or "slow" not in state.values()):
                 break
             # with nobody answered yet (on any path), the slow requests are all there is (a loaded
@@ -248,10 +253,7 @@ async def _one_path(target: int, seeds: list[Contact], call, me: int, claimed: d
                 if answer is None and c.node_id == target and not retried:
                     # the one answer a node lookup is for, lost (a datagram either way): once more
                     retried = True
-                    started[c.node_id] = trio.current_time()
-                    queried += 1
-                    result.queried += 1
-                    nursery.start_soon(query, c)
+                    ask(c)
                     continue
                 if answer is None:
                     state[c.node_id] = "failed"

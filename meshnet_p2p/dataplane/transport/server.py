@@ -511,6 +511,26 @@ class _Closed(Exception):
     pass
 
 
+class _PerSource:
+    """A budget (TokenBucket) per source, full when first used. Past ``keep`` sources,
+    those whose budget is full again are forgotten: they would start full anyway."""
+
+    def __init__(self, burst: float, rate: float, keep: int) -> None:
+        self.burst, self.rate, self.keep = burst, rate, keep
+        self._buckets: dict[str, TokenBucket] = {}
+
+    def find(self, host: str) -> TokenBucket | None:
+        return self._buckets.get(host)
+
+    def get(self, host: str, now: float) -> TokenBucket:
+        bucket = self._buckets.get(host)
+        if bucket is None:
+            if len(self._buckets) >= self.keep:
+                self._buckets = {h: b for h, b in self._buckets.items() if b.level(now) < b.burst}
+            bucket = self._buckets[host] = TokenBucket(self.burst, self.rate, now)
+        return bucket
+
+
 def _source_of(sock: socket.socket) -> str:
     try:
         return host_group(str(sock.getpeername()[0]))
@@ -548,9 +568,9 @@ class Server:
         self.background_slots = threading.BoundedSemaphore(BACKGROUND_WORKERS)
         self.max_connections = max_connections
         self.max_connections_per_source = max_connections_per_source
-        self.connections_per_source_per_s = connections_per_source_per_s
-        self.connection_burst_per_source = connection_burst_per_source
-        self._connection_budgets: dict[str, TokenBucket] = {}  # per source, under self._lock (adopt)
+        # per source, under self._lock (adopt)
+        self._connection_budgets = _PerSource(connection_burst_per_source, connections_per_source_per_s,
+                                              4 * max_connections)
         self.idle_timeout = idle_timeout
         self.keepalive = keepalive
         self.keepalive_timeout = keepalive_timeout
@@ -561,7 +581,8 @@ class Server:
         self._conns: set[_Connection] = set()
         # bytes read and written on client connections, connections served: read by metrics
         self.stats = Counters(("bytes_in", "bytes_out", "connections"))
-        self._call_budgets: dict[str, TokenBucket] = {}  # per source (charge_call)
+        self._call_budgets = _PerSource(int(2 * CALLS_PER_SOURCE_PER_S), CALLS_PER_SOURCE_PER_S,
+                                        4 * max_connections)  # per source (charge_call)
         self._budget_lock = threading.Lock()
         self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.host = host
@@ -640,12 +661,7 @@ class Server:
         handshake (a burst of them at once, then connections_per_source_per_s), or None
         if it is refused (already a burst's worth waiting)."""
         now = time.monotonic()
-        budget = self._connection_budgets.get(host)
-        if budget is None:
-            if len(self._connection_budgets) >= 4 * self.max_connections:  # forget sources quiet long enough to be full
-                self._connection_budgets = {h: b for h, b in self._connection_budgets.items() if b.level(now) < b.burst}
-            budget = self._connection_budgets[host] = TokenBucket(self.connection_burst_per_source,
-                                                                  self.connections_per_source_per_s, now)
+        budget = self._connection_budgets.get(host, now)
         if budget.level(now) - 1 < -budget.burst:
             return None
         budget.charge(now)
@@ -695,19 +711,13 @@ class Server:
         connection's lock: takes only its own lock, never the server's."""
         now = time.monotonic()
         with self._budget_lock:
-            budget = self._call_budgets.get(host)
-            if budget is None:
-                if len(self._call_budgets) >= 4 * self.max_connections:  # forget sources quiet long enough to be full
-                    self._call_budgets = {h: b for h, b in self._call_budgets.items() if b.level(now) < b.burst}
-                budget = self._call_budgets[host] = TokenBucket(int(2 * CALLS_PER_SOURCE_PER_S),
-                                                                CALLS_PER_SOURCE_PER_S, now)
-            budget.charge(now)
+            self._call_budgets.get(host, now).charge(now)
 
     def read_pause(self, host: str) -> float:
         """How long ``host``'s connections wait before their next read: until its
         budget is out of debt (0 if it is not in debt)."""
         with self._budget_lock:
-            budget = self._call_budgets.get(host)
+            budget = self._call_budgets.find(host)
             return 0.0 if budget is None else budget.debt_s(time.monotonic())
 
     def open_connections(self) -> int:
