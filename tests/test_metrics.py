@@ -58,7 +58,7 @@ class FakeEngine:
 
     def metrics(self) -> MetricsResult:
         return MetricsResult(active_sessions=2, steps=7, tokens_processed=40, passes=5, rows=40,
-                             compute_seconds=0.25, rows_per_pass=self.rows.snapshot())
+                             compute_seconds=0.25, fewer_thread_passes=3, rows_per_pass=self.rows.snapshot())
 
 
 class FakeServicer:
@@ -141,6 +141,7 @@ def test_collectors_read_the_counters_they_are_given():
     s = parse(generate_latest(make_registry("test", *all_collectors())).decode())
     assert value(s, "meshnet_engine_steps_total") == 7
     assert value(s, "meshnet_engine_compute_seconds_total") == 0.25
+    assert value(s, "meshnet_engine_fewer_thread_passes_total") == 3
     # batch sizes: Prometheus' cumulative buckets, "le" inclusive
     assert value(s, "meshnet_engine_batch_rows_bucket", le="1.0") == 1
     assert value(s, "meshnet_engine_batch_rows_bucket", le="2.0") == 3

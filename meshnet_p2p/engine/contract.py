@@ -154,6 +154,8 @@ class LoadRequest:
     kv_token_budget: int | None = None  # default: max_sessions * n_ctx_per_session
     kv_memory_mib: int = KV_MEMORY_MIB
     n_threads: int | None = None
+    # per small pass, compute on as many of n_threads as measured fastest (threads.py); False: all of them
+    choose_threads: bool = True
     seam_dtype: str = "f32"
     n_ubatch: int = 64
     source_sha256: str | None = None  # for an uncut model file, skips hashing it again
@@ -182,6 +184,7 @@ class EngineOptions:
     kv_memory_mib: int = LoadRequest.kv_memory_mib
     n_ubatch: int = LoadRequest.n_ubatch
     n_threads: int | None = LoadRequest.n_threads
+    choose_threads: bool = LoadRequest.choose_threads
 
     def load_request(self, path: str, *, source_sha256: str | None = None,
                      progress: Callable[[str, int, int], None] | None = None) -> "LoadRequest":
@@ -311,6 +314,7 @@ class MetricsResult:
     shared_passes: int = 0  # of them, those that carried steps of several sessions
     rows: int = 0  # rows those calls carried (rows / passes: batch occupancy)
     compute_seconds: float = 0.0  # time spent inside them
+    fewer_thread_passes: int = 0  # of them, those run on fewer than n_threads (faster after idle: threads.py)
     rows_per_pass: HistogramSnapshot | None = None  # how many rows each call carried (batch sizes)
 
 

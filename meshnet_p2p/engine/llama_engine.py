@@ -67,6 +67,7 @@ from .recipe import FLASH_ATTN_TYPE, KV_CACHE_GGML_TYPE, KV_UNIFIED, RecipeError
 from .sampling import sample
 from .seam import decode_seam, encode_seam, seam_itemsize
 from .sessions import Session, SessionTable
+from .threads import FixedThreads, ThreadChooser
 
 
 _CAPTURE_MISSED = -100  # _decode's code when the hidden-state capture missed
@@ -91,9 +92,13 @@ class LlamaCppShardEngine(ShardEngine):
         self._state = "not-loaded"
         self._detail = ""
         self._m = dict(steps=0, tokens_processed=0, tokens_sampled=0, refused=0, cancelled=0, failed_steps=0,
-                       passes=0, shared_passes=0, rows=0, compute_seconds=0.0)
+                       passes=0, shared_passes=0, rows=0, compute_seconds=0.0, fewer_thread_passes=0)
         self._pass_rows = Histogram(BATCH_ROWS)  # rows per llama_decode: the batch sizes it achieved
         self.keep_logits = False  # tests: keep the tail's last logits per session
+        # how many threads each pass runs on (threads.py); set at load, replaceable (tests)
+        self.thread_chooser: ThreadChooser | FixedThreads | None = None
+        self._threads_now = 0  # what the context computes with now
+        self._last_pass_end = float("-inf")  # when the last llama_decode returned: the idle before the next
         self.last_logits: dict[str, np.ndarray] = {}
 
     # --- lifecycle -------------------------------------------------------------
@@ -195,6 +200,8 @@ class LlamaCppShardEngine(ShardEngine):
         if not is_tail:
             self._capture.buf = self._batch.capture.__array_interface__["data"][0]  # a fixed buffer for every step
         self._native = native  # keep the callbacks alive as long as the context
+        self._threads_now = threads
+        self.thread_chooser = ThreadChooser(threads) if request.choose_threads else FixedThreads(threads)
         budget = request.kv_token_budget or max_sessions * request.n_ctx_per_session
         self._table = SessionTable(max_sessions, budget, request.n_ctx_per_session)
         self._caps = EngineCapabilities(
@@ -480,16 +487,26 @@ class LlamaCppShardEngine(ShardEngine):
         with self._table_lock:
             self._running = live[0][0].session.session_id if len(live) == 1 else None
             self._capture.abort = 0
+        rows = sum(m for _, _, m in live)
         t0 = time.perf_counter()
+        gap = t0 - self._last_pass_end
+        threads = self.thread_chooser.choose(gap, rows)
+        if threads != self._threads_now:  # (a field write: takes effect at the next llama_decode)
+            llama_cpp.llama_set_n_threads(self._ctx, threads, threads)
+            self._threads_now = threads
         rc = self._decode(live)
-        took = time.perf_counter() - t0
+        self._last_pass_end = time.perf_counter()
+        took = self._last_pass_end - t0
         with self._table_lock:
             self._running = None
             aborted = self._capture.abort
             self._capture.abort = 0
+            if rc == 0 and not aborted:  # (a pass cut short says nothing of what its thread count costs)
+                self.thread_chooser.observe(gap, rows, threads, took)
             self._m["passes"] += 1
-            rows = sum(m for _, _, m in live)
             self._m["rows"] += rows
+            if threads < self.thread_chooser.max_threads:
+                self._m["fewer_thread_passes"] += 1
             self._pass_rows.observe(rows)
             self._m["compute_seconds"] += took
             if len(live) > 1:

@@ -82,7 +82,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help=f"memory for the sessions' KV caches when --max-sessions is not given (default {d.kv_memory_mib})")
     p.add_argument("--n-ubatch", type=positive, default=d.n_ubatch)
     p.add_argument("--n-ctx", type=positive, default=d.n_ctx_per_session, help="KV tokens per session")
-    p.add_argument("--threads", type=positive, default=d.n_threads)
+    p.add_argument("--threads", type=positive, default=d.n_threads,
+                   help="llama.cpp threads (default: every CPU this process may use)")
+    p.add_argument("--fixed-threads", action="store_true",
+                   help="compute every step on all --threads; by default a one-token step runs on as many of "
+                        "them as measured fastest (fewer after idle where waking CPUs is slow; docs/engine.md)")
     p.add_argument("--idle-timeout", type=positive_float, default=120.0, metavar="SECONDS",
                    help="release a session that sends nothing for this long (default 120)")
     p.add_argument("--keep-warm", type=non_negative_int, default=KEEP_WARM_MS, metavar="MS",
@@ -177,7 +181,7 @@ def engine_options(args: argparse.Namespace):
     from meshnet_p2p.engine.contract import EngineOptions
 
     return EngineOptions(max_sessions=args.max_sessions, n_ctx_per_session=args.n_ctx, kv_memory_mib=args.kv_memory,
-                         n_ubatch=args.n_ubatch, n_threads=args.threads)
+                         n_ubatch=args.n_ubatch, n_threads=args.threads, choose_threads=not args.fixed_threads)
 
 
 def keep_warm(args: argparse.Namespace) -> dict:

@@ -111,6 +111,9 @@ class EngineCollector(Collector):
                        m.shared_passes)
         yield _counter("meshnet_engine_rows_total", "rows the llama_decode calls carried", m.rows)
         yield _counter("meshnet_engine_compute_seconds_total", "time spent inside llama_decode", m.compute_seconds)
+        yield _counter("meshnet_engine_fewer_thread_passes_total",
+                       "llama_decode calls run on fewer than --threads (measured faster there, e.g. after idle)",
+                       m.fewer_thread_passes)
         if m.rows_per_pass is not None:  # (an engine that keeps no batch sizes shows none)
             yield histogram_family("meshnet_engine_batch_rows", "rows per llama_decode call (batch size)",
                                    m.rows_per_pass)
