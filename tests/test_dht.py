@@ -62,6 +62,30 @@ def test_nearest_is_ordered_by_xor_distance():
     assert [c.node_id ^ target for c in got] == sorted(c.node_id ^ target for c in table.contacts())[:10]
 
 
+@given(st.lists(st.tuples(st.sampled_from(["add", "move", "fail", "evict"]), st.integers(1, 60),
+                          st.integers(0, 3)), max_size=200),
+       st.integers(1, 80), st.integers(1, 30), st.sets(st.integers(1, 60), max_size=10))
+def test_nearest_and_len_follow_the_buckets_whatever_joins_moves_fails_or_is_evicted(ops, t, count, excluded):
+    # nearest() and len() keep an index of the buckets' members: it must never drift from them
+    table = RoutingTable(local_id=node_id_of(swarm_identity(0).peer_id), k=3, max_failures=2)
+    for op, i, net in ops:
+        c = contact(i)
+        if op == "add":  # (a new port at the same address: the member is refreshed to it)
+            table.add(Contact(c.node_id, c.peer_id, c.host, c.port + net))
+        elif op == "move":  # an address change, into one of a few public networks (the diversity bound bites)
+            table.add(Contact(c.node_id, c.peer_id, f"45.33.{net}.{i}", c.port))
+        elif op == "fail":
+            table.fail(c.node_id)
+        else:
+            table.evict(c.node_id)
+    members = [m for b in table.buckets for m in b.members.values()]
+    assert len(table) == len(members) and table.contacts() == members
+    target = contact(t).node_id
+    exclude = {contact(i).node_id for i in excluded}
+    want = sorted((m for m in members if m.node_id not in exclude), key=lambda m: m.node_id ^ target)[:count]
+    assert table.nearest(target, count, exclude) == want
+
+
 # --- lookup (pure traversal, network passed in) -----------------------------------------
 
 

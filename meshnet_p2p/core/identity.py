@@ -100,14 +100,7 @@ class PeerId:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "PeerId":
-        if len(data) < 2:
-            raise IdentityError("peer ID is too short")
-        if data[0] != _MH_IDENTITY:
-            raise IdentityError("only Ed25519 peer IDs (identity multihash, 12D3KooW...) are accepted")
-        if data[1] != len(data) - 2:
-            raise IdentityError("peer ID multihash length does not match its content")
-        decode_public_key(data[2:])
-        return cls(bytes(data))
+        return _peer_id_of(bytes(data))
 
     def public_key_bytes(self) -> bytes:
         return decode_public_key(self.multihash[2:])
@@ -132,6 +125,20 @@ class PeerId:
 
     def __repr__(self) -> str:
         return f"PeerId({str(self)!r})"
+
+
+@functools.lru_cache(maxsize=16384)
+def _peer_id_of(data: bytes) -> PeerId:
+    """A peer ID from its bytes, checked; interned (the same few hundred peers come in
+    every DHT reply, and a new object would base58-encode its text again: ~30 us each)."""
+    if len(data) < 2:
+        raise IdentityError("peer ID is too short")
+    if data[0] != _MH_IDENTITY:
+        raise IdentityError("only Ed25519 peer IDs (identity multihash, 12D3KooW...) are accepted")
+    if data[1] != len(data) - 2:
+        raise IdentityError("peer ID multihash length does not match its content")
+    decode_public_key(data[2:])
+    return PeerId(data)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -8,6 +8,7 @@ without further checks.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 from dataclasses import dataclass
@@ -41,6 +42,10 @@ class Multiaddr:
             raise MultiaddrError(f"{text!r} is not a multiaddr (it must start with '/')")
         if len(text) > MAX_MULTIADDR_CHARS:
             raise MultiaddrError("multiaddr is too long")
+        return _parse(text)
+
+    @classmethod
+    def _parse_uncached(cls, text: str) -> "Multiaddr":
         parts = text.strip("/").split("/")
         comps: list[tuple[str, str]] = []
         i = 0
@@ -153,3 +158,10 @@ def ip_of(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         return ip.ipv4_mapped
     return ip
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse(text: str) -> Multiaddr:
+    """Parsed once per text (frozen, so shared): every capability report a DHT node
+    verifies names the same few addresses again, and parsing one is ~0.1 ms."""
+    return Multiaddr._parse_uncached(text)

@@ -16,7 +16,9 @@ local swarms and LANs share one network by design.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import heapq
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
@@ -28,12 +30,7 @@ MAX_PER_GROUP_IN_BUCKET = 2
 MAX_PER_GROUP = 8
 
 
-
-
-
-
-
-
+@functools.lru_cache(maxsize=16384)  # asked for every contact of every reply: the same peers again and again
 def node_id_of(peer_id: PeerId) -> int:
     """A node's DHT ID: sha256 of its peer ID bytes, so IDs are uniform and bound to keys."""
     return int.from_bytes(hashlib.sha256(peer_id.multihash).digest(), "big")
@@ -76,6 +73,7 @@ class RoutingTable:
         self.k = k
         self.max_failures = max_failures
         self.buckets = [KBucket(k) for _ in range(ID_BITS)]
+        self._members: dict[int, Contact] = {}  # every bucket's members, for nearest()
         self._groups: Counter[str] = Counter()  # members per ip_group, table-wide
         self.refused_for_diversity = 0
 
@@ -88,11 +86,13 @@ class RoutingTable:
 
     def _joined(self, b: KBucket, contact: Contact) -> None:
         b.members[contact.node_id] = contact
+        self._members[contact.node_id] = contact
         if (g := ip_group(contact.host)) is not None:
             self._groups[g] += 1
 
     def _left(self, b: KBucket, node_id: int) -> Contact | None:
         c = b.members.pop(node_id, None)
+        self._members.pop(node_id, None)
         if c is not None and (g := ip_group(c.host)) is not None:
             self._groups[g] -= 1
             if not self._groups[g]:
@@ -114,6 +114,7 @@ class RoutingTable:
             if old.host == contact.host:
                 b.members.move_to_end(contact.node_id)  # most recently seen
                 b.members[contact.node_id] = contact
+                self._members[contact.node_id] = contact
             else:  # an address change: the new address's network must have room
                 self._left(b, contact.node_id)
                 if not self._diverse_enough(b, contact):
@@ -163,12 +164,13 @@ class RoutingTable:
 
     def nearest(self, target: int, count: int | None = None, exclude: set[int] | frozenset[int] = frozenset()) -> list[Contact]:
         count = self.k if count is None else count
-        everyone = [c for b in self.buckets for c in b.members.values() if c.node_id not in exclude]
-        everyone.sort(key=lambda c: c.node_id ^ target)
-        return everyone[:count]
+        members = self._members.values()
+        if exclude:
+            members = [c for c in members if c.node_id not in exclude]
+        return heapq.nsmallest(count, members, key=lambda c: c.node_id ^ target)
 
     def contacts(self) -> list[Contact]:
         return [c for b in self.buckets for c in b.members.values()]
 
     def __len__(self) -> int:
-        return sum(len(b) for b in self.buckets)
+        return len(self._members)
