@@ -4,6 +4,7 @@ older route that never reach the client. `meshnet-peer serve` processes with
 real llama.cpp shards; the ring's failover end to end is in test_e2e.py."""
 
 import contextlib
+import dataclasses
 import os
 import socket
 import time
@@ -311,15 +312,17 @@ def test_a_link_on_a_pooled_connection_that_died_while_idle_dials_anew(middle, m
 # --- whom a failed link blames (the client's side, with stand-in hops) ------------------------------------
 
 class _Stream:
-    def __init__(self, answer=None) -> None:
-        self.answer = answer  # what a link signal raises (None: it is acknowledged)
+    def __init__(self, answer=None, *, then=()) -> None:
+        self.answer = answer  # what a link signal raises (None: it is acknowledged)...
+        self.then = list(then)  # ...after these, one per link signal, first
         self.session_id = "s" * 32
         self.sent = []
 
     def link(self, order, timeout=None):
         self.sent.append(order)
-        if self.answer is not None:
-            raise self.answer
+        answer = self.then.pop(0) if self.then else self.answer
+        if answer is not None:
+            raise answer
 
 
 class _Peer:
@@ -362,6 +365,30 @@ def test_a_hop_that_cannot_reach_a_live_next_hop_is_the_one_at_fault():
     full = ShardError(pb.Error(code=pb.CAPACITY, detail="no worker", retryable=True))
     assert _route([(_Stream(), True), (_Stream(full), True), (_Stream(), True)])._link()[0] == 2  # busy next
     assert _route([(_Stream(), True), (_Stream(), True)])._link() is None
+
+
+def test_a_peer_that_limits_our_links_is_asked_again_when_it_says_not_routed_around():
+    """LINK_LIMITED bounds the links one client may ask of a peer over time (a client
+    starting many short generations meets it): busy, not faulty. The client waits as
+    the peer says and links again, for up to a step's timeout (1 s here) in all; only
+    then is the hop routed around (as before, with no ban)."""
+    def limited(after_ms: int):
+        return ShardError(pb.Error(code=pb.LINK_LIMITED, detail="no more ring links for this client now",
+                                   retryable=True, retry_after_ms=after_ms))
+
+    events = []
+    route = _route([(_Stream(then=[limited(100), limited(100)]), True), (_Stream(), True)])
+    route.opts = dataclasses.replace(route.opts, on_event=events.append)
+    t0 = time.monotonic()
+    assert route._link() is None  # linked on the third ask, no fault
+    assert 0.2 <= time.monotonic() - t0 < 1.0
+    assert len(route.hops[0].stream.sent) == 3 and len(events) == 2
+    assert "asking again in 0.1 s" in events[0]
+    t0 = time.monotonic()
+    stubborn = _route([(_Stream(limited(400)), True), (_Stream(), True)])
+    assert stubborn._link()[0] == 0  # still limited after a step's timeout: that hop is routed around
+    assert time.monotonic() - t0 < 1.5 and len(stubborn.hops[0].stream.sent) == 3  # asked at 0, 0.4, 0.8 s
+    assert _route([(_Stream(limited(5_000)), True), (_Stream(), True)])._link()[0] == 0  # past the budget: at once
 
 
 def test_a_link_carries_the_next_hops_newest_report():

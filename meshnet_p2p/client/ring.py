@@ -13,6 +13,7 @@ commitments for one step: either way it is the one blamed (docs/ring.md)."""
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 from meshnet_p2p.core import trace
@@ -27,6 +28,7 @@ from .errors import GenerationError
 from .failover import Fault, blame, replace_failed, rollback_others
 from .hop import CONNECT_TIMEOUT_S, DishonestHop, Hop, check_commitment, commitments_of
 
+MIN_LINK_PAUSE_S = 0.05  # the least wait before asking a peer that limited our links again
 REPORT_MARGIN_MS = 15_000  # a ring link sends a report at least this far from expiry (a peer checks it)
 
 
@@ -213,12 +215,11 @@ class RingRoute(Chain):
                               session_id=nxt.stream.session_id, attach_token=nxt.attach_token,
                               forward_until=self._forward_until, stop_at_eog=self.opts.stop_at_eog)
             try:
-                # the peer dials within LINK_TIMEOUT_S: wait past that, so its verdict comes first
-                hop.stream.link(order, timeout=self.opts.step_timeout + LINK_TIMEOUT_S)
+                self._link_one(hop, order)
             except ShardError as e:
                 if e.code_name == "CAPACITY":  # the next hop had no worker for the attach: busy, not faulty
                     return (i + 1) % k, e
-                if e.code_name == "LINK_LIMITED":  # it makes no more links for us now: route around it, no ban
+                if e.code_name == "LINK_LIMITED":  # no more links for us even after waiting: route around it, no ban
                     return i, e
                 if e.code_name == "LINK_FAILED":  # it could not reach the next hop, or that one would not take
                     # the attach: if it takes one from this client, the fault is the linking hop's (its
@@ -229,6 +230,26 @@ class RingRoute(Chain):
             except ShardConnectionError as e:
                 return i, e
         return None
+
+    def _link_one(self, hop: Hop, order: LinkOrder) -> None:
+        """Send ``hop`` its link. A peer that makes no more links for this client now
+        (LINK_LIMITED: it bounds the dials one client may ask of it over time, and a
+        client starting many short generations meets that bound) is asked again when
+        it says, for up to a step's timeout in all: busy, not faulty, and routing
+        around it would spend a failover where a wait costs less."""
+        waited_until = time.monotonic() + self.opts.step_timeout
+        while True:
+            try:
+                # the peer dials within LINK_TIMEOUT_S: wait past that, so its verdict comes first
+                hop.stream.link(order, timeout=self.opts.step_timeout + LINK_TIMEOUT_S)
+                return
+            except ShardError as e:
+                pause = max(getattr(e, "retry_after_s", 0.0), MIN_LINK_PAUSE_S)
+                if e.code_name != "LINK_LIMITED" or not e.retryable or time.monotonic() + pause > waited_until:
+                    raise
+                self.opts.on_event(f"peer {hop.span.peer_id} makes no more ring links for this client now; "
+                                   f"asking again in {pause:.1f} s")
+                time.sleep(pause)
 
     def _report_of(self, hop: Hop) -> bytes:
         """The newest signed report of ``hop``'s peer this route holds (a long generation
