@@ -48,6 +48,7 @@ from tests.swarm import certified_span, start_swarm
 
 PROMPT = "The capital of France is"
 ATTACKER = "127.0.0.2"
+BYSTANDER = "127.0.0.3"  # another source, with budgets of its own
 ENHANCE_YOUR_CALM = 11
 HEALTH = "/meshnet.shard.v1.ShardRuntime/Health"
 SESSION = "/meshnet.shard.v1.ShardRuntime/Session"
@@ -85,8 +86,8 @@ def _usage(pid: int) -> tuple[float, int]:
 class Raw:
     """An attacker's HTTP/2 connection: TLS (verifying nothing), then frames as it likes."""
 
-    def __init__(self, target, *, handshake: bool = True, preface: bool = True) -> None:
-        self.sock = socket.create_connection(target, timeout=10, source_address=(ATTACKER, 0))
+    def __init__(self, target, *, handshake: bool = True, preface: bool = True, source: str = ATTACKER) -> None:
+        self.sock = socket.create_connection(target, timeout=10, source_address=(source, 0))
         if handshake:
             ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
             ctx.check_hostname = False
@@ -292,7 +293,10 @@ def test_slowloris_holds_only_its_sources_share(swarm, stage):
         # whose TLS handshake completes was taken after all of them, and each made
         # its room as it was taken. Counted before that, a stalled handshake still
         # waiting in the kernel's backlog (a loaded host) looked held (34 of 32).
-        barrier = Raw(target)
+        # The barrier comes from another address: a 65th of the attacker's own is over
+        # its source's connection budget (a burst of 32, then 10 a second, at most 32
+        # waiting their turn), and is closed before TLS whenever 32 still wait.
+        barrier = Raw(target, source=BYSTANDER)
         for c in conns:  # a trickle: each still looks alive
             c.send(b"\x00" if stage == "handshake" else frame(PING, 0, 0, b"\x00" * 8))
         alive = sum(1 for c in conns if c._read(0.05)) + barrier._read(0.05)
