@@ -61,6 +61,7 @@ class ThreadChooser:
         self._trying: tuple[int, int, int] | None = None  # the key of a pass on a count not the cheapest
 
     def choose(self, gap_s: float, rows: int) -> int:
+        self._trying = None  # (a tried pass whose time never came, e.g. cut short, is forgotten)
         if rows > SMALL_PASS_ROWS or len(self.counts) == 1:
             return self.max_threads
         kind = (gap_bucket(gap_s), rows)
