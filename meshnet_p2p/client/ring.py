@@ -244,7 +244,7 @@ class RingRoute(Chain):
                 hop.stream.link(order, timeout=self.opts.step_timeout + LINK_TIMEOUT_S)
                 return
             except ShardError as e:
-                pause = max(getattr(e, "retry_after_s", 0.0), MIN_LINK_PAUSE_S)
+                pause = max(e.retry_after_s, MIN_LINK_PAUSE_S)
                 if e.code_name != "LINK_LIMITED" or not e.retryable or time.monotonic() + pause > waited_until:
                     raise
                 self.opts.on_event(f"peer {hop.span.peer_id} makes no more ring links for this client now; "

@@ -60,9 +60,13 @@ class ThreadChooser:
         self._passes: Counter = Counter()  # (gap bucket, rows) -> passes chosen for
         self._trying: tuple[int, int, int] | None = None  # the key of a pass on a count not the cheapest
 
+    def _chooses(self, rows: int) -> bool:
+        """Whether a pass of ``rows`` has a choice: small, with more than one count to try."""
+        return rows <= SMALL_PASS_ROWS and len(self.counts) > 1
+
     def choose(self, gap_s: float, rows: int) -> int:
         self._trying = None  # (a tried pass whose time never came, e.g. cut short, is forgotten)
-        if rows > SMALL_PASS_ROWS or len(self.counts) == 1:
+        if not self._chooses(rows):
             return self.max_threads
         kind = (gap_bucket(gap_s), rows)
         n = self._passes[kind]
@@ -79,7 +83,7 @@ class ThreadChooser:
 
     def observe(self, gap_s: float, rows: int, threads: int, took_s: float) -> None:
         """What a pass ``choose`` was asked about cost on ``threads`` threads."""
-        if rows > SMALL_PASS_ROWS or len(self.counts) == 1:
+        if not self._chooses(rows):
             return
         key = (gap_bucket(gap_s), rows, threads)
         old = self._cost.get(key)

@@ -83,7 +83,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-ubatch", type=positive, default=d.n_ubatch)
     p.add_argument("--n-ctx", type=positive, default=d.n_ctx_per_session, help="KV tokens per session")
     p.add_argument("--threads", type=positive, default=d.n_threads,
-                   help="llama.cpp threads (default: every CPU this process may use)")
+                   help="llama.cpp threads (default: as many as the machine has CPUs)")
     p.add_argument("--fixed-threads", action="store_true",
                    help="compute every step on all --threads; by default a one-token step runs on as many of "
                         "them as measured fastest (fewer after idle where waking CPUs is slow; docs/engine.md)")
