@@ -53,6 +53,45 @@ def test_full_bucket_asks_for_a_ping_and_eviction_promotes_the_replacement():
     assert {c.node_id for c in table.contacts()} == {cs[1].node_id, cs[2].node_id}  # ...and promotes
 
 
+def test_a_full_bucket_asks_for_a_ping_only_when_its_stalest_member_has_been_quiet_a_while():
+    # Kademlia pings a full bucket's least recently seen member when a newcomer would
+    # take its place; a member heard from within FRESH_S is alive enough (BEP 5 keeps
+    # a node "good" for 15 minutes), and pinging it for every newcomer was a third of
+    # a simulated swarm's pings (docs/scale.md)
+    from meshnet_p2p.dht.routing import FRESH_S
+
+    table = RoutingTable(local_id=0, k=2, max_failures=2)
+    cs = [c for c in (contact(i) for i in range(1, 80)) if c.node_id >> 255][:4]
+    assert table.add(cs[0], now=100.0) is None and table.add(cs[1], now=110.0) is None
+    assert not table.has_room(cs[2].node_id, now=100.0 + FRESH_S - 1)  # both members fresh: no room
+    assert table.add(cs[2], now=100.0 + FRESH_S - 1) is None  # no ping: the newcomer waits as a replacement
+    assert table.has_room(cs[3].node_id, now=100.0 + FRESH_S)  # the stalest one has been quiet long enough
+    assert table.add(cs[3], now=100.0 + FRESH_S) == cs[0]
+    assert table.add(cs[0], now=200.0) is None  # heard from again: fresh, and now the most recent
+    assert table.add(cs[3], now=110.0 + FRESH_S - 1) is None  # cs[1] is the stalest now, heard at 110
+    assert table.add(cs[2], now=110.0 + FRESH_S) == cs[1]
+    assert table.has_room(contact(90).node_id, now=0.0) == (not contact(90).node_id >> 255)  # another bucket
+    assert table.add(cs[2]) == cs[1]  # no clock given: the stalest member, as Kademlia has it
+
+
+async def test_a_newcomer_to_a_full_bucket_of_fresh_members_costs_no_pings(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        net, nodes = await start_swarm(nursery, 12, TYPES, config=DHTConfig(k=2))
+        a = nodes[1]
+        full = {i for i, b in enumerate(a.table.buckets) if len(b.members) == a.config.k}
+        assert full
+        newcomer_id = next(swarm_identity(i) for i in range(100, 100_000)
+                           if (node_id_of(swarm_identity(i).peer_id) ^ a.node_id).bit_length() - 1 in full)
+        newcomer = DHTNode(newcomer_id, net.endpoint(), TYPES, DHTConfig(k=2))
+        await nursery.start(newcomer.run)
+        before = a.stats["sent_ping"]
+        assert await newcomer.ping(a.contact()) is not None  # a's bucket for it is full of members just heard
+        await trio.testing.wait_all_tasks_blocked()
+        assert a.stats["sent_ping"] == before  # neither the newcomer verified nor a member checked
+        assert a.table.get(newcomer.node_id) is None
+        nursery.cancel_scope.cancel()
+
+
 def test_nearest_is_ordered_by_xor_distance():
     table = RoutingTable(local_id=node_id_of(swarm_identity(0).peer_id), k=20)
     for i in range(1, 50):

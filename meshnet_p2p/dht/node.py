@@ -411,11 +411,14 @@ class DHTNode:
         datagram replayed from elsewhere can refresh nothing."""
         if client:
             return
-        known = self.table.get(node_id_of(peer))
+        node_id, now = node_id_of(peer), trio.current_time()
+        known = self.table.get(node_id)
         if not round_trip and (known is None or known.addr != addr):
-            self._verify_later(peer, addr)
+            # a newcomer whose bucket is full of members heard from lately could not enter: not worth a ping
+            if known is not None or self.table.has_room(node_id, now):
+                self._verify_later(peer, addr)
             return
-        stale = self.table.add(Contact.of(peer, addr[0], addr[1]))
+        stale = self.table.add(Contact.of(peer, addr[0], addr[1]), now)
         if stale is not None:
             self._check_later(stale)
 
@@ -572,7 +575,7 @@ class DHTNode:
                 nursery.start_soon(one, c)
         if self.config.client_mode:
             for c in seeds:  # a client is in nobody's table, so it keeps its seeds in its own
-                self.table.add(c)
+                self.table.add(c, trio.current_time())
         await self.find_node(self.node_id)
         return answered
 
@@ -596,7 +599,7 @@ class DHTNode:
                     answered += 1
                     self._seed_retry.pop(c.addr, None)
                     if self.config.client_mode:
-                        self.table.add(c)
+                        self.table.add(c, trio.current_time())
                 else:  # a dead seed is asked less and less often (15 s doubling to 5 min)
                     wait = min(REJOIN_MAX_BACKOFF_S, max(15.0, 2 * self._seed_retry.get(c.addr, (0.0, 7.5))[1]))
                     self._seed_retry[c.addr] = (trio.current_time() + wait, wait)

@@ -3,7 +3,8 @@
 No I/O here. :meth:`RoutingTable.add` never pings anyone: when a bucket is
 full it keeps the newcomer in a replacement cache and returns the stalest
 member, for the caller to ping (and to :meth:`RoutingTable.fail` if it does not
-answer). Failures evict: a contact that missed ``max_failures`` requests in a
+answer), unless that member was heard from within FRESH_S: then it is alive
+enough and nobody is pinged (the caller passes its clock). Failures evict: a contact that missed ``max_failures`` requests in a
 row is dropped and a replacement takes its place. That is what keeps frozen
 peers from stalling lookups for ever.
 
@@ -28,6 +29,11 @@ from meshnet_p2p.core.netgroup import ip_group
 ID_BITS = 256
 MAX_PER_GROUP_IN_BUCKET = 2
 MAX_PER_GROUP = 8
+# A member heard from this recently is not pinged when a newcomer would take its place.
+# BEP 5 keeps a node "good" for 15 minutes; a dead member is still found by the lookups
+# that time out on it (fail), so the price of a long window is small. Pinging the stalest
+# member for every newcomer was a third of a simulated swarm's pings (docs/scale.md).
+FRESH_S = 300.0
 
 
 @functools.lru_cache(maxsize=16384)  # asked for every contact of every reply: the same peers again and again
@@ -60,6 +66,7 @@ class KBucket:
     def __init__(self, k: int) -> None:
         self.k = k
         self.members: OrderedDict[int, Contact] = OrderedDict()  # least recently seen first
+        self.seen: dict[int, float] = {}  # when each member was last heard from (the caller's clock)
         self.failures: dict[int, int] = {}
         self.replacements: OrderedDict[int, Contact] = OrderedDict()
 
@@ -68,10 +75,11 @@ class KBucket:
 
 
 class RoutingTable:
-    def __init__(self, local_id: int, k: int = 20, max_failures: int = 2) -> None:
+    def __init__(self, local_id: int, k: int = 20, max_failures: int = 2, fresh_s: float = FRESH_S) -> None:
         self.local_id = local_id
         self.k = k
         self.max_failures = max_failures
+        self.fresh_s = fresh_s
         self.buckets = [KBucket(k) for _ in range(ID_BITS)]
         self._members: dict[int, Contact] = {}  # every bucket's members, for nearest()
         self._groups: Counter[str] = Counter()  # members per ip_group, table-wide
@@ -93,6 +101,7 @@ class RoutingTable:
     def _left(self, b: KBucket, node_id: int) -> Contact | None:
         c = b.members.pop(node_id, None)
         self._members.pop(node_id, None)
+        b.seen.pop(node_id, None)
         if c is not None and (g := ip_group(c.host)) is not None:
             self._groups[g] -= 1
             if not self._groups[g]:
@@ -103,9 +112,11 @@ class RoutingTable:
         d = node_id ^ self.local_id
         return self.buckets[d.bit_length() - 1] if d else self.buckets[0]
 
-    def add(self, contact: Contact) -> Contact | None:
-        """Record that ``contact`` was heard from. Returns a contact to ping when
-        the bucket is full (the newcomer then waits in the replacement cache)."""
+    def add(self, contact: Contact, now: float | None = None) -> Contact | None:
+        """Record that ``contact`` was heard from (at ``now``, on the caller's clock).
+        Returns a contact to ping when the bucket is full (the newcomer then waits
+        in the replacement cache): its stalest member, unless that one was heard
+        from within ``fresh_s`` of ``now`` (with no clock given: always)."""
         if contact.node_id == self.local_id:
             return None
         b = self._bucket(contact.node_id)
@@ -123,18 +134,37 @@ class RoutingTable:
                     return None
                 self._joined(b, contact)
             b.failures.pop(contact.node_id, None)
+            self._seen(b, contact.node_id, now)
             return None
         if not self._diverse_enough(b, contact):
             self.refused_for_diversity += 1
             return None
         if len(b.members) < b.k:
             self._joined(b, contact)
+            self._seen(b, contact.node_id, now)
             return None
         b.replacements.pop(contact.node_id, None)
         b.replacements[contact.node_id] = contact
         while len(b.replacements) > b.k:
             b.replacements.popitem(last=False)
-        return next(iter(b.members.values()))
+        stalest = next(iter(b.members.values()))
+        return None if self._fresh(b, stalest.node_id, now) else stalest
+
+    def has_room(self, node_id: int, now: float) -> bool:
+        """Whether a newcomer ``node_id`` could enter its bucket now: it has room, or
+        its stalest member is due a ping. A caller need not check a newcomer that could
+        not (its round trip would buy nothing)."""
+        b = self._bucket(node_id)
+        return len(b.members) < b.k or not self._fresh(b, next(iter(b.members)), now)
+
+    @staticmethod
+    def _seen(b: KBucket, node_id: int, now: float | None) -> None:
+        if now is not None:
+            b.seen[node_id] = now
+
+    def _fresh(self, b: KBucket, node_id: int, now: float | None) -> bool:
+        seen = b.seen.get(node_id)
+        return now is not None and seen is not None and now - seen < self.fresh_s
 
     def fail(self, node_id: int) -> bool:
         """A request to ``node_id`` timed out. Returns True if it was evicted."""
