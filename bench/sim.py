@@ -52,6 +52,11 @@ def main() -> int:
     ap.add_argument("--partition-minutes", type=float, default=1.0, help="how long the cut lasts")
     ap.add_argument("--relays", type=int, default=0, help="public relays; NATed volunteers reserve on one")
     ap.add_argument("--relay-capacity", type=int, default=128, help="reservations a relay holds")
+    ap.add_argument("--relay-session-minutes", type=float, default=0.0,
+                    help="relays' median session and offline gap (0: always online)")
+    ap.add_argument("--bad-relays", type=int, default=0, help="relays besides --relays that misbehave")
+    ap.add_argument("--bad-relay-behaviour", choices=("blackhole", "selective"), default="blackhole",
+                    help="blackhole: carry nothing; selective: carry only the reserved peer's own dials")
     ap.add_argument("--reachability", action="store_true",
                     help="public peers dial others back and each joining volunteer checks its own reachability")
     ap.add_argument("--verdicts", action="store_true",
@@ -74,7 +79,8 @@ def main() -> int:
                     sybil_behaviour=args.sybil_behaviour, sybil_target=args.sybil_target,
                     sybil_networks=args.sybil_networks, placement=args.placement, generation_tokens=args.generation_tokens,
                     verdicts=args.verdicts, reachability=args.reachability, relays=args.relays,
-                    relay_capacity=args.relay_capacity, partition_regions=tuple(r for r in args.partition.split(",") if r),
+                    relay_capacity=args.relay_capacity, relay_session_minutes=args.relay_session_minutes,
+                    bad_relays=args.bad_relays, bad_relay_behaviour=args.bad_relay_behaviour, partition_regions=tuple(r for r in args.partition.split(",") if r),
                     partition_at_minutes=args.partition_at, partition_minutes=args.partition_minutes,
                     sybil_layers=tuple(int(x) for x in args.sybil_layers.split(":")))
     doc = simulate(cfg)

@@ -79,7 +79,7 @@ async def measure_rtt(addr: Multiaddr, timeout: float = RTT_TIMEOUT_S, samples: 
 class RelayKeeper:
     def __init__(self, node, identity: Identity, local, *, on_change: Callable[[Reservation | None], None],
                  print_line: Callable[[str], None] = print, measure=measure_rtt, verify=relay_dial_check,
-                 allow_loopback: bool = False) -> None:
+                 hold=hold_reservation, allow_loopback: bool = False) -> None:
         self.node = node
         self.identity = identity
         self.local = local  # what serves a relayed client: the server's adopt(), or an address
@@ -88,6 +88,8 @@ class RelayKeeper:
         self.measure = measure
         # verify(peer_id, relay) -> (ok, why): a dial of this peer through the relay, as a client's
         self.verify = verify
+        # hold(relay, identity, local, task_status=): hold_reservation, or the simulator's stand-in
+        self.hold = hold
         self.allow_loopback = allow_loopback  # relays on 127.0.0.1: only for a peer on loopback itself
         self.current: Reservation | None = None
         self.set_aside: dict[str, float] = {}  # relay peer id -> until (trio time)
@@ -144,7 +146,7 @@ class RelayKeeper:
                 since = trio.current_time()
                 try:
                     async with trio.open_nursery() as nursery:
-                        held = await nursery.start(hold_reservation, addr, self.identity, self.local)
+                        held = await nursery.start(self.hold, addr, self.identity, self.local)
                         held.rtt_ms = offer.rtt_ms
                         # a relay that takes the reservation but carries nothing is no relay: try it first
                         await self._check(addr)

@@ -53,12 +53,20 @@ class Measures:
     routable_s: list[float] = field(default_factory=list)  # join -> a stranger's lookup finds its report
     never_routable: int = 0
     online_samples: list[int] = field(default_factory=list)
-    relayed: list[dict] = field(default_factory=list)  # a NATed volunteer's reservation: {t, s, relay}
+    relayed: list[dict] = field(default_factory=list)  # a NATed volunteer's reservation: {t, s (looking), relay}
+    relay_losses: int = 0  # reservations that ended (the relay left, refused or stopped carrying), measured
     relay_samples: list[dict] = field(default_factory=list)  # every 10 s: {natted, held, per_relay (most first)}
     reachability: list[dict] = field(default_factory=list)  # a joining volunteer's check: {natted, status, s}
     coverage: list[dict] = field(default_factory=list)  # every 10 s per model: {model, min, mean} volunteers a layer
     joins: int = 0
     leaves: int = 0
+
+
+def carried(p: "Peer") -> bool:
+    """Whether clients reach NATed ``p`` through its relay: it holds a reservation on
+    one that is online and carries what clients send (not a bad one)."""
+    r = p.relay
+    return r is not None and r.node is not None and r.relay_behaviour == "honest"
 
 
 class Clients:
@@ -255,10 +263,10 @@ class Clients:
 
     def _answering(self) -> dict[str, "Peer"]:
         """The volunteers a first contact reaches: online, honest, and with relays in the
-        simulation, public or holding a reservation."""
-        relays = self.sim.cfg.relays
+        simulation, public or holding a reservation on a relay that carries clients."""
+        relays = self.sim.cfg.relays + self.sim.cfg.bad_relays
         return {str(p.identity.peer_id): p for p in self.sim.online() if p.sybil is None and p.model is not None
-                and not (relays and p.host.natted and p.relay is None)}
+                and not (relays and p.host.natted and not carried(p))}
 
     def _quality(self, client_host, spans: list[Span], route: list[Span], answering: dict[str, "Peer"]) -> dict:
         """The route that stands, priced against the oracle; and the route the same

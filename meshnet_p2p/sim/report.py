@@ -104,11 +104,16 @@ def report(sim: "SimSwarm", span: float, sent: int, sent_bytes: int, online: flo
         "lost_datagrams": sim.net.lost,
         "rss_per_peer_kb": round(rss_bytes / 1024 / max(1, peak), 1),
     }
-    if cfg.relays:  # NATed volunteers: how many held a reservation, how long finding one took, the fullest relay
-        rs = m.relay_samples
+    if cfg.relays + cfg.bad_relays:  # NATed volunteers: how many held a reservation (on a relay that carries
+        rs = m.relay_samples  # clients), how long finding one took, how many ended, the fullest relay
+        natted = max(1, sum(x["natted"] for x in rs))
         doc.update({
             "relays": cfg.relays,
-            "natted_volunteers_relayed": _r3(sum(x["held"] for x in rs) / max(1, sum(x["natted"] for x in rs))),
+            "bad_relays": cfg.bad_relays,
+            "natted_volunteers_relayed": _r3(sum(x["held"] for x in rs) / natted),
+            "natted_volunteers_carried": _r3(sum(x["carried"] for x in rs) / natted),
+            "relay_losses": m.relay_losses,
+            "relay_found_again": sum(1 for x in m.relayed if x["again"]),  # reservations after one was lost
             "relay_found_s_p50": _r3(_pct([x["s"] for x in m.relayed], 0.5)),
             "relay_found_s_p90": _r3(_pct([x["s"] for x in m.relayed], 0.9)),
             "relay_reservations_max": max((x["per_relay"][0] for x in rs if x["per_relay"]), default=0),

@@ -28,7 +28,8 @@ from meshnet_p2p.core.identity import Identity, PeerId
 from meshnet_p2p.core.multiaddr import Multiaddr
 from meshnet_p2p.nat.dialer import DIAL_TIMEOUT, serve_dial_backs
 from meshnet_p2p.nat.keeper import RTT_TIMEOUT_S, RelayKeeper
-from meshnet_p2p.nat.reachability import check_reachability
+from meshnet_p2p.nat.reachability import RELAY_DIAL_TIMEOUT, check_reachability
+from meshnet_p2p.nat.relay import RelayError, Reservation
 from meshnet_p2p.dht.node import DHTConfig, DHTNode
 from meshnet_p2p.dht.routing import Contact, key_id
 from meshnet_p2p.roles.join import ANNOUNCE_INTERVAL_S
@@ -36,14 +37,14 @@ from meshnet_p2p.swarm.capability import model_key
 from meshnet_p2p.swarm.node import TYPES, lifetime_cap, peers_for_model
 from meshnet_p2p.swarm.placement import Span, choose_span, default_num_layers
 from meshnet_p2p.swarm.placing import PLACEMENT_DIAL_TIMEOUT_S, answering_spans
-from meshnet_p2p.swarm.relay_offers import RELAY_ANNOUNCE_INTERVAL_S, RELAYS_KEY, rank_relays, sign_relay_record
+from meshnet_p2p.swarm.relay_offers import RELAY_ANNOUNCE_INTERVAL_S, RELAYS_KEY, sign_relay_record
 from meshnet_p2p.trust.evidence import cert_key, index_key
 from meshnet_p2p.trust.policy import TrustPolicy
 from meshnet_p2p.trust.verdicts import sign_verdicts, verdicts_key
 
 from . import records
 from .churn import Churn
-from .clients import SETTLED_S, Clients, Measures
+from .clients import SETTLED_S, Clients, Measures, carried
 from .crypto import stand_in_signatures
 from .net import Host, NetModel, SimNetwork
 from .records import N_LAYER, SLICES
@@ -73,8 +74,14 @@ class SimConfig:
     partition_regions: tuple[str, ...] = ()
     partition_at_minutes: float = 0.0
     partition_minutes: float = 0.0
-    relays: int = 0  # always-online public relays announcing offers; NATed volunteers reserve on one
+    relays: int = 0  # public relays announcing offers; NATed volunteers reserve on one
     relay_capacity: int = 128  # reservations a relay holds (nat/relay.py's default)
+    relay_session_minutes: float = 0.0  # a relay's median session (and offline gap); 0: always online
+    # relays that misbehave, besides ``relays`` honest ones: "blackhole" takes reservations and
+    # carries nothing; "selective" carries only dials from the reserved peer's own address (its
+    # self-check passes) and drops every client's
+    bad_relays: int = 0
+    bad_relay_behaviour: str = "blackhole"
     reachability: bool = False  # public peers dial others back; each volunteer checks its own reachability
     verdicts: bool = False  # the certifier also publishes verdicts vouching for the volunteers it audited
     generation_tokens: int = 64  # each routed survey then generates this many tokens on its route (0: none)
@@ -118,6 +125,8 @@ class Peer:
     is_relay: bool = False
     relay: "Peer | None" = None  # the relay it holds a reservation on (a NATed volunteer)
     reserved: set[int] = field(default_factory=set)  # a relay's: the peers holding a reservation
+    relay_behaviour: str = "honest"  # a relay's: "honest", "blackhole" or "selective" (SimConfig.bad_relays)
+    session_over: trio.Event | None = None  # a relay's: set when its current session ends (reservations end)
     vanished: bool = False  # its last session ended with the machine gone, not its process exiting
 
 
@@ -180,8 +189,9 @@ class SimSwarm:
         self.certifier = self.peers[0].identity
         self.trust = TrustPolicy(frozenset({str(self.certifier.peer_id)}))
         self.seeds = [Contact.of(p.identity.peer_id, *p.host.addr) for p in self.peers[:cfg.bootstrap]]
-        for _ in range(cfg.relays):  # public, always online, not volunteers
-            p = Peer(len(self.peers), self.fresh_identity(), self.net.host(), None, is_relay=True)
+        for j in range(cfg.relays + cfg.bad_relays):  # public, not volunteers
+            p = Peer(len(self.peers), self.fresh_identity(), self.net.host(), None, is_relay=True,
+                     relay_behaviour="honest" if j < cfg.relays else cfg.bad_relay_behaviour)
             self.peers.append(p)
             self.by_id[str(p.identity.peer_id)], self.by_ip[p.host.addr[0]] = p, p
         if cfg.sybils:
@@ -245,8 +255,9 @@ class SimSwarm:
                 if p.model is not None and p.sybil is None and self.cfg.reachability:
                     inner.start_soon(self._check_reachability, p, node)
                 if p.is_relay:
+                    p.session_over = trio.Event()
                     inner.start_soon(self._offer_relay, p, node)
-                if p.model is not None and p.sybil is None and p.host.natted and self.cfg.relays:
+                if p.model is not None and p.sybil is None and p.host.natted and self.cfg.relays + self.cfg.bad_relays:
                     inner.start_soon(self._keep_relay, p, node)
                 if p.model is not None:
                     if p.sybil is None and self.cfg.placement == "auto":
@@ -257,6 +268,9 @@ class SimSwarm:
         finally:
             node.transport.close()
             p.node = None
+            if p.session_over is not None:  # a relay's reservations end with it
+                p.session_over.set()
+                p.session_over = None
             if p.relay is not None:  # its reservation ends with its connection
                 p.relay.reserved.discard(p.index)
                 p.relay = None
@@ -289,44 +303,74 @@ class SimSwarm:
                   "bytes_per_second_per_peer": 1 << 20}
         while True:
             with contextlib.suppress(MeshnetError):
+                load = 0 if p.relay_behaviour != "honest" else len(p.reserved)  # a bad one looks empty
                 await node.publish(RELAYS_KEY, sign_relay_record(p.identity, addr, limits,
-                                                                 {"reservations_now": len(p.reserved)},
+                                                                 {"reservations_now": load},
                                                                  now_ms=self.now_ms()))
             await trio.sleep(RELAY_ANNOUNCE_INTERVAL_S)
 
     async def _keep_relay(self, p: Peer, node: DHTNode) -> None:
-        """A NATed volunteer's RelayKeeper: its own offers() (the DHT's relay records, one
-        per network, each relay's round trip measured: here known) and rank_relays, then a
-        reservation on the best that has room (the relay's own bound: nat/relay.py); a
-        relay that refuses is set aside. No offer with room: look again, backing off."""
+        """A NATed volunteer's RelayKeeper, the production one (nat/keeper.py): its
+        offers() (the DHT's relay records, one per network), rank_relays, a
+        reservation on the best, a dial of itself through it, and a move when the relay
+        leaves, refuses or stops carrying. Its network stand-ins: ``measure`` (the
+        round trip, known here), ``hold`` (a reservation within the relay's bound,
+        ended by the relay's session ending) and ``verify`` (the self-dial: it
+        passes through an honest relay and through a selective one, which carries
+        what comes from the reserved peer's own address)."""
+        one_way = self.net.one_way_s
+        looking = {"since": trio.current_time()}
+
         async def measure(addr: Multiaddr) -> float | None:
             relay = self.by_ip.get(addr.host)
             if relay is None or relay.node is None:
                 await trio.sleep(RTT_TIMEOUT_S)
                 return None
-            rtt = 2 * self.net.one_way_s(p.host, relay.host)
+            rtt = 2 * one_way(p.host, relay.host)
             await trio.sleep(rtt)
             return rtt * 1000
 
-        keeper = RelayKeeper(node, p.identity, None, on_change=lambda held: None, print_line=lambda m: None,
-                             measure=measure)
-        t0, backoff = trio.current_time(), 1.0
-        while p.relay is None:
-            with contextlib.suppress(MeshnetError):
-                for offer in rank_relays(await keeper.offers(), me=str(p.identity.peer_id), avoid=keeper._avoid()):
-                    relay = self.by_id.get(offer.peer_id)
-                    if relay is None:
-                        continue
-                    await trio.sleep(4 * self.net.one_way_s(p.host, relay.host))  # its connect, TLS, reserve
-                    if relay.node is not None and len(relay.reserved) < self.cfg.relay_capacity:
-                        relay.reserved.add(p.index)
-                        p.relay = relay
-                        self.m.relayed.append({"t": t0, "s": trio.current_time() - t0, "relay": relay.index})
-                        break
-                    keeper.set_aside[offer.peer_id] = trio.current_time() + 60.0
-            if p.relay is None:
-                await trio.sleep(backoff)
-                backoff = min(backoff * 2, 30.0)
+        async def hold(addr: Multiaddr, identity, local, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+            relay = self.by_ip.get(addr.host)
+            if relay is None or relay.node is None:
+                await trio.sleep(RTT_TIMEOUT_S)
+                raise RelayError("connect timed out")
+            await trio.sleep(4 * one_way(p.host, relay.host))  # its connect, TLS, RESERVE and OK
+            over = relay.session_over
+            if relay.node is None or over is None:
+                raise RelayError("the relay closed the connection")
+            if len(relay.reserved) >= self.cfg.relay_capacity:
+                raise RelayError("refused: the relay holds all the reservations it takes")
+            relay.reserved.add(p.index)
+            try:
+                task_status.started(Reservation(addr))
+                await over.wait()
+                raise RelayError("the relay closed the reservation")
+            finally:
+                relay.reserved.discard(p.index)
+
+        async def verify(peer_id: PeerId, addr: Multiaddr) -> tuple[bool, str]:
+            relay = self.by_ip.get(addr.host)
+            if relay is None or relay.node is None or relay.relay_behaviour == "blackhole":
+                await trio.sleep(RELAY_DIAL_TIMEOUT)
+                return False, "timeout"
+            await trio.sleep(4 * one_way(p.host, relay.host))  # CONNECT, OPEN, attach and TLS, from itself
+            return True, "ok"
+
+        def on_change(held: Reservation | None) -> None:
+            now = trio.current_time()
+            if held is None:
+                p.relay, looking["since"] = None, now
+                if self.measuring:
+                    self.m.relay_losses += 1
+                return
+            p.relay = self.by_ip[held.relay.host]
+            self.m.relayed.append({"t": now, "s": now - looking["since"], "relay": p.relay.index,
+                                   "again": looking.get("lost", False)})
+            looking["lost"] = True  # (any later one follows a loss)
+
+        await RelayKeeper(node, p.identity, None, on_change=on_change, print_line=lambda m: None,
+                          measure=measure, verify=verify, hold=hold).run()
 
     async def _check_reachability(self, p: Peer, node: DHTNode) -> None:
         """What ``join`` asks before announcing: can others dial the address it would announce?"""
@@ -426,7 +470,11 @@ class SimSwarm:
         """Online sessions and offline gaps, for ever (bootstrap peers and attackers stay)."""
         churn, rng = self.cfg.churn, random.Random(self.rng.random())
         how = random.Random(f"vanish/{self.cfg.seed}/{p.index}")  # (apart: the sessions' draws stay as they were)
-        always = p.index < self.cfg.bootstrap or p.sybil is not None or p.is_relay
+        always = p.index < self.cfg.bootstrap or p.sybil is not None or \
+            (p.is_relay and not self.cfg.relay_session_minutes)
+        if p.is_relay and not always:  # relays come and go as their operators do
+            median = self.cfg.relay_session_minutes * 60
+            churn = Churn(session_median_s=median, gap_median_s=median, shape=churn.shape)
         online = always or churn.online_at_start(rng)
         first = True
         while True:
@@ -464,10 +512,11 @@ class SimSwarm:
         while True:
             online = self.online()
             self.m.online_samples.append(len(online))
-            if self.cfg.relays:  # NATed volunteers online, and how many of them hold a reservation
-                natted = [p for p in online if p.model is not None and p.host.natted]
+            if self.cfg.relays + self.cfg.bad_relays:  # NATed volunteers online: how many hold a reservation,
+                natted = [p for p in online if p.model is not None and p.host.natted]  # and on a relay that carries
                 per_relay = sorted((len(r.reserved) for r in self.peers if r.is_relay), reverse=True)
                 self.m.relay_samples.append({"natted": len(natted), "held": sum(1 for p in natted if p.relay),
+                                             "carried": sum(1 for p in natted if carried(p)),
                                              "per_relay": per_relay})
             for model in range(len(self.models)):  # how many announced honest volunteers serve each layer
                 per_layer = [0] * N_LAYER
