@@ -41,7 +41,9 @@ from meshnet_p2p.core.identity import Identity, PeerId
 from meshnet_p2p.core.multiaddr import Multiaddr
 from meshnet_p2p.swarm.node import node_multiaddr, start_node
 from meshnet_p2p.nat.dialer import serve_dial_backs
-from meshnet_p2p.nat.reachability import ReachabilityError, check_reachability, choose_dialers, tls_dial_check
+from meshnet_p2p.nat.reachability import ReachabilityError, check_reachability, choose_dialers, relay_check, \
+    relay_dial_check, tls_dial_check
+from meshnet_p2p.nat.relay import Relay, hold_reservation
 from meshnet_p2p.core.records import RecordVerifier, sign_record, wall_ms
 
 _seeds = itertools.count(1)
@@ -207,7 +209,10 @@ async def test_dialers_refuse_what_they_must_not_dial_and_drop_malformed_request
     other = Identity.generate().peer_id
     for addr, why in [(f"/dns4/localhost/tcp/5000/p2p/{me}", dialback.DNS_NAME),
                       (f"/ip4/127.0.0.1/udp/5000/p2p/{me}", dialback.NOT_TCP),
-                      (f"/ip4/127.0.0.1/tcp/5000/p2p/{other}/p2p-circuit/p2p/{me}", dialback.NOT_TCP),
+                      (f"/ip4/127.0.0.1/udp/5000/p2p/{other}/p2p-circuit/p2p/{me}", dialback.NOT_TCP),
+                      (f"/ip4/127.0.0.1/tcp/5000/p2p-circuit/p2p/{me}", dialback.NOT_TCP),
+                      (f"/ip4/127.0.0.1/tcp/5000/p2p/{other}/p2p-circuit/p2p/{other}", dialback.ANOTHER_PEER),
+                      (f"/ip4/127.0.0.1/tcp/0/p2p/{other}/p2p-circuit/p2p/{me}", dialback.PORT_ZERO),
                       (f"/ip4/127.0.0.1/tcp/0/p2p/{me}", dialback.PORT_ZERO),
                       (f"/ip4/127.0.0.1/tcp/5000/p2p/{other}", dialback.ANOTHER_PEER),
                       ("/ip4/127.0.0.1/tcp/5000", dialback.ANOTHER_PEER)]:
@@ -232,6 +237,69 @@ async def test_dialers_refuse_what_they_must_not_dial_and_drop_malformed_request
         await check_reachability(asker, [f"/dns4/example.org/tcp/5000/p2p/{me}"])
     with pytest.raises(ReachabilityError, match="1 to 4"):
         await check_reachability(asker, [tcp(me, p) for p in range(1, 6)])
+
+
+def test_a_dialer_dials_a_relay_for_whoever_asks_but_never_into_a_network_the_asker_is_not_in():
+    me, relay = Identity.generate().peer_id, Identity.generate().peer_id
+
+    def verdict(host: str, source: str) -> tuple[bool, str]:
+        target, why = dial_target(f"/ip4/{host}/tcp/4002/p2p/{relay}/p2p-circuit/p2p/{me}", me)
+        assert why is None
+        return dialback.may_dial(target, source)
+
+    assert verdict("151.101.1.7", "93.184.216.34") == (True, dialback.OK)  # a public relay: the target is the relay
+    for host, source in [("192.168.1.10", "93.184.216.34"), ("127.0.0.1", "93.184.216.34"), ("127.0.0.1", "10.0.0.3"),
+                         ("169.254.1.1", "169.254.1.2"), ("0.0.0.0", "127.0.0.1")]:
+        assert verdict(host, source) == (False, dialback.NOT_A_RELAY_TO_DIAL), (host, source)
+    assert verdict("192.168.1.10", "192.168.1.20")[0] and verdict("127.0.0.1", "127.0.0.2")[0]  # a LAN, a test swarm
+    direct, _ = dial_target(tcp(me, 5000, "151.101.1.7"), me)  # a direct address: only at the asker's own IP
+    assert dialback.may_dial(direct, "151.101.1.7") == (True, dialback.OK)
+    assert dialback.may_dial(direct, "93.184.216.34") == (False, NOT_FROM_SOURCE)
+
+
+class OwnDialsOnly(Relay):
+    """Carries a client only if it comes from the address the reserved peers came from:
+    a peer dialling itself through it gets through, nobody else does."""
+
+    owner = "127.0.0.1"
+
+    async def _client(self, stream, reader, first) -> None:
+        if stream.socket.getpeername()[0] != self.owner:
+            await trio.sleep_forever()
+        await super()._client(stream, reader, first)
+
+
+@pytest.mark.parametrize("relay_kind", [Relay, OwnDialsOnly])
+async def test_a_relayed_peer_learns_from_others_whether_its_relay_carries_them(nursery, relay_kind):
+    """relay_check, the keeper's verify: three dialers (dialling from 127.0.0.9, another
+    host on loopback) dial the asker's circuit address through its relay. Through an
+    honest relay they reach it; through one that carries only the peer's own dials
+    they do not, though the peer's dial of itself passes (what the keeper trusted)."""
+    away = functools.partial(tls_dial_check, local_address="127.0.0.9")
+    asker, dialers = await swarm(nursery, [away] * 3)
+    relay_id = Identity.generate()
+    relay = relay_kind(relay_id)
+    port = await nursery.start(relay.serve, "127.0.0.1", 0)
+    relay_addr = Multiaddr.for_socket("127.0.0.1", "tcp", port, relay_id.peer_id)
+    srv = Server(make_tls_credentials(asker.identity)).start()
+    try:
+        await nursery.start(hold_reservation, relay_addr, asker.identity, srv.adopt)
+        assert await relay_dial_check(asker.peer_id, relay_addr) == (True, "ok")  # its own dial passes either way
+        fallback_used = []
+
+        async def fallback(peer_id, relay):
+            fallback_used.append(relay)
+            return True, "ok"
+
+        ok, why = await relay_check(asker, fallback=fallback)(asker.peer_id, relay_addr)
+        assert not fallback_used  # three dialers answered: their word decides
+        if relay_kind is Relay:
+            assert (ok, why) == (True, "ok")
+            assert sum(server_of[d].node.stats["dial_back_ok"] for d in dialers) == 3
+        else:
+            assert not ok and why.startswith("others could not reach this peer through it"), why
+    finally:
+        srv.stop(0)
 
 
 async def test_a_spoofed_source_gets_a_cookie_and_nothing_is_dialled(nursery):
@@ -469,7 +537,7 @@ def _contact(i: int, host: str) -> Contact:
 
 def test_dialers_are_chosen_from_distinct_networks_and_bootstrap_peers_last():
     same = [_contact(i, "198.51.100.1") for i in range(4)]  # one /24
-    spread = [_contact(10, "203.0.113.9"), _contact(11, "192.0.2.1")]
+    spread = [_contact(10, "93.184.216.34"), _contact(11, "192.0.2.1")]
     for seed in range(20):
         got = choose_dialers(same + spread, 3, rng=random.Random(seed))
         assert len(got) == 3 and set(spread) <= set(got)

@@ -48,6 +48,7 @@ _FIELDS = {"subject", "nonce", "results", "observed"}
 # what a dialer puts in a result
 OK = "ok"
 NOT_FROM_SOURCE = "not the address the request came from"
+NOT_A_RELAY_TO_DIAL = "a relay address this dialer does not dial"  # (private, loopback: see relay_dialable)
 
 # why a dialer refuses a whole request (the dial_result's "refused"; each counted as dial_back_refused_<reason>)
 NOT_A_DIALER = "not a dialer"
@@ -160,9 +161,13 @@ def sign_dial_result(identity: Identity, subject: PeerId, nonce: bytes, results:
 
 
 def dial_target(text: str, requester: PeerId) -> tuple[Multiaddr | None, str | None]:
-    """``text`` as an address a dialer may dial for ``requester`` (an IP, a tcp
-    port other than 0, ending in the requester's /p2p), or the refusal reason.
-    Whether its IP is the request's source is the dialer's other check."""
+    """``text`` as an address a dialer may dial for ``requester``, or the refusal
+    reason: an IP and a tcp port other than 0 ending in the requester's /p2p, or
+    the requester reached through a relay at such an address
+    (``/ip4/R/tcp/P/p2p/RELAY/p2p-circuit/p2p/REQUESTER``, the circuit address a
+    relayed peer announces: its relay's check by others, which a relay cannot
+    tell from a client's). Whether the dialer dials it is its other check
+    (:func:`may_dial`)."""
     try:
         addr = Multiaddr.parse(text)
     except (MultiaddrError, IdentityError, ValueError):
@@ -170,13 +175,40 @@ def dial_target(text: str, requester: PeerId) -> tuple[Multiaddr | None, str | N
     protos = [p for p, _ in addr.components]
     if any(p in ("dns", "dns4", "dns6") for p in protos):
         return None, DNS_NAME
-    if addr.transport != "tcp" or addr.host is None or "p2p-circuit" in protos:
+    circuit = protos[1:] == ["tcp", "p2p", "p2p-circuit", "p2p"]
+    if addr.transport != "tcp" or addr.host is None or protos[0] not in ("ip4", "ip6") \
+            or ("p2p-circuit" in protos and not circuit):
         return None, NOT_TCP
     if addr.port == 0:
         return None, PORT_ZERO
-    if protos.count("p2p") != 1 or addr.peer_id != requester:
+    if (protos.count("p2p") != 1 and not circuit) or addr.peer_id != requester:
         return None, ANOTHER_PEER
     return addr, None
+
+
+def relay_of(addr: Multiaddr) -> Multiaddr | None:
+    """The relay a circuit address goes through (its part before /p2p-circuit), or None."""
+    protos = [p for p, _ in addr.components]
+    return Multiaddr(addr.components[:protos.index("p2p-circuit")]) if "p2p-circuit" in protos else None
+
+
+def may_dial(target: Multiaddr, source: str) -> tuple[bool, str]:
+    """Whether a dialer dials ``target`` (from :func:`dial_target`) for a request
+    from ``source`` (an IP), and the result's reason when not. A direct address:
+    only at the request's own IP (libp2p AutoNAT's rule: a dialer is nobody's
+    reflector). Through a relay: the relay is who gets dialled, whoever asks
+    (bounded as every request is, per source network), but never an address
+    inside a private or loopback network unless the request came from one of the
+    same kind (a LAN, a test swarm): no asker aims a dialer at its own LAN."""
+    relay = relay_of(target)
+    if relay is None:
+        return (True, OK) if same_ip(target.host, source) else (False, NOT_FROM_SOURCE)
+    rip, sip = ip_of(relay.host or ""), ip_of(source)
+    if rip is None or sip is None or rip.is_unspecified or rip.is_link_local or rip.is_multicast:
+        return False, NOT_A_RELAY_TO_DIAL
+    if (rip.is_private or rip.is_loopback) and not (sip.is_loopback if rip.is_loopback else sip.is_private):
+        return False, NOT_A_RELAY_TO_DIAL
+    return True, OK
 
 
 def same_ip(a: str, b: str) -> bool:

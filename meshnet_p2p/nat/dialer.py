@@ -4,7 +4,10 @@ A role makes its DHT node a dialer with :func:`serve_dial_backs`, passing the
 dial itself (``reachability.tls_dial_check``: the DHT knows no TLS). For each
 request the dialer dials the asker's addresses back, only at the IP the
 request came from and only once that address has shown it receives, within
-bounds, and answers with a result it signs (:mod:`.dialback`). Dials take
+bounds, and answers with a result it signs (:mod:`.dialback`). An address
+through a relay (a relayed peer's circuit address) is dialled through that
+relay, whoever asks: how a relayed peer learns that its relay carries others'
+connections, not only its own (``dialback.may_dial``). Dials take
 seconds, so a task in the node's nursery answers; refusals go at once. Its
 counters (``dial_back_*``) are the node's stats, where metrics read them.
 """
@@ -76,8 +79,10 @@ class DialBackServer:
         if not request.proven:
             stats["dial_back_cookies"] += 1
             return self.node.cookie_answer(request)
-        # the anti-abuse rule (libp2p AutoNAT's): dial only the IP the request came from
-        dial = [dialback.same_ip(t.host, addr[0]) for t, _ in targets]
+        # the anti-abuse rule (libp2p AutoNAT's): dial only the IP the request came from, or a relay
+        # the asker is reached through (dialback.may_dial)
+        verdicts = [dialback.may_dial(t, addr[0]) for t, _ in targets]
+        dial = [ok for ok, _ in verdicts]
         n = sum(dial)
         if self.dials_in_flight + n > MAX_DIALS_IN_FLIGHT:
             return self._refuse(dialback.BUSY)  # (not counted against the source: it got nothing)
@@ -86,12 +91,13 @@ class DialBackServer:
             return self._refuse(dialback.RATE_LIMITED)
         stats["dial_back_accepted"] += 1
         stats["dial_back_not_from_source"] += len(addrs) - n
+        undialled = [(a, False, why) for a, (_, why) in zip(addrs, verdicts)]
         if n == 0:  # nothing to dial: the answer is known now
-            results = [(a, False, dialback.NOT_FROM_SOURCE) for a in addrs]
+            results = undialled
             stats["dial_back_served"] += 1
             return dialback.DIAL_RESULT, {"result": self._result_record(msg.sender, nonce, results, addr[0])}
         self.dials_in_flight += n
-        self.node.start_soon(self._job, request, addrs, nonce, dial)
+        self.node.start_soon(self._job, request, undialled, nonce, dial)
         return None
 
     def _refuse(self, reason: str) -> Answer:
@@ -115,9 +121,11 @@ class DialBackServer:
         recent.append(now)
         return True
 
-    async def _job(self, request: Request, addrs: list[str], nonce: bytes, dial: list[bool]) -> None:
+    async def _job(self, request: Request, undialled: list[tuple[str, bool, str]], nonce: bytes,
+                   dial: list[bool]) -> None:
         msg, addr = request.msg, request.addr
-        results: list[tuple[str, bool, str]] = [(a, False, dialback.NOT_FROM_SOURCE) for a in addrs]
+        addrs = [a for a, _, _ in undialled]
+        results = list(undialled)  # each dialled one's result replaces its entry
         async with Guard("dial_back", self.node.stats, backoff=False):  # a bug here costs one answer, never the node
             try:
                 async def one(i: int) -> None:

@@ -47,8 +47,11 @@ from .dialback import (
     DialbackRejected,
     DialReport,
     Reachability,
+    REACHABLE,
+    UNREACHABLE,
     decide,
     dial_target,
+    relay_of,
     parse_dial_result,
     verify_dial_result,
 )
@@ -63,7 +66,7 @@ RELAY_DIAL_TIMEOUT = 5.0  # through a relay: its CONNECT, its OPEN to the peer, 
 MAX_RELAY_ANSWER = 4096  # the relay's answer to CONNECT
 
 __all__ = ["Reachability", "DialReport", "ReachabilityError", "check_reachability", "choose_dialers", "tls_dial_check",
-           "relay_dial_check", "dial_checks"]
+           "relay_dial_check", "relay_check", "dial_checks"]
 
 
 class ReachabilityError(MeshnetError):
@@ -83,15 +86,22 @@ def dial_checks(node: DHTNode) -> DialBackServer:
 # is the identity extension (peer_of_der), and the handshake proves the server holds its key.
 
 
-async def tls_dial_check(peer_id: PeerId, addr_text: str, timeout: float = DIAL_TIMEOUT) -> tuple[bool, str]:
+async def tls_dial_check(peer_id: PeerId, addr_text: str, timeout: float = DIAL_TIMEOUT, *,
+                         local_address: str | None = None) -> tuple[bool, str]:
     """Dial ``addr_text`` (an /ip4 or /ip6 tcp multiaddr) and check that whoever
     answers completes a TLS handshake (ALPN h2) with a certificate bound to
     ``peer_id``. Returns (True, "ok") or (False, a short reason: "bad address",
     "refused", "unreachable", "timeout", "tls failed", "not h2", "no peer
-    identity", "another peer's certificate"). Never raises on network errors."""
+    identity", "another peer's certificate"). Never raises on network errors.
+    A circuit address (``.../p2p-circuit/p2p/<peer>``) is dialled through its
+    relay (:func:`relay_dial_check`). ``local_address``: the source IP to dial
+    from (a host with several), else the system's choice."""
     target, _ = dial_target(addr_text, peer_id)
     if target is None:
         return False, "bad address"
+    relay = relay_of(target)
+    if relay is not None:
+        return await relay_dial_check(peer_id, relay, timeout, local_address=local_address)
     family = trio.socket.AF_INET6 if ":" in target.host else trio.socket.AF_INET
     stream: trio.SSLStream | None = None
     outcome: tuple[bool, str] = (False, "timeout")
@@ -99,6 +109,8 @@ async def tls_dial_check(peer_id: PeerId, addr_text: str, timeout: float = DIAL_
         try:
             sock = trio.socket.socket(family, trio.socket.SOCK_STREAM)
             try:
+                if local_address is not None:
+                    await sock.bind((local_address, 0))
                 await sock.connect((target.host, target.port))
             except BaseException:
                 sock.close()
@@ -122,7 +134,8 @@ async def tls_dial_check(peer_id: PeerId, addr_text: str, timeout: float = DIAL_
     return outcome
 
 
-async def relay_dial_check(peer_id: PeerId, relay: Multiaddr, timeout: float = RELAY_DIAL_TIMEOUT) -> tuple[bool, str]:
+async def relay_dial_check(peer_id: PeerId, relay: Multiaddr, timeout: float = RELAY_DIAL_TIMEOUT, *,
+                           local_address: str | None = None) -> tuple[bool, str]:
     """Dial ``peer_id`` through ``relay`` as a client would (``CONNECT <peer>.peer:443``),
     and check that whoever answers completes a TLS handshake with a certificate
     bound to ``peer_id``: the relay really carries connections to it. A peer runs
@@ -136,7 +149,7 @@ async def relay_dial_check(peer_id: PeerId, relay: Multiaddr, timeout: float = R
     outcome: tuple[bool, str] = (False, "timeout")
     with trio.move_on_after(timeout):
         try:
-            raw = await trio.open_tcp_stream(relay.host, relay.port)
+            raw = await trio.open_tcp_stream(relay.host, relay.port, local_address=local_address)
             dialog = ConnectDialog(relay_target(peer_id), max_answer=MAX_RELAY_ANSWER)
             await raw.send_all(dialog.request)
             # the relay's answer a byte at a time: TLS follows it on this stream, and
@@ -155,6 +168,27 @@ async def relay_dial_check(peer_id: PeerId, relay: Multiaddr, timeout: float = R
     if raw is not None:
         await trio.aclose_forcefully(raw)
     return outcome
+
+
+def relay_check(node: DHTNode, *, avoid: Iterable[PeerId] = (), fallback=relay_dial_check):
+    """A :class:`~meshnet_p2p.nat.keeper.RelayKeeper`'s ``verify`` that where a
+    dial comes from cannot fool: other peers dial this one through the relay (a
+    ``dial_back`` of its circuit address, :func:`check_reachability`), and only
+    when too few answer to decide does it dial itself (``fallback``). A relay
+    sees each dial's source: one that carries what comes from the reserved
+    peer's own address and drops everyone else's passes a self-dial every time
+    (docs/scale.md)."""
+    avoid = tuple(avoid)
+
+    async def verify(peer_id: PeerId, relay: Multiaddr) -> tuple[bool, str]:
+        found = await check_reachability(node, [f"{relay}/p2p-circuit/p2p/{peer_id}"], avoid=avoid)
+        if found.status == REACHABLE:
+            return True, "ok"
+        if found.status == UNREACHABLE:
+            return False, f"others could not reach this peer through it: {found.reason}"
+        return await fallback(peer_id, relay)
+
+    return verify
 
 
 def _identity_outcome(stream: trio.SSLStream, peer_id: PeerId) -> tuple[bool, str]:

@@ -38,8 +38,8 @@ from meshnet_p2p.core.multiaddr import Multiaddr, ip_of
 from meshnet_p2p.swarm.node import advertised_host, peers_for_model, start_node
 from meshnet_p2p.swarm.placement import Span, choose_span, default_num_layers
 from meshnet_p2p.nat.dialback import UNKNOWN, UNREACHABLE, Reachability
-from meshnet_p2p.nat.reachability import ReachabilityError, check_reachability, dial_checks, relay_dial_check, \
-    tls_dial_check
+from meshnet_p2p.nat.reachability import ReachabilityError, check_reachability, dial_checks, relay_check, \
+    relay_dial_check, tls_dial_check
 from meshnet_p2p.swarm.placing import answering_spans
 from .progress import StatusLine
 from meshnet_p2p.core.records import wall_ms
@@ -366,8 +366,10 @@ async def _go_relayed(nursery, node, opts: JoinOptions, reach: "_Reach", wake, p
             wake[0].set()
 
     on_loopback = (ip_of(Multiaddr.parse(reach.here).host) or ip_address("0.0.0.0")).is_loopback
+    # the relay is checked by others dialling through it (a relay sees who dials), itself if too few answer
     await nursery.start(RelayKeeper(node, opts.identity, reach.plane.server.adopt, on_change=relay_changed,
-                                    print_line=print_line, allow_loopback=on_loopback).run)
+                                    print_line=print_line, allow_loopback=on_loopback,
+                                    verify=relay_check(node, avoid=opts.bootstrap_peer_ids)).run)
 
 
 async def _recheck(node, addr: str, opts: JoinOptions, print_line, reach: "_Reach", wake) -> None:
