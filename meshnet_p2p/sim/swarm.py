@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import math
 import random
 import resource
@@ -28,7 +29,8 @@ from meshnet_p2p.core.identity import Identity, PeerId
 from meshnet_p2p.core.multiaddr import Multiaddr
 from meshnet_p2p.nat.dialer import DIAL_TIMEOUT, serve_dial_backs
 from meshnet_p2p.nat.keeper import RTT_TIMEOUT_S, RelayKeeper
-from meshnet_p2p.nat.reachability import RELAY_DIAL_TIMEOUT, check_reachability
+from meshnet_p2p.nat.dialback import relay_of
+from meshnet_p2p.nat.reachability import RELAY_DIAL_TIMEOUT, check_reachability, relay_check
 from meshnet_p2p.nat.relay import RelayError, Reservation
 from meshnet_p2p.dht.node import DHTConfig, DHTNode
 from meshnet_p2p.dht.routing import Contact, key_id
@@ -287,9 +289,20 @@ class SimSwarm:
     async def _dial_back(self, dialer: Host, peer_id: PeerId, addr_text: str) -> tuple[bool, str]:
         """A dialer's TCP connect and TLS handshake to ``addr_text`` (reachability.tls_dial_check's
         outcomes): two round trips to a host that takes connections and is its signer's,
-        the dial timeout to one behind NAT or gone."""
-        ip = Multiaddr.parse(addr_text).host
-        target = self.by_ip.get(ip)
+        the dial timeout to one behind NAT or gone. Through a relay (a circuit address):
+        the relay's CONNECT, its call to the peer and the handshake, if the relay is
+        online, carries clients (an honest one) and holds the peer's reservation."""
+        addr = Multiaddr.parse(addr_text)
+        relay_addr = relay_of(addr)
+        if relay_addr is not None:
+            relay, peer = self.by_ip.get(relay_addr.host), self.by_id.get(str(peer_id))
+            if relay is None or relay.node is None or relay.relay_behaviour != "honest" or peer is None \
+                    or peer.index not in relay.reserved:
+                await trio.sleep(DIAL_TIMEOUT)
+                return False, "timeout"
+            await trio.sleep(4 * self.net.one_way_s(dialer, relay.host) + 2 * self.net.one_way_s(relay.host, peer.host))
+            return True, "ok"
+        target = self.by_ip.get(addr.host)
         if target is None or target.node is None or target.host.natted or target.identity.peer_id != peer_id:
             await trio.sleep(DIAL_TIMEOUT)
             return False, "timeout"
@@ -312,10 +325,12 @@ class SimSwarm:
     async def _keep_relay(self, p: Peer, node: DHTNode) -> None:
         """A NATed volunteer's RelayKeeper, the production one (nat/keeper.py): its
         offers() (the DHT's relay records, one per network), rank_relays, a
-        reservation on the best, a dial of itself through it, and a move when the relay
-        leaves, refuses or stops carrying. Its network stand-ins: ``measure`` (the
-        round trip, known here), ``hold`` (a reservation within the relay's bound,
-        ended by the relay's session ending) and ``verify`` (the self-dial: it
+        reservation on the best, a check that it carries (``relay_check``: other
+        peers dial it through the relay, as ``join`` has it; with no dialers in the
+        run, a dial of itself), and a move when the relay leaves, refuses or stops
+        carrying. Its network stand-ins: ``measure`` (the round trip, known here),
+        ``hold`` (a reservation within the relay's bound, ended by the relay's
+        session ending), the dialers' dials (``_dial_back``) and the self-dial (it
         passes through an honest relay and through a selective one, which carries
         what comes from the reserved peer's own address)."""
         one_way = self.net.one_way_s
@@ -349,7 +364,7 @@ class SimSwarm:
             finally:
                 relay.reserved.discard(p.index)
 
-        async def verify(peer_id: PeerId, addr: Multiaddr) -> tuple[bool, str]:
+        async def dial_itself(peer_id: PeerId, addr: Multiaddr) -> tuple[bool, str]:
             relay = self.by_ip.get(addr.host)
             if relay is None or relay.node is None or relay.relay_behaviour == "blackhole":
                 await trio.sleep(RELAY_DIAL_TIMEOUT)
@@ -370,7 +385,7 @@ class SimSwarm:
             looking["lost"] = True  # (any later one follows a loss)
 
         await RelayKeeper(node, p.identity, None, on_change=on_change, print_line=lambda m: None,
-                          measure=measure, verify=verify, hold=hold).run()
+                          measure=measure, verify=relay_check(node, fallback=dial_itself), hold=hold).run()
 
     async def _check_reachability(self, p: Peer, node: DHTNode) -> None:
         """What ``join`` asks before announcing: can others dial the address it would announce?"""
@@ -468,7 +483,10 @@ class SimSwarm:
 
     async def _lifecycle(self, p: Peer) -> None:
         """Online sessions and offline gaps, for ever (bootstrap peers and attackers stay)."""
-        churn, rng = self.cfg.churn, random.Random(self.rng.random())
+        # each peer's sessions from the seed and its index alone: no other draw (a datagram's
+        # loss, a task's timing) moves who is online when, so a seed's churn is the same in
+        # every run and with every change to what the nodes send
+        churn, rng = self.cfg.churn, random.Random(f"sessions/{self.cfg.seed}/{p.index}")
         how = random.Random(f"vanish/{self.cfg.seed}/{p.index}")  # (apart: the sessions' draws stay as they were)
         always = p.index < self.cfg.bootstrap or p.sybil is not None or \
             (p.is_relay and not self.cfg.relay_session_minutes)
@@ -586,5 +604,18 @@ def simulate(cfg: SimConfig) -> dict:
     # The nodes' own random choices (gossip targets, refreshes) from the seed too. A run is
     # still not exactly repeatable: trio shuffles its run queue on purpose (docs/scale.md).
     random.seed(cfg.seed)
-    with stand_in_signatures():
-        return trio.run(SimSwarm(cfg).run, clock=MockClock(autojump_threshold=0))
+    # One process holds the whole swarm, and the collector's full passes walk every object
+    # of it, a heap that grows faster than the swarm (each node keeps the records of many
+    # others): at 400 peers they were a fifth of the wall time. The nodes make almost no
+    # reference cycles (~2,000 objects freed by collection in such a run), so collection
+    # is off while the swarm runs and one pass follows it. (The simulator's process only:
+    # a real node is one per process.)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with stand_in_signatures():
+            return trio.run(SimSwarm(cfg).run, clock=MockClock(autojump_threshold=0))
+    finally:
+        if collecting:
+            gc.enable()
+        gc.collect()
