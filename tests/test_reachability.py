@@ -295,7 +295,7 @@ async def test_a_relayed_peer_learns_from_others_whether_its_relay_carries_them(
         assert not fallback_used  # three dialers answered: their word decides
         if relay_kind is Relay:
             assert (ok, why) == (True, "ok")
-            assert sum(server_of[d].node.stats["dial_back_ok"] for d in dialers) == 3
+            assert sum(d.stats["dial_back_ok"] for d in dialers) == 3
         else:
             assert not ok and why.startswith("others could not reach this peer through it"), why
     finally:

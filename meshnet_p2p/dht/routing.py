@@ -4,9 +4,10 @@ No I/O here. :meth:`RoutingTable.add` never pings anyone: when a bucket is
 full it keeps the newcomer in a replacement cache and returns the stalest
 member, for the caller to ping (and to :meth:`RoutingTable.fail` if it does not
 answer), unless that member was heard from within FRESH_S: then it is alive
-enough and nobody is pinged (the caller passes its clock). Failures evict: a contact that missed ``max_failures`` requests in a
-row is dropped and a replacement takes its place. That is what keeps frozen
-peers from stalling lookups for ever.
+enough and nobody is pinged (the caller passes its clock). Failures evict: a
+contact that missed ``max_failures`` requests in a row is dropped and a
+replacement takes its place. That is what keeps frozen peers from stalling
+lookups for ever.
 
 Address diversity (as libp2p's kad-dht does): one network (an IPv4 /24, an
 IPv6 /48) holds at most MAX_PER_GROUP_IN_BUCKET members of a bucket and

@@ -48,7 +48,7 @@ _FIELDS = {"subject", "nonce", "results", "observed"}
 # what a dialer puts in a result
 OK = "ok"
 NOT_FROM_SOURCE = "not the address the request came from"
-NOT_A_RELAY_TO_DIAL = "a relay address this dialer does not dial"  # (private, loopback: see relay_dialable)
+NOT_A_RELAY_TO_DIAL = "a relay address this dialer does not dial"  # (a network the asker is not in: may_dial)
 
 # why a dialer refuses a whole request (the dial_result's "refused"; each counted as dial_back_refused_<reason>)
 NOT_A_DIALER = "not a dialer"
