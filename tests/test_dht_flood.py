@@ -193,7 +193,8 @@ async def test_a_background_task_that_throws_is_counted_and_the_node_runs_on(aut
             server = serve_dial_backs(b, None)
             server._result_record = boom
             msg = wire.Message("dial_back", wire.new_rpc_id(), a.peer_id, wall_ms(), {})
-            b.start_soon(server._job, Request(msg, a.addr, 100, True), ["/ip4/10.0.0.1/tcp/1"], b"n" * 16, [False])
+            b.start_soon(server._job, Request(msg, a.addr, 100, True), [("/ip4/10.0.0.1/tcp/1", False, "x")],
+                         b"n" * 16, [False])
         await trio.sleep(2)
         assert b.stats["loop_errors_" + loop] == 1
         for name in ("request", "ping"):

@@ -124,10 +124,11 @@ class DialBackServer:
     async def _job(self, request: Request, undialled: list[tuple[str, bool, str]], nonce: bytes,
                    dial: list[bool]) -> None:
         msg, addr = request.msg, request.addr
-        addrs = [a for a, _, _ in undialled]
-        results = list(undialled)  # each dialled one's result replaces its entry
         async with Guard("dial_back", self.node.stats, backoff=False):  # a bug here costs one answer, never the node
             try:
+                addrs = [a for a, _, _ in undialled]
+                results = list(undialled)  # each dialled one's result replaces its entry
+
                 async def one(i: int) -> None:
                     results[i] = (addrs[i], *await self._dial_one(msg.sender, addrs[i]))
 
