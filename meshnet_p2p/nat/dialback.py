@@ -206,7 +206,7 @@ def may_dial(target: Multiaddr, source: str) -> tuple[bool, str]:
     rip, sip = ip_of(relay.host or ""), ip_of(source)
     if rip is None or sip is None or rip.is_unspecified or rip.is_link_local or rip.is_multicast:
         return False, NOT_A_RELAY_TO_DIAL
-    if (rip.is_private or rip.is_loopback) and not (sip.is_loopback if rip.is_loopback else sip.is_private):
+    if rip.is_loopback and not sip.is_loopback or rip.is_private and not sip.is_private:
         return False, NOT_A_RELAY_TO_DIAL
     return True, OK
 

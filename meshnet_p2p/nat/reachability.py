@@ -59,6 +59,7 @@ from .dialer import DIAL_TIMEOUT, DialBackServer, serve_dial_backs
 from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.core.identity import PeerId
 from meshnet_p2p.core.multiaddr import Multiaddr
+from meshnet_p2p.swarm.relay_offers import circuit_addr
 
 DEFAULT_DIALERS = 3
 CHECK_TIMEOUT = 5.0  # a dialer's dials take up to 3 s (dialer.DIAL_TIMEOUT), then its answer travels
@@ -181,7 +182,7 @@ def relay_check(node: DHTNode, *, avoid: Iterable[PeerId] = (), fallback=relay_d
     avoid = tuple(avoid)
 
     async def verify(peer_id: PeerId, relay: Multiaddr) -> tuple[bool, str]:
-        found = await check_reachability(node, [f"{relay}/p2p-circuit/p2p/{peer_id}"], avoid=avoid)
+        found = await check_reachability(node, [circuit_addr(relay, peer_id)], avoid=avoid)
         if found.status == REACHABLE:
             return True, "ok"
         if found.status == UNREACHABLE:

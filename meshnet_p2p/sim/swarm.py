@@ -334,7 +334,7 @@ class SimSwarm:
         passes through an honest relay and through a selective one, which carries
         what comes from the reserved peer's own address)."""
         one_way = self.net.one_way_s
-        looking = {"since": trio.current_time()}
+        looking_since, held_before = trio.current_time(), False  # (on_change's)
 
         async def measure(addr: Multiaddr) -> float | None:
             relay = self.by_ip.get(addr.host)
@@ -373,16 +373,16 @@ class SimSwarm:
             return True, "ok"
 
         def on_change(held: Reservation | None) -> None:
+            nonlocal looking_since, held_before
             now = trio.current_time()
             if held is None:
-                p.relay, looking["since"] = None, now
+                p.relay, looking_since = None, now
                 if self.measuring:
                     self.m.relay_losses += 1
                 return
             p.relay = self.by_ip[held.relay.host]
-            self.m.relayed.append({"t": now, "s": now - looking["since"], "relay": p.relay.index,
-                                   "again": looking.get("lost", False)})
-            looking["lost"] = True  # (any later one follows a loss)
+            self.m.relayed.append({"t": now, "s": now - looking_since, "relay": p.relay.index, "again": held_before})
+            held_before = True  # (any later reservation follows a loss)
 
         await RelayKeeper(node, p.identity, None, on_change=on_change, print_line=lambda m: None,
                           measure=measure, verify=relay_check(node, fallback=dial_itself), hold=hold).run()
