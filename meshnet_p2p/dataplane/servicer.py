@@ -221,7 +221,6 @@ class ShardRuntimeServicer:
         copies); a host without one serves no ring."""
         opened_id = None
         opened = None  # its state: still ours to unlink when the state was dropped meanwhile
-        released = False
         try:
             for req in request_iterator:
                 kind = req.WhichOneof("kind")
@@ -273,8 +272,8 @@ class ShardRuntimeServicer:
                 elif kind == "link":
                     yield self.links.link(state, state.claimant or IN_PROCESS, req.link)
                 elif kind == "release":
-                    self.engine.release(opened_id)
-                    released = True
+                    if self._forget(opened_id, opened):  # before the reply: the client may open another at once
+                        self.engine.release(opened_id)
                     yield wire.reply_released(opened_id)
                     return
                 else:
@@ -284,9 +283,11 @@ class ShardRuntimeServicer:
             if opened_id is not None:
                 if opened is not None and opened.ring is not None:
                     opened.ring.unlink()
-                if not released:
+                # Admission forgets it before the engine frees it, as Release and the
+                # reaper do: whoever sees the engine's count drop may open at once. A
+                # state already dropped (released, reaped, reclaimed) was freed by its dropper.
+                if opened is not None and self._forget(opened_id, opened):
                     self.engine.release(opened_id)  # the client went away: free its capacity
-                self._forget(opened_id)
 
     def _open(self, msg, caller: Caller | None = None, push=None) -> tuple[object, str | None]:
         sid = msg.session_id
@@ -410,9 +411,14 @@ class ShardRuntimeServicer:
             self.stats.sessions.add("released_idle", len(idle))
         return idle
 
-    def _forget(self, sid: str) -> None:
+    def _forget(self, sid: str, state: "_Session | None" = None) -> bool:
+        """Drop a session's state; given ``state``, only that one (a session of the same
+        ID opened since, by a client that saw this one released, is not this stream's).
+        Whether it was there to drop: whoever drops a state frees its engine session."""
         with self._lock:
-            self._states.pop(sid, None)
+            if state is not None and self._states.get(sid) is not state:
+                return False
+            return self._states.pop(sid, None) is not None
 
     # --- the ring ----------------------------------------------------------------------------
 
