@@ -302,6 +302,53 @@ async def test_a_relayed_peer_learns_from_others_whether_its_relay_carries_them(
         srv.stop(0)
 
 
+@pytest.mark.parametrize("second", [REACHABLE, UNREACHABLE, UNKNOWN])
+async def test_an_undecided_relay_check_asks_others_again_before_it_dials_itself(monkeypatch, second):
+    """Found by the simulator (docs/scale.md): of the dialers asked, one answered (it could
+    not reach the peer through its relay) and the rest had left; undecided, the keeper
+    dialled itself, which a relay carrying only its peer's own dials passes, and the peer
+    sat on that relay for a minute. Now another sample of dialers is asked first; only
+    when that is undecided too does the self-dial decide."""
+    from meshnet_p2p.nat import reachability
+
+    peer, relay = Identity.generate().peer_id, Multiaddr.for_socket("192.0.2.7", "tcp", 4002, Identity.generate().peer_id)
+    answers = iter([dialback.Reachability(UNKNOWN, "the 1 dialers that answered do not agree", (), (), None, 3),
+                    dialback.Reachability(second, "decided", (), (), None, 3)])
+    asked, fallback_used = [], []
+
+    async def check(node, addrs, **kw):
+        asked.append(addrs)
+        return next(answers)
+
+    async def fallback(peer_id, relay):
+        fallback_used.append(relay)
+        return True, "ok"
+
+    monkeypatch.setattr(reachability, "check_reachability", check)
+    ok, why = await relay_check(None, fallback=fallback)(peer, relay)
+    assert len(asked) == 2
+    assert ok == {REACHABLE: True, UNREACHABLE: False, UNKNOWN: True}[second], why
+    assert fallback_used == ([relay] if second == UNKNOWN else [])
+
+
+async def test_a_relay_check_with_nobody_to_ask_dials_itself_at_once(monkeypatch):
+    from meshnet_p2p.nat import reachability
+
+    peer, relay = Identity.generate().peer_id, Multiaddr.for_socket("192.0.2.7", "tcp", 4002, Identity.generate().peer_id)
+    asked = []
+
+    async def check(node, addrs, **kw):
+        asked.append(addrs)
+        return dialback.Reachability(UNKNOWN, "nobody to ask", (), (), None, 0)
+
+    async def fallback(peer_id, relay):
+        return False, "timeout"
+
+    monkeypatch.setattr(reachability, "check_reachability", check)
+    assert await relay_check(None, fallback=fallback)(peer, relay) == (False, "timeout")
+    assert len(asked) == 1
+
+
 async def test_a_spoofed_source_gets_a_cookie_and_nothing_is_dialled(nursery):
     dials = []
 
