@@ -111,10 +111,14 @@ def test_many_liars_cost_a_route_search_rounds_that_grow_as_their_log(monkeypatc
     honest = [Span("h0", 0, 15, throughput=60.0), Span("h1", 15, 30, throughput=60.0)]
     rounds = []
 
-    def first_contacts(self, spans):
+    def first_contacts(self, spans, wait_s=lambda: None):
         rounds.append(len(spans))
-        return {s.peer_id: (search_module.Contact(s, SimpleNamespace(close=lambda: None), None) if s.peer_id[0] == "h"
-                            else ShardConnectionError("connect timed out")) for s in spans}
+        for s in spans:  # a made-up address answers last: its timeout
+            if s.peer_id[0] == "h":
+                yield s.peer_id, search_module.Contact(s, SimpleNamespace(close=lambda: None), None)
+        for s in spans:
+            if s.peer_id[0] != "h":
+                yield s.peer_id, ShardConnectionError("connect timed out")
 
     monkeypatch.setattr(RouteSearch, "_first_contacts", first_contacts)
     monkeypatch.setattr(search_module, "open_hop", lambda contact, opts, epoch: contact.span)
@@ -123,6 +127,99 @@ def test_many_liars_cost_a_route_search_rounds_that_grow_as_their_log(monkeypatc
     assert [h.peer_id for h in search.open_chain(0, 30, 0)] == ["h0", "h1"]
     assert len(rounds) <= 8, rounds  # 1, 16, 32, 64, 128, then 256 at once: every liar set aside
     assert max(rounds) <= search_module.MAX_PROBE_WIDTH
+
+
+def _contacts_measuring(rtt_ms: dict[str, float], rounds: list, seen: list):
+    """A stand-in for first contacts: each peer answers in ``rtt_ms``'s order (the order
+    they come), its round trip measured as first_contact measures it; ``rounds``: each
+    round's peers; ``seen``: each peer handed over (a round closed early stops there)."""
+    from meshnet_p2p.client import search as search_module
+
+    def first_contacts(self, spans, wait_s=lambda: None):
+        rounds.append(sorted(s.peer_id for s in spans))
+        for s in sorted(spans, key=lambda s: rtt_ms[s.peer_id]):
+            self.measures.round_trip(s.peer_id, rtt_ms[s.peer_id])
+            seen.append(s.peer_id)
+            yield s.peer_id, search_module.Contact(s, SimpleNamespace(close=lambda: None), None)
+    return first_contacts
+
+
+def _open_with(monkeypatch, spans, rtt_ms):
+    from meshnet_p2p.client import search as search_module
+
+    rounds, seen = [], []
+    monkeypatch.setattr(RouteSearch, "_first_contacts", _contacts_measuring(rtt_ms, rounds, seen))
+    monkeypatch.setattr(search_module, "open_hop", lambda contact, opts, epoch: contact.span)
+    search = RouteSearch(lambda: spans, RouteOptions(max_tokens=8))
+    search.survey()
+    return [h.peer_id for h in search.open_chain(0, 30, 0)], rounds, seen, search
+
+
+def test_a_round_trip_not_yet_measured_is_priced_at_the_typical_one_measured(monkeypatch):
+    """Over the internet every round trip measures tens of ms, and an unmeasured peer was
+    priced at a LAN's 2 ms: each round of first contacts made the untried look cheaper than
+    what it had just measured, and a fresh client's search went on contacting for rounds
+    (bench/sim.py: up to 5, 4.8 s to open). The first round looks beside its route; the
+    plan that stands then is the cheapest of what answered."""
+    spans = [Span(f"{k}{i}", 15 * i, 15 * (i + 1), throughput=tps) for k, tps in
+             (("a", 60.0), ("b", 59.0), ("c", 58.0), ("d", 57.0)) for i in range(2)]
+    rtt = {"a0": 90.0, "a1": 90.0, "b0": 40.0, "b1": 40.0, "c0": 60.0, "c1": 60.0, "d0": 70.0, "d1": 70.0}
+    route, rounds, _, search = _open_with(monkeypatch, spans, rtt)
+    assert route == ["b0", "b1"]  # the nearest of those contacted
+    assert len(rounds) == 1 and set(rounds[0]) == set(rtt)  # one round, the route and the next-best beside it
+    # what the planner is told of a peer not yet measured: the median measured (of an even
+    # count the slower middle one), twice behind a relay
+    measured = sorted(search.measures.latency_ms.values())
+    assert search.measures.typical_round_trip_ms() == measured[len(measured) // 2] == 60.0
+    far = [Span("e0", 0, 30, throughput=60.0), Span("e1", 0, 30, throughput=60.0, relayed=True)]
+    trips = search.measures.round_trips(spans + far)
+    assert (trips["e0"], trips["e1"], trips["b0"]) == (60.0, 120.0, 40.0)
+
+
+def test_a_round_of_first_contacts_ends_once_its_plan_stands(monkeypatch):
+    """A contact still out is not waited for once every hop of the plan answered: a
+    made-up address costs its whole timeout, and the round's other contacts could change
+    the plan only by answering faster than the typical round trip."""
+    spans = [Span("h0", 0, 15, throughput=60.0), Span("h1", 15, 30, throughput=60.0),
+             Span("s0", 0, 15, throughput=59.0), Span("s1", 15, 30, throughput=59.0)]
+    route, rounds, seen, _ = _open_with(monkeypatch, spans, {"h0": 30.0, "h1": 40.0, "s0": 3000.0, "s1": 3000.0})
+    assert route == ["h0", "h1"]
+    assert rounds == [["h0", "h1", "s0", "s1"]]  # all four asked at once...
+    assert seen == ["h0", "h1"]  # ...and the round closed once both hops had answered
+
+
+def test_a_round_stops_waiting_for_a_hanging_address_once_a_route_of_peers_that_answered_stands(monkeypatch):
+    """A whole-model claim at an address that hangs is planned first and contacted beside
+    the honest chain; once the chain has answered, the round gives what is still out a
+    grace (as long again, at least MIN_GRACE_S), not the connect timeout, and plans
+    without it: not banned (nothing is known against it), and its connection, should it
+    come, is closed."""
+    from meshnet_p2p.client import search as search_module
+
+    spans = [Span("liar", 0, 30, throughput=1000.0), Span("h0", 0, 15, throughput=60.0),
+             Span("h1", 15, 30, throughput=60.0)]
+    hang, closed = threading.Event(), threading.Event()
+
+    def first_contact(span, opts, measures):
+        if span.peer_id == "liar":
+            assert hang.wait(30)  # released by the test once the route is open
+            return search_module.Contact(span, SimpleNamespace(close=closed.set), None)
+        measures.round_trip(span.peer_id, 50.0)
+        return search_module.Contact(span, SimpleNamespace(close=lambda: None), None)
+
+    monkeypatch.setattr(search_module, "first_contact", first_contact)
+    monkeypatch.setattr(search_module, "open_hop", lambda contact, opts, epoch: contact.span)
+    events = []
+    search = RouteSearch(lambda: spans, RouteOptions(max_tokens=8, on_event=events.append))
+    search.survey()
+    try:
+        assert [h.peer_id for h in search.open_chain(0, 30, 0)] == ["h0", "h1"]
+        assert not hang.is_set()  # opened while the liar's contact was still out
+        assert "liar" not in search.banned_now()
+        assert events == ["not waiting for 1 slow first contacts"]
+    finally:
+        hang.set()
+    assert closed.wait(30)  # the contact nobody took is let go
 
 
 def test_from_plain_code_runs_each_async_call_in_a_loop_of_its_own():

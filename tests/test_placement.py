@@ -123,6 +123,23 @@ def test_verified_peers_are_preferred_and_no_preference_changes_nothing():
     assert [s.peer_id for s in plan_route([h1, h2_fresh, liar], 0, 30, prefer={"h1"})] == ["h1", "h2b"]
 
 
+def test_a_vouched_chain_beats_a_strangers_whole_model_claim_at_internet_round_trips():
+    """With round trips of tens of ms the crossings a whole-model claim saves outweigh any
+    per-layer charge, and every fresh client paid a first contact's timeout for each such
+    claim behind a made-up address (bench/sim.py --verdicts). A route's unverified layers
+    now come first; a stranger still fills the layers no vouched peer serves."""
+    h1, h2, h3 = Span("h1", 0, 10, 200.0, 4), Span("h2", 10, 20, 200.0, 4), Span("h3", 20, 30, 200.0, 4)
+    liar = Span("liar", 0, 30, 100_000.0, 4096)
+    rtt = {"h1": 120.0, "h2": 150.0, "h3": 90.0, "liar": 100.0}
+    assert [s.peer_id for s in plan_route([h1, h2, h3, liar], 0, 30, latency_ms=rtt)] == ["liar"]  # no preference
+    assert [s.peer_id for s in plan_route([h1, h2, h3, liar], 0, 30, latency_ms=rtt, prefer={"h1", "h2", "h3"})] == [
+        "h1", "h2", "h3"]
+    # no vouched peer for layers 20-29: a stranger fills them, the cheapest stranger for just those
+    s3 = Span("s3", 20, 30, 200.0, 4)
+    assert [s.peer_id for s in plan_route([h1, h2, s3, liar], 0, 30, latency_ms={**rtt, "s3": 90.0},
+                                          prefer={"h1", "h2"})] == ["h1", "h2", "s3"]
+
+
 def test_measures_are_summed_along_a_chain():
     a, b, whole = Span("a", 0, 5, 50.0), Span("b", 5, 10, 50.0), Span("whole", 0, 10, 50.0)
     m = {"a": 3.0, "b": 3.0, "whole": 8.0}

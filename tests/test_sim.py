@@ -254,7 +254,7 @@ async def test_a_generation_fails_over_when_a_hop_leaves_and_completes(autojump_
     from types import SimpleNamespace
 
     from meshnet_p2p.client.options import RouteOptions
-    from meshnet_p2p.sim.clients import REPLAY_SPEEDUP, Clients
+    from meshnet_p2p.sim.clients import FIRST_CONTACT_RTTS, REPLAY_SPEEDUP, Clients
     from meshnet_p2p.sim.records import SLICES
     from meshnet_p2p.swarm.placement import Span
 
@@ -278,7 +278,7 @@ async def test_a_generation_fails_over_when_a_hop_leaves_and_completes(autojump_
 
     async def generate(leaving: list[str]) -> dict:
         search = clients._search(spans)
-        opened = clients._open(search, 0, 30, clients._answering())
+        opened = await clients._open(search, 0, 30, clients._answering(), client, spend=False)
         route = opened["route"]
         assert [s.peer_id for s in route] == ["head", "mid", "tail"]  # the twin claims less
         token_s = clients._ring_ms([peers[s.peer_id] for s in route]) / 1000
@@ -295,15 +295,18 @@ async def test_a_generation_fails_over_when_a_hop_leaves_and_completes(autojump_
     assert len(looks) == 1
     replay_s = 10 * (1 + 10 / REPLAY_SPEEDUP) / 1000  # the twin's 10 layers, for the 10 positions so far
     after_s = clients._ring_ms([peers["head"], peers["twin"], peers["tail"]]) / 1000
-    # ten tokens, the eleventh's step that failed, the replay, the forty left on the new ring
-    assert entry["generation_s"] == pytest.approx(11 * token_s + replay_s + 40 * after_s)
+    # the replacement's first contact: one round, the twin alone serving the layers
+    contact_s = FIRST_CONTACT_RTTS * 2 * clients._client_link_s(client, peers["twin"])
+    # ten tokens, the eleventh's step that failed, the first contact, the replay, the forty left on the new ring
+    assert entry["generation_s"] == pytest.approx(11 * token_s + contact_s + replay_s + 40 * after_s)
     assert entry["stalled_s"] == 0
 
     # a hop whose machine vanished (no FIN): the step that fails waits out the client's step timeout
     peers["mid"].node, peers["mid"].vanished = object(), True
     entry, token_s = await generate(["mid"])
     assert entry["generation"] == "complete" and entry["stalled_s"] == pytest.approx(RouteOptions.step_timeout - token_s)
-    assert entry["generation_s"] == pytest.approx(10 * token_s + RouteOptions.step_timeout + replay_s + 40 * after_s)
+    assert entry["generation_s"] == pytest.approx(10 * token_s + RouteOptions.step_timeout + contact_s + replay_s
+                                                  + 40 * after_s)
     peers["mid"].vanished = False
 
     peers["mid"].node = object()

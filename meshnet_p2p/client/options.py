@@ -47,6 +47,28 @@ class PeerMeasures:
         old = self.latency_ms.get(peer)
         self.latency_ms[peer] = ms if old is None else min(old, ms)
 
+    def typical_round_trip_ms(self) -> float | None:
+        """The median round trip measured so far (of an even count, the slower middle
+        one), None before any: what a peer not yet measured is priced at. Read from a
+        copy: first contacts left to finish alone still write to the table."""
+        seen = sorted(self.latency_ms.copy().values())
+        return seen[len(seen) // 2] if seen else None
+
+    def round_trips(self, spans) -> dict[str, float]:
+        """The round trip to plan with, for each of ``spans``' peers: measured, or the
+        typical one (twice for a peer behind a relay: client to relay to peer). Without
+        that, a peer never contacted is priced at placement's DEFAULT_HOP_MS, a LAN's,
+        beside measured ones at an internet's: every round of first contacts makes the
+        untried look cheaper than what it just measured, and the search goes on
+        contacting instead of opening."""
+        known = self.latency_ms.copy()
+        typical = self.typical_round_trip_ms()
+        if typical is None:
+            return known
+        out = {s.peer_id: typical * (2 if s.relayed else 1) for s in spans if s.peer_id not in known}
+        out.update(known)
+        return out
+
     def decode_step(self, peer: str, ms: float) -> None:
         old = self.measured_ms.get(peer)
         self.measured_ms[peer] = ms if old is None else 0.8 * old + 0.2 * ms

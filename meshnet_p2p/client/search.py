@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 import time
 from concurrent import futures
-from typing import Callable
+from typing import Callable, Generator
 
 from meshnet_p2p.core.errors import MeshnetError, sanitize
 from meshnet_p2p.swarm.placement import NoRoute, Span
@@ -17,11 +17,16 @@ from .errors import GenerationError, RequestRefused, is_full, refuses_the_reques
 from .hop import Contact, Hop, first_contact, open_hop
 from .options import PeerMeasures, RouteOptions
 
+# A search's first round contacts its route's peers and, beside them, those of the next-best
+# routes up to this many: a first contact is the only measure of a round trip, and a plan
+# whose every hop answered stands without a look at what it left out
+FIRST_PROBE_WIDTH = 8
 PROBE_WIDTH = 16  # first contacts at once, once a search has met a failing candidate...
 # ...and, as more fail, as many as have failed, up to this: reports cost nothing to forge, and
 # a first contact with a made-up address costs its timeout, so a swarm full of liars must cost
 # rounds that grow as the log of their number, not in proportion (400 liars: 7 rounds, not 26)
 MAX_PROBE_WIDTH = 256
+MIN_GRACE_S = 0.5  # a round's wait, at least, for contacts still out once a route of answered peers stands
 MAX_OPEN_TRIES = 1024  # candidates one route search may set aside (a refused dial costs ~1 ms; open_timeout bounds the rest)
 BACKOFF_BASE_S = 0.25  # the first wait for busy peers; doubling to BACKOFF_MAX_S
 BACKOFF_MAX_S = 4.0
@@ -35,10 +40,27 @@ def backoff(waits: int, hint_s: float) -> float:
     return base * random.uniform(0.75, 1.25)
 
 
-def probe_width(route_hops: int, failed: int) -> int:
-    """First contacts to make at once: the route's own until a candidate has failed,
-    then PROBE_WIDTH, then as many as have failed, up to MAX_PROBE_WIDTH."""
-    return min(MAX_PROBE_WIDTH, max(PROBE_WIDTH, failed)) if failed else route_hops
+def probe_width(route_hops: int, failed: int, first: bool = False) -> int:
+    """First contacts to make at once: FIRST_PROBE_WIDTH in a search's first round, then
+    the route's own until a candidate has failed, then PROBE_WIDTH, then as many as have
+    failed, up to MAX_PROBE_WIDTH."""
+    if failed:
+        return min(MAX_PROBE_WIDTH, max(PROBE_WIDTH, failed))
+    return max(route_hops, FIRST_PROBE_WIDTH) if first else route_hops
+
+
+def grace_until(began: float, ready: float) -> float:
+    """Until when a round of first contacts waits for those still out, once a route of
+    peers that answered stood at ``ready`` (the round began at ``began``): as long again,
+    at least MIN_GRACE_S. A made-up address hangs for the whole connect timeout; an honest
+    peer a little farther than the rest answers within the grace and is weighed."""
+    return ready + max(ready - began, MIN_GRACE_S)
+
+
+def _close_contact(f: futures.Future) -> None:
+    """A first contact nobody took: its connection is let go once it is made."""
+    if not f.cancelled() and f.exception() is None:
+        f.result().client.close()
 
 
 def _tried_text(tried: dict[str, str]) -> str:
@@ -54,21 +76,22 @@ class RouteSearch:
     (``survey`` asks ``spans_provider`` again) and the peers it banned."""
 
     def __init__(self, spans_provider: Callable[[], list[Span]], opts: RouteOptions,
-                 measures: PeerMeasures | None = None) -> None:
+                 measures: PeerMeasures | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.spans_provider = spans_provider
         self.opts = opts
         self.measures = measures if measures is not None else PeerMeasures()
+        self.clock = clock  # what bans run out by (the simulator's: virtual time)
         self.spans: list[Span] = []  # empty until the first survey
-        self.banned: dict[str, float] = {}  # peer -> until when (monotonic)
+        self.banned: dict[str, float] = {}  # peer -> until when (``clock``)
 
     def survey(self) -> None:
         self.spans = self.spans_provider()
 
     def ban(self, peer: str) -> None:
-        self.banned[peer] = time.monotonic() + self.opts.ban_seconds
+        self.banned[peer] = self.clock() + self.opts.ban_seconds
 
     def banned_now(self) -> set[str]:
-        now = time.monotonic()
+        now = self.clock()
         return {p for p, until in self.banned.items() if until > now}
 
     def open_chain(self, start: int, end: int, epoch: int) -> list[Hop]:
@@ -82,14 +105,19 @@ class RouteSearch:
         anything has failed, up to PROBE_WIDTH candidates of the next-best
         routes with them (as many as have failed, once more have: up to
         MAX_PROBE_WIDTH), so lies behind addresses that hang cost their timeout
-        together, not one after another. Hops already open are kept for the next
-        plan. It gives up only when no untried route is left, naming what it tried."""
+        together, not one after another; a search's first round contacts the
+        next-best routes' peers too (FIRST_PROBE_WIDTH). A round ends once its plan
+        holds only peers that answered, or a grace (``grace_until``) after a route of
+        such peers first stood; what is still out is then left out of this search's
+        plans. Hops already open are kept for the next plan. It gives up only when
+        no untried route is left, naming what it tried."""
         opts = self.opts
         tried: dict[str, str] = {}
         refused: dict[str, str] = {}  # the subset that refused the request itself
         full: dict[str, float] = {}  # the subset that was full: asked again after a wait (their hint, seconds)
         busy: dict[str, str] = {}  # what full peers said, kept for the error once the deadline passes
-        waits = 0
+        waits = rounds = 0
+        slow: set[str] = set()  # still out when their round stopped waiting: not at fault, left out of plans
         contacts: dict[str, Contact] = {}  # first contact made, no session yet
         opened: dict[str, Hop] = {}
         deadline = time.monotonic() + opts.open_timeout
@@ -113,8 +141,11 @@ class RouteSearch:
                     raise GenerationError(f"could not open a route for layers {start}-{end - 1} in {why}"
                                           + _tried_text({**busy, **tried}))
                 try:
-                    route = self.plan(start, end, self.banned_now() | set(tried))
+                    route = self.plan(start, end, self.banned_now() | set(tried) | slow)
                 except NoRoute as e:
+                    if slow:  # those left out for answering slowly are all that is left: ask them again
+                        slow.clear()
+                        continue
                     if tried and not rediscovered:  # the swarm may have changed while we tried
                         rediscovered = True
                         self.survey()
@@ -142,14 +173,36 @@ class RouteSearch:
                     raise GenerationError(f"could not open a route for layers {start}-{end - 1}{waited}: {e}"
                                           + _tried_text(tried)) from None
                 known = set(opened) | set(contacts)
-                if any(s.peer_id not in known for s in route):
-                    width = probe_width(len(route), len(tried))
-                    batch = self.to_contact(start, end, route, self.banned_now() | set(tried), known, width)
-                    for peer, outcome in self._first_contacts(batch).items():
-                        if isinstance(outcome, Contact):
-                            contacts[peer] = outcome
-                        else:
-                            set_aside(peer, outcome)
+                batch = self.to_contact(start, end, route, self.banned_now() | set(tried) | slow, known,
+                                        probe_width(len(route), len(tried), first=not rounds))
+                if batch:
+                    rounds += 1
+                    pending = {s.peer_id for s in batch}
+                    began, ready = time.monotonic(), None
+
+                    def wait_s() -> float | None:
+                        return None if ready is None else max(0.0, grace_until(began, ready) - time.monotonic())
+
+                    outcomes = self._first_contacts(batch, wait_s)
+                    try:
+                        for peer, outcome in outcomes:
+                            pending.discard(peer)
+                            if isinstance(outcome, Contact):
+                                contacts[peer] = outcome
+                            else:
+                                set_aside(peer, outcome)
+                            out = set(tried) | slow
+                            known = set(opened) | set(contacts)
+                            if self.stands(start, end, out, known):
+                                pending.clear()  # the rest of the round is not waited for, nor left out
+                                break
+                            if ready is None and self.stands(start, end, out | pending, known):
+                                ready = time.monotonic()  # a route of peers that answered: the rest get a grace
+                    finally:
+                        outcomes.close()
+                    if pending:  # still out when the grace ran out: left out of this search's plans
+                        opts.on_event(f"not waiting for {len(pending)} slow first contacts")
+                        slow |= pending
                     continue  # plan again with what was learned
                 try:
                     for span in route:
@@ -165,13 +218,31 @@ class RouteSearch:
                 contact.client.close()
 
     def plan(self, start: int, end: int, banned: set[str]) -> list[Span]:
-        return self.opts.planner(self.spans, start, end, banned=banned, latency_ms=self.measures.latency_ms,
-                                 measured_ms=self.measures.measured_ms)
+        """The cheapest route over peers not ``banned``, each round trip measured or, if
+        not yet, the typical one measured (``PeerMeasures.round_trips``)."""
+        return self.opts.planner(self.spans, start, end, banned=banned,
+                                 latency_ms=self.measures.round_trips(self.spans),
+                                 measured_ms=self.measures.measured_ms.copy())
+
+    def stands(self, start: int, end: int, tried: set[str], known: set[str]) -> bool:
+        """Whether the plan made now, with what first contacts said so far, is of peers
+        that all answered (``known``): the round's other contacts cannot change it unless
+        they answer with a round trip below the typical one, and waiting for them (a made-up
+        address costs its timeout) costs more than that would save. Also when no route is
+        left: what is still out cannot make one."""
+        try:
+            route = self.plan(start, end, self.banned_now() | tried)
+        except NoRoute:
+            return True
+        return all(s.peer_id in known for s in route)
 
     def to_contact(self, start: int, end: int, route: list[Span], banned: set[str], known: set[str],
                     width: int) -> list[Span]:
         """The new peers of ``route``, then those of the next-best routes (each
-        planned without the peers already chosen), up to ``width``."""
+        planned without the peers already chosen), up to ``width``; none when every
+        peer of ``route`` answered already (the plan stands)."""
+        if all(s.peer_id in known for s in route):
+            return []
         batch = {s.peer_id: s for s in route if s.peer_id not in known}
         skip = banned | set(batch)
         while len(batch) < width:
@@ -186,18 +257,30 @@ class RouteSearch:
             skip |= {s.peer_id for s in new}
         return list(batch.values())
 
-    def _first_contacts(self, spans: list[Span]) -> dict[str, "Contact | MeshnetError"]:
-        """First contact with each of ``spans``' peers, side by side."""
-        with futures.ThreadPoolExecutor(max_workers=max(1, len(spans)), thread_name_prefix="first-contact") as pool:
-            pending = {s.peer_id: pool.submit(first_contact, s, self.opts, self.measures) for s in spans}
-        out: dict[str, Contact | MeshnetError] = {}
-        for peer, f in pending.items():
-            e = f.exception()
-            out[peer] = f.result() if e is None else e
-        bug = next((e for e in out.values() if isinstance(e, BaseException) and not isinstance(e, MeshnetError)), None)
-        if bug is not None:  # not a peer's fault but ours: close what opened, and say so
-            for c in out.values():
-                if isinstance(c, Contact):
-                    c.client.close()
-            raise bug
-        return out
+    def _first_contacts(self, spans: list[Span], wait_s: Callable[[], float | None] = lambda: None,
+                        ) -> Generator[tuple[str, "Contact | MeshnetError"], None, None]:
+        """First contact with each of ``spans``' peers, side by side: each peer and what
+        came of it, in the order they come, until ``wait_s`` (asked before each wait: the
+        seconds left, None for no bound) runs out. Closed or run out early, the contacts
+        still out finish alone and their connections are closed; a contact the caller took
+        is its own. An error that is not a peer's fault (a bug of ours) is raised."""
+        pool = futures.ThreadPoolExecutor(max_workers=max(1, len(spans)), thread_name_prefix="first-contact")
+        pending = {pool.submit(first_contact, s, self.opts, self.measures): s.peer_id for s in spans}
+        handed: set[futures.Future] = set()
+        try:
+            left = set(pending)
+            while left:
+                done, left = futures.wait(left, timeout=wait_s(), return_when=futures.FIRST_COMPLETED)
+                if not done:
+                    return  # the caller waits no longer
+                for f in done:
+                    e = f.exception()
+                    if e is not None and not isinstance(e, MeshnetError):
+                        raise e  # not a peer's fault but ours: say so (what opened is closed below)
+                    handed.add(f)
+                    yield pending[f], (f.result() if e is None else e)
+        finally:
+            pool.shutdown(wait=False)
+            for f in pending:
+                if f not in handed:
+                    f.add_done_callback(_close_contact)

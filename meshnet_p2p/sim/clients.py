@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from meshnet_p2p.client.hop import CONNECT_TIMEOUT_S, ROUND_TRIP_SAMPLES
 from meshnet_p2p.client.options import RouteOptions
-from meshnet_p2p.client.search import MAX_OPEN_TRIES, RouteSearch, probe_width
+from meshnet_p2p.client.search import MAX_OPEN_TRIES, RouteSearch, grace_until, probe_width
 from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.dht.node import DHTConfig, DHTNode
 from meshnet_p2p.swarm.capability import model_key
@@ -42,6 +43,9 @@ if TYPE_CHECKING:
 
 SETTLED_S = 30.0  # a peer online this long has joined, and a volunteer announced (every 30 s): it should be found
 REPLAY_SPEEDUP = 8  # a replay is a prefill: a position costs about 1/8 of a decode step's compute (llama.cpp, CPU)
+# a first contact (client/hop.py first_contact): a TCP connect, a TLS 1.3 handshake, the
+# capability call, then the calls whose round trips it measures, one after another
+FIRST_CONTACT_RTTS = 3 + ROUND_TRIP_SAMPLES
 ORACLE_HEADS = 40  # heads the oracle tries (the cheapest by compute): bounds its cost at large N
 
 
@@ -213,7 +217,7 @@ class Clients:
         entry["vouched"] = sum(1 for s in spans if s.peer_id in vouched)
         search = self._search(spans, vouched)
         answering = self._answering()
-        opened = self._open(search, 0, N_LAYER, answering)
+        opened = await self._open(search, 0, N_LAYER, answering, host)
         entry.update({k: v for k, v in opened.items() if k != "route"})
         if opened["outcome"] == "route":
             entry.update(self._quality(host, spans, opened["route"], answering))
@@ -230,36 +234,74 @@ class Clients:
     def _search(cls, spans: list[Span], vouched: frozenset[str] = frozenset()) -> RouteSearch:
         """The client's route search over ``spans``, preferring the ``vouched`` peers."""
         search = RouteSearch(lambda: spans, SimpleNamespace(planner=cls._planner(vouched),
-                                                            ban_seconds=RouteOptions.ban_seconds))
+                                                            ban_seconds=RouteOptions.ban_seconds),
+                             clock=trio.current_time)
         search.survey()
         return search
 
-    def _open(self, search: RouteSearch, start: int, end: int, answering: dict[str, "Peer"]) -> dict:
-        """The route search's own planning for layers [start, end) (``client.search.RouteSearch``:
-        plan, first contacts side by side, widening as candidates fail: ``probe_width``),
-        with each first contact's outcome known here: a hop that could not answer (a
-        liar's made-up address, a volunteer gone since its report) is set aside, and
-        banned, as a failed first contact would be. ``answering``: who answers now."""
+    async def _open(self, search: RouteSearch, start: int, end: int, answering: dict[str, "Peer"], host,
+                    *, spend: bool = True) -> dict:
+        """The route search's own decisions for layers [start, end) (``client.search.RouteSearch``:
+        the plan, whom to contact in each round (``to_contact``, ``probe_width``: wider in
+        the first round and as candidates fail), when a round's plan stands without the
+        contacts still out (``stands``), each round trip an answer measures
+        (``PeerMeasures.round_trip``) and what the unmeasured are priced at, the grace a round
+        gives contacts still out once a route of answered peers stands), with each first
+        contact's outcome known here. A peer that answers does so in FIRST_CONTACT_RTTS
+        round trips from the client on ``host``; one that cannot (a liar's made-up address,
+        a volunteer gone since its report) fails after the first contact's timeout and is
+        banned, as production bans it. A round takes until its plan stood (``spend=False``:
+        no time passes, a what-if). ``answering``: who answers now."""
         tried: set[str] = set()  # set aside
         known: set[str] = set()  # answered their first contact
-        rounds = 0
+        slow: set[str] = set()  # still out when their round stopped waiting
+        rounds, abandoned, t0 = 0, 0, trio.current_time()
+
+        def done(outcome: str, **more) -> dict:
+            return {"outcome": outcome, "failed_contacts": len(tried), "contact_rounds": rounds,
+                    "abandoned_contacts": abandoned, "open_s": trio.current_time() - t0, **more}
+
         while len(tried) < MAX_OPEN_TRIES:
             try:
-                route = search.plan(start, end, search.banned_now() | tried)
+                route = search.plan(start, end, search.banned_now() | tried | slow)
             except NoRoute:
-                return {"outcome": "no live route", "failed_contacts": len(tried), "contact_rounds": rounds}
-            if all(s.peer_id in known for s in route):
-                return {"outcome": "route", "failed_contacts": len(tried), "contact_rounds": rounds, "hops": len(route),
-                        "route": route}
-            width = probe_width(len(route), len(tried))
+                if slow:
+                    slow.clear()
+                    continue
+                return done("no live route")
+            batch = search.to_contact(start, end, route, search.banned_now() | tried | slow, known,
+                                      probe_width(len(route), len(tried), first=not rounds))
+            if not batch:
+                return done("route", hops=len(route), route=route)
             rounds += 1
-            for s in search.to_contact(start, end, route, search.banned_now() | tried, known, width):
-                if s.peer_id in answering:
-                    known.add(s.peer_id)
+            outcomes = []
+            for s in batch:
+                peer = answering.get(s.peer_id)
+                rtt = 2 * self._client_link_s(host, peer) if peer is not None else None
+                outcomes.append((CONNECT_TIMEOUT_S if rtt is None else FIRST_CONTACT_RTTS * rtt, s.peer_id, rtt))
+            pending, ready, took = {s.peer_id for s in batch}, None, 0.0
+            for at, peer_id, rtt in sorted(outcomes):  # in the order they come
+                if ready is not None and at > grace_until(0.0, ready):
+                    took = grace_until(0.0, ready)  # the rest are not waited for, and left out
+                    break
+                took = at
+                pending.discard(peer_id)
+                if rtt is not None:
+                    known.add(peer_id)
+                    search.measures.round_trip(peer_id, rtt * 1000)
                 else:
-                    tried.add(s.peer_id)
-                    search.ban(s.peer_id)
-        return {"outcome": "gave up", "failed_contacts": len(tried), "contact_rounds": rounds}
+                    tried.add(peer_id)
+                    search.ban(peer_id)
+                if search.stands(start, end, tried | slow, known):
+                    pending.clear()  # the rest of the round is not waited for, nor left out
+                    break
+                if ready is None and search.stands(start, end, tried | slow | pending, known):
+                    ready = at
+            slow |= pending
+            abandoned += len(pending)
+            if spend:
+                await trio.sleep(took)
+        return done("gave up")
 
     def _answering(self) -> dict[str, "Peer"]:
         """The volunteers a first contact reaches: online, honest, and with relays in the
@@ -275,7 +317,7 @@ class Clients:
         live = [s for s in spans if s.peer_id in answering]
         best = self._oracle_ms(live, answering)
         got = self._ring_ms([answering[s.peer_id] for s in route])
-        rtt = {p: 2000 * self.sim.net.one_way_s(client_host, answering[p].host) for p in answering}
+        rtt = {p: 2000 * self._client_link_s(client_host, answering[p]) for p in answering}
         near = plan_route(live, 0, N_LAYER, latency_ms=rtt, prefer=frozenset())
         informed = self._ring_ms([answering[s.peer_id] for s in near])
         return {"quality": got / best if best else None, "quality_rtt": informed / best if best else None}
@@ -325,10 +367,10 @@ class Clients:
             search.spans = spans
             search.opts.planner = self._planner(vouched)
             answering = self._answering()
-            opened = self._open(search, failed.start, failed.end, answering)
+            opened = await self._open(search, failed.start, failed.end, answering, host)
             if opened["outcome"] != "route":
                 # client/failover.py replaces the failed hop's layers exactly; would a whole new route have done?
-                whole = self._open(search, 0, N_LAYER, answering)["outcome"] == "route"
+                whole = (await self._open(search, 0, N_LAYER, answering, host, spend=False))["outcome"] == "route"
                 entry["generation"] = f"failover: {opened['outcome']}" + (" (a whole new route existed)" if whole else "")
                 break
             new = opened["route"]
@@ -344,6 +386,12 @@ class Clients:
         entry["failovers"] = failovers
         entry["stalled_s"] = stalled
         entry["generation_s"] = trio.current_time() - t0
+
+    def _client_link_s(self, host, b: "Peer") -> float:
+        """One way from a client on ``host`` to hop ``b``: direct, or through its relay."""
+        one_way = self.sim.net.one_way_s
+        relay = b.relay
+        return one_way(host, b.host) if relay is None else one_way(host, relay.host) + one_way(relay.host, b.host)
 
     def _link_s(self, a: "Peer", b: "Peer") -> float:
         """One way from hop ``a`` to hop ``b``: direct, or through ``b``'s relay when it

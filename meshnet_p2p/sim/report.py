@@ -44,7 +44,12 @@ def _surveys(surveys: list[dict], prefix: str) -> dict[str, Any]:
         f"{prefix}survey_s_p90": _r3(_pct([x["s"] for x in surveys], 0.9)),
         f"{prefix}vouched_mean": _mean([x.get("vouched", 0) for x in surveys]),
         f"{prefix}failed_contacts_mean": _mean([x["failed_contacts"] for x in surveys]),
+        # first contacts still out when a round stopped waiting for them (a made-up address hangs)
+        f"{prefix}abandoned_contacts_mean": _mean([x.get("abandoned_contacts", 0) for x in surveys]),
         f"{prefix}contact_rounds_p90": _pct([x["contact_rounds"] for x in surveys], 0.9),
+        # opening the route: rounds of first contacts until a plan of peers that answered stands
+        f"{prefix}open_s_p50": _r3(_pct([x["open_s"] for x in routed], 0.5)),
+        f"{prefix}open_s_p90": _r3(_pct([x["open_s"] for x in routed], 0.9)),
         f"{prefix}route_quality_p50": _r3(_pct([x["quality"] for x in routed if x["quality"]], 0.5)),
         f"{prefix}route_quality_p90": _r3(_pct([x["quality"] for x in routed if x["quality"]], 0.9)),
         # had the client measured its round trip to every candidate first (star pricing)

@@ -135,7 +135,8 @@ IMPLAUSIBLE_PENALTY_MS = 1000.0  # such a claim is tried only after every plausi
 # a 2-core CPU), i.e. what replaying that layer in an audit costs; and one
 # unverified whole-model hop (30 layers: +15 ms) loses to a verified chain
 # that pays a few more round trips (2 ms each by default). Over a WAN a saved
-# round trip may outweigh it: there verification, not routing, is the defence.
+# round trip outweighs it: there plan_route ranks routes by their unverified
+# layers first, and this charge orders routes with as many.
 # It is a floor: a plan charges a layer's compute as the client prices it (the
 # best measured, or the claim floor below), so the charge keeps its proportion
 # to compute on a loaded machine or a larger model, where 0.5 ms is nothing.
@@ -216,7 +217,8 @@ def plan_route(
 ) -> list[Span]:
     """The cheapest chain of peers covering layers [start, end), boundary to boundary
     (costs per :func:`span_cost_ms`; ``measured_ms`` beats advertised throughput;
-    ``prefer``: the peers with a verified record, None for no preference)."""
+    ``prefer``: the peers with a verified record, None for no preference; a route
+    with fewer layers outside it wins whatever its ms)."""
     usable = [s for s in spans if s.peer_id not in banned and not s.departing and s.free_sessions > 0 and s.start < s.end]
     ref = best_measured_ms_per_layer(usable, measured_ms)
     floor = median_claim_ms_per_layer(usable) if ref is None else None
@@ -228,21 +230,30 @@ def plan_route(
     edges: dict[int, list[Span]] = {}
     for s in usable:
         edges.setdefault(s.start, []).append(s)
-    best: dict[int, float] = {start: 0.0}
+    # A route's cost: first the layers it puts on peers without a verified record, then ms
+    # per token. With real round trips (tens of ms) a whole-model claim outbids a vouched
+    # chain by the crossings it saves, whatever a per-layer charge, and each such claim at
+    # a made-up address cost a fresh client a first contact's timeout (bench/sim.py with
+    # --verdicts, docs/scale.md): so strangers fill only the layers no vouched peer serves.
+    # With ``prefer`` None, or nobody in it, the first part is the same for every route.
+    inf = (float("inf"), float("inf"))
+    best: dict[int, tuple[int, float]] = {start: (0, 0.0)}
     prev: dict[int, Span] = {}
-    heap = [(0.0, start)]
+    heap = [((0, 0.0), start)]
     while heap:
         cost, at = heapq.heappop(heap)
         if at == end:
             break
-        if cost > best.get(at, float("inf")):
+        if cost > best.get(at, inf):
             continue
         for s in edges.get(at, []):
             if s.end > end:
                 continue
-            c = cost + span_cost_ms(s, latency_ms, measured_ms, ref, prefer, claim_floor_ms_per_layer=floor
-                                    if prefer is None or s.peer_id in prefer else unverified_floor)
-            if c < best.get(s.end, float("inf")):
+            unverified = prefer is not None and s.peer_id not in prefer
+            ms = span_cost_ms(s, latency_ms, measured_ms, ref, prefer,
+                              claim_floor_ms_per_layer=unverified_floor if unverified else floor)
+            c = (cost[0] + (s.end - s.start if unverified else 0), cost[1] + ms)
+            if c < best.get(s.end, inf):
                 best[s.end] = c
                 prev[s.end] = s
                 heapq.heappush(heap, (c, s.end))
