@@ -155,25 +155,27 @@ def _open_with(monkeypatch, spans, rtt_ms):
     return [h.peer_id for h in search.open_chain(0, 30, 0)], rounds, seen, search
 
 
-def test_a_round_trip_not_yet_measured_is_priced_at_the_typical_one_measured(monkeypatch):
+def test_a_round_trip_not_yet_measured_is_priced_from_those_measured(monkeypatch):
     """Over the internet every round trip measures tens of ms, and an unmeasured peer was
     priced at a LAN's 2 ms: each round of first contacts made the untried look cheaper than
     what it had just measured, and a fresh client's search went on contacting for rounds
     (bench/sim.py: up to 5, 4.8 s to open). The first round looks beside its route; the
-    plan that stands then is the cheapest of what answered."""
+    plan that stands then is the cheapest of what answered, beside the untried priced at
+    the median of what was measured."""
     spans = [Span(f"{k}{i}", 15 * i, 15 * (i + 1), throughput=tps) for k, tps in
              (("a", 60.0), ("b", 59.0), ("c", 58.0), ("d", 57.0)) for i in range(2)]
     rtt = {"a0": 90.0, "a1": 90.0, "b0": 40.0, "b1": 40.0, "c0": 60.0, "c1": 60.0, "d0": 70.0, "d1": 70.0}
     route, rounds, _, search = _open_with(monkeypatch, spans, rtt)
     assert route == ["b0", "b1"]  # the nearest of those contacted
     assert len(rounds) == 1 and set(rounds[0]) == set(rtt)  # one round, the route and the next-best beside it
-    # what the planner is told of a peer not yet measured: the median measured (of an even
-    # count the slower middle one), twice behind a relay
+    # what the planner is told of a peer not yet measured: the median of those measured
+    # (of an even count the slower middle one), twice behind a relay
     measured = sorted(search.measures.latency_ms.values())
-    assert search.measures.typical_round_trip_ms() == measured[len(measured) // 2] == 60.0
+    assert search.measures.unmeasured_round_trip_ms() == measured[len(measured) // 2] == 60.0
+    search.measures.latency_ms = {"x": 10.0, "y": 20.0, "z": 30.0, "w": 40.0, "v": 50.0}
     far = [Span("e0", 0, 30, throughput=60.0), Span("e1", 0, 30, throughput=60.0, relayed=True)]
     trips = search.measures.round_trips(spans + far)
-    assert (trips["e0"], trips["e1"], trips["b0"]) == (60.0, 120.0, 40.0)
+    assert (trips["e0"], trips["e1"], trips["y"]) == (30.0, 60.0, 20.0)
 
 
 def test_a_round_of_first_contacts_ends_once_its_plan_stands(monkeypatch):
@@ -181,8 +183,8 @@ def test_a_round_of_first_contacts_ends_once_its_plan_stands(monkeypatch):
     made-up address costs its whole timeout, and the round's other contacts could change
     the plan only by answering faster than the typical round trip."""
     spans = [Span("h0", 0, 15, throughput=60.0), Span("h1", 15, 30, throughput=60.0),
-             Span("s0", 0, 15, throughput=59.0), Span("s1", 15, 30, throughput=59.0)]
-    route, rounds, seen, _ = _open_with(monkeypatch, spans, {"h0": 30.0, "h1": 40.0, "s0": 3000.0, "s1": 3000.0})
+             Span("s0", 0, 15, throughput=60.0, relayed=True), Span("s1", 15, 30, throughput=60.0, relayed=True)]
+    route, rounds, seen, _ = _open_with(monkeypatch, spans, {"h0": 30.0, "h1": 30.0, "s0": 3000.0, "s1": 3000.0})
     assert route == ["h0", "h1"]
     assert rounds == [["h0", "h1", "s0", "s1"]]  # all four asked at once...
     assert seen == ["h0", "h1"]  # ...and the round closed once both hops had answered

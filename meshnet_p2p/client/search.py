@@ -219,7 +219,7 @@ class RouteSearch:
 
     def plan(self, start: int, end: int, banned: set[str]) -> list[Span]:
         """The cheapest route over peers not ``banned``, each round trip measured or, if
-        not yet, the typical one measured (``PeerMeasures.round_trips``)."""
+        not yet, as ``PeerMeasures.round_trips`` prices it."""
         return self.opts.planner(self.spans, start, end, banned=banned,
                                  latency_ms=self.measures.round_trips(self.spans),
                                  measured_ms=self.measures.measured_ms.copy())
@@ -227,7 +227,7 @@ class RouteSearch:
     def stands(self, start: int, end: int, tried: set[str], known: set[str]) -> bool:
         """Whether the plan made now, with what first contacts said so far, is of peers
         that all answered (``known``): the round's other contacts cannot change it unless
-        they answer with a round trip below the typical one, and waiting for them (a made-up
+        they answer with a round trip below the unmeasured price, and waiting for them (a made-up
         address costs its timeout) costs more than that would save. Also when no route is
         left: what is still out cannot make one."""
         try:
