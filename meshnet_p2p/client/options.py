@@ -43,6 +43,11 @@ class RouteOptions:
 UNMEASURED_QUANTILE = 0.5
 
 
+def _quantile(values) -> float | None:
+    seen = sorted(values)
+    return seen[min(len(seen) - 1, int(UNMEASURED_QUANTILE * len(seen)))] if seen else None
+
+
 @dataclass
 class PeerMeasures:
     """Per peer, what re-planning goes by instead of what reports claim."""
@@ -60,8 +65,7 @@ class PeerMeasures:
         """What a peer not yet measured is priced at: UNMEASURED_QUANTILE of the round
         trips measured so far, None before any. Read from a copy: first contacts left to
         finish alone still write to the table."""
-        seen = sorted(self.latency_ms.copy().values())
-        return seen[min(len(seen) - 1, int(UNMEASURED_QUANTILE * len(seen)))] if seen else None
+        return _quantile(self.latency_ms.copy().values())
 
     def round_trips(self, spans) -> dict[str, float]:
         """The round trip to plan with, for each of ``spans``' peers: measured, or
@@ -70,7 +74,7 @@ class PeerMeasures:
         an internet's, a peer never contacted looked cheaper than every one just measured,
         and the search went on contacting instead of opening (bench/sim.py: up to 8 rounds)."""
         known = self.latency_ms.copy()
-        typical = self.unmeasured_round_trip_ms()
+        typical = _quantile(known.values())
         if typical is None:
             return known
         out = {s.peer_id: typical * (2 if s.relayed else 1) for s in spans if s.peer_id not in known}

@@ -191,13 +191,11 @@ class RouteSearch:
                                 contacts[peer] = outcome
                             else:
                                 set_aside(peer, outcome)
-                            out = set(tried) | slow
-                            known = set(opened) | set(contacts)
-                            if self.stands(start, end, out, known):
+                            over, ready = self.settle(start, end, set(tried) | slow, set(opened) | set(contacts),
+                                                      pending, ready, time.monotonic())
+                            if over:
                                 pending.clear()  # the rest of the round is not waited for, nor left out
                                 break
-                            if ready is None and self.stands(start, end, out | pending, known):
-                                ready = time.monotonic()  # a route of peers that answered: the rest get a grace
                     finally:
                         outcomes.close()
                     if pending:  # still out when the grace ran out: left out of this search's plans
@@ -235,6 +233,17 @@ class RouteSearch:
         except NoRoute:
             return True
         return all(s.peer_id in known for s in route)
+
+    def settle(self, start: int, end: int, out: set[str], known: set[str], pending: set[str],
+               ready: float | None, now: float) -> tuple[bool, float | None]:
+        """A round of first contacts after one more answer: whether it is over (its plan
+        :meth:`stands`), and since when a route of peers that answered stands without the
+        contacts still ``pending`` (``ready``: what the grace for those counts from)."""
+        if self.stands(start, end, out, known):
+            return True, ready
+        if ready is None and self.stands(start, end, out | pending, known):
+            ready = now
+        return False, ready
 
     def to_contact(self, start: int, end: int, route: list[Span], banned: set[str], known: set[str],
                     width: int) -> list[Span]:

@@ -177,8 +177,9 @@ RELAY_CHECK_TRIES = 2  # samples of dialers a relay check asks before it dials i
 def relay_check(node: DHTNode, *, avoid: Iterable[PeerId] = (), fallback=relay_dial_check):
     """A :class:`~meshnet_p2p.nat.keeper.RelayKeeper`'s ``verify`` that where a
     dial comes from cannot fool: other peers dial this one through the relay (a
-    ``dial_back`` of its circuit address, :func:`check_reachability`), and only
-    when too few answer to decide does it dial itself (``fallback``). A relay
+    ``dial_back`` of its circuit address, :func:`check_reachability`), a second
+    sample of them when the first does not decide, and only when that does not
+    either (or nobody could be asked) does it dial itself (``fallback``). A relay
     sees each dial's source: one that carries what comes from the reserved
     peer's own address and drops everyone else's passes a self-dial every time
     (docs/scale.md)."""

@@ -245,8 +245,8 @@ class Clients:
         the plan, whom to contact in each round (``to_contact``, ``probe_width``: wider in
         the first round and as candidates fail), when a round's plan stands without the
         contacts still out (``stands``), each round trip an answer measures
-        (``PeerMeasures.round_trip``) and what the unmeasured are priced at, the grace a round
-        gives contacts still out once a route of answered peers stands), with each first
+        (``PeerMeasures.round_trip``) and what the unmeasured are priced at, ``settle`` and
+        the grace a round gives contacts still out once a route of answered peers stands), with each first
         contact's outcome known here. A peer that answers does so in FIRST_CONTACT_RTTS
         round trips from the client on ``host``; one that cannot (a liar's made-up address,
         a volunteer gone since its report) fails after the first contact's timeout and is
@@ -292,11 +292,10 @@ class Clients:
                 else:
                     tried.add(peer_id)
                     search.ban(peer_id)
-                if search.stands(start, end, tried | slow, known):
+                over, ready = search.settle(start, end, tried | slow, known, pending, ready, at)
+                if over:
                     pending.clear()  # the rest of the round is not waited for, nor left out
                     break
-                if ready is None and search.stands(start, end, tried | slow | pending, known):
-                    ready = at
             slow |= pending
             abandoned += len(pending)
             if spend:
@@ -396,11 +395,7 @@ class Clients:
     def _link_s(self, a: "Peer", b: "Peer") -> float:
         """One way from hop ``a`` to hop ``b``: direct, or through ``b``'s relay when it
         is behind one (``a`` dials ``b``; a NATed ``a`` dials out directly)."""
-        one_way = self.sim.net.one_way_s
-        relay = b.relay
-        if relay is None:
-            return one_way(a.host, b.host)
-        return one_way(a.host, relay.host) + one_way(relay.host, b.host)
+        return self._client_link_s(a.host, b)
 
     def _ring_ms(self, hops: list["Peer"]) -> float:
         """A token's time around a ring of ``hops``: compute, hop to hop, tail to head."""
