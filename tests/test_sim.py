@@ -11,6 +11,7 @@ import trio.testing
 
 from meshnet_p2p.core.identity import Identity, signed_by_peer
 from meshnet_p2p.dht import gossip
+from meshnet_p2p.dht.node import DHTConfig
 from meshnet_p2p.sim.churn import Churn
 from meshnet_p2p.sim.crypto import stand_in_signatures
 from meshnet_p2p.sim.net import RTT_MS, NetModel, SimNetwork
@@ -312,3 +313,12 @@ async def test_a_generation_fails_over_when_a_hop_leaves_and_completes(autojump_
     peers["mid"].node = object()
     entry, _ = await generate(["mid", "twin"])
     assert entry["generation"] == "failover: no live route" and entry["failovers"] == 1, entry
+
+
+def test_a_peer_holds_the_gossip_of_the_topics_it_follows_not_the_swarms(small):
+    """docs/scale.md: every node held and pulled every peer's reports, so bytes a
+    node and the simulator's memory grew with the swarm. With four models a
+    volunteer's node holds its own model's reports (and a client's nothing)."""
+    ours = small["gossip_held_mean"]
+    every = simulate(SimConfig(**SMALL, **WITH, dht=DHTConfig(follow_all=True)))["gossip_held_mean"]
+    assert every > 3 * ours, (every, ours)

@@ -17,12 +17,18 @@ A pull sends a digest of what this node holds: one page of it, bounded in
 bytes (``digest``), covering a range of topic names; successive pulls rotate
 through the pages, and the answerer sends only what is missing within the
 page's range (``missing_from``).
+
+A node may follow only some topics (``DHTNode.follows``: a volunteer, its own
+model's): its pull then names each topic it asks about, held records or none
+(``digest_of``), and the answer holds only those topics (``missing_among``,
+drawing on the answerer's store as well: a key's homes store every record put
+there, whether or not they follow it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from meshnet_p2p.core.ratelimit import TokenBucket
 from meshnet_p2p.core.records import Record
@@ -114,6 +120,10 @@ class GossipState:
         for signer in [s for s, b in self._buckets.items() if now_ms - b.at >= refill_ms]:
             del self._buckets[signer]
 
+    def __len__(self) -> int:
+        """Records held, over every topic."""
+        return self._count
+
     def known(self, topic: Any, signer: Any, seq: Any) -> bool:
         """True if a record of ``signer`` at least as new as ``seq`` is held already."""
         if not isinstance(topic, str) or not isinstance(signer, bytes) or not isinstance(seq, int):
@@ -174,6 +184,23 @@ class GossipState:
         else is no bound: the asker then gets what it would have without one."""
         return raw if isinstance(raw, str) and len(raw) <= MAX_TOPIC_CHARS else None
 
+    @staticmethod
+    def missing_among(have: dict[str, dict[bytes, int]], records_of: Callable[[str], Iterable[Record]], *,
+                      budget: int) -> list[Record]:
+        """Records newer than a peer's digest says it holds, of the topics its
+        digest names and no other (``records_of(topic)``: what the answerer holds
+        of it, one record a signer), up to ``budget`` bytes."""
+        out, used = [], 0
+        for topic in sorted(have):
+            theirs = have[topic]
+            for rec in records_of(topic):
+                if theirs.get(rec.signer.multihash, -1) < rec.seq:
+                    if used + len(rec.wire) > budget:
+                        return out
+                    out.append(rec)
+                    used += len(rec.wire)
+        return out
+
     def missing_from(self, have: dict[str, dict[bytes, int]], *, budget: int, after: str | None = None,
                      upto: str | None = None) -> list[Record]:
         """Records newer than what a peer's digest says it holds, among the topics
@@ -190,6 +217,26 @@ class GossipState:
                     out.append(rec)
                     used += len(rec.wire)
         return out
+
+    def digest_of(self, topic: str, budget: int = DIGEST_BUDGET_BYTES) -> dict[str, dict[bytes, int]]:
+        """A pull's digest naming one topic: what this node holds of it, within
+        ``budget`` bytes (a larger topic is listed in part: the answer then
+        repeats some of what it holds, never leaves it without the rest)."""
+        entries: dict[bytes, int] = {}
+        used = 8 + len(topic.encode()) + _TOPIC_OVERHEAD
+        for signer, rec in self.topics.get(topic, {}).items():
+            used += len(signer) + _ENTRY_OVERHEAD
+            if used > budget:
+                break
+            entries[signer] = rec.seq
+        return {topic: entries}
+
+    def drop(self, topic: str) -> None:
+        """Forget a topic (no longer followed)."""
+        records = self.topics.pop(topic, {})
+        self._count -= len(records)
+        if topic in self._short:
+            self._short_count -= self._short.pop(topic)
 
     def expire(self, now_ms: int) -> None:
         for topic in list(self.topics):

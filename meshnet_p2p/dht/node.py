@@ -65,6 +65,12 @@ MAX_ADDRESSES = 16_384  # proven addresses and cookies kept
 MAX_SEEN_DATAGRAMS = 65_536
 MAX_VERIFYING = 64  # new (peer, address) pairs pinged at once
 MAX_PUSHES_IN_FLIGHT = 256  # gossip push tasks at once, whatever arrives
+# A node that does not follow every topic (DHTConfig.follow_all) follows at most this many, the
+# least recently read or published forgotten (with what it held of them): what a node holds and
+# pulls grows with the models it serves or uses, not with the swarm
+MAX_FOLLOWED = 64
+MAX_FOLLOWERS = 32  # peers remembered a topic as following it (they pulled it from us), the latest kept
+PULL_HOMES = 3  # a topic's pull asks a follower or one of the table's this many nodes closest to its key
 MAX_SEEDS = 16  # bootstrap contacts kept for rejoining
 REJOIN_BELOW = 4  # a table this small (a partition emptied it) looks for its seeds again
 REJOIN_MAX_BACKOFF_S = 300.0
@@ -92,6 +98,9 @@ class DHTConfig:
     republish_interval: float = 300.0
     gossip_fanout: int = 6
     gossip_pull_interval: float = 1.0
+    # True: gossip every topic there is (a bootstrap peer, a monitor). False: only the topics
+    # this node follows (DHTNode.follow: those it publishes, reads or subscribes to)
+    follow_all: bool = True
     # a get's lookup path stops once this many of its closest nodes answered with values; keys
     # hold many values (one per signer) spread unevenly, so by default ask all k closest
     get_quorum: int = 20
@@ -173,6 +182,9 @@ class DHTNode:
         self._pinging: set[int] = set()
         self._subscribers: dict[str, list[trio.MemorySendChannel]] = {}
         self._pushing = 0  # gossip pushes in flight (bounded: pulls spread what pushes skip)
+        self._followed: OrderedDict[str, None] = OrderedDict()  # topics followed, least recently used first
+        self._followers: dict[str, OrderedDict[PeerId, None]] = {}  # topic -> peers that pulled it from us
+        self._pull_turn = 0  # which followed topic the next pull asks about
         self._nursery: trio.Nursery | None = None
         self._seeds: list[Contact] = []  # the bootstrap contacts, to find the swarm again through
         self._seed_retry: dict[Addr, tuple[float, float]] = {}  # seed address -> (next try, last wait)
@@ -517,8 +529,13 @@ class DHTNode:
             return "gossip_ack", {"accepted": accepted}
         if msg.kind == "gossip_pull":
             have = self.gossip.parse_digest(body.get("have"))
-            after, upto = self.gossip.parse_bound(body.get("after")), self.gossip.parse_bound(body.get("upto"))
-            missing = self.gossip.missing_from(have, budget=REPLY_BUDGET_BYTES, after=after, upto=upto)
+            if body.get("only") is True:  # the asker follows these topics, and only these
+                for topic in have:
+                    self._heard_follower(topic, msg.sender)
+                missing = self.gossip.missing_among(have, self._topic_records, budget=REPLY_BUDGET_BYTES)
+            else:
+                after, upto = self.gossip.parse_bound(body.get("after")), self.gossip.parse_bound(body.get("upto"))
+                missing = self.gossip.missing_from(have, budget=REPLY_BUDGET_BYTES, after=after, upto=upto)
             return "gossip_records", {"records": [r.wire for r in missing]}
         raise wire.BadDatagram(f"no handler for {msg.kind}")
 
@@ -538,18 +555,28 @@ class DHTNode:
             return False, "record rejected"
         own = record.signer == self.peer_id
         cap = self.lifetime_cap(key, self._holds) if self.lifetime_cap is not None and not own else None
+        news = self.store.expires_at(key, record.signer.multihash) is None  # a signer new here
         ok, reason = self.store.put(key, record, self.now_ms(), source=source, own=own, live=self._known_live,
                                     lifetime_cap_ms=cap)
         if ok and reason != "unchanged":
-            self._gossip_in(wire_record, from_peer=None, record=record)
+            if self.follows(key):
+                self._gossip_in(wire_record, from_peer=None, record=record)
+            elif news:  # a home that does not follow the key still tells its followers of a newcomer
+                self._push_to(self._follower_contacts(key, exclude={record.signer}), record.wire)
         return ok, reason
+
+    def _topic_records(self, topic: str) -> list[Record]:
+        """What this node holds of a topic, gossiped or stored, one record a signer."""
+        stored, _ = self.store.get(topic, self.now_ms(), budget=1 << 30)
+        return list(keep_newest({r.signer.multihash: r for r in stored}, self.gossip.records(topic)).values())
 
     def _holds(self, key: str) -> bool:
         """Does this node hold a live value under ``key``, stored or gossiped, signed
         by a peer it knows is live (itself, or a routing-table member: it answered a
         round trip)? A record from an identity that runs no node costs nothing."""
         stored, _ = self.store.get(key, self.now_ms(), budget=1 << 30)
-        return any(self._known_live(r) for r in stored) or any(self._known_live(r) for r in self.records(key))
+        return any(self._known_live(r) for r in stored) or any(self._known_live(r) for r in self.gossip.records(key)
+                                                                 if r.expires_at_ms > self.now_ms())
 
     def _known_live(self, record: Record) -> bool:
         """Signed by this node, or by a routing-table member (it entered after a round trip)."""
@@ -640,6 +667,7 @@ class DHTNode:
         would not accept it."""
         record = self.verifier.verify(record_wire, self.now_ms(), remember=False)
         ok, reason = self.store.put(key, record, self.now_ms(), own=True)  # others' records never crowd ours out
+        self.follow(key)
         if not ok:
             raise DHTError(f"cannot store under {key!r}: {reason}")
         self._gossip_in(record_wire, from_peer=None, record=record)
@@ -756,8 +784,28 @@ class DHTNode:
 
     # --- public API: gossip ------------------------------------------------------------------
 
+    def follows(self, topic: str) -> bool:
+        """Does this node gossip ``topic`` (keep its records, pull and push them)?"""
+        return self.config.follow_all or topic in self._followed
+
+    def follow(self, topic: str) -> None:
+        """Gossip ``topic`` from now on (done by :meth:`put`, :meth:`records` and
+        :meth:`subscribe`). Past ``MAX_FOLLOWED`` topics the one least recently
+        used is forgotten, with what this node held of it."""
+        if self.config.follow_all:
+            return
+        if topic in self._followed:
+            self._followed.move_to_end(topic)
+            return
+        self._followed[topic] = None
+        while len(self._followed) > MAX_FOLLOWED:
+            old, _ = self._followed.popitem(last=False)
+            self.gossip.drop(old)
+            self._followers.pop(old, None)
+
     def subscribe(self, topic: str, max_buffer: int = 1024) -> trio.MemoryReceiveChannel:
         """New records on ``topic`` (a DHT key) as they arrive, gossip or store."""
+        self.follow(topic)
         send, recv = trio.open_memory_channel[Record](max_buffer)
         self._subscribers.setdefault(topic, []).append(send)
         for rec in self.gossip.records(topic):
@@ -768,6 +816,8 @@ class DHTNode:
         return recv
 
     def records(self, topic: str) -> list[Record]:
+        """What gossip brought of ``topic`` (followed from now on)."""
+        self.follow(topic)
         now = self.now_ms()
         return [r for r in self.gossip.records(topic) if r.expires_at_ms > now]
 
@@ -779,6 +829,9 @@ class DHTNode:
                    pulled: bool = False) -> bool:
         if record is None:
             head = peek(record_wire)
+            if head is not None and not (isinstance(head[2], str) and self.follows(head[2])):
+                self.stats["gossip_unfollowed"] += 1
+                return False  # a topic this node does not follow: not worth a signature check
             if head is not None and self.gossip.known(head[2], head[0], head[1]):
                 self.stats["gossip_duplicate"] += 1
                 return False  # already held: not worth a signature check
@@ -786,7 +839,7 @@ class DHTNode:
         if record is None:
             return False
         topic = record.content.get("key")
-        if not isinstance(topic, str):
+        if not isinstance(topic, str) or not self.follows(topic):
             return False
         # a topic the role's policy keeps short (e.g. evidence for a model nobody announces) gets a bounded share
         short = (topic not in self.gossip.topics and self.lifetime_cap is not None
@@ -806,15 +859,53 @@ class DHTNode:
                 pass
         # A refresh travels by pull (gossip.py); so does what was pulled: the neighbour it came
         # from had it, and so does the swarm (a node that joins pulls everything there is)
-        if verdict == "new" and not pulled and self._nursery is not None:
-            targets = [c for c in self.table.contacts() if c.peer_id != from_peer and c.peer_id != record.signer]
-            for c in random.sample(targets, min(len(targets), self.config.gossip_fanout)):
-                if self._pushing >= MAX_PUSHES_IN_FLIGHT:
-                    self.stats["gossip_push_skipped"] += 1
-                    break
-                self._pushing += 1
-                self._nursery.start_soon(self._push, c, record.wire)
+        if verdict == "new" and not pulled:
+            exclude = {from_peer, record.signer}
+            targets = self._follower_contacts(topic, exclude)
+            if self.config.follow_all and len(targets) < self.config.gossip_fanout:
+                # a node that holds every topic cannot tell who follows one: anyone may
+                taken = {c.node_id for c in targets}
+                others = [c for c in self.table.contacts() if c.peer_id not in exclude and c.node_id not in taken]
+                targets += random.sample(others, min(len(others), self.config.gossip_fanout - len(targets)))
+            self._push_to(targets, record.wire)
         return True
+
+    def _heard_follower(self, topic: str, peer: PeerId) -> None:
+        """``peer`` asked us for ``topic`` alone: it follows it (kept for topics we have any of)."""
+        if not self.follows(topic) and not self.store.holds(topic, self.now_ms()):
+            return
+        followers = self._followers.get(topic)
+        if followers is None:
+            if len(self._followers) >= MAX_FOLLOWED * 4:
+                self._followers.pop(next(iter(self._followers)))
+            followers = self._followers[topic] = OrderedDict()
+        followers[peer] = None
+        followers.move_to_end(peer)
+        while len(followers) > MAX_FOLLOWERS:
+            followers.popitem(last=False)
+
+    def _follower_contacts(self, topic: str, exclude: set) -> list[Contact]:
+        """Table members known to follow ``topic``: they pulled it from us, or they
+        signed records of it (a volunteer follows its own model's key)."""
+        peers = [*self._followers.get(topic, ()), *(r.signer for r in self.gossip.records(topic))]
+        out: dict[int, Contact] = {}
+        for p in peers:
+            if p in exclude:
+                continue
+            c = self.table.get(node_id_of(p))
+            if c is not None:
+                out[c.node_id] = c
+        return list(out.values())
+
+    def _push_to(self, targets: list[Contact], record_wire: bytes) -> None:
+        if self._nursery is None:
+            return
+        for c in random.sample(targets, min(len(targets), self.config.gossip_fanout)):
+            if self._pushing >= MAX_PUSHES_IN_FLIGHT:
+                self.stats["gossip_push_skipped"] += 1
+                break
+            self._pushing += 1
+            self._nursery.start_soon(self._push, c, record_wire)
 
     async def _push(self, contact: Contact, record_wire: bytes) -> None:
         try:
@@ -832,17 +923,32 @@ class DHTNode:
 
     async def _gossip_pull(self) -> None:
         """Ask one random neighbour for what it holds that we lack, among the
-        topics of this pull's page of our digest (pages rotate: gossip.digest)."""
-        contacts = self.table.contacts()
-        if not contacts:
-            return
-        peer = random.choice(contacts)
-        have, after, upto = self.gossip.digest()
-        body: dict[str, Any] = {"have": have}
-        if after is not None:
-            body["after"] = after
-        if upto is not None:
-            body["upto"] = upto
+        topics of this pull's page of our digest (pages rotate: gossip.digest);
+        a node that follows some topics asks about one of them at a time, in
+        turn, from a follower of it or one of its key's homes."""
+        if self.config.follow_all:
+            contacts = self.table.contacts()
+            if not contacts:
+                return
+            peer = random.choice(contacts)
+            have, after, upto = self.gossip.digest()
+            body: dict[str, Any] = {"have": have}
+            if after is not None:
+                body["after"] = after
+            if upto is not None:
+                body["upto"] = upto
+        else:
+            if not self._followed:
+                return
+            topics = list(self._followed)
+            topic = topics[self._pull_turn % len(topics)]
+            self._pull_turn += 1
+            candidates = {c.node_id: c for c in self._follower_contacts(topic, {self.peer_id})}
+            candidates.update((c.node_id, c) for c in self.table.nearest(key_id(topic.encode()), PULL_HOMES))
+            if not candidates:
+                return
+            peer = random.choice(list(candidates.values()))
+            body = {"have": self.gossip.digest_of(topic), "only": True}
         reply = await self.request(peer, "gossip_pull", body)
         if reply is None or reply.kind != "gossip_records":
             return

@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     async def serve() -> None:
         async with trio.open_nursery() as nursery:
             node = await start_node(nursery, identity, listen=args.listen, bootstrap=seeds, require_bootstrap=False,
-                                    serve=dial_checks)
+                                    serve=dial_checks, follow_all=True)
             if metrics is not None:
                 from .metrics import DhtCollector
 

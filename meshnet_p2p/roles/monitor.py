@@ -372,7 +372,7 @@ async def _serve(seeds: list, trust: TrustPolicy, host: str, port: int, interval
     from .status import survey_node
 
     async with trio.open_nursery() as nursery:
-        node = await start_node(nursery, Identity.generate(), bootstrap=seeds, client_mode=True)
+        node = await start_node(nursery, Identity.generate(), bootstrap=seeds, client_mode=True, follow_all=True)
         monitor = Monitor(lambda: survey_node(node, trust, keep_departing=True), trust, interval_s=interval_s)
         await nursery.start(monitor.run)
         bound = await serve_app(nursery, create_app(monitor.current), host, port)

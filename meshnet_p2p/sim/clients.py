@@ -64,6 +64,7 @@ class Measures:
     coverage: list[dict] = field(default_factory=list)  # every 10 s per model: {model, min, mean} volunteers a layer
     joins: int = 0
     leaves: int = 0
+    gossip_held: list[int] = field(default_factory=list)  # at the window's end: records each honest peer's node holds
 
 
 def carried(p: "Peer") -> bool:

@@ -108,6 +108,9 @@ def report(sim: "SimSwarm", span: float, sent: int, sent_bytes: int, online: flo
         "requests_per_node_s": {k: _r3(v / span / max(1.0, online)) for k, v in sim.kinds.most_common(8)},
         "lost_datagrams": sim.net.lost,
         "rss_per_peer_kb": round(rss_bytes / 1024 / max(1, peak), 1),
+        # gossiped records a peer's node holds (bootstrap peers, which follow every topic, aside)
+        "gossip_held_mean": _mean(m.gossip_held),
+        "gossip_held_max": max(m.gossip_held, default=0),
     }
     if cfg.relays + cfg.bad_relays:  # NATed volunteers: how many held a reservation (on a relay that carries
         rs = m.relay_samples  # clients), how long finding one took, how many ended, the fullest relay

@@ -107,7 +107,9 @@ class SimConfig:
     def partitioned(self) -> bool:
         return bool(self.partition_regions) and self.partition_minutes > 0
     net: NetModel = field(default_factory=NetModel)
-    dht: DHTConfig = field(default_factory=DHTConfig)
+    # as the roles start their nodes (swarm.node.start_node): each gossips only the topics it
+    # follows, but the bootstrap peers every topic; follow_all=True here: every node every topic
+    dht: DHTConfig = field(default_factory=lambda: DHTConfig(follow_all=False))
 
 
 @dataclass
@@ -225,7 +227,8 @@ class SimSwarm:
     # --- peers coming and going -----------------------------------------------------------------
 
     def _node(self, p: Peer) -> DHTNode:
-        config = DHTConfig(**{**self.cfg.dht.__dict__, "client_mode": p.host.natted})
+        config = DHTConfig(**{**self.cfg.dht.__dict__, "client_mode": p.host.natted,
+                              "follow_all": self.cfg.dht.follow_all or p.index < self.cfg.bootstrap})
         if p.sybil is None:
             node = DHTNode(p.identity, self.net.attach(p.host), TYPES, config, now_ms=self.now_ms,
                            lifetime_cap=lifetime_cap)
@@ -579,6 +582,7 @@ class SimSwarm:
             await trio.sleep(cfg.minutes * 60)
             for p in self.online(sybils=True):
                 self._count(p.node)
+            self.m.gossip_held = [len(p.node.gossip) for p in self.online() if p.index >= cfg.bootstrap]
             self.measuring = False
             span = trio.current_time() - t0
             sent, sent_bytes = self.net.sent_total - sent0, self.net.sent_bytes_total - bytes0

@@ -130,6 +130,7 @@ async def start_node(
     types: Mapping[str, PayloadType] = TYPES,
     require_bootstrap: bool = True,
     serve: Callable[[DHTNode], Any] | None = None,
+    follow_all: bool = False,
 ) -> DHTNode:
     """Bind, start and (if bootstrap peers are given) join. Raises
     :class:`BootstrapError` if none of the bootstrap peers answered with the key
@@ -137,13 +138,16 @@ async def start_node(
     (a client reaching bootstrap peers on other hosts; nobody dials a client).
     ``serve``: registers the role's request kinds on the node before it starts
     (DHTNode.serve_requests; e.g. reachability.dial_checks: this node checks, for
-    peers that ask, whether their data-plane address answers)."""
+    peers that ask, whether their data-plane address answers). ``follow_all``:
+    gossip every topic (a bootstrap peer, a monitor); otherwise only those the
+    node publishes, reads or subscribes to (DHTNode.follow): a volunteer holds
+    and pulls its own model's reports, not every model's."""
     bootstrap = [a if isinstance(a, Multiaddr) else Multiaddr.parse(a) for a in bootstrap]
     if listen is None:
         listen = "[::]:0" if any(a.components[0][0] == "ip6" for a in bootstrap) else "0.0.0.0:0"
     host, port = parse_listen(listen)
     transport = await UdpTransport.bind(host, port)
-    node = DHTNode(identity, transport, types, DHTConfig(client_mode=client_mode),
+    node = DHTNode(identity, transport, types, DHTConfig(client_mode=client_mode, follow_all=follow_all),
                    lifetime_cap=lifetime_cap)  # evidence for models nobody announces lives minutes
     if serve is not None:
         serve(node)

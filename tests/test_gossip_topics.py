@@ -1,0 +1,134 @@
+"""Gossip scoped to the topics a node follows (issue 30, docs/scale.md): a volunteer
+holds and pulls its own model's reports, not every model's; in-process swarm, fake
+network, virtual time."""
+
+import pytest
+import trio
+import trio.testing
+
+from meshnet_p2p.core.records import wall_ms
+from meshnet_p2p.dht.node import DHTConfig, DHTNode
+from meshnet_p2p.dht.routing import key_id
+from meshnet_p2p.swarm.capability import TYPES, model_key
+from meshnet_p2p.testing import sample_report, start_swarm, swarm_identity
+
+MODEL, OTHER = "ab" * 32, "cd" * 32
+KEY, OTHER_KEY = model_key(MODEL), model_key(OTHER)
+SCOPED = DHTConfig(follow_all=False, gossip_pull_interval=0.5)
+
+
+@pytest.fixture
+def autojump_clock():
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+def report(i: int, model: str = MODEL, seq: int = 1) -> bytes:
+    ident = swarm_identity(i)
+    return sample_report(ident, model, layers=(0, 10)).sign(ident, seq=seq, now_ms=wall_ms(), ttl_ms=600_000)
+
+
+async def until(held, limit: float = 60.0) -> float:
+    t0 = trio.current_time()
+    with trio.fail_after(limit):
+        while not held():
+            await trio.sleep(0.25)
+    return trio.current_time() - t0
+
+
+def signers(node: DHTNode, key: str) -> set:
+    return {r.signer for r in node.gossip.records(key)}
+
+
+async def test_a_scoped_node_holds_and_pulls_only_the_topics_it_follows(autojump_clock):
+    """Every node pulled every topic there is: each carried every peer's
+    re-announcements of every model, bytes a node that grew with the swarm
+    (bench/sim.py: 25.8 KB/s a node at 200 peers, 42.8 at 1,000)."""
+    async with trio.open_nursery() as nursery:
+        net, nodes = await start_swarm(nursery, 12, TYPES, config=DHTConfig(gossip_pull_interval=0.5))
+        for i in range(10):
+            await nodes[1].publish(KEY, report(4000 + i))
+            await nodes[2].publish(OTHER_KEY, report(5000 + i, OTHER))
+        fresh = DHTNode(swarm_identity(98), net.endpoint(), TYPES, SCOPED)
+        await nursery.start(fresh.run)
+        await fresh.bootstrap([nodes[0].contact()])
+        fresh.records(KEY)  # read: followed from now on
+        await until(lambda: len(signers(fresh, KEY)) == 10)
+        await trio.sleep(10)  # twenty more pulls
+        assert fresh.follows(KEY) and not fresh.follows(OTHER_KEY)
+        assert signers(fresh, OTHER_KEY) == set()
+        # a push of an unfollowed topic is turned away before its signature is checked
+        reply = await nodes[3].request(fresh.contact(), "gossip_push", {"records": [report(6000, OTHER)]})
+        assert reply is not None and reply.body["accepted"] == 0
+        assert fresh.stats["gossip_unfollowed"] >= 1 and signers(fresh, OTHER_KEY) == set()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_new_follower_pulls_a_topic_from_its_homes_though_no_neighbour_follows_it(autojump_clock):
+    """In a swarm of scoped nodes most neighbours follow nothing a newcomer does;
+    the key's homes (the nodes closest to it, which store every report put
+    there) answer a pull from their store."""
+    async with trio.open_nursery() as nursery:
+        net, nodes = await start_swarm(nursery, 30, TYPES, config=SCOPED, seeds=2)
+        publisher = nodes[7]
+        for i in range(10):
+            await publisher.put(KEY, report(4000 + i))
+        publisher.stop()  # the one node that followed the topic is gone; its homes remain
+        assert not any(n.follows(KEY) for n in nodes if n is not publisher)
+        fresh = DHTNode(swarm_identity(98), net.endpoint(), TYPES, SCOPED)
+        await nursery.start(fresh.run)
+        await fresh.bootstrap([nodes[0].contact()])
+        fresh.records(KEY)
+        await until(lambda: len(signers(fresh, KEY)) == 10, limit=30)
+        # nobody else took the records into gossip: they did not follow the topic
+        assert all(signers(n, KEY) == set() for n in nodes if n is not publisher)
+        nursery.cancel_scope.cancel()
+
+
+async def test_news_reaches_a_topics_followers_fast_and_nobody_else(autojump_clock):
+    """Pushed, not left to pulls (5 s apart here): by the newcomer's homes, which
+    know the key's followers from their pulls, and on by each follower."""
+    slow_pulls = DHTConfig(follow_all=False, gossip_pull_interval=5.0, k=5, lookup_paths=1)
+    async with trio.open_nursery() as nursery:
+        net, nodes = await start_swarm(nursery, 60, TYPES, config=slow_pulls, seeds=2)
+        # the ten farthest from the key: none is among the homes a put stores at
+        by_distance = sorted(nodes[2:], key=lambda n: n.node_id ^ key_id(KEY.encode()))
+        followers, newcomer = by_distance[-10:], by_distance[-11]
+        for i, n in enumerate(followers):  # ten volunteers of the model, each announced
+            await n.publish(KEY, sample_report(n.identity, MODEL).sign(n.identity, seq=1, now_ms=wall_ms(),
+                                                                        ttl_ms=600_000))
+        await until(lambda: all(len(signers(n, KEY)) == 10 for n in followers), limit=300)
+        sent_before = sum(n.stats["sent_gossip_push"] for n in nodes)
+        t = trio.current_time()
+        await newcomer.publish(KEY, sample_report(newcomer.identity, MODEL).sign(
+            newcomer.identity, seq=1, now_ms=wall_ms(), ttl_ms=600_000))
+        await until(lambda: all(newcomer.peer_id in signers(n, KEY) for n in followers))
+        assert trio.current_time() - t < 1.0
+        outsiders = [n for n in nodes if n not in followers and n is not newcomer]
+        assert all(signers(n, KEY) == set() for n in outsiders)
+        assert sum(n.stats["gossip_unfollowed"] for n in outsiders) <= 6  # pushes aimed at followers
+        assert sum(n.stats["sent_gossip_push"] for n in nodes) - sent_before <= 6 * 11
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_node_follows_a_bounded_number_of_topics(autojump_clock, monkeypatch):
+    import meshnet_p2p.dht.node as node_mod
+
+    monkeypatch.setattr(node_mod, "MAX_FOLLOWED", 3)
+    async with trio.open_nursery() as nursery:
+        net, nodes = await start_swarm(nursery, 4, TYPES, config=SCOPED)
+        n = nodes[0]
+        await n.publish(KEY, report(1))
+        for m in ("01" * 32, "02" * 32, "03" * 32):
+            n.records(model_key(m))
+        assert not n.follows(KEY) and signers(n, KEY) == set()  # the least recently used, forgotten
+        assert [n.follows(model_key(m)) for m in ("01" * 32, "02" * 32, "03" * 32)] == [True] * 3
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_follow_all_node_keeps_every_topic(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        net, nodes = await start_swarm(nursery, 6, TYPES, config=DHTConfig(gossip_pull_interval=0.5))
+        await nodes[1].publish(OTHER_KEY, report(5000, OTHER))
+        await until(lambda: all(signers(n, OTHER_KEY) for n in nodes))
+        assert all(n.follows(OTHER_KEY) for n in nodes)
+        nursery.cancel_scope.cancel()
