@@ -132,3 +132,47 @@ async def test_a_follow_all_node_keeps_every_topic(autojump_clock):
         await until(lambda: all(signers(n, OTHER_KEY) for n in nodes))
         assert all(n.follows(OTHER_KEY) for n in nodes)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_re_announcement_stores_at_the_homes_it_found_without_a_lookup(autojump_clock):
+    """bench/sim.py: a volunteer's announce every 30 s made a lookup of its
+    model's key each time (~70 requests), more than half of what a node sent;
+    the homes a lookup finds move far slower than that."""
+    import meshnet_p2p.dht.node as node_mod
+
+    async with trio.open_nursery() as nursery:
+        net, nodes = await start_swarm(nursery, 40, TYPES, config=SCOPED, seeds=2)
+        n = nodes[9]
+        looked: list[int] = []
+        find_node = n._find_node
+
+        async def counting(target: int):
+            looked.append(target)
+            return await find_node(target)
+
+        n._find_node = counting
+
+        def lookups() -> int:  # of the key (not the table's refreshes)
+            return looked.count(key_id(KEY.encode()))
+
+        def announce(seq: int) -> bytes:
+            return sample_report(n.identity, MODEL).sign(n.identity, seq=seq, now_ms=wall_ms(), ttl_ms=600_000)
+
+        first = await n.put(KEY, announce(1))
+        before = lookups()
+        for seq in (2, 3, 4):
+            await trio.sleep(30)
+            assert await n.put(KEY, announce(seq)) == first  # the same homes took it
+        assert lookups() == before
+        holders = [m for m in nodes if m is not n and any(r.seq == 4 for r in m.store.get(KEY, m.now_ms())[0])]
+        assert len(holders) == first
+        await trio.sleep(node_mod.HOMES_REUSE_S)
+        await n.put(KEY, announce(5))
+        assert lookups() == before + 1  # looked again once the homes were old
+        # and a home that stops answering is replaced at once, not after the reuse window
+        for m in holders[: len(holders) // 2 + 1]:
+            net.freeze(m.addr)
+        await n.put(KEY, announce(6))
+        await n.put(KEY, announce(7))
+        assert lookups() == before + 2
+        nursery.cancel_scope.cancel()

@@ -71,6 +71,11 @@ MAX_PUSHES_IN_FLIGHT = 256  # gossip push tasks at once, whatever arrives
 MAX_FOLLOWED = 64
 MAX_FOLLOWERS = 32  # peers remembered a topic as following it (they pulled it from us), the latest kept
 PULL_HOMES = 3  # a topic's pull asks a follower or one of the table's this many nodes closest to its key
+# A put stores again where the last lookup of its key found homes, within this long, without a
+# lookup: a volunteer re-announces every 30 s, and each announce's lookup (~70 requests) was
+# more than half of what a node sent (bench/sim.py, docs/scale.md); the homes move slower
+HOMES_REUSE_S = 120.0
+MAX_HOMES_KEPT = 64  # keys whose homes a node remembers (its own records' keys)
 MAX_SEEDS = 16  # bootstrap contacts kept for rejoining
 REJOIN_BELOW = 4  # a table this small (a partition emptied it) looks for its seeds again
 REJOIN_MAX_BACKOFF_S = 300.0
@@ -185,6 +190,7 @@ class DHTNode:
         self._followed: OrderedDict[str, None] = OrderedDict()  # topics followed, least recently used first
         self._followers: dict[str, OrderedDict[PeerId, None]] = {}  # topic -> peers that pulled it from us
         self._pull_turn = 0  # which followed topic the next pull asks about
+        self._homes: OrderedDict[str, tuple[float, list[Contact]]] = OrderedDict()  # key -> (found at, homes)
         self._nursery: trio.Nursery | None = None
         self._seeds: list[Contact] = []  # the bootstrap contacts, to find the swarm again through
         self._seed_retry: dict[Addr, tuple[float, float]] = {}  # seed address -> (next try, last wait)
@@ -662,7 +668,9 @@ class DHTNode:
     async def put(self, key: str, record_wire: bytes, *, also: list[Contact] = ()) -> Stored:
         """Store a record under ``key`` on the k nodes closest to it along every
         lookup path, on ``also`` (e.g. :meth:`homes_of` its signer), and here.
-        Returns how many remote nodes accepted it, and in how many networks.
+        Within ``HOMES_REUSE_S`` of a lookup of ``key`` it stores again at the
+        homes that took the record then, without a lookup (until half of them
+        stop taking it). Returns how many remote nodes accepted it, and in how many networks.
         Raises :class:`RecordRejected` or :class:`DHTError` if this node itself
         would not accept it."""
         record = self.verifier.verify(record_wire, self.now_ms(), remember=False)
@@ -672,7 +680,11 @@ class DHTNode:
             raise DHTError(f"cannot store under {key!r}: {reason}")
         self._gossip_in(record_wire, from_peer=None, record=record)
         t0 = trio.current_time()
-        targets = {c.node_id: c for c in (await self._find_node(key_id(key.encode()))).reached}
+        found_at, homes = self._homes.get(key, (None, []))
+        looked_up = found_at is None or t0 - found_at >= HOMES_REUSE_S
+        if looked_up:
+            homes = (await self._find_node(key_id(key.encode()))).reached
+        targets = {c.node_id: c for c in homes}
         targets.update((c.node_id, c) for c in also if c.node_id != self.node_id)
         holders: list[Contact] = []
         async with trio.open_nursery() as nursery:
@@ -685,6 +697,14 @@ class DHTNode:
             for c in targets.values():
                 nursery.start_soon(one, c)
         self._lookup_done("put", t0, bool(holders))
+        took = [c for c in holders if c.node_id in {h.node_id for h in homes}]
+        if looked_up and took:
+            self._homes[key] = (t0, took)
+            self._homes.move_to_end(key)
+            while len(self._homes) > MAX_HOMES_KEPT:
+                self._homes.popitem(last=False)
+        elif not looked_up and 2 * len(took) < len(homes):
+            self._homes.pop(key, None)  # half the homes gone or refusing: the next put looks again
         return Stored(len(holders), networks(holders))
 
     async def get(self, key: str, *, also_ask: list[Contact] = ()) -> list[Record]:
