@@ -3,6 +3,8 @@ holds and pulls its own model's reports, not every model's; in-process swarm, fa
 network, virtual time."""
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 import trio
 import trio.testing
 
@@ -176,3 +178,26 @@ async def test_a_re_announcement_stores_at_the_homes_it_found_without_a_lookup(a
         await n.put(KEY, announce(7))
         assert lookups() == before + 2
         nursery.cancel_scope.cancel()
+
+
+_HELD = [report(7000 + i, model) for i in range(6) for model in (MODEL, OTHER)]
+
+
+@given(raw=st.dictionaries(st.one_of(st.sampled_from([KEY, OTHER_KEY, "x"]), st.text(max_size=4), st.binary(max_size=4)),
+                           st.one_of(st.dictionaries(st.binary(max_size=40), st.integers(-2, 3), max_size=4),
+                                     st.integers(), st.none()), max_size=5),
+       budget=st.integers(0, 6000))
+def test_a_scoped_pull_gets_only_the_topics_it_names_newer_than_it_holds_within_the_budget(raw, budget):
+    """A pull's digest is network input: whatever it holds, the answer is records of
+    the topics it names (and parses), newer than it says it holds, within the budget."""
+    from meshnet_p2p.core.records import RecordVerifier
+    from meshnet_p2p.dht.gossip import GossipState
+
+    verify = RecordVerifier(TYPES).verify
+    held = [verify(w, wall_ms(), remember=False) for w in _HELD]
+    have = GossipState.parse_digest(raw)
+    out = GossipState.missing_among(have, lambda t: [r for r in held if r.content["key"] == t], budget=budget)
+    assert sum(len(r.wire) for r in out) <= budget
+    for r in out:
+        topic = r.content["key"]
+        assert topic in have and have[topic].get(r.signer.multihash, -1) < r.seq
