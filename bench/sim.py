@@ -72,6 +72,8 @@ def main() -> int:
     ap.add_argument("--sybil-layers", default=f"0:{N_LAYER}", help="A:B, what a liar claims to serve")
     ap.add_argument("--follow-all", action="store_true",
                     help="every node gossips every topic (as before 2026-12-05), not only those it follows")
+    ap.add_argument("--refresh-s", type=float, default=DHTConfig.refresh_interval,
+                    help="how often a node refreshes its routing table with a random-ID lookup")
     ap.add_argument("--json", action="store_true")
     args = parse_args(ap, peers=40, minutes=0.5, warmup_minutes=0.5, models=1, sybils=4)
     churn = Churn(session_median_s=args.session_minutes * 60, gap_median_s=args.session_minutes * 60,
@@ -86,7 +88,7 @@ def main() -> int:
                     bad_relays=args.bad_relays, bad_relay_behaviour=args.bad_relay_behaviour, partition_regions=tuple(r for r in args.partition.split(",") if r),
                     partition_at_minutes=args.partition_at, partition_minutes=args.partition_minutes,
                     sybil_layers=tuple(int(x) for x in args.sybil_layers.split(":")),
-                    dht=DHTConfig(follow_all=args.follow_all))
+                    dht=DHTConfig(follow_all=args.follow_all, refresh_interval=args.refresh_s))
     doc = simulate(cfg)
     print_report(doc, args.json)
     if args.smoke and not (doc["model_lookups"] and doc["model_lookup_found_any"] == 1.0 and doc["surveys"]):
