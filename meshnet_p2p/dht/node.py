@@ -697,7 +697,8 @@ class DHTNode:
             for c in targets.values():
                 nursery.start_soon(one, c)
         self._lookup_done("put", t0, bool(holders))
-        took = [c for c in holders if c.node_id in {h.node_id for h in homes}]
+        home_ids = {h.node_id for h in homes}
+        took = [c for c in holders if c.node_id in home_ids]
         if looked_up and took:
             self._homes[key] = (t0, took)
             self._homes.move_to_end(key)
