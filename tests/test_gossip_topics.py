@@ -65,7 +65,7 @@ async def test_a_scoped_node_holds_and_pulls_only_the_topics_it_follows(autojump
         nursery.cancel_scope.cancel()
 
 
-async def test_a_new_follower_pulls_a_topic_from_its_homes_though_no_neighbour_follows_it(autojump_clock):
+async def test_a_new_follower_pulls_a_topic_from_its_homes_though_no_neighbour_followingit(autojump_clock):
     """In a swarm of scoped nodes most neighbours follow nothing a newcomer does;
     the key's homes (the nodes closest to it, which store every report put
     there) answer a pull from their store."""
@@ -112,13 +112,13 @@ async def test_news_reaches_a_topics_followers_fast_and_nobody_else(autojump_clo
         nursery.cancel_scope.cancel()
 
 
-async def test_a_node_follows_a_bounded_number_of_topics(autojump_clock, monkeypatch):
-    import meshnet_p2p.dht.node as node_mod
+async def test_a_node_followinga_bounded_number_of_topics(autojump_clock, monkeypatch):
+    from meshnet_p2p.dht.topics import Follows
 
-    monkeypatch.setattr(node_mod, "MAX_FOLLOWED", 3)
     async with trio.open_nursery() as nursery:
         net, nodes = await start_swarm(nursery, 4, TYPES, config=SCOPED)
         n = nodes[0]
+        n.following = Follows(False, max_followed=3)
         await n.publish(KEY, report(1))
         for m in ("01" * 32, "02" * 32, "03" * 32):
             n.records(model_key(m))
@@ -201,3 +201,20 @@ def test_a_scoped_pull_gets_only_the_topics_it_names_newer_than_it_holds_within_
     for r in out:
         topic = r.content["key"]
         assert topic in have and have[topic].get(r.signer.multihash, -1) < r.seq
+
+
+def test_follows_is_bounded_least_recently_used_and_pulls_each_topic_in_turn():
+    from meshnet_p2p.dht.topics import Follows
+
+    f = Follows(False, max_followed=2, max_followers=2)
+    assert f.next_pull() is None and "a" not in f
+    assert f.follow("a") == [] and f.follow("b") == [] and f.follow("a") == []  # "a" used again
+    assert f.follow("c") == ["b"] and "b" not in f and "a" in f and "c" in f
+    assert [f.next_pull() for _ in range(4)] == ["a", "c", "a", "c"]
+    for peer in ("p", "q", "r", "q"):
+        f.heard("a", peer)
+    assert f.followers("a") == ["r", "q"]  # the latest two
+    f.follow("d")  # "a" is forgotten, and who followed it with it
+    assert "a" not in f and f.followers("a") == []
+    every = Follows(True)
+    assert "anything" in every and every.follow("x") == [] and every.next_pull() is None

@@ -2,7 +2,8 @@
 
 The node is thin I/O around pure parts: :mod:`routing` (the table),
 :mod:`lookup` (the traversal), :mod:`storage` (values), :mod:`wire`
-(datagrams) and :mod:`gossip` (what to forward). Everything runs in one
+(datagrams), :mod:`gossip` (what to forward) and :mod:`topics` (which topics
+it gossips, and who follows them). Everything runs in one
 nursery owned by :meth:`DHTNode.run`.
 
 A node in *client mode* (behind NAT, unreachable from outside) asks and
@@ -36,6 +37,7 @@ from meshnet_p2p.core.records import MAX_RECORD_BYTES, PayloadType, Record, Reco
 from meshnet_p2p.core.stats import LOOKUP_SECONDS, Histogram
 from . import wire
 from .gossip import GossipState
+from .topics import Follows
 from .lookup import iterative_lookup
 from meshnet_p2p.core.ratelimit import SourceRates
 from .routing import Contact, RoutingTable, key_id, node_id_of
@@ -65,11 +67,6 @@ MAX_ADDRESSES = 16_384  # proven addresses and cookies kept
 MAX_SEEN_DATAGRAMS = 65_536
 MAX_VERIFYING = 64  # new (peer, address) pairs pinged at once
 MAX_PUSHES_IN_FLIGHT = 256  # gossip push tasks at once, whatever arrives
-# A node that does not follow every topic (DHTConfig.follow_all) follows at most this many, the
-# least recently read or published forgotten (with what it held of them): what a node holds and
-# pulls grows with the models it serves or uses, not with the swarm
-MAX_FOLLOWED = 64
-MAX_FOLLOWERS = 32  # peers remembered a topic as following it (they pulled it from us), the latest kept
 PULL_HOMES = 3  # a topic's pull asks a follower or one of the table's this many nodes closest to its key
 # A put stores again where the last lookup of its key found homes, within this long, without a
 # lookup: a volunteer re-announces every 30 s, and each announce's lookup (~70 requests) was
@@ -187,9 +184,7 @@ class DHTNode:
         self._pinging: set[int] = set()
         self._subscribers: dict[str, list[trio.MemorySendChannel]] = {}
         self._pushing = 0  # gossip pushes in flight (bounded: pulls spread what pushes skip)
-        self._followed: OrderedDict[str, None] = OrderedDict()  # topics followed, least recently used first
-        self._followers: dict[str, OrderedDict[PeerId, None]] = {}  # topic -> peers that pulled it from us
-        self._pull_turn = 0  # which followed topic the next pull asks about
+        self.following = Follows(self.config.follow_all)  # the topics this node gossips (topics.py)
         self._homes: OrderedDict[str, tuple[float, list[Contact]]] = OrderedDict()  # key -> (found at, homes)
         self._nursery: trio.Nursery | None = None
         self._seeds: list[Contact] = []  # the bootstrap contacts, to find the swarm again through
@@ -807,22 +802,14 @@ class DHTNode:
 
     def follows(self, topic: str) -> bool:
         """Does this node gossip ``topic`` (keep its records, pull and push them)?"""
-        return self.config.follow_all or topic in self._followed
+        return topic in self.following
 
     def follow(self, topic: str) -> None:
         """Gossip ``topic`` from now on (done by :meth:`put`, :meth:`records` and
-        :meth:`subscribe`). Past ``MAX_FOLLOWED`` topics the one least recently
-        used is forgotten, with what this node held of it."""
-        if self.config.follow_all:
-            return
-        if topic in self._followed:
-            self._followed.move_to_end(topic)
-            return
-        self._followed[topic] = None
-        while len(self._followed) > MAX_FOLLOWED:
-            old, _ = self._followed.popitem(last=False)
+        :meth:`subscribe`). Past ``topics.MAX_FOLLOWED`` topics the one least
+        recently used is forgotten, with what this node held of it."""
+        for old in self.following.follow(topic):
             self.gossip.drop(old)
-            self._followers.pop(old, None)
 
     def subscribe(self, topic: str, max_buffer: int = 1024) -> trio.MemoryReceiveChannel:
         """New records on ``topic`` (a DHT key) as they arrive, gossip or store."""
@@ -893,22 +880,13 @@ class DHTNode:
 
     def _heard_follower(self, topic: str, peer: PeerId) -> None:
         """``peer`` asked us for ``topic`` alone: it follows it (kept for topics we have any of)."""
-        if not self.follows(topic) and not self.store.holds(topic, self.now_ms()):
-            return
-        followers = self._followers.get(topic)
-        if followers is None:
-            if len(self._followers) >= MAX_FOLLOWED * 4:
-                self._followers.pop(next(iter(self._followers)))
-            followers = self._followers[topic] = OrderedDict()
-        followers[peer] = None
-        followers.move_to_end(peer)
-        while len(followers) > MAX_FOLLOWERS:
-            followers.popitem(last=False)
+        if self.follows(topic) or self.store.holds(topic, self.now_ms()):
+            self.following.heard(topic, peer)
 
     def _follower_contacts(self, topic: str, exclude: set) -> list[Contact]:
         """Table members known to follow ``topic``: they pulled it from us, or they
         signed records of it (a volunteer follows its own model's key)."""
-        peers = [*self._followers.get(topic, ()), *(r.signer for r in self.gossip.records(topic))]
+        peers = [*self.following.followers(topic), *(r.signer for r in self.gossip.records(topic))]
         out: dict[int, Contact] = {}
         for p in peers:
             if p in exclude:
@@ -959,11 +937,9 @@ class DHTNode:
             if upto is not None:
                 body["upto"] = upto
         else:
-            if not self._followed:
+            topic = self.following.next_pull()
+            if topic is None:
                 return
-            topics = list(self._followed)
-            topic = topics[self._pull_turn % len(topics)]
-            self._pull_turn += 1
             candidates = {c.node_id: c for c in self._follower_contacts(topic, {self.peer_id})}
             candidates.update((c.node_id, c) for c in self.table.nearest(key_id(topic.encode()), PULL_HOMES))
             if not candidates:
