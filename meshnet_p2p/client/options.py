@@ -74,7 +74,7 @@ class PeerMeasures:
         an internet's, a peer never contacted looked cheaper than every one just measured,
         and the search went on contacting instead of opening (bench/sim.py: up to 8 rounds)."""
         known = self.latency_ms.copy()
-        typical = _quantile(known.values())
+        typical = self.unmeasured_round_trip_ms()  # (no await between: the same table as known)
         if typical is None:
             return known
         out = {s.peer_id: typical * (2 if s.relayed else 1) for s in spans if s.peer_id not in known}

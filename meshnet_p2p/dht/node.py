@@ -576,8 +576,7 @@ class DHTNode:
         by a peer it knows is live (itself, or a routing-table member: it answered a
         round trip)? A record from an identity that runs no node costs nothing."""
         stored, _ = self.store.get(key, self.now_ms(), budget=1 << 30)
-        return any(self._known_live(r) for r in stored) or any(self._known_live(r) for r in self.gossip.records(key)
-                                                                 if r.expires_at_ms > self.now_ms())
+        return any(self._known_live(r) for r in [*stored, *self._gossiped(key)])
 
     def _known_live(self, record: Record) -> bool:
         """Signed by this node, or by a routing-table member (it entered after a round trip)."""
@@ -826,6 +825,9 @@ class DHTNode:
     def records(self, topic: str) -> list[Record]:
         """What gossip brought of ``topic`` (followed from now on)."""
         self.follow(topic)
+        return self._gossiped(topic)
+
+    def _gossiped(self, topic: str) -> list[Record]:
         now = self.now_ms()
         return [r for r in self.gossip.records(topic) if r.expires_at_ms > now]
 
