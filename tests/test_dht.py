@@ -1,6 +1,7 @@
 """The DHT and gossip on an in-process swarm: fake network, virtual time."""
 
 import dataclasses
+import random
 
 import msgpack
 import pytest
@@ -101,12 +102,34 @@ def test_nearest_is_ordered_by_xor_distance():
     assert [c.node_id ^ target for c in got] == sorted(c.node_id ^ target for c in table.contacts())[:10]
 
 
+def test_nearest_reads_full_tables_in_the_order_of_distance():
+    # nearest() takes whole bands of buckets: tables with members in many buckets, targets
+    # anywhere, every count up to all of them (a band in the wrong order fails here)
+    rng = random.Random(7)
+    for k, n in ((3, 60), (20, 600)):
+        for _ in range(40):
+            local = rng.getrandbits(256)
+            table = RoutingTable(local_id=local, k=k)
+            for i in range(n):  # private addresses: the diversity bound exempts them
+                table.add(Contact(rng.getrandbits(256), None, f"10.{i // 250}.{i % 250}.1", 4001))
+            for target in (rng.getrandbits(256), local, local ^ rng.getrandbits(12)):
+                ranked = sorted(table.contacts(), key=lambda c: c.node_id ^ target)
+                for count in (1, k, 2 * k, len(ranked) + 1):
+                    assert table.nearest(target, count) == ranked[:count]
+
+
 @given(st.lists(st.tuples(st.sampled_from(["add", "move", "fail", "evict"]), st.integers(1, 60),
                           st.integers(0, 3)), max_size=200),
-       st.integers(1, 80), st.integers(1, 30), st.sets(st.integers(1, 60), max_size=10))
+       st.one_of(st.integers(1, 80).map(lambda i: ("contact", i)), st.just(("local", 0)),
+                 st.integers(0, 2**256 - 1).map(lambda x: ("any", x)),
+                 st.integers(0, 2**12).map(lambda x: ("near local", x))),
+       st.integers(0, 30), st.sets(st.integers(1, 60), max_size=10))
 def test_nearest_and_len_follow_the_buckets_whatever_joins_moves_fails_or_is_evicted(ops, t, count, excluded):
-    # nearest() and len() keep an index of the buckets' members: it must never drift from them
-    table = RoutingTable(local_id=node_id_of(swarm_identity(0).peer_id), k=3, max_failures=2)
+    # nearest() and len() keep an index of the buckets' members (and nearest() reads them off
+    # in bands of distance): it must never drift from sorting every member, whatever the
+    # target (a member, the local ID, anywhere, or within the low buckets)
+    local = node_id_of(swarm_identity(0).peer_id)
+    table = RoutingTable(local_id=local, k=3, max_failures=2)
     for op, i, net in ops:
         c = contact(i)
         if op == "add":  # (a new port at the same address: the member is refreshed to it)
@@ -119,7 +142,9 @@ def test_nearest_and_len_follow_the_buckets_whatever_joins_moves_fails_or_is_evi
             table.evict(c.node_id)
     members = [m for b in table.buckets for m in b.members.values()]
     assert len(table) == len(members) and table.contacts() == members
-    target = contact(t).node_id
+    kind, x = t
+    target = {"contact": lambda: contact(x).node_id, "local": lambda: local, "any": lambda: x,
+              "near local": lambda: local ^ x}[kind]()
     exclude = {contact(i).node_id for i in excluded}
     want = sorted((m for m in members if m.node_id not in exclude), key=lambda m: m.node_id ^ target)[:count]
     assert table.nearest(target, count, exclude) == want
