@@ -5,6 +5,8 @@ import os
 
 import msgpack
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 import trio
 import trio.testing
 
@@ -394,3 +396,33 @@ async def test_evidence_for_a_model_only_made_up_reports_name_lives_minutes_on_a
         await store(other.identity, *volunteer_report(other.identity, model))  # a live volunteer announces it
         assert life(await store(swarm_identity(13), *cert_index(swarm_identity(13), model))) > 3600_000
         nursery.cancel_scope.cancel()
+
+
+_KEY_MODEL = "ef" * 32
+_T0 = wall_ms()
+_SIGNERS = [swarm_identity(700 + i) for i in range(4)]
+_VALUES = {(i, seq, ttl): verified(sample_report(_SIGNERS[i], _KEY_MODEL, layers=(0, 10)).sign(
+    _SIGNERS[i], seq=seq, now_ms=_T0, ttl_ms=ttl)) for i in range(4) for seq in (1, 2) for ttl in (60_000, 600_000)}
+
+
+@given(st.lists(st.tuples(st.sampled_from(["put", "read", "read at an expiry"]), st.integers(0, 3), st.integers(1, 2),
+                          st.sampled_from([60_000, 600_000]), st.one_of(st.none(), st.integers(1, 700_000)),
+                          st.integers(0, 120_000)), max_size=40))
+def test_a_read_gives_exactly_the_live_values_whatever_stores_caps_and_renewals_came_before(ops):
+    # a read skips walking a key whose values none is due yet (storage.py's lower bound on
+    # their expiry): it must never hand out a value past its expiry, nor drop a live one
+    key = model_key(_KEY_MODEL)
+    store, now, held = ValueStore(), _T0, {}
+    for op, i, seq, ttl, cap, dt in ops:
+        now += dt
+        if op == "read at an expiry":  # the very millisecond a value expires: gone
+            now = max(now, min((e for e in held.values() if e >= now), default=now))
+        if op == "put":
+            rec = _VALUES[(i, seq, ttl)]
+            ok, _ = store.put(key, rec, now, source="net", lifetime_cap_ms=cap)
+            if ok:
+                held[rec.signer.multihash] = rec.expires_at_ms if cap is None else min(rec.expires_at_ms, now + cap)
+        else:
+            assert set(store.live(key, now)) == {s for s, expires in held.items() if expires > now}
+            got, _ = store.get(key, now)
+            assert {r.signer.multihash for r in got} == {s for s, expires in held.items() if expires > now}

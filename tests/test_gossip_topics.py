@@ -9,7 +9,7 @@ import trio
 import trio.testing
 
 from meshnet_p2p.core.records import wall_ms
-from meshnet_p2p.dht.node import DHTConfig, DHTNode
+from meshnet_p2p.dht.node import PULL_HOMES, SIGNERS_SEEN_S, DHTConfig, DHTNode
 from meshnet_p2p.dht.routing import key_id
 from meshnet_p2p.swarm.capability import TYPES, model_key
 from meshnet_p2p.testing import sample_report, start_swarm, swarm_identity
@@ -133,6 +133,37 @@ async def test_a_follow_all_node_keeps_every_topic(autojump_clock):
         await nodes[1].publish(OTHER_KEY, report(5000, OTHER))
         await until(lambda: all(signers(n, OTHER_KEY) for n in nodes))
         assert all(n.follows(OTHER_KEY) for n in nodes)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_scoped_pull_asks_a_home_or_a_signer_it_knows_and_finds_new_signers_within_a_while(
+        autojump_clock):
+    """A pull's partner is drawn from the topic's homes in the table and its signers that
+    are members. Finding the signers walks every record of the topic (256 at 10,000
+    simulated peers, once a second a node: most of a pull's cost), so they are found
+    again every SIGNERS_SEEN_S, not for every pull."""
+    async with trio.open_nursery() as nursery:
+        net, nodes = await start_swarm(nursery, 12, TYPES, config=DHTConfig(gossip_pull_interval=0.5))
+        fresh = DHTNode(swarm_identity(98), net.endpoint(), TYPES, SCOPED)
+        await nursery.start(fresh.run)
+        await fresh.bootstrap([nodes[0].contact()])
+        fresh.records(KEY)
+        homes = {c.node_id for c in fresh.table.nearest(key_id(KEY.encode()), PULL_HOMES)}
+        signer_a, signer_b = [c for c in fresh.table.contacts() if c.node_id not in homes][:2]
+        by_id = {n.peer_id: i for i, n in enumerate(nodes)}
+
+        def partners() -> set:
+            return {fresh._pull_partner(KEY).node_id for _ in range(200)}
+
+        assert partners() == homes
+        await nodes[by_id[signer_a.peer_id]].publish(KEY, report(by_id[signer_a.peer_id] + 1))
+        await until(lambda: signer_a.peer_id in signers(fresh, KEY))
+        await trio.sleep(SIGNERS_SEEN_S)
+        assert partners() == homes | {signer_a.node_id}
+        await nodes[by_id[signer_b.peer_id]].publish(KEY, report(by_id[signer_b.peer_id] + 1))
+        await until(lambda: signer_b.peer_id in signers(fresh, KEY))
+        await trio.sleep(SIGNERS_SEEN_S)
+        assert partners() == homes | {signer_a.node_id, signer_b.node_id}
         nursery.cancel_scope.cancel()
 
 

@@ -37,7 +37,7 @@ from meshnet_p2p.core.records import MAX_RECORD_BYTES, PayloadType, Record, Reco
 from meshnet_p2p.core.stats import LOOKUP_SECONDS, Histogram
 from . import wire
 from .gossip import GossipState
-from .topics import Follows
+from .topics import MAX_FOLLOWED, Follows
 from .lookup import iterative_lookup
 from meshnet_p2p.core.ratelimit import SourceRates
 from .routing import Contact, RoutingTable, key_id, node_id_of
@@ -68,6 +68,10 @@ MAX_SEEN_DATAGRAMS = 65_536
 MAX_VERIFYING = 64  # new (peer, address) pairs pinged at once
 MAX_PUSHES_IN_FLIGHT = 256  # gossip push tasks at once, whatever arrives
 PULL_HOMES = 3  # a topic's pull asks a follower or one of the table's this many nodes closest to its key
+# Which signers of a topic's records are table members, found again for a pull after this long:
+# a node pulls about once a second, and finding them walks every record of the topic (256 at
+# 10,000 simulated peers), most of a node's pull (bench/sim.py, docs/scale.md)
+SIGNERS_SEEN_S = 30.0
 # A put stores again where the last lookup of its key found homes, within this long, without a
 # lookup: a volunteer re-announces every 30 s, and each announce's lookup (~70 requests) was
 # more than half of what a node sent (bench/sim.py, docs/scale.md); the homes move slower
@@ -186,6 +190,7 @@ class DHTNode:
         self._pushing = 0  # gossip pushes in flight (bounded: pulls spread what pushes skip)
         self.following = Follows(self.config.follow_all)  # the topics this node gossips (topics.py)
         self._homes: OrderedDict[str, tuple[float, list[Contact]]] = OrderedDict()  # key -> (found at, homes)
+        self._signers_seen: dict[str, tuple[float, list[int]]] = {}  # topic -> (when, its signers in the table)
         self._nursery: trio.Nursery | None = None
         self._seeds: list[Contact] = []  # the bootstrap contacts, to find the swarm again through
         self._seed_retry: dict[Addr, tuple[float, float]] = {}  # seed address -> (next try, last wait)
@@ -568,14 +573,13 @@ class DHTNode:
 
     def _topic_records(self, topic: str) -> list[Record]:
         """What this node holds of a topic, gossiped or stored, one record a signer."""
-        stored, _ = self.store.get(topic, self.now_ms(), budget=1 << 30)
-        return list(keep_newest({r.signer.multihash: r for r in stored}, self.gossip.records(topic)).values())
+        return list(keep_newest(self.store.live(topic, self.now_ms()), self.gossip.records(topic)).values())
 
     def _holds(self, key: str) -> bool:
         """Does this node hold a live value under ``key``, stored or gossiped, signed
         by a peer it knows is live (itself, or a routing-table member: it answered a
         round trip)? A record from an identity that runs no node costs nothing."""
-        stored, _ = self.store.get(key, self.now_ms(), budget=1 << 30)
+        stored = self.store.live(key, self.now_ms()).values()
         return any(self._known_live(r) for r in [*stored, *self._gossiped(key)])
 
     def _known_live(self, record: Record) -> bool:
@@ -707,8 +711,7 @@ class DHTNode:
         lookup path hold, and ``also_ask`` (e.g. :meth:`homes_of` the signer
         wanted) hold, asked directly (newest per signer)."""
         target = key_id(key.encode())
-        local, _ = self.store.get(key, self.now_ms(), budget=1 << 30)
-        found: dict[bytes, Record] = {r.signer.multihash: r for r in local}
+        found = self.store.live(key, self.now_ms())
         verified: dict[bytes, Record | None] = {}  # the k nodes mostly answer with the same records
 
         def check(w: bytes) -> Record | None:
@@ -889,14 +892,28 @@ class DHTNode:
         """Table members known to follow ``topic``: they pulled it from us, or they
         signed records of it (a volunteer follows its own model's key)."""
         peers = [*self.following.followers(topic), *(r.signer for r in self.gossip.records(topic))]
-        out: dict[int, Contact] = {}
-        for p in peers:
-            if p in exclude:
-                continue
-            c = self.table.get(node_id_of(p))
-            if c is not None:
-                out[c.node_id] = c
-        return list(out.values())
+        return list({c.node_id: c for c in self._table_members(p for p in peers if p not in exclude)}.values())
+
+    def _pull_partner(self, topic: str) -> Contact | None:
+        """Whom a scoped pull of ``topic`` asks: at random among its known followers in
+        the table (those that pulled it from us, and its signers, as found within
+        SIGNERS_SEEN_S) and the table's PULL_HOMES nodes closest to its key."""
+        now = trio.current_time()
+        seen = self._signers_seen.get(topic)
+        if seen is None or now - seen[0] >= SIGNERS_SEEN_S:
+            if len(self._signers_seen) >= 4 * MAX_FOLLOWED:  # topics forgotten since: start afresh
+                self._signers_seen.clear()
+            signers = {r.signer for r in self.gossip.records(topic)}
+            seen = self._signers_seen[topic] = (now, [c.node_id for c in self._table_members(signers)])
+        candidates = {c.node_id: c for c in self._table_members(self.following.followers(topic))}
+        for node_id in seen[1]:
+            if (c := self.table.get(node_id)) is not None:  # still a member
+                candidates[node_id] = c
+        candidates.update((c.node_id, c) for c in self.table.nearest(key_id(topic.encode()), PULL_HOMES))
+        return random.choice(list(candidates.values())) if candidates else None
+
+    def _table_members(self, peers) -> list[Contact]:
+        return [c for p in peers if (c := self.table.get(node_id_of(p))) is not None]
 
     def _push_to(self, targets: list[Contact], record_wire: bytes) -> None:
         if self._nursery is None:
@@ -942,11 +959,9 @@ class DHTNode:
             topic = self.following.next_pull()
             if topic is None:
                 return
-            candidates = {c.node_id: c for c in self._follower_contacts(topic, {self.peer_id})}
-            candidates.update((c.node_id, c) for c in self.table.nearest(key_id(topic.encode()), PULL_HOMES))
-            if not candidates:
+            peer = self._pull_partner(topic)
+            if peer is None:
                 return
-            peer = random.choice(list(candidates.values()))
             body = {"have": self.gossip.digest_of(topic), "only": True}
         reply = await self.request(peer, "gossip_pull", body)
         if reply is None or reply.kind != "gossip_records":

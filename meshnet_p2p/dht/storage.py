@@ -72,6 +72,9 @@ class ValueStore:
     _count: int = 0
     _bytes: int = 0  # wire bytes of every value held
     _bytes_of_source: dict[Any, int] = field(default_factory=dict)
+    # key -> no value of it expires before this (a lower bound): a read of a key with
+    # nothing due skips walking its values (every find_value and pull reads one)
+    _soonest: dict[str, int] = field(default_factory=dict)
 
     def put(self, key: str, record: Record, now_ms: int, *, source: Any = None, own: bool = False,
             live: Callable[[Record], bool] | None = None, lifetime_cap_ms: int | None = None) -> tuple[bool, str]:
@@ -97,6 +100,7 @@ class ValueStore:
             values[signer] = record
             meta = self._meta[(key, signer)]
             meta.expires_at_ms, meta.short = expires, short  # a re-store renews (by today's policy)
+            self._soonest[key] = min(self._soonest.get(key, expires), expires)  # a cap may shorten it
             self._add_bytes(meta.source, len(record.wire) - len(old.wire))
             return True, "replaced" if old.seq < record.seq else "unchanged"
         if source is not None and sum(1 for s in values if self._source((key, s)) == source) \
@@ -126,6 +130,7 @@ class ValueStore:
         self._by_key.setdefault(key, values)[signer] = record
         self._keys_of_signer.setdefault(signer, set()).add(key)
         self._meta[(key, signer)] = _Meta(source, expires, short)
+        self._soonest[key] = min(self._soonest.get(key, expires), expires)
         if source is not None:
             self._of_source.setdefault(source, {})[(key, signer)] = None
             self._recount(source, +1)
@@ -198,6 +203,7 @@ class ValueStore:
         dropped = values.pop(signer)
         if not values:
             del self._by_key[key]
+            self._soonest.pop(key, None)
         keys = self._keys_of_signer[signer]
         keys.discard(key)
         if not keys:
@@ -237,12 +243,19 @@ class ValueStore:
             used += len(rec.wire)
         return out, False
 
+    def live(self, key: str, now_ms: int) -> dict[bytes, Record]:
+        """Every live record of ``key``, by signer (a copy; unordered, unbounded: for this node's own use)."""
+        self.expire_key(key, now_ms)
+        return dict(self._by_key.get(key, {}))
+
     def expire_key(self, key: str, now_ms: int) -> None:
         values = self._by_key.get(key)
-        if not values:
+        if not values or now_ms < self._soonest.get(key, now_ms):
             return
         for signer in [s for s in values if self._meta[(key, s)].expires_at_ms <= now_ms]:
             self._drop(key, signer)
+        if key in self._by_key:
+            self._soonest[key] = min(self._meta[(key, s)].expires_at_ms for s in values)
 
     def expire(self, now_ms: int) -> None:
         for key in list(self._by_key):
