@@ -3,6 +3,7 @@ signatures, and that it runs the production DHT code it claims to."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -33,7 +34,8 @@ async def test_a_datagram_arrives_after_its_one_way_delay_and_a_nat_takes_only_a
         t0 = trio.current_time()
         await ta.send(b"hello", b.addr)
         assert await tb.receive() == (b"hello", a.addr)
-        assert trio.current_time() - t0 == pytest.approx(RTT_MS["na", "eu"] / 2000 + a.access_s + b.access_s)
+        one_way = RTT_MS["na", "eu"] / 2000 + a.access_s + b.access_s
+        assert one_way <= trio.current_time() - t0 < one_way + net.model.tick_s  # at the tick it falls in
         await ta.send(b"unasked", hidden.addr)  # nobody reaches a host behind NAT unasked...
         await trio.sleep(1)
         await th.send(b"question", a.addr)
@@ -46,6 +48,31 @@ async def test_a_datagram_arrives_after_its_one_way_delay_and_a_nat_takes_only_a
         await trio.sleep(1)
         assert net.lost == 2
         nursery.cancel_scope.cancel()
+
+
+async def test_datagrams_due_within_one_tick_arrive_together_and_tick_zero_keeps_exact_times(autojump_clock):
+    for tick in (0.001, 0.0):
+        net = SimNetwork(random.Random(1), NetModel(loss=0.0, tick_s=tick))
+        a, b = net.host(region="eu"), net.host(region="eu")
+        ta, tb = net.attach(a), net.attach(b)
+        one_way = RTT_MS["eu", "eu"] / 2000 + a.access_s + b.access_s
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(net.run)
+            due = math.ceil((trio.current_time() + 0.01 + one_way) / 0.001) * 0.001  # a tick's end
+            t0 = due - one_way - 0.0009  # sent so as to arrive 0.9 and 0.5 ms before it
+            await trio.sleep_until(t0)
+            await ta.send(b"first", b.addr)
+            await trio.sleep(0.0004)
+            await ta.send(b"second", b.addr)
+            arrivals = []
+            for _ in range(2):
+                await tb.receive()
+                arrivals.append(trio.current_time())
+            if tick:
+                assert arrivals == pytest.approx([due, due], abs=1e-9)
+            else:
+                assert arrivals == pytest.approx([t0 + one_way, t0 + 0.0004 + one_way], abs=1e-9)
+            nursery.cancel_scope.cancel()
 
 
 async def test_a_partition_drops_what_crosses_it_until_it_heals(autojump_clock):

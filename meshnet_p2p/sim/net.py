@@ -48,6 +48,12 @@ class NetModel:
     access_sigma: float = 0.7
     nat_share: float = 0.0  # hosts behind NAT (assigned by the caller: ``endpoint(natted=...)``)
     nat_window_s: float = 60.0  # how long a NAT keeps an outbound mapping open for answers
+    # Arrival times are rounded up to a whole tick, so the datagrams due within one tick
+    # are delivered together: one wake-up of the deliverer and one jump of the clock for
+    # all of them, and their handlers run in one batch of the scheduler (3,000 peers: 15 %
+    # less wall time, docs/scale.md). A millisecond is far below any one-way delay drawn
+    # here (15 ms and up). 0: exact times.
+    tick_s: float = 0.001
 
 
 @dataclass
@@ -127,6 +133,8 @@ class SimNetwork:
             self.partitioned += 1
             return
         due = now + self.one_way_s(src, target)
+        if tick := self.model.tick_s:
+            due = math.ceil(due / tick) * tick
         self._seq += 1
         heapq.heappush(self._heap, (due, self._seq, dst, bytes(data), src.addr))
         if self._heap[0][1] == self._seq:  # a new earliest arrival: the deliverer waits for it instead
