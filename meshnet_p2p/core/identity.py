@@ -127,7 +127,7 @@ class PeerId:
         return f"PeerId({str(self)!r})"
 
     # Written out, not generated: a generated one packs a one-field tuple per call, and
-    # peer IDs are hashed and compared in every DHT datagram's handling (a tenth of a
+    # peer IDs are hashed and compared in every DHT datagram's handling (~6 % of a
     # simulated swarm's time at 3,000 peers went to generated __hash__/__eq__).
     def __hash__(self) -> int:
         return hash(self.multihash)
