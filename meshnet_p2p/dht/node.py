@@ -37,7 +37,7 @@ from meshnet_p2p.core.records import MAX_RECORD_BYTES, PayloadType, Record, Reco
 from meshnet_p2p.core.stats import LOOKUP_SECONDS, Histogram
 from . import wire
 from .gossip import GossipState
-from .topics import MAX_FOLLOWED, Follows
+from .topics import Follows
 from .lookup import iterative_lookup
 from meshnet_p2p.core.ratelimit import SourceRates
 from .routing import Contact, RoutingTable, key_id, node_id_of
@@ -190,7 +190,6 @@ class DHTNode:
         self._pushing = 0  # gossip pushes in flight (bounded: pulls spread what pushes skip)
         self.following = Follows(self.config.follow_all)  # the topics this node gossips (topics.py)
         self._homes: OrderedDict[str, tuple[float, list[Contact]]] = OrderedDict()  # key -> (found at, homes)
-        self._signers_seen: dict[str, tuple[float, list[int]]] = {}  # topic -> (when, its signers in the table)
         self._nursery: trio.Nursery | None = None
         self._seeds: list[Contact] = []  # the bootstrap contacts, to find the swarm again through
         self._seed_retry: dict[Addr, tuple[float, float]] = {}  # seed address -> (next try, last wait)
@@ -899,14 +898,12 @@ class DHTNode:
         the table (those that pulled it from us, and its signers, as found within
         SIGNERS_SEEN_S) and the table's PULL_HOMES nodes closest to its key."""
         now = trio.current_time()
-        seen = self._signers_seen.get(topic)
-        if seen is None or now - seen[0] >= SIGNERS_SEEN_S:
-            if len(self._signers_seen) >= 4 * MAX_FOLLOWED:  # topics forgotten since: start afresh
-                self._signers_seen.clear()
-            signers = {r.signer for r in self.gossip.records(topic)}
-            seen = self._signers_seen[topic] = (now, [c.node_id for c in self._table_members(signers)])
+        seen = self.following.signers(topic, now, SIGNERS_SEEN_S)
+        if seen is None:
+            seen = [c.node_id for c in self._table_members({r.signer for r in self.gossip.records(topic)})]
+            self.following.found_signers(topic, now, seen)
         candidates = {c.node_id: c for c in self._table_members(self.following.followers(topic))}
-        for node_id in seen[1]:
+        for node_id in seen:
             if (c := self.table.get(node_id)) is not None:  # still a member
                 candidates[node_id] = c
         candidates.update((c.node_id, c) for c in self.table.nearest(key_id(topic.encode()), PULL_HOMES))

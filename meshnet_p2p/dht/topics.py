@@ -6,7 +6,9 @@ keys it publishes, reads or subscribes to (:meth:`Follows.follow`), at most
 and pulls grows with the models it serves or uses, not with the swarm. It pulls
 them one at a time, in turn (:meth:`Follows.next_pull`). Peers that pulled a
 topic alone from us follow it (:meth:`Follows.heard`); the latest
-``max_followers`` of each are kept, as push targets for its news.
+``max_followers`` of each are kept, as push targets for its news. What the
+node last found of a followed topic's signers is kept with it too
+(:meth:`Follows.signers`), and forgotten with it.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Follows:
         self.max_followers = max_followers
         self._followed: OrderedDict[str, None] = OrderedDict()  # least recently used first
         self._followers: OrderedDict[str, OrderedDict[Hashable, None]] = OrderedDict()  # topic -> peers
+        self._signers: dict[str, tuple[float, list]] = {}  # followed topic -> (when found, its signers found)
         self._turn = 0
 
     def __contains__(self, topic: str) -> bool:
@@ -44,6 +47,7 @@ class Follows:
         while len(self._followed) > self.max_followed:
             old, _ = self._followed.popitem(last=False)
             self._followers.pop(old, None)
+            self._signers.pop(old, None)
             gone.append(old)
         return gone
 
@@ -71,3 +75,13 @@ class Follows:
 
     def followers(self, topic: str) -> list[Hashable]:
         return list(self._followers.get(topic, ()))
+
+    def signers(self, topic: str, now: float, max_age: float) -> list | None:
+        """What :meth:`found_signers` kept for ``topic`` within ``max_age`` of ``now``, or None."""
+        kept = self._signers.get(topic)
+        return kept[1] if kept is not None and now - kept[0] < max_age else None
+
+    def found_signers(self, topic: str, now: float, signers: list) -> None:
+        """Keep what the caller found of a followed topic's signers (forgotten with the topic)."""
+        if topic in self._followed:
+            self._signers[topic] = (now, signers)
