@@ -432,6 +432,45 @@ def test_a_call_written_after_the_server_gave_way_is_refused_never_lost(shard_di
         srv.stop(0)
 
 
+def test_a_connection_whose_calls_all_answered_gives_way_though_their_workers_still_tidy_up(monkeypatch):
+    """CI, 2026-12-05 (the test above failed once in 1,460): the client had its answer
+    (trailers sent) while the call's worker was still letting go of it, and a newer
+    connection of the same source, over its cap, found no idle one to replace: it was
+    refused, and the one it should have replaced stayed. An answered call loses nothing
+    when its connection closes. (The worker is held here where it was then.)"""
+    from meshnet_p2p.dataplane.transport import server as server_mod
+
+    tidying, go_on = threading.Event(), threading.Event()
+    release = server_mod._Connection._release_worker
+
+    def held(self, call):
+        tidying.set()
+        go_on.wait(20)
+        release(self, call)
+
+    monkeypatch.setattr(server_mod._Connection, "_release_worker", held)
+    health = pb.HealthReport(serving=True).SerializeToString()
+    creds = make_tls_credentials()
+    srv = Server(creds, max_connections_per_source=1).register(
+        {"/meshnet.shard.v1.ShardRuntime/Health": Method(UNARY, lambda request, caller: health)}).start()
+    try:
+        first = open_channel(creds.cert_pem, address=("127.0.0.1", srv.port))
+        assert pb.HealthReport.FromString(first.unary("/meshnet.shard.v1.ShardRuntime/Health",
+                                                      pb.HealthRequest().SerializeToString(), timeout=10)).serving
+        assert tidying.wait(10)  # answered; its worker has not let go yet
+        newer = _tls_socket(creds, srv.port)  # the same source, over its cap of one
+        assert _closed_by_server(first.sock)  # the answered one gave way...
+        go_on.set()
+        newer.settimeout(10)
+        newer.sendall(PREFACE + frame(SETTINGS, 0, 0))
+        assert newer.recv(65536)  # ...and the newer one is served
+        newer.close()
+        first.close()
+    finally:
+        go_on.set()
+        srv.stop(0)
+
+
 def _frames_until_closed(sock, timeout: float = 10, answer_pings: bool = False) -> tuple[list, bool]:
     """Read a raw connection's frames until the server closes it (True) or
     ``timeout`` passes (False); optionally acking each PING as a live client does."""

@@ -291,8 +291,10 @@ class _Connection(Driver):
         call.inbox.clear()
 
     def idle(self) -> bool:
-        """No call has a worker: closing it loses nothing but silent calls (handshaking ones too)."""
-        return not self.broken and not any(c.started for c in self.calls.values())
+        """No call is being answered: closing it loses nothing but silent calls (handshaking
+        ones too). An answered call (trailers sent) counts as over though its worker may
+        still be letting go of it: its client has its answer and may connect again at once."""
+        return not self.broken and not any(c.started and not c.done for c in self.calls.values())
 
     def _standby(self) -> None:
         """Read while no handler waits to (so Cancels reach running steps); close
@@ -502,6 +504,7 @@ class _Connection(Driver):
             if self.broken or call.done:
                 return
             call.done = True
+            self.last_active = time.monotonic()  # idle from now (idle())
             self.wire.send_trailers(call.sid, status, message)
             self.write_quietly()
 
