@@ -282,3 +282,88 @@ def test_a_send_can_leave_what_the_window_holds_back_to_a_flush(grpc_server):
     call.end()
     assert call.recv() == b"s"
     ch.close()
+
+
+def test_a_call_opened_after_a_goaway_and_a_reset_is_refused_never_lost():
+    """CI, 2026-12-05: a server that gave way had sent GOAWAY and then closed with a
+    client's bytes unread, so its end answered with a reset; the next call's headers
+    then failed to go out (EPIPE), and the call ended "connection lost", which a
+    client takes for a dead peer. The GOAWAY still waiting to be read says the call
+    was never taken: it must be refused (safe to send again), as a failed send is.
+    (Here the server resets on purpose, and the client waits until the reset is in.)"""
+    import select
+    import struct
+
+    from meshnet_p2p.dataplane.transport import grpc_core
+    from meshnet_p2p.dataplane.transport.tls import server_context
+
+    creds = make_tls_credentials()
+    listener = socket.create_server(("127.0.0.1", 0))
+    took_first = threading.Event()
+
+    def serve() -> None:
+        raw, _ = listener.accept()
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each write on the wire before the reset
+        tls = server_context(creds).wrap_socket(raw, server_side=True)
+        wire = grpc_core.server()
+        wire.initiate()
+        tls.sendall(wire.data_to_send())
+        while not any(isinstance(ev, grpc_core.RequestStarted) for ev in wire.receive_data(tls.recv(65536))):
+            pass
+        tls.sendall(wire.data_to_send())
+        wire.close(grpc_core.NO_ERROR, "gave way to a newer connection")  # GOAWAY: the first call was taken
+        tls.sendall(wire.data_to_send())
+        took_first.set()
+        tls.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        tls.close()  # a reset, not a FIN: as a close with the client's bytes unread sends
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    ch = Channel(creds.cert_pem, TLS_NAME, address=("127.0.0.1", listener.getsockname()[1]))
+    try:
+        first = ch.stream("/t.Svc/Echo", timeout=10)
+        assert took_first.wait(10)
+        t.join(10)
+        poller = select.poll()
+        poller.register(ch.sock, select.POLLERR)
+        assert poller.poll(10_000)  # the reset is in; the GOAWAY before it is still unread
+        with pytest.raises(ChannelError) as e:
+            ch.stream("/t.Svc/Echo", timeout=10)
+        assert e.value.refused and "gave way" in e.value.detail, e.value
+        with pytest.raises(ChannelError) as e:
+            first.recv(deadline=time.monotonic() + 10)
+        assert not e.value.refused  # taken before the GOAWAY: its fate is unknown, never "refused"
+    finally:
+        ch.close()
+        listener.close()
+
+
+def test_what_comes_with_the_peers_close_notify_is_read_not_dropped():
+    """Found beside the test above: bytes decrypted from the same read as the peer's
+    TLS close_notify (a GOAWAY, then the close, as a peer that shuts down cleanly sends
+    them) were dropped with it, so a call the GOAWAY refused looked lost."""
+    import ssl
+
+    from meshnet_p2p.dataplane.transport.tls import client_context, decrypt, server_context
+
+    creds = make_tls_credentials()
+    c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
+    client = client_context(creds.cert_pem).wrap_bio(c_in, c_out, server_hostname=TLS_NAME)
+    server = server_context(creds).wrap_bio(s_in, s_out, server_side=True)
+    for _ in range(10):  # the handshake, record by record in memory
+        for side in (client, server):
+            try:
+                side.do_handshake()
+            except ssl.SSLWantReadError:
+                pass
+        s_in.write(c_out.read())
+        c_in.write(s_out.read())
+        if client.version() and server.version():
+            break
+    assert decrypt(client, c_in, b"") == (b"", False)  # the server's session tickets: nothing to read yet
+    server.write(b"GOAWAY: this call was never taken")
+    try:
+        server.unwrap()  # close_notify; it would wait for the client's
+    except ssl.SSLWantReadError:
+        pass
+    assert decrypt(client, c_in, s_out.read()) == (b"GOAWAY: this call was never taken", True)

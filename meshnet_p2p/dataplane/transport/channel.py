@@ -108,10 +108,14 @@ class Channel(Driver):
             except grpc_core.H2StreamClosed as e:
                 raise ChannelError("UNAVAILABLE", str(e)) from None
             self._inboxes[sid] = _Inbox()
+            call = CallStream(self, sid, deadline)
             if not with_first_message:
                 self.write_quietly()
-                self._check()  # the write broke the channel: say so as every other call does
-        return CallStream(self, sid, deadline)
+                # The write broke the channel: what was read before (a GOAWAY: never taken,
+                # refused) says how this call ended, as for a failed send; else why it broke.
+                call._raise_if_ended()
+                self._check()
+        return call
 
     def close(self) -> None:
         with self._connect_lock, self.lock:  # not while a connection is being set up

@@ -122,12 +122,10 @@ class Driver:
     def _take_locked(self, data: bytes) -> bool:
         """Decrypt and parse ``data`` and dispatch what it completes; False once the
         peer closed the TLS session."""
-        plain = decrypt(self.tls, self.tls_in, data)
-        if plain is None:
-            return False
+        plain, closed = decrypt(self.tls, self.tls_in, data)
         if plain:
             self.dispatch_locked(self.wire.receive_data(plain))
-        return True
+        return not closed
 
     def poll(self, timeout: float | None, *, standby: bool = False) -> bool:
         """Without the lock: wait until the socket is readable (True) or ``timeout``;

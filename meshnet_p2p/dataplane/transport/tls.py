@@ -305,19 +305,20 @@ def verify_binding(record_wire: bytes, expected_peer: PeerId, now_ms: int) -> by
     return cert
 
 
-def decrypt(tls: ssl.SSLObject, incoming: ssl.MemoryBIO, data: bytes) -> bytes | None:
-    """Feed ``data`` from the socket to a MemoryBIO-driven TLS session and return
-    the plaintext it completes (b"" if none yet); None once the peer closed the
-    session. A record that fails its check raises ``ssl.SSLError``."""
+def decrypt(tls: ssl.SSLObject, incoming: ssl.MemoryBIO, data: bytes) -> tuple[bytes, bool]:
+    """Feed ``data`` from the socket to a MemoryBIO-driven TLS session: the plaintext
+    it completes (b"" if none yet), and whether the peer closed the session (what came
+    before its close_notify is still returned: a GOAWAY, say). A record that fails its
+    check raises ``ssl.SSLError``."""
     incoming.write(data)
     plain = []
     while True:
         try:
             chunk = tls.read(1 << 18)
         except ssl.SSLWantReadError:
-            return b"".join(plain)
+            return b"".join(plain), False
         if not chunk:
-            return None
+            return b"".join(plain), True
         plain.append(chunk)
 
 
