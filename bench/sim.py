@@ -74,6 +74,8 @@ def main() -> int:
                     help="every node gossips every topic (as before 2026-12-05), not only those it follows")
     ap.add_argument("--refresh-s", type=float, default=DHTConfig.refresh_interval,
                     help="how often a node refreshes its routing table with a random-ID lookup")
+    ap.add_argument("--no-probe", action="store_true",
+                    help="fresh clients plan blind, without probing their candidates' round trips (before 2026-12-05)")
     ap.add_argument("--json", action="store_true")
     args = parse_args(ap, peers=40, minutes=0.5, warmup_minutes=0.5, models=1, sybils=4)
     churn = Churn(session_median_s=args.session_minutes * 60, gap_median_s=args.session_minutes * 60,
@@ -83,7 +85,7 @@ def main() -> int:
                     net=NetModel(loss=args.loss), surveys_per_s=args.surveys_per_s, sybils=args.sybils,
                     sybil_behaviour=args.sybil_behaviour, sybil_target=args.sybil_target,
                     sybil_networks=args.sybil_networks, placement=args.placement, generation_tokens=args.generation_tokens,
-                    verdicts=args.verdicts, reachability=args.reachability, relays=args.relays,
+                    verdicts=args.verdicts, probe=not args.no_probe, reachability=args.reachability, relays=args.relays,
                     relay_capacity=args.relay_capacity, relay_session_minutes=args.relay_session_minutes,
                     bad_relays=args.bad_relays, bad_relay_behaviour=args.bad_relay_behaviour, partition_regions=tuple(r for r in args.partition.split(",") if r),
                     partition_at_minutes=args.partition_at, partition_minutes=args.partition_minutes,

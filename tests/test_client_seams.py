@@ -401,3 +401,76 @@ def test_a_ring_hop_that_relays_a_malformed_commitment_is_blamed_for_it(why, wir
     ring.hops = [before, hop]
     index, error = ring._upstream_fault(1, copy)
     assert index == 1 and isinstance(error, DishonestHop) and error.peer_id == str(_PEER.peer_id), why
+
+
+def _reported(peer: Identity, start: int, end: int, host: str, **kw) -> Span:
+    """A span whose report names a direct address (what the probe connects to)."""
+    record = SimpleNamespace(content={"addrs": [f"/ip4/{host}/tcp/4001/p2p/{peer.peer_id}"]})
+    return Span(str(peer.peer_id), start, end, record=record, **kw)
+
+
+def test_a_probe_before_the_first_plan_finds_the_near_peers_and_leaves_out_made_up_addresses(monkeypatch):
+    """Planned blind, a fresh client's ring took 2-3x the fastest (bench/sim.py), and a
+    crowd of liars at made-up addresses cost it a first contact's timeout a round. A TCP
+    connect to every candidate first (one round trip each) prices the first plan by the
+    client's own round trips, and what never answers is left out of it."""
+    from meshnet_p2p.client import search as search_module
+    from meshnet_p2p.client.search import direct_address
+
+    far = [_reported(Identity.generate(), 15 * i, 15 * (i + 1), f"10.0.1.{i + 1}", throughput=60.0) for i in range(2)]
+    near = [_reported(Identity.generate(), 15 * i, 15 * (i + 1), f"10.0.2.{i + 1}", throughput=50.0) for i in range(2)]
+    liars = [_reported(Identity.generate(), 0, 30, f"10.0.3.{i + 1}", throughput=1000.0) for i in range(40)]
+    rtt = {s.peer_id: 150.0 for s in far} | {s.peer_id: 20.0 for s in near}
+    at = {direct_address(s): s.peer_id for s in liars + far + near}
+    probed = []
+
+    def probe(self, targets):
+        probed.append({at[a] for a in targets})
+        return {a: rtt[at[a]] for a in targets if at[a] in rtt}  # the liars' addresses never answer
+
+    rounds, seen = [], []
+    monkeypatch.setattr(RouteSearch, "_probe_round_trips", probe)
+    monkeypatch.setattr(RouteSearch, "_first_contacts", _contacts_measuring(rtt, rounds, seen))
+    monkeypatch.setattr(search_module, "open_hop", lambda contact, opts, epoch: contact.span)
+    search = RouteSearch(lambda: liars + far + near, RouteOptions(max_tokens=8))
+    search.survey()
+    assert [h.peer_id for h in search.open_chain(0, 30, 0)] == [s.peer_id for s in near]
+    assert probed == [{s.peer_id for s in liars + far + near}]  # once, every direct candidate
+    assert len(rounds) == 1 and not set(rounds[0]) & {s.peer_id for s in liars}  # no liar contacted
+
+
+def test_a_crowd_of_reports_naming_one_address_probes_it_a_bounded_number_of_times(monkeypatch):
+    """A report may name anyone's address: 100 identities naming ports of one victim's IP
+    must not make every fresh client connect there 100 times. One probe an address, at
+    most PROBES_PER_HOST ports of one IP; the claimants of an address that answered share
+    its round trip; past the cap, a peer of a host none of whose probed ports answered
+    is unanswered (one made-up address for a crowd), else it stays unmeasured."""
+    from meshnet_p2p.client.probe import PROBES_PER_HOST
+
+    victim = [_reported(Identity.generate(), 0, 30, "10.9.9.9", throughput=1000.0) for _ in range(100)]
+    for i, s in enumerate(victim):  # half of them name one port, the rest a port each
+        s.record.content["addrs"][0] = s.record.content["addrs"][0].replace("/tcp/4001/", f"/tcp/{4001 + (i % 2) * i}/")
+    honest = [_reported(Identity.generate(), 0, 30, "10.0.0.1", throughput=60.0)]
+    probed = []
+
+    def probe(self, targets):
+        probed.append(list(targets))
+        return {a: 50.0 for a in targets}
+
+    monkeypatch.setattr(RouteSearch, "_probe_round_trips", probe)
+    search = RouteSearch(lambda: victim + honest, RouteOptions(max_tokens=8))
+    search.survey()
+    assert search.probe(0, 30, set()) == set()
+    (targets,) = probed
+    assert len([a for a in targets if a[0] == "10.9.9.9"]) == PROBES_PER_HOST and ("10.0.0.1", 4001) in targets
+    same_port = [s.peer_id for i, s in enumerate(victim) if i % 2 == 0]
+    assert all(search.measures.latency_ms.get(p) == 50.0 for p in same_port)  # ("10.9.9.9", 4001): probed once
+    assert len([p for p in search.measures.latency_ms if p not in same_port]) == PROBES_PER_HOST - 1 + 1  # + honest
+
+    def silent(self, targets):  # the victim's IP answers on no port: every one of its claimants is left out
+        return {a: 50.0 for a in targets if a[0] != "10.9.9.9"}
+
+    monkeypatch.setattr(RouteSearch, "_probe_round_trips", silent)
+    fresh = RouteSearch(lambda: victim + honest, RouteOptions(max_tokens=8))
+    fresh.survey()
+    assert fresh.probe(0, 30, set()) == {s.peer_id for s in victim}

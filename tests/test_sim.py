@@ -184,7 +184,7 @@ def test_the_oracle_prices_a_ring_and_finds_the_fastest():
     for i, (a, b) in enumerate(SLICES * 2):
         peers[f"p{i}"] = SimpleNamespace(host=net.host(region="eu" if i < 3 else "as"), compute_ms=5.0 + i,
                                          relay=None)
-    clients = Clients(SimpleNamespace(net=net, m=None, rng=None))
+    clients = Clients(SimpleNamespace(net=net, m=None, rng=None, cfg=SimpleNamespace(probe=False, seed=1)))
     spans = [Span(f"p{i}", a, b) for i, (a, b) in enumerate(SLICES * 2)]
     best = clients._oracle_ms(spans, peers)
     every = [clients._ring_ms([peers[f"p{x}"], peers[f"p{y}"], peers[f"p{z}"]])
@@ -193,22 +193,36 @@ def test_the_oracle_prices_a_ring_and_finds_the_fastest():
     assert best == pytest.approx(clients._ring_ms([peers["p0"], peers["p1"], peers["p2"]]))  # all in one region
 
 
+# a swarm whose honest peers cover every slice throughout (few leave, most serve):
+# with a slice uncovered, the liars' whole-model claims are all there is ("no live route")
+LIARS = dict(SMALL, models=1, volunteer_share=0.8, churn=Churn(session_median_s=36_000.0, gap_median_s=60.0),
+             sybils=6, sybil_behaviour="liar")
+
+
 def test_liars_claiming_the_whole_model_cost_fresh_clients_first_contacts_not_the_route():
     """Identities announcing the target model's whole span, fast, at addresses
-    nobody answers on: every fresh client's route search (the production
-    planner and its widening first contacts) tries them first, sets each aside,
-    and still reaches the honest route."""
-    # a swarm whose honest peers cover every slice throughout (few leave, most serve):
-    # with a slice uncovered, the liars' whole-model claims are all there is ("no live route")
-    steady = Churn(session_median_s=36_000.0, gap_median_s=60.0)
-    doc = simulate(SimConfig(**{**SMALL, "models": 1, "volunteer_share": 0.8, "churn": steady}, sybils=6,
-                             sybil_behaviour="liar"))
+    nobody answers on: every fresh client's route search that plans without probing
+    first (the production planner and its widening first contacts) tries them first,
+    sets each aside, and still reaches the honest route."""
+    doc = simulate(SimConfig(**LIARS, probe=False))
     assert doc["target_surveys"] >= 5
     routed = doc["target_survey_outcomes"].get("route", 0)
     assert routed >= 0.7 * doc["target_surveys"], doc["target_survey_outcomes"]
     assert doc["target_failed_contacts_mean"] >= 5  # each liar was planned and tried
     assert doc["target_contact_rounds_p90"] >= 2  # side by side after the first failure
     assert doc["target_route_quality_p50"] >= 1.0  # the oracle's ring is never beaten
+
+
+def test_a_probe_before_the_first_plan_spares_fresh_clients_the_liars_made_up_addresses():
+    """The same swarm, the search probing its candidates first (client/probe.py, as
+    production does): the liars' addresses never accept, so no first contact goes to
+    them and the route opens in one round."""
+    doc = simulate(SimConfig(**LIARS))
+    assert doc["target_surveys"] >= 5
+    assert doc["target_survey_outcomes"].get("route", 0) >= 0.7 * doc["target_surveys"], doc["target_survey_outcomes"]
+    assert doc["target_failed_contacts_mean"] <= 1.0, doc  # against >= 5 without the probe (above)
+    assert doc["target_contact_rounds_p90"] <= 1, doc
+    assert doc["target_route_quality_p50"] >= 1.0
 
 
 def test_a_certifiers_verdicts_spare_fresh_clients_the_liars():
@@ -291,7 +305,7 @@ async def test_a_generation_fails_over_when_a_hop_leaves_and_completes(autojump_
     peers = {name: SimpleNamespace(identity=SimpleNamespace(peer_id=name), host=net.host(region="eu"), relay=None,
                                    layer_ms=1.0, compute_ms=10.0, node=object(), sybil=None, model=0, vanished=False)
              for name in layout}
-    sim = SimpleNamespace(net=net, by_id=peers, cfg=SimpleNamespace(generation_tokens=50, relays=0, bad_relays=0), m=None, rng=None,
+    sim = SimpleNamespace(net=net, by_id=peers, cfg=SimpleNamespace(generation_tokens=50, relays=0, bad_relays=0, probe=True, seed=1), m=None, rng=None,
                           online=lambda: [p for p in peers.values() if p.node is not None])
     clients = Clients(sim)
     spans = [Span(name, a, b, 100.0 if name != "twin" else 10.0) for name, (a, b) in layout.items()]

@@ -1,21 +1,25 @@
-"""Finding a route: the spans surveyed, the cheapest plan over peers not set
-aside, first contacts side by side, and bans of peers at fault. A search
+"""Finding a route: the spans surveyed, a probe of the candidates' round trips,
+the cheapest plan over peers not set aside, first contacts side by side, and bans of peers at fault. A search
 spends no failover: candidates that fail are set aside until none is left or
 the open timeout passes; busy peers are asked again after a backoff."""
 
 from __future__ import annotations
 
+import ipaddress
 import random
 import time
+from collections import Counter
 from concurrent import futures
 from typing import Callable, Generator
 
 from meshnet_p2p.core.errors import MeshnetError, sanitize
+from meshnet_p2p.core.multiaddr import Multiaddr
 from meshnet_p2p.swarm.placement import NoRoute, Span
 
 from .errors import GenerationError, RequestRefused, is_full, refuses_the_request
 from .hop import Contact, Hop, first_contact, open_hop
 from .options import PeerMeasures, RouteOptions
+from .probe import PROBES_PER_HOST, probe_candidates, probe_round_trips
 
 # A search's first round contacts its route's peers and, beside them, those of the next-best
 # routes up to this many: a first contact is the only measure of a round trip, and a plan
@@ -55,6 +59,22 @@ def grace_until(began: float, ready: float) -> float:
     at least MIN_GRACE_S. A made-up address hangs for the whole connect timeout; an honest
     peer a little farther than the rest answers within the grace and is weighed."""
     return ready + max(ready - began, MIN_GRACE_S)
+
+
+def direct_address(span: Span) -> tuple[str, int] | None:
+    """The IP address and port a span's report says its peer is reached at directly, or
+    None (no report, a relayed peer, a name to resolve, another peer's address)."""
+    if span.record is None or span.relayed:
+        return None
+    addrs = span.record.content.get("addrs") or []
+    try:
+        addr = Multiaddr.parse(addrs[0])
+        ipaddress.ip_address(addr.host or "")
+    except (MeshnetError, ValueError, TypeError, IndexError):
+        return None
+    if addr.port is None or str(addr.peer_id) != span.peer_id:
+        return None
+    return addr.host, addr.port
 
 
 def _close_contact(f: futures.Future) -> None:
@@ -97,6 +117,8 @@ class RouteSearch:
     def open_chain(self, start: int, end: int, epoch: int) -> list[Hop]:
         """Open a session (on route ``epoch``) on every hop of the cheapest route for [start, end).
 
+        First the candidates not yet measured are probed (``probe``): each one's round
+        trip prices the plans, and those that did not answer are left out of the first.
         Reports cost nothing to forge, so a candidate that fails at first contact
         or session open (dead address, another peer's certificate, a handshake
         that hangs, a refusal) is set aside and the search goes on: that spends
@@ -122,6 +144,10 @@ class RouteSearch:
         opened: dict[str, Hop] = {}
         deadline = time.monotonic() + opts.open_timeout
         rediscovered = False
+        unanswered = self.probe(start, end, self.banned_now())
+        if unanswered:  # not at fault (a lost SYN, a far peer): left out of the first plans, as slow ones are
+            opts.on_event(f"{len(unanswered)} candidates did not answer a probe: planning without them first")
+            slow |= unanswered
 
         def set_aside(peer: str, e: MeshnetError) -> None:
             tried[peer] = str(e)
@@ -214,6 +240,48 @@ class RouteSearch:
                 hop.close()
             for contact in contacts.values():
                 contact.client.close()
+
+    def probe(self, start: int, end: int, out: set[str]) -> set[str]:
+        """Before a first plan: the client's round trip to each candidate not yet measured
+        (``probe.py``), into ``measures``; returns the probed peers that did not answer.
+        Each address is probed once, and at most PROBES_PER_HOST ports of one IP: a report
+        may name anyone's address, and a crowd of them must not make every fresh client
+        knock on one victim's door hundreds of times. A peer past that is taken as
+        unanswered if no probed port of its IP answered (a crowd of liars on one made-up
+        address), else it stays unmeasured (the host is up; its own port is for a first
+        contact to find out)."""
+        claimants: dict[tuple[str, int], list[str]] = {}
+        beyond: dict[str, list[str]] = {}  # host -> peers at ports past PROBES_PER_HOST
+        per_host: Counter[str] = Counter()
+        for s in probe_candidates(self.spans, start, end, out, self.measures.latency_ms):
+            addr = direct_address(s)
+            if addr is None:
+                continue
+            if addr not in claimants:
+                if per_host[addr[0]] >= PROBES_PER_HOST:
+                    beyond.setdefault(addr[0], []).append(s.peer_id)
+                    continue
+                per_host[addr[0]] += 1
+                claimants[addr] = []
+            claimants[addr].append(s.peer_id)
+        if not claimants:
+            return set()
+        answered = self._probe_round_trips({addr: addr for addr in claimants})
+        unanswered = set()
+        for addr, peers in claimants.items():
+            for peer in peers:
+                if addr in answered:
+                    self.measures.round_trip(peer, answered[addr])
+                else:
+                    unanswered.add(peer)
+        up = {host for host, _ in answered}
+        for host, peers in beyond.items():
+            if host not in up:
+                unanswered.update(peers)
+        return unanswered
+
+    def _probe_round_trips(self, targets: dict) -> dict:
+        return probe_round_trips(targets)  # the network call (a test's stand-in replaces it)
 
     def plan(self, start: int, end: int, banned: set[str]) -> list[Span]:
         """The cheapest route over peers not ``banned``, each round trip measured or, if

@@ -28,6 +28,7 @@ import trio
 
 from meshnet_p2p.client.hop import CONNECT_TIMEOUT_S, ROUND_TRIP_SAMPLES
 from meshnet_p2p.client.options import RouteOptions
+from meshnet_p2p.client.probe import probe_candidates, probe_wait_s
 from meshnet_p2p.client.search import MAX_OPEN_TRIES, RouteSearch, grace_until, probe_width
 from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.dht.node import DHTConfig, DHTNode
@@ -78,6 +79,8 @@ class Clients:
     def __init__(self, sim: "SimSwarm") -> None:
         self.sim = sim
         self.m = sim.m
+        self.probe = sim.cfg.probe
+        self.rng = random.Random(f"probes/{sim.cfg.seed}")  # which probes are lost
         self._surveys_open = 0
         self._surveys_done = trio.Event()
 
@@ -257,6 +260,10 @@ class Clients:
         known: set[str] = set()  # answered their first contact
         slow: set[str] = set()  # still out when their round stopped waiting
         rounds, abandoned, t0 = 0, 0, trio.current_time()
+        if self.probe:
+            took, slow = self._probe(search, start, end, answering, host)
+            if spend:
+                await trio.sleep(took)
 
         def done(outcome: str, **more) -> dict:
             return {"outcome": outcome, "failed_contacts": len(tried), "contact_rounds": rounds,
@@ -302,6 +309,28 @@ class Clients:
             if spend:
                 await trio.sleep(took)
         return done("gave up")
+
+    def _probe(self, search: RouteSearch, start: int, end: int, answering: dict[str, "Peer"], host
+               ) -> tuple[float, set[str]]:
+        """``RouteSearch.probe`` before the first plan: whom it connects to
+        (``probe_candidates``), each answer after a round trip from the client (a
+        made-up address, a volunteer gone since its report, a SYN or its answer lost:
+        none), how long it waits (``probe_wait_s``), the round trips it measures.
+        Returns the wait and the probed that did not answer in it. A NATed volunteer's
+        report names its relay (production probes none of those)."""
+        loss = self.sim.net.model.loss
+        targets = [s for s in probe_candidates(search.spans, start, end, search.banned_now(), search.measures.latency_ms)
+                   if not (s.peer_id in self.sim.by_id and self.sim.by_id[s.peer_id].host.natted)]
+        answers = sorted((2 * self._client_link_s(host, answering[s.peer_id]), s.peer_id) for s in targets
+                         if s.peer_id in answering and self.rng.random() >= 1 - (1 - loss) ** 2)
+        after: list[float] = []
+        for at, peer_id in answers:
+            if at > probe_wait_s(after, len(targets)):
+                break
+            after.append(at)
+            search.measures.round_trip(peer_id, at * 1000)
+        measured = set(search.measures.latency_ms)
+        return probe_wait_s(after, len(targets)), {s.peer_id for s in targets} - measured
 
     def _answering(self) -> dict[str, "Peer"]:
         """The volunteers a first contact reaches: online, honest, and with relays in the
