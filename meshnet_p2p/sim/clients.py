@@ -317,7 +317,8 @@ class Clients:
         made-up address, a volunteer gone since its report, a SYN or its answer lost:
         none), how long it waits (``probe_wait_s``), the round trips it measures.
         Returns the wait and the probed that did not answer in it. A NATed volunteer's
-        report names its relay (production probes none of those)."""
+        report names its relay (production probes none of those). Every simulated peer
+        has an address of its own, so production's bound of probes per IP never binds here."""
         loss = self.sim.net.model.loss
         targets = [s for s in probe_candidates(search.spans, start, end, search.banned_now(), search.measures.latency_ms)
                    if not (s.peer_id in self.sim.by_id and self.sim.by_id[s.peer_id].host.natted)]
