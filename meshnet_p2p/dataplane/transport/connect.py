@@ -96,6 +96,8 @@ class ConnectDialog:
             if isinstance(event, h11.InformationalResponse):
                 continue  # 1xx: the answer is still to come
             if isinstance(event, h11.Response):
+                if event.http_version not in (b"1.0", b"1.1"):  # h11 reads any HTTP/d.d: no relay speaks 0.0 or 2.0 here
+                    raise ConnectError(f"the relay answered in HTTP/{event.http_version.decode()[:8]}, not HTTP/1.x")
                 if event.status_code == ESTABLISHED:
                     return self._conn.trailing_data[0]
                 line = f"HTTP/{event.http_version.decode()} {event.status_code} {event.reason.decode('latin-1')}"
