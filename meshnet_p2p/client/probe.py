@@ -21,7 +21,7 @@ import random
 import selectors
 import socket
 import time
-from typing import Callable, Hashable
+from typing import Hashable
 
 MAX_PROBES = 256  # candidates probed at once: one socket each, for one round trip
 PROBES_PER_HOST = 4  # distinct ports of one IP probed (reports may all name one victim's address)
@@ -31,7 +31,7 @@ PROBE_MIN_S = 0.2  # waited at least (a near swarm answers in less; a lost SYN w
 PROBE_MAX_S = 1.0  # waited at most: past it, what has not answered is left out of the first plans
 
 
-def probe_candidates(spans, start: int, end: int, out: set[str], measured, rng: random.Random | None = None) -> list:
+def probe_candidates(spans, start: int, end: int, out: set[str], measured) -> list:
     """Whom to probe for a route over [start, end): the peers of spans within it, not
     ``out`` (banned, set aside), not yet ``measured``, reached directly (a relayed
     peer's address is its relay's: a connect there measures half its way); at most
@@ -46,7 +46,7 @@ def probe_candidates(spans, start: int, end: int, out: set[str], measured, rng: 
         seen.add(s.peer_id)
         found.append(s)
     if len(found) > MAX_PROBES:
-        found = (rng or random).sample(found, MAX_PROBES)
+        found = random.sample(found, MAX_PROBES)
     return found
 
 
@@ -63,14 +63,12 @@ def probe_wait_s(answered_after: list[float], targets: int) -> float:
     return min(PROBE_MAX_S, max(PROBE_MIN_S, PROBE_SLACK * answered_after[min(len(answered_after), PROBE_ENOUGH) - 1]))
 
 
-def probe_round_trips(targets: dict[Hashable, tuple[str, int]], *,
-                      wait_s: Callable[[list[float], int], float] = probe_wait_s,
-                      clock: Callable[[], float] = time.monotonic) -> dict[Hashable, float]:
+def probe_round_trips(targets: dict[Hashable, tuple[str, int]]) -> dict[Hashable, float]:
     """Connect to every ``targets`` address at once (key -> (ip, port)) and return the
-    round trip in ms of each key whose address accepted within ``wait_s``; the connections
+    round trip in ms of each key whose address accepted within ``probe_wait_s``; the connections
     are closed at once, nothing sent. A refusal or an unreachable address is not an answer."""
     sel = selectors.DefaultSelector()
-    began = clock()
+    began = time.monotonic()
     out: dict[Hashable, float] = {}
     after: list[float] = []
     try:
@@ -80,21 +78,21 @@ def probe_round_trips(targets: dict[Hashable, tuple[str, int]], *,
             except OSError:
                 continue  # out of descriptors: fewer probes, not a failed search
             sock.setblocking(False)
-            sent = clock()
+            sent = time.monotonic()
             if sock.connect_ex((host, port)) not in (0, errno.EINPROGRESS):
                 sock.close()
                 continue
             sel.register(sock, selectors.EVENT_WRITE, (peer, sent))
         probed = len(sel.get_map())
         while sel.get_map():
-            left = began + wait_s(after, probed) - clock()
+            left = began + probe_wait_s(after, probed) - time.monotonic()
             if left <= 0:
                 break
             for key, _ in sel.select(left):
                 sock, (peer, sent) = key.fileobj, key.data
                 sel.unregister(sock)
                 if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
-                    now = clock()
+                    now = time.monotonic()
                     out[peer] = (now - sent) * 1000
                     after.append(now - began)
                 sock.close()
