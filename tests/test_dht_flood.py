@@ -426,3 +426,29 @@ def test_a_read_gives_exactly_the_live_values_whatever_stores_caps_and_renewals_
             assert set(store.live(key, now)) == {s for s, expires in held.items() if expires > now}
             got, _ = store.get(key, now)
             assert {r.signer.multihash for r in got} == {s for s, expires in held.items() if expires > now}
+
+
+@given(st.integers(0, 400), st.integers(0, 20_000))
+def test_a_one_topic_digest_is_the_longest_prefix_that_fits_its_budget(count, budget):
+    """A pull's digest of one topic lists its signers in order, as many as fit
+    ``budget`` by its count of bytes (all of them when they fit: then in one pass),
+    and packs within it."""
+    from meshnet_p2p.dht.gossip import _ENTRY_OVERHEAD, _TOPIC_OVERHEAD
+
+    state = GossipState()
+    now = wall_ms()
+    topic = "model/" + "ab" * 32
+    held = state.topics.setdefault(topic, {})
+    for i in range(count):
+        signer = bytes([0, 36]) + i.to_bytes(36, "big")
+        held[signer] = Record("t", {"key": topic}, i, now, now + 60_000, None, b"", b"w")
+    got = state.digest_of(topic, budget=budget)[topic]
+    used, fits = 8 + len(topic) + _TOPIC_OVERHEAD, 0  # the count, entry by entry
+    for signer in held:
+        used += len(signer) + _ENTRY_OVERHEAD
+        if used > budget:
+            break
+        fits += 1
+    assert list(got) == list(held)[:fits] and all(got[s] == held[s].seq for s in got)
+    if got:
+        assert len(msgpack.packb({topic: got}, use_bin_type=True)) <= budget

@@ -396,8 +396,12 @@ def test_a_node_answers_any_signed_request_body_or_refuses_it_with_bad_datagram(
     escape, and the reply must encode (the loop does not catch encode errors)."""
     node = DHTNode(BOB, FakeNetwork().endpoint(), TYPES, now_ms=lambda: NOW)
     msg = wire.decode(wire.encode(ALICE, kind, b"abcdefgh", body, NOW), NOW)
+
+    async def handle():  # as the receive loop does: inside trio (the push path reads its clock)
+        return node._handle(msg, ("10.0.0.9", 4001))
+
     try:
-        reply_kind, reply = node._handle(msg, ("10.0.0.9", 4001))
+        reply_kind, reply = trio.run(handle)
     except wire.BadDatagram:
         return
     assert reply_kind in wire.RESPONSES

@@ -136,3 +136,82 @@ def test_fuzz_mutated_records_never_verify(data):
     # a flipped byte can only survive where it changes nothing signed (msgpack framing
     # aliases), and then the content must be exactly the original
     assert rec.content == report() and rec.signer == ALICE.peer_id
+
+
+# What ``seal`` writes is exactly the array of the head and its signature packed whole
+# (it reuses the head's packed bytes instead of packing them twice), for heads of any
+# length, short (a fixarray) or not.
+_VALUES = st.one_of(st.integers(-2**63, 2**64 - 1), st.binary(max_size=80), st.text(max_size=20), st.none(),
+                    st.booleans(), st.lists(st.integers(0, 300), max_size=20),
+                    st.dictionaries(st.text(max_size=5), st.integers(-2**63, 2**63 - 1), max_size=5))
+
+
+@given(st.lists(_VALUES, max_size=17))
+def test_a_sealed_head_is_the_head_and_its_signature_packed_whole(head):
+    from meshnet_p2p.core.records import head_verifies, seal
+
+    wire = seal(ALICE, b"test", head)
+    signature = ALICE.sign(b"test" + msgpack.packb(head, use_bin_type=True))
+    assert wire == msgpack.packb(head + [signature], use_bin_type=True)
+    fields = msgpack.unpackb(wire, raw=False, strict_map_key=False)
+    assert head_verifies(ALICE.peer_id, fields[-1], b"test", fields[:-1], sealed=wire)
+    assert not head_verifies(MALLORY.peer_id, fields[-1], b"test", fields[:-1], sealed=wire)
+
+
+@given(st.data())
+def test_a_sealed_head_read_off_its_bytes_verifies_only_as_signed(data):
+    """Checked off the sealed bytes, a head verifies only for its signer and exactly
+    the bytes signed: a flipped byte anywhere fails, or (msgpack framing aliases)
+    unpacks to the same values and is checked packed again as before."""
+    from meshnet_p2p.core.records import head_verifies, seal
+
+    head = data.draw(st.lists(_VALUES, min_size=1, max_size=8))
+    wire = bytearray(seal(ALICE, b"test", head))
+    i = data.draw(st.integers(0, len(wire) - 1))
+    wire[i] ^= data.draw(st.integers(1, 255))
+    try:
+        fields = msgpack.unpackb(bytes(wire), raw=False, strict_map_key=False)
+    except Exception:
+        return
+    if not (isinstance(fields, list) and fields and isinstance(fields[-1], bytes) and len(fields[-1]) == 64):
+        return
+    if head_verifies(ALICE.peer_id, fields[-1], b"test", fields[:-1], sealed=bytes(wire)):
+        assert fields[:-1] == head
+
+
+def test_a_head_its_signer_packed_otherwise_is_checked_as_it_was_signed():
+    """A signer that packs its head another way (an int in 9 bytes, not 1) signs those
+    bytes: read off the sealed bytes, that is what is checked, and the values are its."""
+    from meshnet_p2p.core.records import head_verifies
+
+    head_bytes = b"\x92" + b"\xcf" + (5).to_bytes(8, "big") + b"\xa1x"  # [5, "x"], the 5 as uint64
+    signature = ALICE.sign(b"test" + head_bytes)
+    wire = b"\x93" + head_bytes[1:] + b"\xc4\x40" + signature
+    fields = msgpack.unpackb(wire, raw=False)
+    assert fields == [5, "x", signature]
+    assert head_verifies(ALICE.peer_id, signature, b"test", fields[:-1], sealed=wire)
+    assert not head_verifies(ALICE.peer_id, signature, b"test", fields[:-1])  # packed again: other bytes
+
+
+def _outcome(wire, **kw):
+    try:
+        r = RecordVerifier(TYPES).verify(wire, NOW, **kw)
+        return ("ok", r.content, r.seq, r.signer)
+    except RecordRejected as e:
+        return ("rejected", e.reason)
+
+
+@given(st.data())
+def test_a_record_checked_from_what_peek_unpacked_fares_as_one_unpacked_again(data):
+    """Gossip peeks at a record (is it new here?) before checking it, and the check
+    reuses what the peek unpacked: for any bytes, the same record or the same reason."""
+    from meshnet_p2p.core.records import peek_unpacked
+
+    wire = bytearray(data.draw(st.sampled_from([signed(), signed(MALLORY), signed(ttl=-5), signed(content={"x": 1})])))
+    for _ in range(data.draw(st.integers(0, 3))):
+        i = data.draw(st.integers(0, len(wire) - 1))
+        wire[i] ^= data.draw(st.integers(0, 255))
+    wire = bytes(wire)
+    peeked = peek_unpacked(wire)
+    if peeked is not None:
+        assert _outcome(wire, unpacked=peeked[1:]) == _outcome(wire)

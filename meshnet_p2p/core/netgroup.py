@@ -16,7 +16,7 @@ import ipaddress
 from .multiaddr import ip_of
 
 
-@functools.lru_cache(maxsize=4096)  # asked for every member of a bucket a contact joins
+@functools.lru_cache(maxsize=16384)  # asked for every member of a bucket a contact joins (as many as peer IDs interned)
 def ip_group(host: str) -> str | None:
     """The network a public address belongs to, for the diversity bound; None
     for addresses it exempts (loopback, private, link-local, unparsable)."""

@@ -111,7 +111,13 @@ def canonical(obj: Any) -> bytes:
 
 
 def _sorted(obj: Any) -> Any:
-    if isinstance(obj, Mapping):
+    # The common types first, by exact type: isinstance against typing's Mapping goes
+    # through its generic alias and the ABC machinery (~7 % of a simulated 10,000-peer
+    # swarm's time went to checking that gossiped payloads are canonical)
+    t = type(obj)
+    if t is str or t is int or t is bytes or t is bool or t is float or obj is None:
+        return obj
+    if t is dict or isinstance(obj, Mapping):
         if not all(isinstance(k, str) for k in obj):
             raise TypeError("record maps must have string keys")
         return {k: _sorted(obj[k]) for k in sorted(obj)}
@@ -131,11 +137,32 @@ def unpack_strict(data: bytes) -> Any:
 # element is the Ed25519 signature, over a domain tag and the array before it.
 
 
+# A head of fewer than 15 elements packs as a fixarray (one byte, 0x90 | length): the
+# sealed form is then that byte for one more element, the head's element bytes as they
+# are, and the signature as bin8 (0xc4 0x40 and its 64 bytes). Sealing and checking
+# reuse those bytes instead of packing the head a second time (every DHT datagram is
+# sealed: ~3 % of a simulated swarm's time went to the second packing).
+_SIG_BIN8 = b"\xc4\x40"
+
+
 def seal(identity: Identity, domain: bytes, head: list[Any]) -> bytes:
-    return msgpack.packb(head + [identity.sign(domain + msgpack.packb(head, use_bin_type=True))], use_bin_type=True)
+    packed = msgpack.packb(head, use_bin_type=True)
+    signature = identity.sign(domain + packed)
+    if len(head) < 15 and len(signature) == 64:
+        return bytes([0x90 | (len(head) + 1)]) + packed[1:] + _SIG_BIN8 + signature
+    return msgpack.packb(head + [signature], use_bin_type=True)
 
 
-def head_verifies(signer: PeerId, signature: bytes, domain: bytes, head: list[Any]) -> bool:
+def head_verifies(signer: PeerId, signature: bytes, domain: bytes, head: list[Any], *,
+                  sealed: bytes | None = None) -> bool:
+    """Does ``signature`` verify ``head`` for ``signer``? With ``sealed``, the bytes
+    ``head`` and ``signature`` were unpacked from (head + [signature]), the head's
+    bytes are read off them when laid out as :func:`seal` lays them (a signer's
+    own packing of the same values is then what is checked), else packed again."""
+    n = len(head)
+    if (sealed is not None and n < 15 and len(signature) == 64 and len(sealed) > 66
+            and sealed[0] == 0x90 | (n + 1) and sealed[-66:-64] == _SIG_BIN8 and sealed[-64:] == signature):
+        return signer.verify(signature, domain + bytes([0x90 | n]) + sealed[1:-66])
     return signer.verify(signature, domain + msgpack.packb(head, use_bin_type=True))
 
 
@@ -157,6 +184,13 @@ def peek(wire: bytes) -> tuple[bytes, int, Any] | None:
 
     Lets a node drop a record it already has before paying for a signature
     check: gossip delivers each record from several neighbours."""
+    got = peek_unpacked(wire)
+    return None if got is None else got[0]
+
+
+def peek_unpacked(wire: bytes) -> tuple[tuple[bytes, int, Any], list, Any] | None:
+    """:func:`peek`'s answer, and what it unpacked (the envelope's fields, the
+    content), for :meth:`RecordVerifier.verify` to check without unpacking again."""
     if len(wire) > MAX_RECORD_BYTES:
         return None
     try:
@@ -164,7 +198,7 @@ def peek(wire: bytes) -> tuple[bytes, int, Any] | None:
         if not (isinstance(fields, list) and len(fields) == 7 and isinstance(fields[1], bytes)):
             return None
         content = unpack_strict(fields[1])
-        return fields[5], fields[2], content.get("key") if isinstance(content, dict) else None
+        return (fields[5], fields[2], content.get("key") if isinstance(content, dict) else None), fields, content
     except Exception:
         return None
 
@@ -179,13 +213,19 @@ class RecordVerifier:
     max_lifetime_ms: int = MAX_LIFETIME_MS
     last_seq: dict[tuple[bytes, str, Any], int] = field(default_factory=dict)
 
-    def verify(self, wire: bytes, now_ms: int, *, remember: bool = True) -> Record:
+    def verify(self, wire: bytes, now_ms: int, *, remember: bool = True,
+               unpacked: tuple[list, Any] | None = None) -> Record:
+        """``unpacked``: what :func:`peek_unpacked` unpacked of ``wire`` (its
+        fields and content), checked here as if unpacked here."""
         if len(wire) > MAX_RECORD_BYTES:
             raise RecordRejected(Reject.OVERSIZED, f"{len(wire)} bytes > {MAX_RECORD_BYTES}")
-        try:
-            fields = unpack_strict(wire)
-        except Exception as e:  # msgpack raises many types for bad input
-            raise RecordRejected(Reject.MALFORMED, f"not msgpack: {type(e).__name__}") from None
+        if unpacked is not None:
+            fields = list(unpacked[0])
+        else:
+            try:
+                fields = unpack_strict(wire)
+            except Exception as e:  # msgpack raises many types for bad input
+                raise RecordRejected(Reject.MALFORMED, f"not msgpack: {type(e).__name__}") from None
         if not (isinstance(fields, list) and len(fields) == 7):
             raise RecordRejected(Reject.MALFORMED, "envelope is not a 7-element array")
         ptype, payload, seq, issued, expires, signer_bytes, signature = fields
@@ -207,10 +247,10 @@ class RecordVerifier:
             signer = PeerId.from_bytes(signer_bytes)
         except IdentityError as e:
             raise RecordRejected(Reject.MALFORMED, f"signer: {e}") from None
-        if not head_verifies(signer, signature, DOMAIN, fields[:6]):
+        if not head_verifies(signer, signature, DOMAIN, fields[:6], sealed=wire):
             raise RecordRejected(Reject.BAD_SIGNATURE, f"signature does not verify for {signer}")
         try:
-            content = unpack_strict(payload)
+            content = unpack_strict(payload) if unpacked is None else unpacked[1]
         except Exception as e:
             raise RecordRejected(Reject.MALFORMED, f"payload is not msgpack: {type(e).__name__}") from None
         if not isinstance(content, dict):

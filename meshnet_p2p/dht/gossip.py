@@ -224,7 +224,10 @@ class GossipState:
         repeats some of what it holds, never leaves it without the rest)."""
         entries: dict[bytes, int] = {}
         used = 8 + len(topic.encode()) + _TOPIC_OVERHEAD
-        for signer, rec in self.topics.get(topic, {}).items():
+        held = self.topics.get(topic, {})
+        if used + sum(map(len, held)) + len(held) * _ENTRY_OVERHEAD <= budget:  # all of it fits: no count kept
+            return {topic: {signer: rec.seq for signer, rec in held.items()}}
+        for signer, rec in held.items():
             used += len(signer) + _ENTRY_OVERHEAD
             if used > budget:
                 break

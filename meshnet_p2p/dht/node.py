@@ -33,7 +33,7 @@ import trio
 from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.core.guard import Guard
 from meshnet_p2p.core.identity import Identity, PeerId
-from meshnet_p2p.core.records import MAX_RECORD_BYTES, PayloadType, Record, RecordRejected, RecordVerifier, keep_newest, peek, wall_ms
+from meshnet_p2p.core.records import MAX_RECORD_BYTES, PayloadType, Record, RecordRejected, RecordVerifier, keep_newest, peek, peek_unpacked, wall_ms
 from meshnet_p2p.core.stats import LOOKUP_SECONDS, Histogram
 from . import wire
 from .gossip import GossipState
@@ -544,9 +544,9 @@ class DHTNode:
             return "gossip_records", {"records": [r.wire for r in missing]}
         raise wire.BadDatagram(f"no handler for {msg.kind}")
 
-    def _verify(self, wire_record: bytes) -> Record | None:
+    def _verify(self, wire_record: bytes, *, unpacked: tuple | None = None) -> Record | None:
         try:
-            return self.verifier.verify(wire_record, self.now_ms(), remember=False)
+            return self.verifier.verify(wire_record, self.now_ms(), remember=False, unpacked=unpacked)
         except RecordRejected as e:
             self.stats["rejected_" + e.reason.value] += 1
             why = getattr(e, "content_reason", None)
@@ -572,7 +572,10 @@ class DHTNode:
 
     def _topic_records(self, topic: str) -> list[Record]:
         """What this node holds of a topic, gossiped or stored, one record a signer."""
-        return list(keep_newest(self.store.live(topic, self.now_ms()), self.gossip.records(topic)).values())
+        stored = self.store.live(topic, self.now_ms())
+        if not stored:  # most nodes are not among a topic's homes: nothing to merge
+            return self.gossip.records(topic)
+        return list(keep_newest(stored, self.gossip.records(topic)).values())
 
     def _holds(self, key: str) -> bool:
         """Does this node hold a live value under ``key``, stored or gossiped, signed
@@ -840,14 +843,15 @@ class DHTNode:
     def _gossip_in(self, record_wire: bytes, *, from_peer: PeerId | None, record: Record | None = None,
                    pulled: bool = False) -> bool:
         if record is None:
-            head = peek(record_wire)
+            peeked = peek_unpacked(record_wire)
+            head = None if peeked is None else peeked[0]
             if head is not None and not (isinstance(head[2], str) and self.follows(head[2])):
                 self.stats["gossip_unfollowed"] += 1
                 return False  # a topic this node does not follow: not worth a signature check
             if head is not None and self.gossip.known(head[2], head[0], head[1]):
                 self.stats["gossip_duplicate"] += 1
                 return False  # already held: not worth a signature check
-            record = self._verify(record_wire)
+            record = self._verify(record_wire, unpacked=None if peeked is None else peeked[1:])
         if record is None:
             return False
         topic = record.content.get("key")
@@ -864,6 +868,7 @@ class DHTNode:
                 self.stats["gossip_rate_limited"] += 1
             return False
         self.stats["gossip_" + verdict] += 1
+        self.following.signed(topic, node_id_of(record.signer))
         for chan in self._subscribers.get(topic, []):
             try:
                 chan.send_nowait(record)
@@ -889,23 +894,32 @@ class DHTNode:
 
     def _follower_contacts(self, topic: str, exclude: set) -> list[Contact]:
         """Table members known to follow ``topic``: they pulled it from us, or they
-        signed records of it (a volunteer follows its own model's key)."""
-        peers = [*self.following.followers(topic), *(r.signer for r in self.gossip.records(topic))]
-        return list({c.node_id: c for c in self._table_members(p for p in peers if p not in exclude)}.values())
+        signed records of it (a volunteer follows its own model's key), as found
+        within SIGNERS_SEEN_S (:meth:`_signer_members`)."""
+        out = {c.node_id: c for c in self._table_members(p for p in self.following.followers(topic) if p not in exclude)}
+        for c in self._signer_members(topic):
+            if c.peer_id not in exclude:
+                out.setdefault(c.node_id, c)
+        return list(out.values())
 
-    def _pull_partner(self, topic: str) -> Contact | None:
-        """Whom a scoped pull of ``topic`` asks: at random among its known followers in
-        the table (those that pulled it from us, and its signers, as found within
-        SIGNERS_SEEN_S) and the table's PULL_HOMES nodes closest to its key."""
+    def _signer_members(self, topic: str) -> list[Contact]:
+        """The signers of ``topic``'s records that are table members, found among them
+        at most SIGNERS_SEEN_S ago (a topic holds up to 256 records, and walking them
+        for every push and pull was the largest cost that grew with the swarm), each
+        checked to be a member still (a signer added since is kept at once: Follows.signed)."""
         now = trio.current_time()
         seen = self.following.signers(topic, now, SIGNERS_SEEN_S)
         if seen is None:
             seen = [c.node_id for c in self._table_members({r.signer for r in self.gossip.records(topic)})]
             self.following.found_signers(topic, now, seen)
+        return [c for node_id in seen if (c := self.table.get(node_id)) is not None]
+
+    def _pull_partner(self, topic: str) -> Contact | None:
+        """Whom a scoped pull of ``topic`` asks: at random among its known followers in
+        the table (those that pulled it from us, and its signers, as found within
+        SIGNERS_SEEN_S) and the table's PULL_HOMES nodes closest to its key."""
         candidates = {c.node_id: c for c in self._table_members(self.following.followers(topic))}
-        for node_id in seen:
-            if (c := self.table.get(node_id)) is not None:  # still a member
-                candidates[node_id] = c
+        candidates.update((c.node_id, c) for c in self._signer_members(topic))
         candidates.update((c.node_id, c) for c in self.table.nearest(key_id(topic.encode()), PULL_HOMES))
         return random.choice(list(candidates.values())) if candidates else None
 

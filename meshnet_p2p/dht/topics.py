@@ -28,7 +28,7 @@ class Follows:
         self.max_followers = max_followers
         self._followed: OrderedDict[str, None] = OrderedDict()  # least recently used first
         self._followers: OrderedDict[str, OrderedDict[Hashable, None]] = OrderedDict()  # topic -> peers
-        self._signers: dict[str, tuple[float, list]] = {}  # followed topic -> (when found, its signers found)
+        self._signers: dict[str, tuple[float, dict]] = {}  # followed topic -> (when found, its signers found)
         self._turn = 0
 
     def __contains__(self, topic: str) -> bool:
@@ -77,11 +77,19 @@ class Follows:
         return list(self._followers.get(topic, ()))
 
     def signers(self, topic: str, now: float, max_age: float) -> list | None:
-        """What :meth:`found_signers` kept for ``topic`` within ``max_age`` of ``now``, or None."""
+        """What :meth:`found_signers` kept for ``topic`` within ``max_age`` of ``now``,
+        with what :meth:`signed` added since, or None."""
         kept = self._signers.get(topic)
-        return kept[1] if kept is not None and now - kept[0] < max_age else None
+        return list(kept[1]) if kept is not None and now - kept[0] < max_age else None
 
     def found_signers(self, topic: str, now: float, signers: list) -> None:
         """Keep what the caller found of a followed topic's signers (forgotten with the topic)."""
         if topic in self._followed:
-            self._signers[topic] = (now, signers)
+            self._signers[topic] = (now, dict.fromkeys(signers))
+
+    def signed(self, topic: str, signer: Hashable) -> None:
+        """A record of ``signer`` came in on ``topic``: it is one of the signers kept,
+        until they are found again (a newcomer is a push target at once)."""
+        kept = self._signers.get(topic)
+        if kept is not None:
+            kept[1][signer] = None

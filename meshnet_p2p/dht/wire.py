@@ -93,7 +93,7 @@ def decode(data: bytes, now_ms: int, me: PeerId | None = None) -> Message:
         peer = PeerId.from_bytes(sender)
     except IdentityError as e:
         raise BadDatagram(f"bad sender: {e}") from None
-    if not head_verifies(peer, signature, DOMAIN, fields[:7]):
+    if not head_verifies(peer, signature, DOMAIN, fields[:7], sealed=data):
         raise BadDatagram(f"signature does not verify for {peer}")
     return Message(kind, rpc_id, peer, sent_ms, body)
 
