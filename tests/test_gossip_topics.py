@@ -249,3 +249,22 @@ def test_follows_is_bounded_least_recently_used_and_pulls_each_topic_in_turn():
     assert "a" not in f and f.followers("a") == []
     every = Follows(True)
     assert "anything" in every and every.follow("x") == [] and every.next_pull() is None
+
+
+def test_the_signers_found_of_a_topic_take_each_newcomer_and_age_out_whole():
+    from meshnet_p2p.dht.topics import Follows
+
+    f = Follows(False, max_followed=2)
+    f.signed("a", 1)  # nothing found yet: nothing kept
+    assert f.signers("a", 0.0, 30.0) is None
+    f.follow("a")
+    f.found_signers("a", 10.0, [1, 2])
+    f.signed("a", 3)
+    f.signed("a", 2)
+    assert f.signers("a", 39.0, 30.0) == [1, 2, 3]  # a newcomer kept at once, once
+    assert f.signers("a", 40.0, 30.0) is None  # then all are found again
+    f.found_signers("b", 40.0, [9])  # a topic not followed: not kept
+    assert f.signers("b", 40.0, 30.0) is None
+    f.follow("b")
+    f.follow("c")  # "a" forgotten, with its signers
+    assert f.signers("a", 11.0, 30.0) is None
