@@ -220,7 +220,7 @@ class RecordVerifier:
         if len(wire) > MAX_RECORD_BYTES:
             raise RecordRejected(Reject.OVERSIZED, f"{len(wire)} bytes > {MAX_RECORD_BYTES}")
         if unpacked is not None:
-            fields = list(unpacked[0])
+            fields = unpacked[0]  # read, never changed here
         else:
             try:
                 fields = unpack_strict(wire)
