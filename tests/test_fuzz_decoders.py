@@ -381,7 +381,7 @@ def test_sealed_envelopes_of_any_fields_are_rejected_or_well_formed(ptype, paylo
     assert rec.payload_type in TYPES and rec.signer == ALICE.peer_id and isinstance(rec.content, dict)
 
 
-_REQUEST_FIELDS = ["target", "key", "after", "record", "records", "have", "cookie", "client"]
+_REQUEST_FIELDS = ["target", "key", "after", "upto", "record", "records", "have", "cookie", "client"]
 _KEYS = [f"model/{MODEL}", MODELS_KEY, index_key(MODEL, str(CERTIFIER.peer_id)), "x" * 513]
 
 

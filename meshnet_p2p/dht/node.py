@@ -35,7 +35,7 @@ from meshnet_p2p.core.guard import Guard
 from meshnet_p2p.core.identity import Identity, PeerId
 from meshnet_p2p.core.records import MAX_RECORD_BYTES, PayloadType, Record, RecordRejected, RecordVerifier, keep_newest, peek, peek_unpacked, wall_ms
 from meshnet_p2p.core.stats import LOOKUP_SECONDS, Histogram
-from . import wire
+from . import paging, wire
 from .gossip import GossipState
 from .topics import Follows
 from .lookup import iterative_lookup
@@ -512,10 +512,11 @@ class DHTNode:
             return "nodes", {"nodes": wire.encode_contacts(nearest)}
         if msg.kind == "find_value":
             key = wire.field(body, "key", str, max_len=MAX_KEY_CHARS)
-            after = body.get("after", b"")
-            if not isinstance(after, bytes) or len(after) > 64:
+            after, upto = body.get("after", b""), body.get("upto")
+            if not isinstance(after, bytes) or len(after) > 64 or not (upto is None or isinstance(upto, bytes)
+                                                                        and len(upto) <= 64):
                 raise wire.BadDatagram("bad cursor")
-            records, more = self.store.get(key, self.now_ms(), after=after, budget=REPLY_BUDGET_BYTES)
+            records, more = self.store.get(key, self.now_ms(), after=after, upto=upto, budget=REPLY_BUDGET_BYTES)
             nearest = self.table.nearest(key_id(key.encode()), k, exclude) if not after else []
             return "values", {"values": [r.wire for r in records], "more": more, "nodes": wire.encode_contacts(nearest)}
         if msg.kind == "store":
@@ -721,25 +722,51 @@ class DHTNode:
                 verified[w] = self._verify(w)
             return verified[w]
 
+        async def page(c: Contact, after: bytes, upto: bytes | None):
+            """One page of ``c``'s records of ``key`` in (after, upto]: (records,
+            more, the last signer it named, the reply), or None if it did not answer."""
+            body = {"key": key, "after": after}
+            if upto is not None:
+                body["upto"] = upto
+            reply = await self.request(c, "find_value", body)
+            if reply is None or reply.kind != "values" or not isinstance(reply.body.get("values"), list):
+                return None
+            records, last, more = [], None, bool(reply.body.get("more"))
+            for w in reply.body["values"][:256]:
+                rec = check(w) if isinstance(w, bytes) else None
+                if rec is None or rec.content.get("key") != key:
+                    continue
+                signer = rec.signer.multihash
+                if signer <= after or (upto is not None and signer > upto):
+                    more = False  # out of the range asked: a home that does not page by range; the others cover it
+                    continue
+                records.append(rec)
+                last = signer if last is None or signer > last else last
+            return records, more and last is not None, last, reply
+
+        async def rest(c: Contact, after: bytes, upto: bytes | None, pages: list[int], out: list[Record]) -> None:
+            while pages[0] > 0:
+                pages[0] -= 1
+                got = await page(c, after, upto)
+                if got is None:
+                    return
+                out.extend(got[0])
+                if not got[1]:
+                    return
+                after = got[2]
+
         async def call(c: Contact):
-            records, after = [], b""
-            for _ in range(self.config.max_pages):
-                reply = await self.request(c, "find_value", {"key": key, "after": after})
-                if reply is None or reply.kind != "values":
-                    return None if not records and after == b"" else (records, [])
-                values = reply.body.get("values")
-                if not isinstance(values, list):
-                    return None
-                for w in values[:256]:
-                    if isinstance(w, bytes):
-                        rec = check(w)
-                        if rec is not None and rec.content.get("key") == key:
-                            records.append(rec)
-                contacts = self._contacts(reply.body.get("nodes")) if after == b"" else []
-                if not reply.body.get("more") or not records:
-                    return records, contacts
-                after = records[-1].signer.multihash
-            return records, []
+            got = await page(c, b"", None)
+            if got is None:
+                return None
+            records, more, last, reply = got
+            contacts = self._contacts(reply.body.get("nodes"))
+            if more:  # the rest at once, in ranges that each fit a page (paging.py)
+                pages = [self.config.max_pages - 1]
+                async with trio.open_nursery() as nursery:
+                    for after, upto in paging.split_rest(last, len(records), pages[0]):
+                        nursery.start_soon(rest, c, after, upto, pages, records)
+            return records, contacts
 
         def enough(responses: dict[int, list[Record]]) -> bool:
             return sum(1 for recs in responses.values() if recs) >= self.config.get_quorum

@@ -229,13 +229,14 @@ class ValueStore:
         meta = self._meta.get((key, signer))
         return None if meta is None else meta.expires_at_ms
 
-    def get(self, key: str, now_ms: int, *, after: bytes = b"", budget: int = 48_000) -> tuple[list[Record], bool]:
-        """Live records of ``key`` ordered by signer, after ``after``, up to ``budget`` bytes.
-        Returns (records, more)."""
+    def get(self, key: str, now_ms: int, *, after: bytes = b"", upto: bytes | None = None,
+            budget: int = 48_000) -> tuple[list[Record], bool]:
+        """Live records of ``key`` ordered by signer, of signers in (``after``,
+        ``upto``] (``upto`` None: no end), up to ``budget`` bytes. Returns (records, more)."""
         self.expire_key(key, now_ms)
         values = self._by_key.get(key, {})
         out, used = [], 0
-        for signer in sorted(s for s in values if s > after):
+        for signer in sorted(s for s in values if s > after and (upto is None or s <= upto)):
             rec = values[signer]
             if used + len(rec.wire) > budget and out:
                 return out, True
