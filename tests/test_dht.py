@@ -366,6 +366,41 @@ async def test_a_key_of_many_values_is_read_from_each_home_in_two_round_trips(au
         nursery.cancel_scope.cancel()
 
 
+async def test_a_home_leaves_out_of_its_answer_the_records_the_reader_holds(autojump_clock):
+    # Every home of a key mostly holds the same records, and each sent all of them: a model
+    # lookup asks some twenty. A reader names what it holds by the heads of their signatures;
+    # a home sends the rest (here: the one signer whose newer report only the homes hold)
+    async with trio.open_nursery() as nursery:
+        network, nodes = await start_swarm(nursery, 4, TYPES)
+        signers = [swarm_identity(6000 + i) for i in range(120)]
+        now = wall_ms()
+        old = [nodes[0].verifier.verify(report(s, seq=1), now, remember=False) for s in signers]
+        newer = nodes[0].verifier.verify(report(signers[7], seq=2), now, remember=False)
+        for n in nodes:
+            for rec in [*old, newer]:
+                n.store.put(KEY, rec, now)
+        client = DHTNode(swarm_identity(99), network.endpoint(), TYPES, DHTConfig(client_mode=True))
+        await nursery.start(client.run)
+        await client.bootstrap([nodes[0].contact()])
+        for rec in old:
+            assert client.store.put(KEY, rec, now)[0]
+        values: list[bytes] = []
+        real_request = client.request
+
+        async def request(c, kind, body, **kw):
+            reply = await real_request(c, kind, body, **kw)
+            if kind == "find_value" and reply is not None:
+                values.extend(reply.body["values"])
+            return reply
+
+        client.request = request
+        got = await client.get(KEY)
+        assert {r.signer for r in got} == {s.peer_id for s in signers}
+        assert {(r.signer, r.seq) for r in got if r.seq == 2} == {(signers[7].peer_id, 2)}
+        assert values and set(values) == {newer.wire}  # every home sent only the newer report
+        nursery.cancel_scope.cancel()
+
+
 async def test_forged_and_replayed_records_never_reach_a_lookup(autojump_clock):
     async with trio.open_nursery() as nursery:
         _, nodes = await start_swarm(nursery, 20, TYPES)

@@ -424,7 +424,7 @@ def test_a_read_gives_exactly_the_live_values_whatever_stores_caps_and_renewals_
                 held[rec.signer.multihash] = rec.expires_at_ms if cap is None else min(rec.expires_at_ms, now + cap)
         else:
             assert set(store.live(key, now)) == {s for s, expires in held.items() if expires > now}
-            got, _ = store.get(key, now)
+            got, _, _ = store.get(key, now)
             assert {r.signer.multihash for r in got} == {s for s, expires in held.items() if expires > now}
 
 

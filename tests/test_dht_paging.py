@@ -1,13 +1,13 @@
 """Reading a key in parallel pages (dht/paging.py): the ranges asked for at once
 cover every signer after a first page exactly once, and a home answers each range
-with exactly its signers."""
+with exactly its signers, but those the reader names as held."""
 
 from hypothesis import example, given
 from hypothesis import strategies as st
 
 from meshnet_p2p.core.records import wall_ms
 from meshnet_p2p.dht import paging
-from meshnet_p2p.dht.storage import ValueStore
+from meshnet_p2p.dht.storage import ValueStore, tag
 from meshnet_p2p.swarm.capability import TYPES, model_key
 from meshnet_p2p.core.records import RecordVerifier
 from meshnet_p2p.testing import sample_report, swarm_identity
@@ -61,12 +61,17 @@ def test_a_home_answers_a_range_with_its_signers_in_order_and_pages_on_within_it
     every = sorted(r.signer.multihash for r in _RECORDS)
     bounds = data.draw(st.lists(st.sampled_from(every) | signers | st.just(b""), min_size=2, max_size=2))
     after, upto = min(bounds), data.draw(st.sampled_from([None, max(bounds)]))
-    want = [s for s in every if s > after and (upto is None or s <= upto)]
-    got, cursor = [], after
+    held = [_RECORDS[i] for i in data.draw(st.sets(st.integers(0, len(_RECORDS) - 1)))]  # what the reader holds
+    known = {tag(r) for r in held} | data.draw(st.sets(st.binary(min_size=8, max_size=8), max_size=3))
+    in_range = [s for s in every if s > after and (upto is None or s <= upto)]
+    want = [s for s in in_range if s not in {r.signer.multihash for r in held}]
+    got, cursor, left_out = [], after, 0
     for _ in range(len(every) + 1):
-        page, more = store.get(_KEY, _NOW, after=cursor, upto=upto, budget=budget)
+        page, more, skipped = store.get(_KEY, _NOW, after=cursor, upto=upto, budget=budget, known=known)
         got += [r.signer.multihash for r in page]
+        left_out += skipped
         if not more:
             break
         cursor = page[-1].signer.multihash
     assert got == want
+    assert left_out >= len(in_range) - len(want)  # each held one in range left out (again, on each page it ends)

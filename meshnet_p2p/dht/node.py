@@ -42,7 +42,7 @@ from .lookup import iterative_lookup
 from meshnet_p2p.core.ratelimit import SourceRates
 from .routing import Contact, RoutingTable, key_id, node_id_of
 from meshnet_p2p.core.netgroup import network_of, networks
-from .storage import ValueStore
+from .storage import MAX_KNOWN_TAGS, TAG_BYTES, ValueStore, tag
 from .transport import Addr, DatagramTransport
 
 log = logging.getLogger(__name__)
@@ -512,13 +512,18 @@ class DHTNode:
             return "nodes", {"nodes": wire.encode_contacts(nearest)}
         if msg.kind == "find_value":
             key = wire.field(body, "key", str, max_len=MAX_KEY_CHARS)
-            after, upto = body.get("after", b""), body.get("upto")
+            after, upto, have = body.get("after", b""), body.get("upto"), body.get("have", b"")
             if not isinstance(after, bytes) or len(after) > 64 or not (upto is None or isinstance(upto, bytes)
                                                                         and len(upto) <= 64):
                 raise wire.BadDatagram("bad cursor")
-            records, more = self.store.get(key, self.now_ms(), after=after, upto=upto, budget=REPLY_BUDGET_BYTES)
+            if not isinstance(have, bytes) or len(have) % TAG_BYTES or len(have) > TAG_BYTES * MAX_KNOWN_TAGS:
+                raise wire.BadDatagram("bad tags of records held")
+            known = {have[i:i + TAG_BYTES] for i in range(0, len(have), TAG_BYTES)}
+            records, more, skipped = self.store.get(key, self.now_ms(), after=after, upto=upto,
+                                                    budget=REPLY_BUDGET_BYTES, known=known)
             nearest = self.table.nearest(key_id(key.encode()), k, exclude) if not after else []
-            return "values", {"values": [r.wire for r in records], "more": more, "nodes": wire.encode_contacts(nearest)}
+            return "values", {"values": [r.wire for r in records], "more": more, "known": skipped,
+                              "nodes": wire.encode_contacts(nearest)}
         if msg.kind == "store":
             key = wire.field(body, "key", str, max_len=MAX_KEY_CHARS)
             record = wire.field(body, "record", bytes, max_len=MAX_RECORD_BYTES)
@@ -715,6 +720,9 @@ class DHTNode:
         wanted) hold, asked directly (newest per signer)."""
         target = key_id(key.encode())
         found = self.store.live(key, self.now_ms())
+        # what this get holds, by tag: homes leave those out of their answers (most homes
+        # of a key hold the same records; each sent all of them)
+        held = dict.fromkeys(tag(r) for r in found.values())
         verified: dict[bytes, Record | None] = {}  # the k nodes mostly answer with the same records
 
         def check(w: bytes) -> Record | None:
@@ -723,11 +731,14 @@ class DHTNode:
             return verified[w]
 
         async def page(c: Contact, after: bytes, upto: bytes | None):
-            """One page of ``c``'s records of ``key`` in (after, upto]: (records,
-            more, the last signer it named, the reply), or None if it did not answer."""
+            """One page of ``c``'s records of ``key`` in (after, upto], but those held:
+            (records, more, the last signer it named, how many it left out as held,
+            the reply), or None if it did not answer."""
             body = {"key": key, "after": after}
             if upto is not None:
                 body["upto"] = upto
+            if held:
+                body["have"] = b"".join(list(held)[-MAX_KNOWN_TAGS:])
             reply = await self.request(c, "find_value", body)
             if reply is None or reply.kind != "values" or not isinstance(reply.body.get("values"), list):
                 return None
@@ -741,8 +752,14 @@ class DHTNode:
                     more = False  # out of the range asked: a home that does not page by range; the others cover it
                     continue
                 records.append(rec)
+                # kept at once, whether or not the lookup waits for this answer: what is named
+                # as held to the next homes must be in what this get returns
+                keep_newest(found, [rec])
+                held[tag(rec)] = None
                 last = signer if last is None or signer > last else last
-            return records, more and last is not None, last, reply
+            known = reply.body.get("known")
+            known = min(known, 256) if isinstance(known, int) and not isinstance(known, bool) and known > 0 else 0
+            return records, more and last is not None, last, known, reply
 
         async def rest(c: Contact, after: bytes, upto: bytes | None, pages: list[int], out: list[Record]) -> None:
             while pages[0] > 0:
@@ -759,23 +776,22 @@ class DHTNode:
             got = await page(c, b"", None)
             if got is None:
                 return None
-            records, more, last, reply = got
+            records, more, last, known, reply = got
             contacts = self._contacts(reply.body.get("nodes"))
             if more:  # the rest at once, in ranges that each fit a page (paging.py)
                 pages = [self.config.max_pages - 1]
                 async with trio.open_nursery() as nursery:
-                    for after, upto in paging.split_rest(last, len(records), pages[0]):
+                    for after, upto in paging.split_rest(last, len(records) + known, pages[0]):
                         nursery.start_soon(rest, c, after, upto, pages, records)
-            return records, contacts
+            # the answer: does it hold the key (one that held only what this get had does)
+            return bool(records) or known > 0, contacts
 
-        def enough(responses: dict[int, list[Record]]) -> bool:
-            return sum(1 for recs in responses.values() if recs) >= self.config.get_quorum
+        def enough(responses: dict[int, bool]) -> bool:
+            return sum(responses.values()) >= self.config.get_quorum
 
         t0 = trio.current_time()
         result = await self._lookup(target, call, done=enough, also=[c for c in also_ask if c.node_id != self.node_id])
         self._lookup_done("get", t0, bool(result.responses))
-        for recs in result.responses.values():
-            keep_newest(found, recs)
         now = self.now_ms()
         return sorted((r for r in found.values() if r.expires_at_ms > now), key=lambda r: r.signer.multihash)
 

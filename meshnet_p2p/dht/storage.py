@@ -34,9 +34,20 @@ that do. The node's own values (source None) are never evicted.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 from meshnet_p2p.core.records import Record
+
+TAG_BYTES = 8  # of a record's signature: which version of which signer's record it is
+MAX_KNOWN_TAGS = 512  # tags a reader names as already held, in one find_value (4 KB)
+
+
+def tag(record: Record) -> bytes:
+    """A short name of one record: the head of its signature, which covers its
+    signer, content and sequence (two records sharing one would take a signer
+    ~2**64 tries to make: the cost of it is only a record a reader is not sent)."""
+    return record.signature[:TAG_BYTES]
+
 
 Slot = tuple[str, bytes]  # (key, signer)
 
@@ -230,19 +241,24 @@ class ValueStore:
         return None if meta is None else meta.expires_at_ms
 
     def get(self, key: str, now_ms: int, *, after: bytes = b"", upto: bytes | None = None,
-            budget: int = 48_000) -> tuple[list[Record], bool]:
+            budget: int = 48_000, known: Collection[bytes] = ()) -> tuple[list[Record], bool, int]:
         """Live records of ``key`` ordered by signer, of signers in (``after``,
-        ``upto``] (``upto`` None: no end), up to ``budget`` bytes. Returns (records, more)."""
+        ``upto``] (``upto`` None: no end), up to ``budget`` bytes, leaving out those
+        whose tag (:func:`tag`) is in ``known`` (the asker holds them). Returns
+        (records, more, how many were left out as known)."""
         self.expire_key(key, now_ms)
         values = self._by_key.get(key, {})
-        out, used = [], 0
+        out, used, skipped = [], 0, 0
         for signer in sorted(s for s in values if s > after and (upto is None or s <= upto)):
             rec = values[signer]
+            if known and tag(rec) in known:
+                skipped += 1
+                continue
             if used + len(rec.wire) > budget and out:
-                return out, True
+                return out, True, skipped
             out.append(rec)
             used += len(rec.wire)
-        return out, False
+        return out, False, skipped
 
     def live(self, key: str, now_ms: int) -> dict[bytes, Record]:
         """Every live record of ``key``, by signer (a copy; unordered, unbounded: for this node's own use)."""
