@@ -333,22 +333,30 @@ async def test_many_values_under_one_key_are_paged(autojump_clock):
         nursery.cancel_scope.cancel()
 
 
+async def _homes_and_a_reader(nursery, records) -> DHTNode:
+    """Four homes that each hold ``records`` of KEY, and a fresh client node joined to them."""
+    network, nodes = await start_swarm(nursery, 4, TYPES)
+    for n in nodes:
+        for rec in records:
+            n.store.put(KEY, rec, wall_ms())
+    client = DHTNode(swarm_identity(99), network.endpoint(), TYPES, DHTConfig(client_mode=True))
+    await nursery.start(client.run)
+    await client.bootstrap([nodes[0].contact()])
+    return client
+
+
+def _checked(wire_record: bytes):
+    return RecordVerifier(TYPES).verify(wire_record, wall_ms(), remember=False)
+
+
 async def test_a_key_of_many_values_is_read_from_each_home_in_two_round_trips(autojump_clock):
     # A model key of 256 volunteers fills four datagrams of records. Read one page after
     # another, each home cost a lookup four round trips in turn, past the lookup's "slow"
     # mark (docs/scale.md): after its first page, the rest is asked for at once, in
     # ranges of signers that each fit a page (paging.py)
     async with trio.open_nursery() as nursery:
-        network, nodes = await start_swarm(nursery, 4, TYPES)
         signers = [swarm_identity(5000 + i) for i in range(256)]
-        now = wall_ms()
-        records = [nodes[0].verifier.verify(report(s), now, remember=False) for s in signers]
-        for n in nodes:
-            for rec in records:
-                assert n.store.put(KEY, rec, now)[0]
-        client = DHTNode(swarm_identity(99), network.endpoint(), TYPES, DHTConfig(client_mode=True))
-        await nursery.start(client.run)
-        await client.bootstrap([nodes[0].contact()])
+        client = await _homes_and_a_reader(nursery, [_checked(report(s)) for s in signers])
         sent: dict[int, list[float]] = {}
         real_request = client.request
 
@@ -371,19 +379,12 @@ async def test_a_home_leaves_out_of_its_answer_the_records_the_reader_holds(auto
     # lookup asks some twenty. A reader names what it holds by the heads of their signatures;
     # a home sends the rest (here: the one signer whose newer report only the homes hold)
     async with trio.open_nursery() as nursery:
-        network, nodes = await start_swarm(nursery, 4, TYPES)
         signers = [swarm_identity(6000 + i) for i in range(120)]
-        now = wall_ms()
-        old = [nodes[0].verifier.verify(report(s, seq=1), now, remember=False) for s in signers]
-        newer = nodes[0].verifier.verify(report(signers[7], seq=2), now, remember=False)
-        for n in nodes:
-            for rec in [*old, newer]:
-                n.store.put(KEY, rec, now)
-        client = DHTNode(swarm_identity(99), network.endpoint(), TYPES, DHTConfig(client_mode=True))
-        await nursery.start(client.run)
-        await client.bootstrap([nodes[0].contact()])
+        old = [_checked(report(s, seq=1)) for s in signers]
+        newer = _checked(report(signers[7], seq=2))
+        client = await _homes_and_a_reader(nursery, [*old, newer])
         for rec in old:
-            assert client.store.put(KEY, rec, now)[0]
+            assert client.store.put(KEY, rec, wall_ms())[0]
         values: list[bytes] = []
         real_request = client.request
 
