@@ -34,6 +34,8 @@ MAX_PEER_ID_CHARS = 128  # an Ed25519 peer ID is 52 characters
 _PUB_PREFIX = bytes([0x08, 0x01, 0x12, 0x20])
 _PRIV_PREFIX = bytes([0x08, 0x01, 0x12, 0x40])
 _MH_IDENTITY = 0x00
+# what every Ed25519 peer ID's multihash starts with (its 32-byte key follows)
+ED25519_MULTIHASH_PREFIX = bytes([_MH_IDENTITY, len(_PUB_PREFIX) + 32]) + _PUB_PREFIX
 
 
 class IdentityError(MeshnetError):

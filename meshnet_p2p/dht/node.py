@@ -731,9 +731,10 @@ class DHTNode:
             return verified[w]
 
         async def page(c: Contact, after: bytes, upto: bytes | None):
-            """One page of ``c``'s records of ``key`` in (after, upto], but those held:
-            (records, more, the last signer it named, how many it left out as held,
-            the reply), or None if it did not answer."""
+            """One page of ``c``'s records of ``key`` in (after, upto], but those held,
+            each kept in ``found`` as it is checked: (how many it brought, more, the
+            last signer it named, how many it left out as held, the reply), or None if
+            it did not answer."""
             body = {"key": key, "after": after}
             if upto is not None:
                 body["upto"] = upto
@@ -742,7 +743,7 @@ class DHTNode:
             reply = await self.request(c, "find_value", body)
             if reply is None or reply.kind != "values" or not isinstance(reply.body.get("values"), list):
                 return None
-            records, last, more = [], None, bool(reply.body.get("more"))
+            brought, last, more = 0, None, bool(reply.body.get("more"))
             for w in reply.body["values"][:256]:
                 rec = check(w) if isinstance(w, bytes) else None
                 if rec is None or rec.content.get("key") != key:
@@ -751,7 +752,7 @@ class DHTNode:
                 if signer <= after or (upto is not None and signer > upto):
                     more = False  # out of the range asked: a home that does not page by range; the others cover it
                     continue
-                records.append(rec)
+                brought += 1
                 # kept at once, whether or not the lookup waits for this answer: what is named
                 # as held to the next homes must be in what this get returns
                 keep_newest(found, [rec])
@@ -759,16 +760,13 @@ class DHTNode:
                 last = signer if last is None or signer > last else last
             known = reply.body.get("known")
             known = min(known, 256) if isinstance(known, int) and not isinstance(known, bool) and known > 0 else 0
-            return records, more and last is not None, last, known, reply
+            return brought, more and last is not None, last, known, reply
 
-        async def rest(c: Contact, after: bytes, upto: bytes | None, pages: list[int], out: list[Record]) -> None:
+        async def rest(c: Contact, after: bytes, upto: bytes | None, pages: list[int]) -> None:
             while pages[0] > 0:
                 pages[0] -= 1
                 got = await page(c, after, upto)
-                if got is None:
-                    return
-                out.extend(got[0])
-                if not got[1]:
+                if got is None or not got[1]:
                     return
                 after = got[2]
 
@@ -776,15 +774,16 @@ class DHTNode:
             got = await page(c, b"", None)
             if got is None:
                 return None
-            records, more, last, known, reply = got
+            brought, more, last, known, reply = got
             contacts = self._contacts(reply.body.get("nodes"))
             if more:  # the rest at once, in ranges that each fit a page (paging.py)
                 pages = [self.config.max_pages - 1]
                 async with trio.open_nursery() as nursery:
-                    for after, upto in paging.split_rest(last, len(records) + known, pages[0]):
-                        nursery.start_soon(rest, c, after, upto, pages, records)
-            # the answer: does it hold the key (one that held only what this get had does)
-            return bool(records) or known > 0, contacts
+                    for after, upto in paging.split_rest(last, brought + known, pages[0]):
+                        nursery.start_soon(rest, c, after, upto, pages)
+            # the answer: does it hold the key (one that held only what this get had does;
+            # the first page tells: the rest is asked for only when it brought some)
+            return brought > 0 or known > 0, contacts
 
         def enough(responses: dict[int, bool]) -> bool:
             return sum(responses.values()) >= self.config.get_quorum

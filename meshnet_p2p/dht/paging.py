@@ -19,7 +19,8 @@ stay bounded by ``DHTConfig.max_pages``).
 
 from __future__ import annotations
 
-ED25519_PREFIX = bytes.fromhex("002408011220")  # identity multihash of a libp2p Ed25519 public key
+from meshnet_p2p.core.identity import ED25519_MULTIHASH_PREFIX as ED25519_PREFIX
+
 _POSITION_BYTES = 8  # a cursor: the prefix and this much of a key (bytes compare in order)
 FILL = 0.6  # a range is cut to hold this share of a first page, so a denser one still fits one page
 
