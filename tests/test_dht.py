@@ -402,6 +402,18 @@ async def test_a_home_leaves_out_of_its_answer_the_records_the_reader_holds(auto
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize("bad", [{"upto": "ab"}, {"upto": b"x" * 65}, {"have": b"x" * 7},
+                                 {"have": b"x" * 8 * 513}, {"have": [b"x" * 8]}])
+async def test_a_read_with_a_bad_range_or_bad_tags_is_dropped_and_its_sender_still_served(autojump_clock, bad):
+    async with trio.open_nursery() as nursery:
+        client = await _homes_and_a_reader(nursery, [_checked(report(swarm_identity(6500)))])
+        home = next(c for c in client.table.contacts())
+        assert await client.request(home, "find_value", {"key": KEY, "after": b"", **bad}) is None  # dropped
+        reply = await client.request(home, "find_value", {"key": KEY, "after": b""})
+        assert reply is not None and len(reply.body["values"]) == 1  # the next, well-formed read is answered
+        nursery.cancel_scope.cancel()
+
+
 async def test_forged_and_replayed_records_never_reach_a_lookup(autojump_clock):
     async with trio.open_nursery() as nursery:
         _, nodes = await start_swarm(nursery, 20, TYPES)
