@@ -74,6 +74,8 @@ def main() -> int:
                     help="every node gossips every topic (as before 2026-12-05), not only those it follows")
     ap.add_argument("--refresh-s", type=float, default=DHTConfig.refresh_interval,
                     help="how often a node refreshes its routing table with a random-ID lookup")
+    ap.add_argument("--refresh-paths", type=int, default=DHTConfig.refresh_paths,
+                    help="disjoint paths of the table's refresh lookup (3 before 2026-12-06)")
     ap.add_argument("--no-probe", action="store_true",
                     help="fresh clients plan blind, without probing their candidates' round trips (before 2026-12-05)")
     ap.add_argument("--json", action="store_true")
@@ -90,7 +92,8 @@ def main() -> int:
                     bad_relays=args.bad_relays, bad_relay_behaviour=args.bad_relay_behaviour, partition_regions=tuple(r for r in args.partition.split(",") if r),
                     partition_at_minutes=args.partition_at, partition_minutes=args.partition_minutes,
                     sybil_layers=tuple(int(x) for x in args.sybil_layers.split(":")),
-                    dht=DHTConfig(follow_all=args.follow_all, refresh_interval=args.refresh_s))
+                    dht=DHTConfig(follow_all=args.follow_all, refresh_interval=args.refresh_s,
+                                  refresh_paths=args.refresh_paths))
     doc = simulate(cfg)
     print_report(doc, args.json)
     if args.smoke and not (doc["model_lookups"] and doc["model_lookup_found_any"] == 1.0 and doc["surveys"]):

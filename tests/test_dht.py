@@ -949,3 +949,34 @@ async def test_a_node_cut_off_from_everyone_finds_the_swarm_again_through_its_se
         found = await nodes[1].get(KEY)
         assert [r.seq for r in found if r.signer == lonely.peer_id] == [9]
         nursery.cancel_scope.cancel()
+
+
+async def test_a_table_refresh_walks_one_path_and_still_meets_its_targets_neighbourhood(autojump_clock, monkeypatch):
+    """The periodic random-ID refresh was three disjoint paths (~70 requests a node a
+    minute, 40 % of a simulated swarm's requests, docs/scale.md): it stores and reads
+    nothing a group could hide, so one path does, and it still brings the refreshing
+    node the live nodes nearest its target, though its table had lost them."""
+    async with trio.open_nursery() as nursery:
+        _, nodes = await start_swarm(nursery, 90, TYPES, seeds=3)
+        node = nodes[40]
+        target = random.Random(7).getrandbits(256)
+        nearest = sorted((n for n in nodes if n is not node), key=lambda n: n.node_id ^ target)[:5]
+        for n in nearest:
+            node.table.evict(n.node_id)
+        asked: list[bytes] = []
+        ask = node.request
+
+        async def counting(contact, kind, body, **kw):
+            if kind == "find_node":
+                asked.append(body["target"])
+            return await ask(contact, kind, body, **kw)
+
+        node.request = counting
+        monkeypatch.setattr(random, "getrandbits", lambda bits: target)  # the refresh's target
+        now = trio.current_time()
+        await node._maintain({"refresh": now - node.config.refresh_interval, "republish": now, "secret": now})
+        monkeypatch.undo()
+        assert set(asked) == {target.to_bytes(32, "big")}
+        assert len(asked) <= 2 * node.config.k  # three paths ask ~3k here
+        assert all(node.table.get(n.node_id) is not None for n in nearest)
+        nursery.cancel_scope.cancel()
