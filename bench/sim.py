@@ -74,7 +74,7 @@ def main() -> int:
                     help="every node gossips every topic (as before 2026-12-05), not only those it follows")
     ap.add_argument("--refresh-s", type=float, default=DHTConfig.refresh_interval,
                     help="how often a node refreshes its routing table with a random-ID lookup")
-    ap.add_argument("--refresh-paths", type=int, choices=range(1, DHTConfig.lookup_paths + 1), metavar="1..3",
+    ap.add_argument("--refresh-paths", type=int, choices=range(1, DHTConfig.lookup_paths + 1), metavar=f"1..{DHTConfig.lookup_paths}",
                     default=DHTConfig.refresh_paths,
                     help="disjoint paths of the table's refresh lookup (3 before 2026-12-06)")
     ap.add_argument("--no-probe", action="store_true",

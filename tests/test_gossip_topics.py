@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import trio
 import trio.testing
 
-from meshnet_p2p.core.records import wall_ms
+from meshnet_p2p.core.records import RecordVerifier, wall_ms
 from meshnet_p2p.dht.node import PULL_HOMES, SIGNERS_SEEN_S, DHTConfig, DHTNode
 from meshnet_p2p.dht.routing import key_id
 from meshnet_p2p.swarm.capability import TYPES, model_key
@@ -211,10 +211,11 @@ async def test_a_re_announcement_stores_at_the_homes_it_found_without_a_lookup(a
         nursery.cancel_scope.cancel()
 
 
-# signed once, at collection: checked at the time they were signed, not at the test's (they
-# live 10 minutes, and CI's suite can reach this test later than that after collecting it)
+# signed and checked once, at collection, at the time they were signed: not at the test's
+# (they live 10 minutes, and CI's suite can reach this test later than that after collecting it)
 _HELD_AT = wall_ms()
-_HELD = [report(7000 + i, model) for i in range(6) for model in (MODEL, OTHER)]
+_HELD = [RecordVerifier(TYPES).verify(report(7000 + i, model), _HELD_AT, remember=False)
+         for i in range(6) for model in (MODEL, OTHER)]
 
 
 @given(raw=st.dictionaries(st.one_of(st.sampled_from([KEY, OTHER_KEY, "x"]), st.text(max_size=4), st.binary(max_size=4)),
@@ -224,13 +225,10 @@ _HELD = [report(7000 + i, model) for i in range(6) for model in (MODEL, OTHER)]
 def test_a_scoped_pull_gets_only_the_topics_it_names_newer_than_it_holds_within_the_budget(raw, budget):
     """A pull's digest is network input: whatever it holds, the answer is records of
     the topics it names (and parses), newer than it says it holds, within the budget."""
-    from meshnet_p2p.core.records import RecordVerifier
     from meshnet_p2p.dht.gossip import GossipState
 
-    verify = RecordVerifier(TYPES).verify
-    held = [verify(w, _HELD_AT, remember=False) for w in _HELD]
     have = GossipState.parse_digest(raw)
-    out = GossipState.missing_among(have, lambda t: [r for r in held if r.content["key"] == t], budget=budget)
+    out = GossipState.missing_among(have, lambda t: [r for r in _HELD if r.content["key"] == t], budget=budget)
     assert sum(len(r.wire) for r in out) <= budget
     for r in out:
         topic = r.content["key"]
