@@ -428,6 +428,36 @@ def test_a_read_gives_exactly_the_live_values_whatever_stores_caps_and_renewals_
             assert {r.signer.multihash for r in got} == {s for s, expires in held.items() if expires > now}
 
 
+_MODELS = ["a1" * 32, "b2" * 32]
+_MANY = [swarm_identity(720 + i) for i in range(8)]
+_BY = {(i, m, seq): verified(sample_report(_MANY[i], _MODELS[m], layers=(0, 10)).sign(
+    _MANY[i], seq=seq, now_ms=_T0, ttl_ms=60_000 * seq)) for i in range(8) for m in range(2) for seq in (1, 2)}
+
+
+@given(st.lists(st.tuples(st.integers(0, 7), st.integers(0, 1), st.integers(1, 2), st.sampled_from("xyz"),
+                          st.integers(0, 70_000)), max_size=60))
+def test_a_source_is_refused_under_a_key_exactly_when_it_holds_its_share_of_it(ops):
+    # the per-(key, source) count the bound reads is kept as values come and go (stored,
+    # replaced, expired, evicted for room): it must always equal what the store holds
+    store, now = ValueStore(max_values_per_source=2, max_values=6), _T0
+    for i, m, seq, source, dt in ops:
+        now += dt
+        store.expire(now)
+        key, rec = model_key(_MODELS[m]), _BY[(i, m, seq)]
+        held = {s: meta.source for (k, s), meta in store._meta.items() if k == key}
+        ok, reason = store.put(key, rec, now, source=source)
+        if rec.signer.multihash not in held and list(held.values()).count(source) >= 2:
+            assert (ok, reason) == (False, "this source already stored 2 values under this key")
+        elif reason.startswith("this source already stored"):
+            pytest.fail(f"refused with {list(held.values()).count(source)} of 2 held")
+        counts = {}
+        for (k, _), meta in store._meta.items():
+            counts[(k, meta.source)] = counts.get((k, meta.source), 0) + 1
+        assert store._in_key == counts
+    store.expire(now + 10 * 60_000)
+    assert not store._in_key
+
+
 @given(st.integers(0, 400), st.one_of(st.integers(0, 20_000), st.integers(-60, 60)))
 def test_a_one_topic_digest_is_the_longest_prefix_that_fits_its_budget(count, budget):
     """A pull's digest of one topic lists its signers in order, as many as fit
