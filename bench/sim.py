@@ -77,6 +77,9 @@ def main() -> int:
     ap.add_argument("--refresh-paths", type=int, choices=range(1, DHTConfig.lookup_paths + 1), metavar=f"1..{DHTConfig.lookup_paths}",
                     default=DHTConfig.refresh_paths,
                     help="disjoint paths of the table's refresh lookup (3 before 2026-12-06)")
+    ap.add_argument("--check-each", action="store_true",
+                    help="every node runs all of a record's checks itself, as a real node does (before 2026-12-06 "
+                         "the simulator always did; the verdicts are the same, only slower: meshnet_p2p/sim/shared.py)")
     ap.add_argument("--no-probe", action="store_true",
                     help="fresh clients plan blind, without probing their candidates' round trips (before 2026-12-05)")
     ap.add_argument("--json", action="store_true")
@@ -94,7 +97,7 @@ def main() -> int:
                     partition_at_minutes=args.partition_at, partition_minutes=args.partition_minutes,
                     sybil_layers=tuple(int(x) for x in args.sybil_layers.split(":")),
                     dht=DHTConfig(follow_all=args.follow_all, refresh_interval=args.refresh_s,
-                                  refresh_paths=args.refresh_paths))
+                                  refresh_paths=args.refresh_paths), share_checks=not args.check_each)
     doc = simulate(cfg)
     print_report(doc, args.json)
     if args.smoke and not (doc["model_lookups"] and doc["model_lookup_found_any"] == 1.0 and doc["surveys"]):

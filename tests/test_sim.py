@@ -8,13 +8,20 @@ import random
 
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import trio.testing
 
 from meshnet_p2p.core.identity import Identity, signed_by_peer
+from meshnet_p2p.core.records import RecordRejected, RecordVerifier, sign_record
+from meshnet_p2p.swarm.capability import CAPABILITY
+from meshnet_p2p.swarm.node import TYPES
+from meshnet_p2p.testing import sample_report
 from meshnet_p2p.dht import gossip
 from meshnet_p2p.dht.node import DHTConfig
 from meshnet_p2p.sim.churn import Churn
 from meshnet_p2p.sim.crypto import stand_in_signatures
+from meshnet_p2p.sim.shared import shared_record_checks
 from meshnet_p2p.sim.net import RTT_MS, NetModel, SimNetwork
 from meshnet_p2p.sim.swarm import SimConfig, simulate
 
@@ -109,6 +116,57 @@ def test_stand_in_signatures_verify_only_their_signer_and_bytes_and_go_away():
         assert not signed_by_peer(str(alice.peer_id), mallory.sign(b"data"), b"data")
     assert alice.peer_id.verify(real, b"data") and not alice.peer_id.verify(sig, b"data")
     assert signed_by_peer(str(alice.peer_id), real, b"data") and not signed_by_peer(str(alice.peer_id), sig, b"data")
+
+
+_T0 = 1_800_000_000_000
+_ALICE, _BOB = Identity.from_seed(b"\x03" * 32), Identity.from_seed(b"\x04" * 32)
+_REPORT = sample_report(_ALICE, "ab" * 32)
+
+
+def _corpus() -> list[bytes]:
+    """Records a node may be handed: good ones, and one for each way to fail."""
+    good = [_REPORT.sign(_ALICE, seq=seq, now_ms=_T0 + seq, ttl_ms=60_000) for seq in (1, 2)]
+    forged = bytearray(good[0])
+    forged[-1] ^= 1
+    return [*good,
+            _REPORT.sign(_ALICE, seq=3, now_ms=_T0 + 200_000, ttl_ms=60_000),  # from the future at first
+            bytes(forged),  # its signature altered
+            sample_report(_BOB, "ab" * 32).sign(_ALICE, seq=4, now_ms=_T0, ttl_ms=60_000),  # claims Bob
+            sign_record(_ALICE, "no-such-type", {"peer_id": str(_ALICE.peer_id)}, seq=5, now_ms=_T0, ttl_ms=60_000),
+            b"\x97junk"]
+
+
+def _outcome(verifier: RecordVerifier, wire: bytes, now: int, remember: bool):
+    try:
+        r = verifier.verify(wire, now, remember=remember)
+    except RecordRejected as e:
+        return "rejected", e.reason
+    return "ok", r.payload_type, dict(r.content), r.seq, r.issued_at_ms, r.expires_at_ms, r.signer, r.wire
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(0, 6), st.integers(0, 300_000), st.booleans()),
+                max_size=30))
+def test_a_record_checked_once_for_the_swarm_is_taken_or_refused_by_each_node_as_if_it_checked_alone(ops):
+    # three nodes (one knowing no capability reports), each with its own replay state,
+    # beside three twins that check everything themselves: every verdict the same
+    corpus, real = _corpus(), RecordVerifier.checked
+
+    class Alone(RecordVerifier):
+        checked = real  # the unshared check, whatever the class's is meanwhile
+
+    kinds = [TYPES, TYPES, {k: v for k, v in TYPES.items() if k != CAPABILITY}]
+    now = [_T0]
+    with shared_record_checks(lambda: now[0]) as passed:
+        shared, alone = [RecordVerifier(t) for t in kinds], [Alone(t) for t in kinds]
+        for node, i, dt, remember in ops:
+            now[0] = _T0 + dt
+            expect = _outcome(alone[node], corpus[i], now[0], remember)
+            assert _outcome(shared[node], corpus[i], now[0], remember) == expect
+        assert all(r.wire in corpus[:3] for r in passed.values())  # only records that passed are kept
+        a, b = (RecordVerifier(TYPES).verify(corpus[0], _T0 + 1) for _ in range(2))
+        assert a is b  # and every node is handed the one record
+    assert RecordVerifier.checked is real  # and it goes away
 
 
 SMALL = dict(peers=30, minutes=0.5, warmup_minutes=1.0, seed=3)

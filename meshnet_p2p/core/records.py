@@ -217,6 +217,13 @@ class RecordVerifier:
                unpacked: tuple[list, Any] | None = None) -> Record:
         """``unpacked``: what :func:`peek_unpacked` unpacked of ``wire`` (its
         fields and content), checked here as if unpacked here."""
+        return self._admit(self.checked(wire, unpacked), now_ms, remember)
+
+    def checked(self, wire: bytes, unpacked: tuple[list, Any] | None = None) -> Record:
+        """Every check of ``wire`` that holds or fails whatever the clock and the
+        sequence numbers seen (form, type, size, signature, encoding, content,
+        claimed peer): a pure function of ``wire`` and this verifier's types.
+        :meth:`verify` adds the checks of time and replay."""
         if len(wire) > MAX_RECORD_BYTES:
             raise RecordRejected(Reject.OVERSIZED, f"{len(wire)} bytes > {MAX_RECORD_BYTES}")
         if unpacked is not None:
@@ -272,6 +279,14 @@ class RecordVerifier:
                 raise RecordRejected(
                     Reject.SIGNER_MISMATCH, f"record claims peer {str(claimed)[:60]!r} but is signed by {signer}"
                 )
+        return Record(ptype, content, seq, issued, expires, signer, signature, wire)
+
+    def _admit(self, record: Record, now_ms: int, remember: bool) -> Record:
+        """The checks of a :meth:`checked` record against the clock and the sequence
+        numbers seen (noting its own if ``remember``)."""
+        ptype, seq, issued, expires, signer = record.payload_type, record.seq, record.issued_at_ms, \
+            record.expires_at_ms, record.signer
+        kind = self.types[ptype]
         if issued > now_ms + self.max_clock_skew_ms:
             raise RecordRejected(Reject.FROM_FUTURE, f"issued {issued - now_ms} ms in the future")
         if expires <= now_ms:
@@ -280,7 +295,8 @@ class RecordVerifier:
             raise RecordRejected(Reject.MALFORMED, "lifetime is negative or longer than allowed")
         if kind.max_lifetime_ms is not None and expires - issued > kind.max_lifetime_ms:
             raise RecordRejected(Reject.MALFORMED, f"a {ptype} lives at most {kind.max_lifetime_ms // 1000} s")
-        replay_key = (signer.multihash, ptype, content.get(kind.replay_key_field) if kind.replay_key_field else None)
+        replay_key = (signer.multihash, ptype,
+                      record.content.get(kind.replay_key_field) if kind.replay_key_field else None)
         try:
             hash(replay_key)
         except TypeError:
@@ -290,4 +306,4 @@ class RecordVerifier:
             raise RecordRejected(Reject.REPLAYED, f"sequence {seq} is not newer than {last} already seen")
         if remember:
             self.last_seq[replay_key] = seq
-        return Record(ptype, content, seq, issued, expires, signer, signature, wire)
+        return record

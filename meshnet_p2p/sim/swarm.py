@@ -48,6 +48,7 @@ from . import records
 from .churn import Churn
 from .clients import SETTLED_S, Clients, Measures, carried
 from .crypto import stand_in_signatures
+from .shared import shared_record_checks
 from .net import Host, NetModel, SimNetwork
 from .records import N_LAYER, SLICES
 from .report import report
@@ -103,6 +104,9 @@ class SimConfig:
     sybil_bits: int | None = None  # shared with the key; None: log2(peers) + 4 (closer than any honest node)
     slow_s: float = 3.0
     churn: Churn = field(default_factory=Churn)
+    # a record's checks that hang on its bytes alone run once for the swarm (shared.py);
+    # False: every node runs them itself, as a real node does (same verdicts, slower)
+    share_checks: bool = True
 
     @property
     def partitioned(self) -> bool:
@@ -619,7 +623,10 @@ def simulate(cfg: SimConfig) -> dict:
     gc.disable()
     try:
         with stand_in_signatures():
-            return trio.run(SimSwarm(cfg).run, clock=MockClock(autojump_threshold=0))
+            swarm = SimSwarm(cfg)
+            shared = shared_record_checks(swarm.now_ms) if cfg.share_checks else contextlib.nullcontext()
+            with shared:
+                return trio.run(swarm.run, clock=MockClock(autojump_threshold=0))
     finally:
         if collecting:
             gc.enable()
