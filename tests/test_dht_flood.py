@@ -446,7 +446,7 @@ def test_a_source_is_refused_under_a_key_exactly_when_it_holds_its_share_of_it(o
         key, rec = model_key(_MODELS[m]), _BY[(i, m, seq)]
         held = {s: meta.source for (k, s), meta in store._meta.items() if k == key}
         ok, reason = store.put(key, rec, now, source=source)
-        if rec.signer.multihash not in held and list(held.values()).count(source) >= 2:
+        if rec.expires_at_ms > now and rec.signer.multihash not in held and list(held.values()).count(source) >= 2:
             assert (ok, reason) == (False, "this source already stored 2 values under this key")
         elif reason.startswith("this source already stored"):
             pytest.fail(f"refused with {list(held.values()).count(source)} of 2 held")
