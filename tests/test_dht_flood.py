@@ -2,6 +2,7 @@
 process, and a DHT node filled from one host. Fake network, virtual time."""
 
 import os
+from collections import Counter
 
 import msgpack
 import pytest
@@ -450,10 +451,7 @@ def test_a_source_is_refused_under_a_key_exactly_when_it_holds_its_share_of_it(o
             assert (ok, reason) == (False, "this source already stored 2 values under this key")
         elif reason.startswith("this source already stored"):
             pytest.fail(f"refused with {list(held.values()).count(source)} of 2 held")
-        counts = {}
-        for (k, _), meta in store._meta.items():
-            counts[(k, meta.source)] = counts.get((k, meta.source), 0) + 1
-        assert store._in_key == counts
+        assert store._in_key == Counter((k, meta.source) for (k, _), meta in store._meta.items())
     store.expire(now + 10 * 60_000)
     assert not store._in_key
 

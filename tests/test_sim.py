@@ -8,9 +8,9 @@ import random
 
 import pytest
 import trio
+import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import trio.testing
 
 from meshnet_p2p.core.identity import Identity, signed_by_peer
 from meshnet_p2p.core.records import RecordRejected, RecordVerifier, sign_record
@@ -136,6 +136,13 @@ def _corpus() -> list[bytes]:
             b"\x97junk"]
 
 
+_CORPUS = _corpus()
+
+
+class _Alone(RecordVerifier):
+    checked = RecordVerifier.checked  # the unshared check (bound at import), whatever the base class's is later
+
+
 def _outcome(verifier: RecordVerifier, wire: bytes, now: int, remember: bool):
     try:
         r = verifier.verify(wire, now, remember=remember)
@@ -150,15 +157,11 @@ def _outcome(verifier: RecordVerifier, wire: bytes, now: int, remember: bool):
 def test_a_record_checked_once_for_the_swarm_is_taken_or_refused_by_each_node_as_if_it_checked_alone(ops):
     # three nodes (one knowing no capability reports), each with its own replay state,
     # beside three twins that check everything themselves: every verdict the same
-    corpus, real = _corpus(), RecordVerifier.checked
-
-    class Alone(RecordVerifier):
-        checked = real  # the unshared check, whatever the class's is meanwhile
-
+    corpus, real = _CORPUS, RecordVerifier.checked
     kinds = [TYPES, TYPES, {k: v for k, v in TYPES.items() if k != CAPABILITY}]
     now = [_T0]
     with shared_record_checks(lambda: now[0]) as passed:
-        shared, alone = [RecordVerifier(t) for t in kinds], [Alone(t) for t in kinds]
+        shared, alone = [RecordVerifier(t) for t in kinds], [_Alone(t) for t in kinds]
         for node, i, dt, remember in ops:
             now[0] = _T0 + dt
             expect = _outcome(alone[node], corpus[i], now[0], remember)

@@ -34,10 +34,11 @@ def shared_record_checks(now_ms: Callable[[], int]) -> Iterator[dict]:
     ({(types id, wire): record}) for tests to look at."""
     passed: dict[tuple[int, bytes], Record] = {}
     types_seen: dict[int, Any] = {}  # kept alive: an id is only unique while its object lives
-    sweep_at = [_MIN_SWEEP]
+    sweep_at = _MIN_SWEEP
     real_checked = RecordVerifier.checked
 
     def checked(self: RecordVerifier, wire: bytes, unpacked: tuple[list, Any] | None = None) -> Record:
+        nonlocal sweep_at
         key = (id(self.types), bytes(wire))
         record = passed.get(key)
         if record is not None:
@@ -45,11 +46,11 @@ def shared_record_checks(now_ms: Callable[[], int]) -> Iterator[dict]:
         record = real_checked(self, wire, unpacked)  # raises for a record that fails: nothing kept
         types_seen.setdefault(id(self.types), self.types)
         passed[key] = record
-        if len(passed) >= sweep_at[0]:
+        if len(passed) >= sweep_at:
             now = now_ms()
             for k in [k for k, r in passed.items() if r.expires_at_ms <= now]:
                 del passed[k]
-            sweep_at[0] = max(_MIN_SWEEP, 2 * len(passed))
+            sweep_at = max(_MIN_SWEEP, 2 * len(passed))
         return record
 
     RecordVerifier.checked = checked
