@@ -980,3 +980,47 @@ async def test_a_table_refresh_walks_one_path_and_still_meets_its_targets_neighb
         assert len(asked) <= 2 * node.config.k  # three paths ask ~3k here
         assert all(node.table.get(n.node_id) is not None for n in nearest)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_node_counts_the_bytes_it_sends_by_the_kind_of_request_they_ask_or_answer(autojump_clock,
+                                                                                            monkeypatch):
+    """Which kind of traffic costs a node its bytes (the simulator's bytes a node, by
+    kind: docs/scale.md): each datagram it sends is counted under the request kind it
+    asks (``bytes_sent_<kind>``) or answers (``bytes_answered_<kind>``), to the byte."""
+    from meshnet_p2p.testing import FakeTransport
+
+    sent: list[tuple[tuple, bytes]] = []
+    real_send = FakeTransport.send
+
+    async def recording(self, data, addr):
+        sent.append((self.local_addr, bytes(data)))
+        await real_send(self, data, addr)
+
+    monkeypatch.setattr(FakeTransport, "send", recording)
+    async with trio.open_nursery() as nursery:
+        net, nodes = await start_swarm(nursery, 30, TYPES, seeds=2)
+        for n in nodes:
+            n.follow(KEY)
+        await nodes[3].publish(KEY, report(nodes[3].identity))
+        assert await nodes[7].get(KEY)
+        with trio.fail_after(120):  # and the periodic pulls run a while
+            while sum(n.stats["sent_gossip_pull"] for n in nodes) < 2 * len(nodes):
+                await trio.sleep(1.0)
+        await trio.testing.wait_all_tasks_blocked()
+        asked = {}  # rpc id -> the request kind
+        for _, data in sent:
+            _, kind, rpc_id, *_ = msgpack.unpackb(data)
+            if kind in wire.REQUESTS:
+                asked[rpc_id] = kind
+        expect = {n.addr: {} for n in nodes}
+        for src, data in sent:
+            _, kind, rpc_id, *_ = msgpack.unpackb(data)
+            key = "bytes_sent_" + kind if kind in wire.REQUESTS else "bytes_answered_" + asked[rpc_id]
+            expect[src][key] = expect[src].get(key, 0) + len(data)
+        kinds = {k for e in expect.values() for k in e}
+        assert {"bytes_sent_gossip_pull", "bytes_answered_gossip_pull", "bytes_sent_find_value",
+                "bytes_answered_store", "bytes_sent_gossip_push"} <= kinds
+        for n in nodes:
+            got = {k: v for k, v in n.stats.items() if k.startswith(("bytes_sent_", "bytes_answered_"))}
+            assert got == expect[n.addr]
+        nursery.cancel_scope.cancel()

@@ -320,19 +320,24 @@ def test_the_simulation_runs_the_production_gossip(small, monkeypatch):
 
 def test_requests_are_counted_from_when_measuring_began():
     """A node online when measuring began counts only what it sent since, for every
-    kind (an early version subtracted its start for one kind only)."""
+    kind (an early version subtracted its start for one kind only), requests and
+    their bytes, asked and answered."""
     from collections import Counter
     from types import SimpleNamespace
 
     from meshnet_p2p.sim.swarm import SimSwarm
 
     sim = SimSwarm(SimConfig(peers=2))
-    node = SimpleNamespace(stats=Counter(sent_ping=5, sent_store=2, timeouts=1))
+    node = SimpleNamespace(stats=Counter(sent_ping=5, sent_store=2, timeouts=1, bytes_sent_ping=500,
+                                         bytes_answered_gossip_pull=3000))
     sim._kinds_at_start[id(node)] = dict(node.stats)
-    node.stats.update(sent_ping=2, sent_store=1, sent_gossip_pull=4)
+    node.stats.update(sent_ping=2, sent_store=1, sent_gossip_pull=4, bytes_sent_ping=200, bytes_sent_store=700,
+                      bytes_answered_gossip_pull=1000, bytes_answered_ping=150)
     sim.measuring = True
     sim._count(node)
     assert sim.kinds == Counter(ping=2, store=1, gossip_pull=4)
+    assert sim.kind_bytes == Counter({("ping", "asks"): 200, ("store", "asks"): 700,
+                                      ("gossip_pull", "answers"): 1000, ("ping", "answers"): 150})
 
 
 def test_liars_squatting_a_slice_cannot_empty_it_under_auto_placement():

@@ -297,6 +297,7 @@ class DHTNode:
             if data is None:
                 return None  # (counted) as if unanswered: nothing of ours goes out malformed
             self.stats["sent_" + kind] += 1
+            self.stats["bytes_sent_" + kind] += len(data)
             await self.transport.send(data, addr)
             with trio.move_on_after(self.config.request_timeout if timeout is None else timeout):
                 return await recv.receive()
@@ -421,6 +422,7 @@ class DHTNode:
             reply = self._encode("cookie", msg.rpc_id, {"cookie": self._cookie(addr)}, msg.sender)
             if reply is None:
                 return
+        self.stats["bytes_answered_" + msg.kind] += len(reply)  # by what it answers: what the traffic is for
         await self.transport.send(reply, addr)
 
     # --- who may enter the table, and who has proved it receives ---------------------------

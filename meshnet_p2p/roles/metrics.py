@@ -194,6 +194,12 @@ class DhtCollector(Collector):
                         {k: st.get("sent_" + k, 0) for k in kinds}, kinds)
         yield _labelled("meshnet_dht_requests_received_total", "requests received, by kind", "kind",
                         {k: st.get("received_" + k, 0) for k in kinds}, kinds)
+        b = CounterMetricFamily("meshnet_dht_sent_bytes_total", "datagram bytes sent, by the request kind "
+                                "they ask or answer", labels=["kind", "part"])
+        for kind in kinds:
+            b.add_metric([kind, "request"], st.get("bytes_sent_" + kind, 0))
+            b.add_metric([kind, "answer"], st.get("bytes_answered_" + kind, 0))
+        yield b
         yield _counter("meshnet_dht_request_timeouts_total", "requests sent that got no answer in time",
                        st.get("timeouts", 0))
         f = HistogramMetricFamily("meshnet_dht_lookup_seconds", "iterative lookups and how long they took, "

@@ -106,6 +106,9 @@ def report(sim: "SimSwarm", span: float, sent: int, sent_bytes: int, online: flo
         "messages_per_node_s": _r3(sent / span / max(1.0, online)),
         "bytes_per_node_s": round(sent_bytes / span / max(1.0, online)),
         "requests_per_node_s": {k: _r3(v / span / max(1.0, online)) for k, v in sim.kinds.most_common(8)},
+        # the bytes a second a node sends, by the request kind they ask or answer
+        "bytes_per_node_s_by_kind": {f"{k} {part}": round(v / span / max(1.0, online))
+                                     for (k, part), v in sim.kind_bytes.most_common(10)},
         "lost_datagrams": sim.net.lost,
         "rss_per_peer_kb": round(rss_bytes / 1024 / max(1, peak), 1),
         # gossiped records a peer's node holds (bootstrap peers, which follow every topic, aside)

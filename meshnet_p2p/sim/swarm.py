@@ -162,6 +162,7 @@ class SimSwarm:
         self.certifier: Identity | None = None  # the first bootstrap peer's operator
         self.trust = TrustPolicy()
         self.kinds: Counter[str] = Counter()  # requests sent while measuring, by kind
+        self.kind_bytes: Counter[tuple[str, str]] = Counter()  # their bytes: (kind, "asks" or "answers")
         self._kinds_at_start: dict[int, dict] = {}  # node -> its counts when measuring began
 
     def now_ms(self) -> int:
@@ -293,6 +294,10 @@ class SimSwarm:
             for k, v in node.stats.items():
                 if k.startswith("sent_"):
                     self.kinds[k[5:]] += v - start.get(k, 0)
+                elif k.startswith("bytes_sent_"):
+                    self.kind_bytes[k[11:], "asks"] += v - start.get(k, 0)
+                elif k.startswith("bytes_answered_"):
+                    self.kind_bytes[k[15:], "answers"] += v - start.get(k, 0)
 
     async def _dial_back(self, dialer: Host, peer_id: PeerId, addr_text: str) -> tuple[bool, str]:
         """A dialer's TCP connect and TLS handshake to ``addr_text`` (reachability.tls_dial_check's
