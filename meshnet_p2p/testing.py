@@ -9,7 +9,7 @@ but nothing goes in or out, so every request to them times out.
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Callable, Mapping
 
 import trio
 
@@ -75,12 +75,15 @@ async def start_swarm(
     *,
     config: DHTConfig | None = None,
     seeds: int = 1,
+    now_ms: Callable[[], int] | None = None,
 ) -> tuple[FakeNetwork, list[DHTNode]]:
-    """``n`` nodes on a fake network, each bootstrapped from the first ``seeds`` nodes."""
+    """``n`` nodes on a fake network, each bootstrapped from the first ``seeds`` nodes
+    (``now_ms``: the nodes' clock of record times, by default the wall's)."""
     network = FakeNetwork()
     nodes: list[DHTNode] = []
+    clock = {} if now_ms is None else {"now_ms": now_ms}
     for i in range(n):
-        node = DHTNode(swarm_identity(i + 1), network.endpoint(), types, config or DHTConfig())
+        node = DHTNode(swarm_identity(i + 1), network.endpoint(), types, config or DHTConfig(), **clock)
         await nursery.start(node.run)
         nodes.append(node)
     boot = [nodes[i].contact() for i in range(min(seeds, n))]

@@ -104,11 +104,11 @@ def test_digest_pages_fit_a_datagram_and_every_topic_comes_round():
     peer.topics = {t: dict(state.topics[t]) for t in topics}
     have, after, upto = state.digest()
     assert after is None and upto is not None
-    assert peer.missing_from(have, budget=1 << 30, after=after, upto=upto) == []
+    assert peer.missing_from(have, budget=1 << 30, now_ms=now, after=after, upto=upto) == []
     extra = Record("t", {"key": topics[0]}, 8, now, now + 60_000, idents[7].peer_id, b"", b"new")
     peer.topics[topics[0]][idents[7].peer_id.multihash] = extra
     peer.topics[topics[-1]][idents[7].peer_id.multihash] = extra  # (beyond this page: not sent now)
-    assert peer.missing_from(have, budget=1 << 30, after=after, upto=upto) == [extra]
+    assert peer.missing_from(have, budget=1 << 30, now_ms=now, after=after, upto=upto) == [extra]
 
 
 async def test_a_datagram_too_big_to_send_is_a_counted_drop_not_the_end_of_the_node(autojump_clock):

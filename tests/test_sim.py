@@ -17,7 +17,7 @@ from meshnet_p2p.core.records import RecordRejected, RecordVerifier, sign_record
 from meshnet_p2p.swarm.capability import CAPABILITY
 from meshnet_p2p.swarm.node import TYPES
 from meshnet_p2p.testing import sample_report
-from meshnet_p2p.dht import gossip
+from meshnet_p2p.dht import refresh
 from meshnet_p2p.dht.node import DHTConfig
 from meshnet_p2p.sim.churn import Churn
 from meshnet_p2p.sim.crypto import stand_in_signatures
@@ -310,10 +310,10 @@ def test_ground_identities_share_the_key_s_top_bits():
 
 def test_the_simulation_runs_the_production_gossip(small, monkeypatch):
     """A change in a protocol core changes what the simulation measures: with
-    gossip.py pushing every re-announcement again (what it did before the
+    gossip.py (by refresh.py) pushing every re-announcement again (what it did before the
     simulator's first finding, docs/scale.md), each node pushes several times as much."""
     ours = small["requests_per_node_s"].get("gossip_push", 0.0)
-    monkeypatch.setattr(gossip, "_same_but", lambda a, b, volatile: False)
+    monkeypatch.setattr(refresh, "_same_but", lambda a, b, volatile: False)
     before = simulate(SimConfig(**SMALL, **WITH))["requests_per_node_s"]["gossip_push"]
     assert before > 2 * ours, (before, ours)
 

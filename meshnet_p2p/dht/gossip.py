@@ -18,6 +18,10 @@ bytes (``digest``), covering a range of topic names; successive pulls rotate
 through the pages, and the answerer sends only what is missing within the
 page's range (``missing_from``).
 
+A pull's answer leaves out a refresh while the asker's copy stands for it
+(refresh.py: a follower needs a co-volunteer's re-announcement only to keep its
+copy alive).
+
 A node may follow only some topics (``DHTNode.follows``: a volunteer, its own
 model's): its pull then names each topic it asks about, held records or none
 (``digest_of``), and the answer holds only those topics (``missing_among``,
@@ -32,6 +36,7 @@ from typing import Any, Callable, Iterable
 
 from meshnet_p2p.core.ratelimit import TokenBucket
 from meshnet_p2p.core.records import Record
+from meshnet_p2p.dht import refresh
 
 
 # A pull's digest must fit one datagram (wire.MAX_DATAGRAM, 60,000 bytes) with its
@@ -41,14 +46,6 @@ DIGEST_BUDGET_BYTES = 24_000
 MAX_TOPIC_CHARS = 512  # as a DHT key
 _TOPIC_OVERHEAD = 8  # msgpack: a str header (<= 3 bytes) and the topic's map header (<= 5)
 _ENTRY_OVERHEAD = 14  # a bin header (<= 5 bytes) and a seq (<= 9)
-
-
-def _same_but(a: Any, b: Any, volatile: frozenset[str]) -> bool:
-    """Whether two records' contents are equal but for the ``volatile`` fields."""
-    if not isinstance(a, dict) or not isinstance(b, dict):
-        return a == b
-    keys = (a.keys() | b.keys()) - volatile
-    return all(a.get(k) == b.get(k) for k in keys) and all((k in a) == (k in b) for k in keys)
 
 
 @dataclass
@@ -68,6 +65,7 @@ class GossipState:
     _digest_after: str | None = None  # where the next digest page starts
     _short: dict[str, int] = field(default_factory=dict)  # short-lived topic -> its records
     _short_count: int = 0
+    _since: dict[str, dict[bytes, int]] = field(default_factory=dict)  # topic -> signer -> refresh.since_after
 
     def offer(self, topic: str, record: Record, now_ms: int, *, short: bool = False,
               volatile: frozenset[str] = frozenset()) -> str:
@@ -110,9 +108,18 @@ class GossipState:
                 self._short[topic] = self._short.get(topic, 0) + 1
                 self._short_count += 1
         held[signer] = record
-        if known is not None and _same_but(known.content, record.content, volatile):
+        since = self._since.setdefault(topic, {})
+        since[signer] = refresh.since_after(known, since.get(signer), record, volatile)
+        if known is not None and refresh.same_but_load(known, record, volatile):
             return "refresh"
         return "new"
+
+    def since_of(self, topic: str, record: Record) -> int | None:
+        """``record``'s ``since`` (refresh.py) if its seq is the one held here, else None."""
+        held = self.topics.get(topic, {}).get(record.signer.multihash)
+        if held is None or held.seq != record.seq:
+            return None
+        return self._since.get(topic, {}).get(record.signer.multihash)
 
     def _prune_buckets(self, now_ms: int) -> None:
         """Forget signers whose bucket has refilled: a fresh bucket is the same."""
@@ -186,32 +193,35 @@ class GossipState:
 
     @staticmethod
     def missing_among(have: dict[str, dict[bytes, int]], records_of: Callable[[str], Iterable[Record]], *,
-                      budget: int) -> list[Record]:
+                      budget: int, stands: Callable[[str, Record, int], bool] | None = None) -> list[Record]:
         """Records newer than a peer's digest says it holds, of the topics its
         digest names and no other (``records_of(topic)``: what the answerer holds
-        of it, one record a signer), up to ``budget`` bytes."""
+        of it, one record a signer), but those its copy stands for (``stands(topic,
+        record, its seq)``: refresh.py), up to ``budget`` bytes."""
         out, used = [], 0
         for topic in sorted(have):
             theirs = have[topic]
             for rec in records_of(topic):
-                if theirs.get(rec.signer.multihash, -1) < rec.seq:
+                seq = theirs.get(rec.signer.multihash, -1)
+                if seq < rec.seq and (seq < 0 or stands is None or not stands(topic, rec, seq)):
                     if used + len(rec.wire) > budget:
                         return out
                     out.append(rec)
                     used += len(rec.wire)
         return out
 
-    def missing_from(self, have: dict[str, dict[bytes, int]], *, budget: int, after: str | None = None,
-                     upto: str | None = None) -> list[Record]:
+    def missing_from(self, have: dict[str, dict[bytes, int]], *, budget: int, now_ms: int,
+                     after: str | None = None, upto: str | None = None) -> list[Record]:
         """Records newer than what a peer's digest says it holds, among the topics
-        in its range (after, upto], up to ``budget`` bytes."""
+        in its range (after, upto], but those its copy stands for, up to ``budget`` bytes."""
         out, used = [], 0
         for topic, records in self.topics.items():
             if (after is not None and topic <= after) or (upto is not None and topic > upto):
                 continue
-            theirs = have.get(topic, {})
+            theirs, since = have.get(topic, {}), self._since.get(topic, {})
             for signer, rec in records.items():
-                if theirs.get(signer, -1) < rec.seq:
+                seq = theirs.get(signer, -1)
+                if seq < rec.seq and (seq < 0 or not refresh.stands(since.get(signer), rec, seq, now_ms)):
                     if used + len(rec.wire) > budget:
                         return out
                     out.append(rec)
@@ -237,6 +247,7 @@ class GossipState:
     def drop(self, topic: str) -> None:
         """Forget a topic (no longer followed)."""
         records = self.topics.pop(topic, {})
+        self._since.pop(topic, None)
         self._count -= len(records)
         if topic in self._short:
             self._short_count -= self._short.pop(topic)
@@ -245,8 +256,10 @@ class GossipState:
         for topic in list(self.topics):
             records = self.topics[topic]
             gone = [s for s, r in records.items() if r.expires_at_ms <= now_ms]
+            since = self._since.get(topic, {})
             for signer in gone:
                 del records[signer]
+                since.pop(signer, None)
                 self._count -= 1
             if gone and topic in self._short:
                 self._short[topic] -= len(gone)
@@ -255,4 +268,5 @@ class GossipState:
                     del self._short[topic]
             if not records:
                 del self.topics[topic]
+                self._since.pop(topic, None)
         self._prune_buckets(now_ms)

@@ -35,7 +35,7 @@ from meshnet_p2p.core.guard import Guard
 from meshnet_p2p.core.identity import Identity, PeerId
 from meshnet_p2p.core.records import MAX_RECORD_BYTES, PayloadType, Record, RecordRejected, RecordVerifier, keep_newest, peek, peek_unpacked, wall_ms
 from meshnet_p2p.core.stats import LOOKUP_SECONDS, Histogram
-from . import paging, wire
+from . import paging, refresh, wire
 from .gossip import GossipState
 from .topics import Follows
 from .lookup import iterative_lookup
@@ -548,10 +548,12 @@ class DHTNode:
             if body.get("only") is True:  # the asker follows these topics, and only these
                 for topic in have:
                     self._heard_follower(topic, msg.sender)
-                missing = self.gossip.missing_among(have, self._topic_records, budget=REPLY_BUDGET_BYTES)
+                missing = self.gossip.missing_among(have, self._topic_records, budget=REPLY_BUDGET_BYTES,
+                                                    stands=self._copy_stands)
             else:
                 after, upto = self.gossip.parse_bound(body.get("after")), self.gossip.parse_bound(body.get("upto"))
-                missing = self.gossip.missing_from(have, budget=REPLY_BUDGET_BYTES, after=after, upto=upto)
+                missing = self.gossip.missing_from(have, budget=REPLY_BUDGET_BYTES, now_ms=self.now_ms(),
+                                                   after=after, upto=upto)
             return "gossip_records", {"records": [r.wire for r in missing]}
         raise wire.BadDatagram(f"no handler for {msg.kind}")
 
@@ -573,7 +575,7 @@ class DHTNode:
         cap = self.lifetime_cap(key, self._holds) if self.lifetime_cap is not None and not own else None
         news = self.store.expires_at(key, record.signer.multihash) is None  # a signer new here
         ok, reason = self.store.put(key, record, self.now_ms(), source=source, own=own, live=self._known_live,
-                                    lifetime_cap_ms=cap)
+                                    lifetime_cap_ms=cap, volatile=self._volatile(record))
         if ok and reason != "unchanged":
             if self.follows(key):
                 self._gossip_in(wire_record, from_peer=None, record=record)
@@ -587,6 +589,19 @@ class DHTNode:
         if not stored:  # most nodes are not among a topic's homes: nothing to merge
             return self.gossip.records(topic)
         return list(keep_newest(stored, self.gossip.records(topic)).values())
+
+    def _volatile(self, record: Record) -> frozenset[str]:
+        """Its payload type's load fields: what a refresh of it may change."""
+        kind = self.verifier.types.get(record.payload_type)
+        return kind.volatile_fields if kind is not None else frozenset()
+
+    def _copy_stands(self, topic: str, record: Record, theirs: int) -> bool:
+        """Whether a puller's copy at seq ``theirs`` stands for ``record`` (refresh.py),
+        by what gossip or the store here knows of its signer's records."""
+        since = self.gossip.since_of(topic, record)
+        if since is None:
+            since = self.store.since_of(topic, record)
+        return refresh.stands(since, record, theirs, self.now_ms())
 
     def _holds(self, key: str) -> bool:
         """Does this node hold a live value under ``key``, stored or gossiped, signed
@@ -685,7 +700,8 @@ class DHTNode:
         Raises :class:`RecordRejected` or :class:`DHTError` if this node itself
         would not accept it."""
         record = self.verifier.verify(record_wire, self.now_ms(), remember=False)
-        ok, reason = self.store.put(key, record, self.now_ms(), own=True)  # others' records never crowd ours out
+        ok, reason = self.store.put(key, record, self.now_ms(), own=True,  # others' records never crowd ours out
+                                    volatile=self._volatile(record))
         self.follow(key)
         if not ok:
             raise DHTError(f"cannot store under {key!r}: {reason}")
@@ -908,9 +924,7 @@ class DHTNode:
         # a topic the role's policy keeps short (e.g. evidence for a model nobody announces) gets a bounded share
         short = (topic not in self.gossip.topics and self.lifetime_cap is not None
                  and record.signer != self.peer_id and self.lifetime_cap(topic, self._holds) is not None)
-        kind = self.verifier.types.get(record.payload_type)
-        verdict = self.gossip.offer(topic, record, self.now_ms(), short=short,
-                                    volatile=kind.volatile_fields if kind is not None else frozenset())
+        verdict = self.gossip.offer(topic, record, self.now_ms(), short=short, volatile=self._volatile(record))
         if verdict not in ("new", "refresh"):
             if verdict == "rate-limited":
                 self.stats["gossip_rate_limited"] += 1

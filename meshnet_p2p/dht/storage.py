@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Collection
 
 from meshnet_p2p.core.records import Record
+from meshnet_p2p.dht.refresh import since_after
 
 TAG_BYTES = 8  # of a record's signature: which version of which signer's record it is
 MAX_KNOWN_TAGS = 512  # tags a reader names as already held, in one find_value (4 KB)
@@ -57,6 +58,7 @@ class _Meta:
     source: Any  # the source network that stored it; None: this node
     expires_at_ms: int  # the record's own expiry, or sooner (a lifetime cap)
     short: bool  # its life was capped: it goes first when room is needed
+    since: int  # refresh.since_after: from which seq a copy of its signer's stands for it
 
 
 @dataclass
@@ -92,11 +94,13 @@ class ValueStore:
     _soonest: dict[str, int] = field(default_factory=dict)
 
     def put(self, key: str, record: Record, now_ms: int, *, source: Any = None, own: bool = False,
-            live: Callable[[Record], bool] | None = None, lifetime_cap_ms: int | None = None) -> tuple[bool, str]:
+            live: Callable[[Record], bool] | None = None, lifetime_cap_ms: int | None = None,
+            volatile: frozenset[str] = frozenset()) -> tuple[bool, str]:
         """``source``: the network a store came from (None: this node). ``own``: a
         record this node signed, which others' records never crowd out. ``live``:
         whether a record's signer is known live here (see the module's doc).
-        ``lifetime_cap_ms``: the longest this value may live here from now on."""
+        ``lifetime_cap_ms``: the longest this value may live here from now on.
+        ``volatile``: its payload type's load fields (a refresh changes only those)."""
         if record.content.get("key") != key:
             return False, "the record's signed key does not match the key it is stored under"
         if record.expires_at_ms <= now_ms:
@@ -115,6 +119,7 @@ class ValueStore:
             values[signer] = record
             meta = self._meta[(key, signer)]
             meta.expires_at_ms, meta.short = expires, short  # a re-store renews (by today's policy)
+            meta.since = since_after(old, meta.since, record, volatile)
             self._soonest[key] = min(self._soonest.get(key, expires), expires)  # a cap may shorten it
             self._add_bytes(meta.source, len(record.wire) - len(old.wire))
             return True, "replaced" if old.seq < record.seq else "unchanged"
@@ -143,7 +148,7 @@ class ValueStore:
             self._drop(*victim)
         self._by_key.setdefault(key, values)[signer] = record
         self._keys_of_signer.setdefault(signer, set()).add(key)
-        self._meta[(key, signer)] = _Meta(source, expires, short)
+        self._meta[(key, signer)] = _Meta(source, expires, short, since_after(None, None, record, volatile))
         self._soonest[key] = min(self._soonest.get(key, expires), expires)
         if source is not None:
             self._of_source.setdefault(source, {})[(key, signer)] = None
@@ -242,6 +247,12 @@ class ValueStore:
         """Is any live value held under ``key``?"""
         values = self._by_key.get(key, {})
         return any(self._meta[(key, s)].expires_at_ms > now_ms for s in values)
+
+    def since_of(self, key: str, record: Record) -> int | None:
+        """``record``'s ``since`` (refresh.py) if its seq is the one stored here, else None."""
+        signer = record.signer.multihash
+        held = self._by_key.get(key, {}).get(signer)
+        return self._meta[(key, signer)].since if held is not None and held.seq == record.seq else None
 
     def expires_at(self, key: str, signer: bytes) -> int | None:
         meta = self._meta.get((key, signer))
