@@ -95,7 +95,7 @@ def test_digest_pages_fit_a_datagram_and_every_topic_comes_round():
                                to=idents[1].peer_id)) < wire.MAX_DATAGRAM
         for t in have:
             assert (after is None or t > after) and (upto is None or t <= upto)
-            assert have[t] == {s: 7 for s in state.topics[t]}  # whole topics: nothing re-sent needlessly
+            assert have[t] == {s[-8:]: 7 for s in state.topics[t]}  # whole topics: nothing re-sent needlessly
         covered |= set(have)
         wrapped = upto is None
     assert covered == set(topics) and pages > 2
@@ -461,7 +461,7 @@ def test_a_one_topic_digest_is_the_longest_prefix_that_fits_its_budget(count, bu
     """A pull's digest of one topic lists its signers in order, as many as fit
     ``budget`` by its count of bytes (all of them when they fit: then in one pass),
     and packs within it."""
-    from meshnet_p2p.dht.gossip import _ENTRY_OVERHEAD, _TOPIC_OVERHEAD
+    from meshnet_p2p.dht.gossip import _ENTRY_OVERHEAD, _TOPIC_OVERHEAD, SIGNER_TAG_BYTES
 
     state = GossipState()
     now = wall_ms()
@@ -471,14 +471,15 @@ def test_a_one_topic_digest_is_the_longest_prefix_that_fits_its_budget(count, bu
         signer = bytes([0, 36]) + i.to_bytes(36, "big")
         held[signer] = Record("t", {"key": topic}, i, now, now + 60_000, None, b"", b"w")
     if -60 <= budget <= 60:  # near the edge where the whole topic just fits, or just does not
-        budget += 8 + len(topic) + _TOPIC_OVERHEAD + count * (38 + _ENTRY_OVERHEAD)
+        budget += 8 + len(topic) + _TOPIC_OVERHEAD + count * (SIGNER_TAG_BYTES + _ENTRY_OVERHEAD)
     got = state.digest_of(topic, budget=budget)[topic]
     used, fits = 8 + len(topic) + _TOPIC_OVERHEAD, 0  # the count, entry by entry
     for signer in held:
-        used += len(signer) + _ENTRY_OVERHEAD
+        used += SIGNER_TAG_BYTES + _ENTRY_OVERHEAD  # each named by its tag
         if used > budget:
             break
         fits += 1
-    assert list(got) == list(held)[:fits] and all(got[s] == held[s].seq for s in got)
+    assert list(got) == [s[-SIGNER_TAG_BYTES:] for s in list(held)[:fits]]
+    assert all(got[s[-SIGNER_TAG_BYTES:]] == held[s].seq for s in list(held)[:fits])
     if got:
         assert len(msgpack.packb({topic: got}, use_bin_type=True)) <= budget

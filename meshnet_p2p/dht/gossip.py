@@ -46,6 +46,12 @@ DIGEST_BUDGET_BYTES = 24_000
 MAX_TOPIC_CHARS = 512  # as a DHT key
 _TOPIC_OVERHEAD = 8  # msgpack: a str header (<= 3 bytes) and the topic's map header (<= 5)
 _ENTRY_OVERHEAD = 14  # a bin header (<= 5 bytes) and a seq (<= 9)
+# A digest names a signer by the last bytes of its peer ID (a public key's, or a hash's):
+# the whole ID was 38 bytes of an entry's ~50, and digests were the largest part of a
+# node's bytes once refreshes were cut (docs/scale.md). Two signers of one topic share a
+# tag only if one ground ~2**64 keys for it, and that costs only a record a reader is not
+# sent, as a find_value's tags of records held (storage.TAG_BYTES).
+SIGNER_TAG_BYTES = 8
 
 
 @dataclass
@@ -142,7 +148,7 @@ class GossipState:
         return list(self.topics.get(topic, {}).values())
 
     def digest(self, budget: int = DIGEST_BUDGET_BYTES) -> tuple[dict[str, dict[bytes, int]], str | None, str | None]:
-        """What this node holds, for a pull: one page of {topic: {signer: seq}} of at
+        """What this node holds, for a pull: one page of {topic: {signer tag: seq}} of at
         most ``budget`` bytes once packed, and the range of topics it covers,
         (after, upto]: None for the start and the end of the topic names. Pages
         rotate: each call starts after where the last one ended, so successive
@@ -158,10 +164,10 @@ class GossipState:
             cost = len(topic.encode()) + _TOPIC_OVERHEAD
             entries = {}
             for signer, rec in self.topics[topic].items():
-                more = len(signer) + _ENTRY_OVERHEAD
+                more = SIGNER_TAG_BYTES + _ENTRY_OVERHEAD
                 if used + cost + more > budget:
                     break
-                entries[signer] = rec.seq
+                entries[signer[-SIGNER_TAG_BYTES:]] = rec.seq
                 cost += more
             if len(entries) < len(self.topics[topic]) and out:
                 # this topic does not fit whole: the page ends before it
@@ -177,12 +183,20 @@ class GossipState:
 
     @staticmethod
     def parse_digest(raw: Any) -> dict[str, dict[bytes, int]]:
+        """{topic: {signer tag: seq}}, whether the digest names signers by tag or by
+        whole peer ID (as nodes did before 2026-12-06); a tag named twice keeps its
+        lower seq (the answer then sends, never withholds)."""
         if not isinstance(raw, dict) or len(raw) > 1024:
             return {}
         out: dict[str, dict[bytes, int]] = {}
         for topic, seqs in raw.items():
             if isinstance(topic, str) and isinstance(seqs, dict) and len(seqs) <= 1024:
-                out[topic] = {s: q for s, q in seqs.items() if isinstance(s, bytes) and isinstance(q, int)}
+                tags: dict[bytes, int] = {}
+                for s, q in seqs.items():
+                    if isinstance(s, bytes) and len(s) >= SIGNER_TAG_BYTES and isinstance(q, int):
+                        t = s[-SIGNER_TAG_BYTES:]
+                        tags[t] = min(q, tags.get(t, q))
+                out[topic] = tags
         return out
 
     @staticmethod
@@ -202,7 +216,7 @@ class GossipState:
         for topic in sorted(have):
             theirs = have[topic]
             for rec in records_of(topic):
-                seq = theirs.get(rec.signer.multihash, -1)
+                seq = theirs.get(rec.signer.multihash[-SIGNER_TAG_BYTES:], -1)
                 if seq < rec.seq and (seq < 0 or stands is None or not stands(topic, rec, seq)):
                     if used + len(rec.wire) > budget:
                         return out
@@ -220,7 +234,7 @@ class GossipState:
                 continue
             theirs, since = have.get(topic, {}), self._since.get(topic, {})
             for signer, rec in records.items():
-                seq = theirs.get(signer, -1)
+                seq = theirs.get(signer[-SIGNER_TAG_BYTES:], -1)
                 if seq < rec.seq and (seq < 0 or not refresh.stands(since.get(signer), rec, seq, now_ms)):
                     if used + len(rec.wire) > budget:
                         return out
@@ -235,13 +249,13 @@ class GossipState:
         entries: dict[bytes, int] = {}
         used = 8 + len(topic.encode()) + _TOPIC_OVERHEAD
         held = self.topics.get(topic, {})
-        if used + sum(map(len, held)) + len(held) * _ENTRY_OVERHEAD <= budget:  # all of it fits: no count kept
-            return {topic: {signer: rec.seq for signer, rec in held.items()}}
+        if used + len(held) * (SIGNER_TAG_BYTES + _ENTRY_OVERHEAD) <= budget:  # all of it fits: no count kept
+            return {topic: {signer[-SIGNER_TAG_BYTES:]: rec.seq for signer, rec in held.items()}}
         for signer, rec in held.items():
-            used += len(signer) + _ENTRY_OVERHEAD
+            used += SIGNER_TAG_BYTES + _ENTRY_OVERHEAD
             if used > budget:
                 break
-            entries[signer] = rec.seq
+            entries[signer[-SIGNER_TAG_BYTES:]] = rec.seq
         return {topic: entries}
 
     def drop(self, topic: str) -> None:

@@ -12,8 +12,10 @@ Whoever holds a signer's record (gossip, or a key's home that stores it) keeps
 ``since``: the seq from which that signer's records all say what the held one
 says, for as long a life, each sequenced by its issue time (signers set seq to
 it). A peer's copy at a seq at or after ``since`` then says the same, and its
-seq tells when it ends. A signer whose seqs are not its issue times starts a
-new run with every record, so its refreshes are all sent, as before.
+seq tells when it ends: the newer record is left out of a pull's answer unless
+it adds a minute to that copy's life or the copy is near its end. A signer
+whose seqs are not its issue times starts a new run with every record, so its
+refreshes are all sent, as before.
 """
 
 from __future__ import annotations
