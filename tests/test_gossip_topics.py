@@ -408,3 +408,62 @@ def test_a_digest_names_each_signer_by_a_short_tag_and_a_full_id_still_means_the
     mine = state.digest_of(KEY)[KEY]
     assert all(len(tag) == SIGNER_TAG_BYTES for tag in mine) and len(mine) == len(held(KEY))
     assert GossipState.missing_among({KEY: mine}, held, budget=1 << 20) == []  # it holds every one
+
+
+async def test_a_follower_whose_topic_is_full_is_pulled_only_newer_records_of_its_signers(autojump_clock):
+    """A follower holds at most 256 records of a topic (``max_per_topic``, as many
+    as a DHT key holds); at 10,000 simulated peers a model has ~1,400 volunteers, so
+    each follower holds a different part of them, and every pull's answer carried
+    records of signers the asker lacked and refused as full (docs/scale.md). A full
+    follower says so; it is sent newer records of the signers it holds, no others."""
+    async with trio.open_nursery() as nursery:
+        net, nodes = await start_swarm(nursery, 12, TYPES, config=SCOPED)
+        for i in range(10):
+            await nodes[1].publish(KEY, report(4000 + i))
+        for n in nodes:
+            n.follow(KEY)
+        await until(lambda: all(len(signers(n, KEY)) == 10 for n in nodes[2:]))
+        fresh = DHTNode(swarm_identity(98), net.endpoint(), TYPES, SCOPED)
+        fresh.gossip.max_per_topic = 4
+        await nursery.start(fresh.run)
+        await fresh.bootstrap([nodes[0].contact()])
+        fresh.records(KEY)
+        await until(lambda: len(signers(fresh, KEY)) == 4)
+        held = signers(fresh, KEY)
+        refused, pulls = fresh.stats["gossip_full"], fresh.stats["sent_gossip_pull"]
+        await until(lambda: fresh.stats["sent_gossip_pull"] >= pulls + 20)
+        assert fresh.stats["gossip_full"] == refused  # nothing sent that it could not hold
+        # a push of a signer it lacks is turned away before its signature is checked (this one is forged)
+        forged = bytearray(report(4900))
+        forged[-5] ^= 1
+        reply = await nodes[3].request(fresh.contact(), "gossip_push", {"records": [bytes(forged)]})
+        assert reply is not None and reply.body["accepted"] == 0
+        assert fresh.stats["gossip_full"] == refused + 1 and not any(k.startswith("rejected_") for k in fresh.stats)
+        one = swarm_identity(4000 + next(i for i in range(10) if swarm_identity(4000 + i).peer_id in held))
+        await nodes[1].publish(KEY, sample_report(one, MODEL, layers=(0, 12)).sign(one, seq=2, now_ms=wall_ms(),
+                                                                                      ttl_ms=600_000))
+        await until(lambda: any(r.seq == 2 for r in fresh.gossip.records(KEY)))  # what it holds still comes
+        assert signers(fresh, KEY) == held
+        nursery.cancel_scope.cancel()
+
+
+@given(offers=st.lists(st.tuples(st.integers(0, 3), st.integers(0, 5), st.booleans()), max_size=14),
+       topic=st.integers(0, 3))
+@example(offers=[(0, 0, True), (0, 1, True), (1, 2, True)], topic=0)  # the short-lived topics' share is used up
+@example(offers=[(0, 0, False), (0, 1, False), (0, 2, False), (1, 3, False), (1, 4, False)], topic=2)  # all records
+def test_a_topic_is_full_exactly_when_a_new_signers_record_would_be_refused_as_full(offers, topic):
+    """What a pull tells its answerer (``full``) is what ``offer`` would do."""
+    import copy
+
+    from meshnet_p2p.dht.gossip import GossipState
+
+    state = GossipState(max_topics=3, max_per_topic=3, max_records=5, short_share=0.5)
+    for t, signer, short in offers:
+        state.offer(f"t{t}", _SIGNED[signer], _HELD_AT, short=short)
+    name = f"t{topic}"
+    trial = copy.deepcopy(state)
+    assert state.full(name) == (trial.offer(name, _SIGNED[6], _HELD_AT) == "full")
+
+
+# records of seven signers, for the tests of a gossip state's bounds (its topics are named when offered)
+_SIGNED = [RecordVerifier(TYPES).verify(report(7100 + i), _HELD_AT, remember=False) for i in range(7)]

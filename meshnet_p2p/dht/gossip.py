@@ -120,6 +120,20 @@ class GossipState:
             return "refresh"
         return "new"
 
+    def holds(self, topic: Any, signer: Any) -> bool:
+        """Is a record of ``signer`` held under ``topic`` (any seq)?"""
+        return isinstance(topic, str) and isinstance(signer, bytes) and signer in self.topics.get(topic, ())
+
+    def full(self, topic: str) -> bool:
+        """Would a record of a signer new to ``topic`` be refused as full now (by
+        the bounds a topic, every topic, and the short-lived ones have)?"""
+        held = self.topics.get(topic)
+        if held is None:
+            return len(self.topics) >= self.max_topics or self._count >= self.max_records
+        if len(held) >= self.max_per_topic or self._count >= self.max_records:
+            return True
+        return topic in self._short and self._short_count >= self.max_records * self.short_share
+
     def since_of(self, topic: str, record: Record) -> int | None:
         """``record``'s ``since`` (refresh.py) if its seq is the one held here, else None."""
         held = self.topics.get(topic, {}).get(record.signer.multihash)
@@ -207,16 +221,20 @@ class GossipState:
 
     @staticmethod
     def missing_among(have: dict[str, dict[bytes, int]], records_of: Callable[[str], Iterable[Record]], *,
-                      budget: int, stands: Callable[[str, Record, int], bool] | None = None) -> list[Record]:
+                      budget: int, stands: Callable[[str, Record, int], bool] | None = None,
+                      new_signers: bool = True) -> list[Record]:
         """Records newer than a peer's digest says it holds, of the topics its
         digest names and no other (``records_of(topic)``: what the answerer holds
         of it, one record a signer), but those its copy stands for (``stands(topic,
-        record, its seq)``: refresh.py), up to ``budget`` bytes."""
+        record, its seq)``: refresh.py), and without ``new_signers`` (the asker's
+        topic is full) only of signers it names, up to ``budget`` bytes."""
         out, used = [], 0
         for topic in sorted(have):
             theirs = have[topic]
             for rec in records_of(topic):
                 seq = theirs.get(rec.signer.multihash[-SIGNER_TAG_BYTES:], -1)
+                if seq < 0 and not new_signers:
+                    continue
                 if seq < rec.seq and (seq < 0 or stands is None or not stands(topic, rec, seq)):
                     if used + len(rec.wire) > budget:
                         return out

@@ -549,7 +549,7 @@ class DHTNode:
                 for topic in have:
                     self._heard_follower(topic, msg.sender)
                 missing = self.gossip.missing_among(have, self._topic_records, budget=REPLY_BUDGET_BYTES,
-                                                    stands=self._copy_stands)
+                                                    stands=self._copy_stands, new_signers=body.get("full") is not True)
             else:
                 after, upto = self.gossip.parse_bound(body.get("after")), self.gossip.parse_bound(body.get("upto"))
                 missing = self.gossip.missing_from(have, budget=REPLY_BUDGET_BYTES, now_ms=self.now_ms(),
@@ -915,6 +915,9 @@ class DHTNode:
             if head is not None and self.gossip.known(head[2], head[0], head[1]):
                 self.stats["gossip_duplicate"] += 1
                 return False  # already held: not worth a signature check
+            if head is not None and self.gossip.full(head[2]) and not self.gossip.holds(head[2], head[0]):
+                self.stats["gossip_full"] += 1
+                return False  # a signer new to a full topic would be refused: not worth a signature check
             record = self._verify(record_wire, unpacked=None if peeked is None else peeked[1:])
         if record is None:
             return False
@@ -928,6 +931,8 @@ class DHTNode:
         if verdict not in ("new", "refresh"):
             if verdict == "rate-limited":
                 self.stats["gossip_rate_limited"] += 1
+            elif verdict == "full":
+                self.stats["gossip_full"] += 1  # (a full follower tells whom it pulls from: _gossip_pull)
             return False
         self.stats["gossip_" + verdict] += 1
         self.following.signed(topic, node_id_of(record.signer))
@@ -1036,6 +1041,8 @@ class DHTNode:
             if peer is None:
                 return
             body = {"have": self.gossip.digest_of(topic), "only": True}
+            if self.gossip.full(topic):  # it could not hold a signer it lacks: sending one is waste
+                body["full"] = True
         reply = await self.request(peer, "gossip_pull", body)
         if reply is None or reply.kind != "gossip_records":
             return
