@@ -198,19 +198,15 @@ class GossipState:
     @staticmethod
     def parse_digest(raw: Any) -> dict[str, dict[bytes, int]]:
         """{topic: {signer tag: seq}}, whether the digest names signers by tag or by
-        whole peer ID (as nodes did before 2026-12-06); a tag named twice keeps its
-        lower seq (the answer then sends, never withholds)."""
+        whole peer ID (as nodes did before 2026-12-06). (A tag named twice keeps one
+        of its seqs: only a digest made so, the asker's own, can name one twice.)"""
         if not isinstance(raw, dict) or len(raw) > 1024:
             return {}
         out: dict[str, dict[bytes, int]] = {}
         for topic, seqs in raw.items():
             if isinstance(topic, str) and isinstance(seqs, dict) and len(seqs) <= 1024:
-                tags: dict[bytes, int] = {}
-                for s, q in seqs.items():
-                    if isinstance(s, bytes) and len(s) >= SIGNER_TAG_BYTES and isinstance(q, int):
-                        t = s[-SIGNER_TAG_BYTES:]
-                        tags[t] = min(q, tags.get(t, q))
-                out[topic] = tags
+                out[topic] = {s[-SIGNER_TAG_BYTES:]: q for s, q in seqs.items()
+                              if isinstance(s, bytes) and len(s) >= SIGNER_TAG_BYTES and isinstance(q, int)}
         return out
 
     @staticmethod
