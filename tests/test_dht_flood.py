@@ -18,7 +18,7 @@ from meshnet_p2p.dht.gossip import DIGEST_BUDGET_BYTES, GossipState
 from meshnet_p2p.dht.node import STORE_BURST, STORE_RATE_PER_S, DHTNode, Request
 from meshnet_p2p.nat.dialer import serve_dial_backs
 from meshnet_p2p.dht.storage import ValueStore
-from meshnet_p2p.core.identity import Identity
+from meshnet_p2p.core.identity import Identity, PeerId
 from meshnet_p2p.swarm.node import TYPES, UNANNOUNCED_LIFETIME_MS, lifetime_cap
 from meshnet_p2p.core.records import Record, RecordVerifier, wall_ms
 from meshnet_p2p.testing import FakeNetwork, sample_report, start_swarm, swarm_identity
@@ -469,7 +469,7 @@ def test_a_one_topic_digest_is_the_longest_prefix_that_fits_its_budget(count, bu
     held = state.topics.setdefault(topic, {})
     for i in range(count):
         signer = bytes([0, 36]) + i.to_bytes(36, "big")
-        held[signer] = Record("t", {"key": topic}, i, now, now + 60_000, None, b"", b"w")
+        held[signer] = Record("t", {"key": topic}, i, now, now + 60_000, PeerId(signer), b"", b"w")
     if -60 <= budget <= 60:  # near the edge where the whole topic just fits, or just does not
         budget += 8 + len(topic) + _TOPIC_OVERHEAD + count * (SIGNER_TAG_BYTES + _ENTRY_OVERHEAD)
     got = state.digest_of(topic, budget=budget)[topic]

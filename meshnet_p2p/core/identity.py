@@ -83,6 +83,9 @@ def decode_public_key(proto: bytes) -> bytes:
     return proto[4:]
 
 
+PEER_TAG_BYTES = 8  # of a peer ID, naming it in a gossip digest (dht/gossip.py: why 8 is enough)
+
+
 @dataclass(frozen=True)
 class PeerId:
     """A peer ID: the multihash bytes. ``str()`` gives the base58btc form."""
@@ -116,6 +119,12 @@ class PeerId:
             return True
         except (InvalidSignature, ValueError):
             return False
+
+    @functools.cached_property
+    def tag(self) -> bytes:
+        """The ID's last PEER_TAG_BYTES: how a gossip digest names a signer
+        (dht/gossip.py). Cached: a pull's answer looks up every record's."""
+        return self.multihash[-PEER_TAG_BYTES:]
 
     @functools.cached_property
     def _text(self) -> str:  # a frozen dataclass still has a __dict__ for this cache

@@ -34,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from meshnet_p2p.core.identity import PEER_TAG_BYTES
 from meshnet_p2p.core.ratelimit import TokenBucket
 from meshnet_p2p.core.records import Record
 from meshnet_p2p.dht import refresh
@@ -51,7 +52,7 @@ _ENTRY_OVERHEAD = 14  # a bin header (<= 5 bytes) and a seq (<= 9)
 # node's bytes once refreshes were cut (docs/scale.md). Two signers of one topic share a
 # tag only if one ground ~2**64 keys for it, and that costs only a record a reader is not
 # sent, as a find_value's tags of records held (storage.TAG_BYTES).
-SIGNER_TAG_BYTES = 8
+SIGNER_TAG_BYTES = PEER_TAG_BYTES  # (PeerId.tag, cached)
 
 
 @dataclass
@@ -181,7 +182,7 @@ class GossipState:
                 more = SIGNER_TAG_BYTES + _ENTRY_OVERHEAD
                 if used + cost + more > budget:
                     break
-                entries[signer[-SIGNER_TAG_BYTES:]] = rec.seq
+                entries[rec.signer.tag] = rec.seq
                 cost += more
             if len(entries) < len(self.topics[topic]) and out:
                 # this topic does not fit whole: the page ends before it
@@ -228,7 +229,7 @@ class GossipState:
         for topic in sorted(have):
             theirs = have[topic]
             for rec in records_of(topic):
-                seq = theirs.get(rec.signer.multihash[-SIGNER_TAG_BYTES:], -1)
+                seq = theirs.get(rec.signer.tag, -1)
                 if seq < 0 and not new_signers:
                     continue
                 if seq < rec.seq and (seq < 0 or stands is None or not stands(topic, rec, seq)):
@@ -248,7 +249,7 @@ class GossipState:
                 continue
             theirs, since = have.get(topic, {}), self._since.get(topic, {})
             for signer, rec in records.items():
-                seq = theirs.get(signer[-SIGNER_TAG_BYTES:], -1)
+                seq = theirs.get(rec.signer.tag, -1)
                 if seq < rec.seq and (seq < 0 or not refresh.stands(since.get(signer), rec, seq, now_ms)):
                     if used + len(rec.wire) > budget:
                         return out
@@ -264,12 +265,12 @@ class GossipState:
         used = 8 + len(topic.encode()) + _TOPIC_OVERHEAD
         held = self.topics.get(topic, {})
         if used + len(held) * (SIGNER_TAG_BYTES + _ENTRY_OVERHEAD) <= budget:  # all of it fits: no count kept
-            return {topic: {signer[-SIGNER_TAG_BYTES:]: rec.seq for signer, rec in held.items()}}
-        for signer, rec in held.items():
+            return {topic: {rec.signer.tag: rec.seq for rec in held.values()}}
+        for rec in held.values():
             used += SIGNER_TAG_BYTES + _ENTRY_OVERHEAD
             if used > budget:
                 break
-            entries[signer[-SIGNER_TAG_BYTES:]] = rec.seq
+            entries[rec.signer.tag] = rec.seq
         return {topic: entries}
 
     def drop(self, topic: str) -> None:
