@@ -90,14 +90,9 @@ class GossipState:
                 return "duplicate"
             if known.seq > record.seq:
                 return "old"
-        elif topic not in self.topics and len(self.topics) >= self.max_topics:
-            return "full"
-        elif len(self.topics.get(topic, {})) >= self.max_per_topic or self._count >= self.max_records:
-            return "full"
         else:
             short = topic in self._short if topic in self.topics else short
-            if short and ((topic not in self._short and len(self._short) >= self.max_topics * self.short_share)
-                          or self._short_count >= self.max_records * self.short_share):
+            if self._no_room(topic, short):
                 return "full"
         bucket = self._buckets.get(signer)
         if bucket is None:
@@ -115,25 +110,28 @@ class GossipState:
                 self._short[topic] = self._short.get(topic, 0) + 1
                 self._short_count += 1
         held[signer] = record
+        same = known is not None and refresh.same_but_load(known, record, volatile)
         since = self._since.setdefault(topic, {})
-        since[signer] = refresh.since_after(known, since.get(signer), record, volatile)
-        if known is not None and refresh.same_but_load(known, record, volatile):
-            return "refresh"
-        return "new"
+        since[signer] = refresh.since_after(known, since.get(signer), record, same=same)
+        return "refresh" if same else "new"
+
+    def _no_room(self, topic: str, short: bool) -> bool:
+        """No room for a signer new to ``topic`` (``short``: short-lived by the node's policy)."""
+        held = self.topics.get(topic)
+        if held is None and len(self.topics) >= self.max_topics:
+            return True
+        if len(held or ()) >= self.max_per_topic or self._count >= self.max_records:
+            return True
+        return short and ((topic not in self._short and len(self._short) >= self.max_topics * self.short_share)
+                          or self._short_count >= self.max_records * self.short_share)
 
     def holds(self, topic: Any, signer: Any) -> bool:
         """Is a record of ``signer`` held under ``topic`` (any seq)?"""
         return isinstance(topic, str) and isinstance(signer, bytes) and signer in self.topics.get(topic, ())
 
     def full(self, topic: str) -> bool:
-        """Would a record of a signer new to ``topic`` be refused as full now (by
-        the bounds a topic, every topic, and the short-lived ones have)?"""
-        held = self.topics.get(topic)
-        if held is None:
-            return len(self.topics) >= self.max_topics or self._count >= self.max_records
-        if len(held) >= self.max_per_topic or self._count >= self.max_records:
-            return True
-        return topic in self._short and self._short_count >= self.max_records * self.short_share
+        """Would a record of a signer new to ``topic`` be refused as full now?"""
+        return self._no_room(topic, topic in self._short)
 
     def since_of(self, topic: str, record: Record) -> int | None:
         """``record``'s ``since`` (refresh.py) if its seq is the one held here, else None."""

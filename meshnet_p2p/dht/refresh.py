@@ -47,11 +47,12 @@ def same_but_load(a: Record, b: Record, volatile: frozenset[str]) -> bool:
     return _same_but(a.content, b.content, volatile)
 
 
-def since_after(held: Record | None, since: int | None, record: Record, volatile: frozenset[str]) -> int:
+def since_after(held: Record | None, since: int | None, record: Record, *, same: bool) -> int:
     """The ``since`` of ``record``, which replaces ``held`` (of its signer, its
-    ``since`` then as given; None: none held)."""
+    ``since`` then as given; None: none held); ``same``: it says what ``held``
+    says (:func:`same_but_load`, which the caller has asked already)."""
     timed = record.seq == record.issued_at_ms
-    if (timed and held is not None and since is not None and same_but_load(held, record, volatile)
+    if (timed and held is not None and since is not None and same
             and record.expires_at_ms - record.issued_at_ms == held.expires_at_ms - held.issued_at_ms):
         return since  # a refresh: the run goes on
     return record.seq if timed else record.seq + 1  # a copy older than this one never stands for it
