@@ -82,7 +82,7 @@ class FakeNode:
     """What DhtCollector reads of a DHTNode, keys as the node counts them."""
 
     def __init__(self) -> None:
-        self.stats = Counter({"sent_find_value": 4, "received_ping": 2, "timeouts": 1, "gossip_new": 3,
+        self.stats = Counter({"sent_find_value": 4, "received_ping": 2, "timeouts": 1, "gossip_new": 3, "gossip_full": 6,
                               "rejected_expired": 1, "rejected_content: throughput must be finite": 1,
                               "dial_back_refused_rate_limited": 2, "reachability_refused_some free text": 1,
                               "bad_datagrams": 5, "bytes_sent_find_value": 400, "bytes_answered_gossip_pull": 900})
@@ -163,6 +163,9 @@ def test_collectors_read_the_counters_they_are_given():
     assert value(s, "meshnet_dht_sent_bytes_total", kind="find_value", part="request") == 400
     assert value(s, "meshnet_dht_sent_bytes_total", kind="gossip_pull", part="answer") == 900
     assert value(s, "meshnet_dht_sent_bytes_total", kind="ping", part="answer") == 0  # shown at 0
+    assert value(s, "meshnet_dht_gossip_records_total", outcome="new") == 3
+    assert value(s, "meshnet_dht_gossip_records_total", outcome="full") == 6  # a full topic's refusals
+    assert value(s, "meshnet_dht_gossip_records_total", outcome="rate_limited") == 0  # shown at 0
     assert value(s, "meshnet_dht_lookup_seconds_count", op="get") == 1
     assert value(s, "meshnet_dht_lookup_failures_total", op="put") == 1
     assert value(s, "meshnet_dht_dial_back_refusals_total", reason="rate_limited") == 2

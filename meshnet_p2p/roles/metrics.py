@@ -215,7 +215,7 @@ class DhtCollector(Collector):
             for kind in ("push", "pull"):
                 g.add_metric([direction, kind], st.get(f"{prefix}gossip_{kind}", 0))
         yield g
-        outcomes = ("new", "duplicate", "rate_limited")
+        outcomes = ("new", "duplicate", "rate_limited", "full")  # full: a new signer to a full topic
         yield _labelled("meshnet_dht_gossip_records_total", "records offered by gossip, by outcome", "outcome",
                         {o: st.get("gossip_" + o, 0) for o in outcomes}, outcomes)
         yield _counter("meshnet_dht_gossip_pushes_skipped_total", "gossip pushes skipped (too many in flight)",
