@@ -192,6 +192,10 @@ def test_a_small_simulated_swarm_finds_its_models_and_nodes(small):
     # (30 peers over 4 models x 3 slices: mostly holes, see below.) How many start is the
     # seed's alone (13 for seed 3), and every one started is reported, slow ones too
     assert doc["surveys"] >= 5
+    # where the wall time went (the join storm, the window, the window's surveys ending)
+    assert set(doc["wall_s_by_phase"]) == {"warmup", "measured", "grace"}
+    assert abs(sum(doc["wall_s_by_phase"].values()) - doc["wall_s"]) < 0.5
+    assert 0 <= doc["grace_s"] <= 300 and doc["warmup_s"] == 60
 
 
 def test_joining_volunteers_learn_whether_others_can_dial_them(small):

@@ -66,6 +66,8 @@ class Measures:
     joins: int = 0
     leaves: int = 0
     gossip_held: list[int] = field(default_factory=list)  # at the window's end: records each honest peer's node holds
+    grace_s: float = 0.0  # simulated time after the window until its surveys' generations ended
+    wall_phases: dict[str, float] = field(default_factory=dict)  # wall seconds: warmup, measured, grace
 
 
 def carried(p: "Peer") -> bool:

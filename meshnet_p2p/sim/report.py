@@ -83,7 +83,9 @@ def report(sim: "SimSwarm", span: float, sent: int, sent_bytes: int, online: flo
     m, cfg = sim.m, sim.cfg
     ml, nl = m.model_lookups, m.node_lookups
     doc = {
-        "peers": cfg.peers, "simulated_s": round(span), "warmup_s": round(cfg.warmup_minutes * 60), "wall_s": round(wall_s, 1), "seed": cfg.seed,
+        "peers": cfg.peers, "simulated_s": round(span), "warmup_s": round(cfg.warmup_minutes * 60),
+        "grace_s": round(m.grace_s, 1), "wall_s": round(wall_s, 1),
+        "wall_s_by_phase": {k: round(v, 1) for k, v in m.wall_phases.items()}, "seed": cfg.seed,
         "online_mean": round(online, 1), "online_peak": peak, "joins": m.joins, "leaves": m.leaves,
         "model_lookups": len(ml),
         "model_lookup_recall_mean": _mean([x["recall"] for x in ml]),

@@ -594,6 +594,7 @@ class SimSwarm:
                 await trio.sleep(cfg.warmup_minutes * 60 / 2 / max(1, len(arrivals)))  # over half the warm-up
             await trio.sleep(cfg.warmup_minutes * 30)
             self.measuring = True
+            self.m.wall_phases["warmup"] = time.perf_counter() - wall0
             for p in self.online(sybils=True):
                 self._kinds_at_start[id(p.node)] = dict(p.node.stats)
             sent0, bytes0, t0 = self.net.sent_total, self.net.sent_bytes_total, trio.current_time()
@@ -612,8 +613,12 @@ class SimSwarm:
             self.measuring = False
             span = trio.current_time() - t0
             sent, sent_bytes = self.net.sent_total - sent0, self.net.sent_bytes_total - bytes0
+            self.m.wall_phases["measured"] = time.perf_counter() - wall0 - self.m.wall_phases["warmup"]
+            grace0 = trio.current_time()
             with trio.move_on_after(SURVEY_GRACE_S):  # the window's surveys and generations end (traffic: not counted)
                 await self.clients.surveys_reported()
+            self.m.grace_s = trio.current_time() - grace0
+            self.m.wall_phases["grace"] = time.perf_counter() - wall0 - sum(self.m.wall_phases.values())
             nursery.cancel_scope.cancel()
         online = sum(self.m.online_samples) / max(1, len(self.m.online_samples))
         peak = max(self.m.online_samples, default=0)
