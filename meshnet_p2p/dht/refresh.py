@@ -47,13 +47,16 @@ def same_but_load(a: Record, b: Record, volatile: frozenset[str]) -> bool:
     return _same_but(a.content, b.content, volatile)
 
 
-def since_after(held: Record | None, since: int | None, record: Record, *, same: bool) -> int:
+def since_after(held: Record | None, since: int | None, record: Record, volatile: frozenset[str] = frozenset(),
+                *, same: bool | None = None) -> int:
     """The ``since`` of ``record``, which replaces ``held`` (of its signer, its
-    ``since`` then as given; None: none held); ``same``: it says what ``held``
-    says (:func:`same_but_load`, which the caller has asked already)."""
+    ``since`` then as given; None: none held). ``same``: whether it says what
+    ``held`` says, if the caller has asked (:func:`same_but_load`); else asked
+    here, and only when the rest would make it a refresh."""
     timed = record.seq == record.issued_at_ms
-    if (timed and held is not None and since is not None and same
-            and record.expires_at_ms - record.issued_at_ms == held.expires_at_ms - held.issued_at_ms):
+    if (timed and held is not None and since is not None
+            and record.expires_at_ms - record.issued_at_ms == held.expires_at_ms - held.issued_at_ms
+            and (same if same is not None else same_but_load(held, record, volatile))):
         return since  # a refresh: the run goes on
     return record.seq if timed else record.seq + 1  # a copy older than this one never stands for it
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Collection
 
 from meshnet_p2p.core.records import Record
-from meshnet_p2p.dht.refresh import same_but_load, since_after
+from meshnet_p2p.dht.refresh import since_after
 
 TAG_BYTES = 8  # of a record's signature: which version of which signer's record it is
 MAX_KNOWN_TAGS = 512  # tags a reader names as already held, in one find_value (4 KB)
@@ -119,7 +119,7 @@ class ValueStore:
             values[signer] = record
             meta = self._meta[(key, signer)]
             meta.expires_at_ms, meta.short = expires, short  # a re-store renews (by today's policy)
-            meta.since = since_after(old, meta.since, record, same=same_but_load(old, record, volatile))
+            meta.since = since_after(old, meta.since, record, volatile)
             self._soonest[key] = min(self._soonest.get(key, expires), expires)  # a cap may shorten it
             self._add_bytes(meta.source, len(record.wire) - len(old.wire))
             return True, "replaced" if old.seq < record.seq else "unchanged"
@@ -148,7 +148,7 @@ class ValueStore:
             self._drop(*victim)
         self._by_key.setdefault(key, values)[signer] = record
         self._keys_of_signer.setdefault(signer, set()).add(key)
-        self._meta[(key, signer)] = _Meta(source, expires, short, since_after(None, None, record, same=False))
+        self._meta[(key, signer)] = _Meta(source, expires, short, since_after(None, None, record))
         self._soonest[key] = min(self._soonest.get(key, expires), expires)
         if source is not None:
             self._of_source.setdefault(source, {})[(key, signer)] = None
