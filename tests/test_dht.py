@@ -982,6 +982,59 @@ async def test_a_table_refresh_walks_one_path_and_still_meets_its_targets_neighb
         nursery.cancel_scope.cancel()
 
 
+async def test_nodes_that_start_together_do_their_periodic_work_at_different_times(autojump_clock, monkeypatch):
+    """Each node draws the phase of its table refresh, its republishing and its first
+    reuse of a key's homes at random within the period. Nodes that start together (a
+    swarm whose bootstrap peers restarted, the simulator's starting swarm) did each
+    together for ever: at 3,000 simulated peers a one-minute window held every node's
+    refresh and none of its homes' lookups (docs/scale.md)."""
+    import meshnet_p2p.dht.node as node_mod
+    from meshnet_p2p.dht.routing import key_id
+
+    monkeypatch.setattr(node_mod, "random", random.Random(3))  # the draws, deterministic
+    config = DHTConfig(refresh_interval=60.0, republish_interval=120.0)
+    async with trio.open_nursery() as nursery:
+        _, nodes = await start_swarm(nursery, 16, TYPES, config=config)
+        start = trio.current_time()
+        first = {"refresh": {}, "republish": {}, "homes": {}}  # what -> node -> first time, from start
+
+        def seen(what: str, n: DHTNode) -> None:
+            first[what].setdefault(n.node_id, trio.current_time() - start)
+
+        for i, n in enumerate(nodes):
+            digest = f"{i:02x}" * 32
+            key = model_key(digest)
+            find_node, put = n._find_node, n.put
+
+            async def spying_find(target, *, _n=n, _find=find_node, _key=key_id(key.encode()), **kw):
+                if "paths" in kw:
+                    seen("refresh", _n)
+                elif target == _key and trio.current_time() > start:
+                    seen("homes", _n)
+                return await _find(target, **kw)
+
+            async def spying_put(key, wire, *, _n=n, _put=put, **kw):  # only the maintenance's calls
+                seen("republish", _n)
+                return await _put(key, wire, **kw)
+
+            async def announce(_n=n, _key=key, _digest=digest) -> None:  # a volunteer's, every 30 s
+                for seq in range(1, 7):
+                    wire_record = sample_report(_n.identity, _digest).sign(_n.identity, seq=seq, now_ms=wall_ms(),
+                                                                           ttl_ms=600_000)
+                    await DHTNode.put(_n, _key, wire_record)
+                    await trio.sleep(30)
+
+            n._find_node, n.put = spying_find, spying_put
+            nursery.start_soon(announce)
+        await trio.sleep(150)
+        for what, period in (("refresh", 60.0), ("republish", 120.0), ("homes", 120.0)):
+            times = sorted(first[what].values())
+            assert len(times) == len(nodes), what
+            assert max(times) <= period + 30, what  # each still within its period (+ the check's step)
+            assert max(times) - min(times) >= period / 2, (what, times)  # not all at once
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_node_counts_the_bytes_it_sends_by_the_kind_of_request_they_ask_or_answer(autojump_clock,
                                                                                             monkeypatch):
     """Which kind of traffic costs a node its bytes (the simulator's bytes a node, by

@@ -87,6 +87,16 @@ STORE_BURST = 256
 STORE_RATE_PER_S = 32.0
 
 Answer = tuple[str, dict[str, Any]]  # a reply's kind and body
+
+
+def phased(now: float, period: float) -> float:
+    """When periodic work was "last done" by a node that starts it ``now``: a random
+    point up to one ``period`` back, so that its first run falls at a random point of
+    its first period, and every later one a period after. Nodes that start together (a
+    swarm whose bootstrap peers restarted, the simulator's starting swarm) would
+    otherwise do it together for ever: bursts of load, and a window shorter than the
+    period sees all of it or none (docs/scale.md)."""
+    return now - period * random.random()
 # lifetime_cap(key, holds) -> the longest (ms) a value stored under ``key`` by another node may
 # live here, or None; ``holds(key)`` says whether this node holds a live value under a key (in
 # its store or gossip). The swarm's policy (swarm.node.lifetime_cap): the DHT knows no key names.
@@ -727,7 +737,8 @@ class DHTNode:
         home_ids = {h.node_id for h in homes}
         took = [c for c in holders if c.node_id in home_ids]
         if looked_up and took:
-            self._homes[key] = (t0, took)
+            # a key's first homes are reused for a random part of the period, later ones for all of it
+            self._homes[key] = (t0 if found_at is not None else phased(t0, HOMES_REUSE_S), took)
             self._homes.move_to_end(key)
             while len(self._homes) > MAX_HOMES_KEPT:
                 self._homes.popitem(last=False)
@@ -1055,7 +1066,9 @@ class DHTNode:
     # --- maintenance -------------------------------------------------------------------------
 
     async def _maintenance_loop(self) -> None:
-        last = {"refresh": trio.current_time(), "republish": trio.current_time(), "secret": trio.current_time()}
+        now = trio.current_time()
+        last = {"refresh": phased(now, self.config.refresh_interval),
+                "republish": phased(now, self.config.republish_interval), "secret": now}
         guard = Guard("maintenance", self.stats)
         while True:
             await trio.sleep(min(self.config.refresh_interval, self.config.republish_interval) / 4)
