@@ -87,6 +87,11 @@ STORE_BURST = 256
 STORE_RATE_PER_S = 32.0
 
 Answer = tuple[str, dict[str, Any]]  # a reply's kind and body
+# lifetime_cap(key, holds) -> the longest (ms) a value stored under ``key`` by another node may
+# live here, or None; ``holds(key)`` says whether this node holds a live value under a key (in
+# its store or gossip). The swarm's policy (swarm.node.lifetime_cap): the DHT knows no key names.
+LifetimeCap = Callable[[str, Callable[[str], bool]], "int | None"]
+LOOKUP_OPS = ("find_node", "get", "put")
 
 
 def phased(now: float, period: float) -> float:
@@ -97,11 +102,6 @@ def phased(now: float, period: float) -> float:
     otherwise do it together for ever: bursts of load, and a window shorter than the
     period sees all of it or none (docs/scale.md)."""
     return now - period * random.random()
-# lifetime_cap(key, holds) -> the longest (ms) a value stored under ``key`` by another node may
-# live here, or None; ``holds(key)`` says whether this node holds a live value under a key (in
-# its store or gossip). The swarm's policy (swarm.node.lifetime_cap): the DHT knows no key names.
-LifetimeCap = Callable[[str, Callable[[str], bool]], "int | None"]
-LOOKUP_OPS = ("find_node", "get", "put")
 
 
 @dataclass
