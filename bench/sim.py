@@ -1,6 +1,6 @@
 """The swarm at internet scale, simulated: real DHT code, virtual time (issue 30).
 
-    python bench/sim.py --peers 1000 --minutes 10 [--seed 1] [--json]
+    python bench/sim.py --peers 1000 [--minutes M] [--seed 1] [--json]
 
 Runs ``meshnet_p2p.sim``: every peer a production DHTNode on a simulated internet
 (region RTTs, access delays, 1 % loss, a share behind NAT in client mode),
@@ -25,7 +25,7 @@ from meshnet_p2p.dht.node import DHTConfig
 from meshnet_p2p.sim.churn import Churn
 from meshnet_p2p.sim.net import NetModel
 from meshnet_p2p.sim.records import N_LAYER
-from meshnet_p2p.sim.swarm import SimConfig, simulate
+from meshnet_p2p.sim.swarm import SimConfig, default_window, simulate
 
 from _report import print_report  # bench/ is on sys.path when a bench runs
 from _smoke import parse_args
@@ -34,10 +34,10 @@ from _smoke import parse_args
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--peers", type=int, default=1000)
-    # ten minutes: a whole number of every period a node keeps (a refresh 60 s, homes looked
-    # up again 120 s, republishing 300 s), whose phases the starting swarm's joins align
-    ap.add_argument("--minutes", type=float, default=10.0, help="simulated minutes measured")
-    ap.add_argument("--warmup-minutes", type=float, default=2.0, help="simulated minutes to join, not measured")
+    ap.add_argument("--minutes", type=float, default=None,
+                    help="simulated minutes measured (default: 10,000 peer-minutes, 1 to 10: 10 at 1,000 peers, 1 at 10,000)")
+    ap.add_argument("--warmup-minutes", type=float, default=None,
+                    help="simulated minutes to join, not measured (default: 2 up to 1,000 peers, 1 beyond)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--models", type=int, default=4)
     ap.add_argument("--nat", type=float, default=0.3, help="share of peers behind NAT")
@@ -86,6 +86,9 @@ def main() -> int:
                     help="fresh clients plan blind, without probing their candidates' round trips (before 2026-12-05)")
     ap.add_argument("--json", action="store_true")
     args = parse_args(ap, peers=40, minutes=0.5, warmup_minutes=0.5, models=1, sybils=4)
+    measured, warmup = default_window(args.peers)
+    args.minutes = measured if args.minutes is None else args.minutes
+    args.warmup_minutes = warmup if args.warmup_minutes is None else args.warmup_minutes
     churn = Churn(session_median_s=args.session_minutes * 60, gap_median_s=args.session_minutes * 60,
                   vanish_share=args.vanish_share)
     cfg = SimConfig(peers=args.peers, minutes=args.minutes, warmup_minutes=args.warmup_minutes, seed=args.seed,

@@ -434,3 +434,19 @@ def test_a_peer_holds_the_gossip_of_the_topics_it_follows_not_the_swarms(small):
     every = simulate(SimConfig(**SMALL, **WITH, dht=DHTConfig(follow_all=True)))["gossip_held_mean"]
     assert every > 3 * ours, (every, ours)
 
+
+def test_the_default_window_measures_as_many_peer_minutes_at_any_size():
+    """bench/sim.py's window when none is given: ten minutes up to 1,000 peers (the
+    figures before 2026-12-06), one at 10,000, never under one; the warm-up two minutes
+    up to 1,000 peers and one beyond. (Sound since nodes draw the phases of their
+    periodic work: tests/test_dht.py, "start together".)"""
+    from meshnet_p2p.sim.swarm import default_window
+    assert default_window(40) == (10.0, 2.0)
+    assert default_window(1000) == (10.0, 2.0)
+    assert default_window(2000) == (5.0, 1.0)
+    assert default_window(10_000) == (1.0, 1.0)
+    assert default_window(50_000) == (1.0, 1.0)
+    for n in (1, 999, 1001, 3000, 7777, 10_001):
+        measured, warmup = default_window(n)
+        assert 1.0 <= measured <= 10.0 and warmup in (1.0, 2.0)
+        assert measured * n == 10_000 or measured in (1.0, 10.0)

@@ -59,6 +59,24 @@ VERDICTS_EVERY_S = 30.0
 EPOCH_MS = 1_800_000_000_000  # the simulated wall clock at time 0 (records carry wall-clock times)
 
 
+MEASURED_PEER_MINUTES = 10_000  # the default measured window holds as many peer-minutes at any size
+
+
+def default_window(peers: int) -> tuple[float, float]:
+    """(measured, warm-up) simulated minutes when none are given. What a node does
+    (its requests, bytes, joins and leaves, newcomers to find) is counted per
+    peer-minute, so a window of 10,000 peer-minutes measures as many at 10,000 peers
+    in one minute as at 1,000 in ten, for a tenth of the work. A window shorter than
+    a node's longest period (republishing, 5 minutes) measures its rate because each
+    node draws the phase of its periodic work at random (``dht.node.phased``).
+    Swarm-wide workloads (model lookups, surveys) give fewer samples in a shorter
+    window; the report counts them. The warm-up lets the starting swarm join (over
+    its first half) and announce: two minutes up to 1,000 peers, as every figure
+    before 2026-12-06 was measured, one beyond (two announcement rounds)."""
+    measured = min(10.0, max(1.0, MEASURED_PEER_MINUTES / max(1, peers)))
+    return measured, (2.0 if peers <= 1000 else 1.0)
+
+
 @dataclass
 class SimConfig:
     peers: int = 1000
