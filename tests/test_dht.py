@@ -1027,7 +1027,8 @@ async def test_nodes_that_start_together_do_their_periodic_work_at_different_tim
             n._find_node, n.put = spying_find, spying_put
             nursery.start_soon(announce)
         await trio.sleep(150)
-        for what, period in (("refresh", 60.0), ("republish", 120.0), ("homes", 120.0)):
+        for what, period in (("refresh", config.refresh_interval), ("republish", config.republish_interval),
+                             ("homes", node_mod.HOMES_REUSE_S)):
             times = sorted(first[what].values())
             assert len(times) == len(nodes), what
             assert max(times) <= period + 30, what  # each still within its period (+ the check's step)
