@@ -8,7 +8,8 @@ heavy-tailed churn, volunteers re-announcing capability reports every 30 s as
 ``join`` does, a certifier's certificates, clients looking models and nodes up,
 fresh clients surveying for a certified route as ``generate`` does, and
 optionally attackers (``--sybils``). Reports lookup recall,
-completeness and latency percentiles, node-lookup success and queries, how
+completeness and latency percentiles (and where the records of volunteers a
+lookup missed were), node-lookup success and queries, how
 often and how fast a fresh client finds a route and how good it is against an
 oracle (``route_quality``: its ring's time per token over the best ring's), how long
 a new volunteer takes to be found, messages and bytes per node per second (and

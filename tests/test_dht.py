@@ -748,9 +748,11 @@ async def test_a_key_filled_from_many_hosts_still_takes_a_live_volunteers_record
         assert reply.body["ok"] is True
         stored = {r.signer for r in target.store.get(KEY, wall_ms(), budget=1 << 30)[0]}
         assert volunteer.peer_id in stored and len(stored) == target.store.max_values_per_key
+        assert (target.store.full_key_replaced, target.store.full_key_refused) == (1, 0)  # counted (metrics)
         # a fresh identity that runs no node still finds the key full, from any host
         reply = await nodes[6].request(target.contact(), "store", {"key": KEY, "record": report(swarm_identity(30_000))})
         assert reply.body["ok"] is False and "maximum" in reply.body["reason"]
+        assert (target.store.full_key_replaced, target.store.full_key_refused) == (1, 1)
         nursery.cancel_scope.cancel()
 
 

@@ -257,6 +257,33 @@ def test_a_flood_from_one_network_leaves_room_for_a_volunteer_and_a_certifier():
     assert len(store) == 2000
 
 
+def test_the_homes_of_a_full_key_make_room_from_different_volunteers():
+    """bench/sim.py, one model of ~840 volunteers, a home keeping 256 a key: each home
+    made room for a live newcomer by dropping the value soonest to expire, so every
+    home near the key dropped the same volunteers (the first to announce, held
+    longest without a renewal), and lookups missed them again and again. Each home
+    now drops by its own order of signers; floods still go first (the test above)."""
+    model, now = "ab" * 32, wall_ms()
+    key = model_key(model)
+
+    def report(i: int, ttl_ms: int) -> Record:
+        ident = swarm_identity(40_000 + i)
+        return verified(sample_report(ident, model).sign(ident, seq=1, now_ms=now, ttl_ms=ttl_ms))
+
+    held = [report(i, 60_000 + 1000 * i) for i in range(8)]  # the first expires soonest
+    newcomer = report(99, 120_000)
+    dropped = []
+    for home in range(16):
+        store = ValueStore(max_values_per_key=8, _salt=bytes([home]) * 16)
+        for i, rec in enumerate(held):
+            assert store.put(key, rec, now, source=f"net-{i}")[0]  # each volunteer from its own network
+        assert store.put(key, newcomer, now, source="net-99",
+                         live=lambda r: r.signer == newcomer.signer) == (True, "stored")
+        (gone,) = {r.signer for r in held} - {r.signer for r in store.get(key, now, budget=1 << 30)[0]}
+        dropped.append(gone)
+    assert len(set(dropped)) >= 4, Counter(dropped)  # (all 16 dropped the first before)
+
+
 def test_one_network_holds_at_most_its_budget_across_keys_and_a_fair_share_is_never_refused():
     now = wall_ms()
     store = ValueStore(max_values=1000, max_values_per_network=300)

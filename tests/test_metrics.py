@@ -90,7 +90,15 @@ class FakeNode:
         self.lookup_seconds["get"].observe(0.02)
         self.lookup_failures = Counter({"put": 1})
         self.table = [object()] * 3
-        self.store = [object()] * 2
+        self.store = FakeStore()
+
+
+class FakeStore(list):
+    """What DhtCollector reads of a ValueStore: its size and its full-key counts."""
+
+    def __init__(self) -> None:
+        super().__init__([object()] * 2)
+        self.full_key_refused, self.full_key_replaced = 5, 1
 
 
 def all_collectors():
@@ -171,6 +179,9 @@ def test_collectors_read_the_counters_they_are_given():
     assert value(s, "meshnet_dht_dial_back_refusals_total", reason="rate_limited") == 2
     assert value(s, "meshnet_dht_reachability_answers_total", result="refused") == 1
     assert value(s, "meshnet_dht_routing_table_contacts") == 3
+    assert value(s, "meshnet_dht_stored_records") == 2
+    assert value(s, "meshnet_dht_full_key_stores_total", result="refused") == 5
+    assert value(s, "meshnet_dht_full_key_stores_total", result="replaced") == 1
     # reasons given in free text never become label values
     rejected = {dict(k[1])["reason"] for k in s if k[0] == "meshnet_dht_records_rejected_total"}
     assert "expired" in rejected and not any(":" in r or " " in r for r in rejected)

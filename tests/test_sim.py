@@ -333,8 +333,10 @@ def test_requests_are_counted_from_when_measuring_began():
 
     sim = SimSwarm(SimConfig(peers=2))
     node = SimpleNamespace(stats=Counter(sent_ping=5, sent_store=2, timeouts=1, bytes_sent_ping=500,
-                                         bytes_answered_gossip_pull=3000))
-    sim._kinds_at_start[id(node)] = dict(node.stats)
+                                         bytes_answered_gossip_pull=3000),
+                           store=SimpleNamespace(full_key_refused=3, full_key_replaced=1))
+    sim._kinds_at_start[id(node)] = {**node.stats, "full_key_refused": 3, "full_key_replaced": 1}
+    node.store.full_key_refused += 4
     node.stats.update(sent_ping=2, sent_store=1, sent_gossip_pull=4, bytes_sent_ping=200, bytes_sent_store=700,
                       bytes_answered_gossip_pull=1000, bytes_answered_ping=150)
     sim.measuring = True
@@ -342,6 +344,55 @@ def test_requests_are_counted_from_when_measuring_began():
     assert sim.kinds == Counter(ping=2, store=1, gossip_pull=4)
     assert sim.kind_bytes == Counter({("ping", "asks"): 200, ("store", "asks"): 700,
                                       ("gossip_pull", "answers"): 1000, ("ping", "answers"): 150})
+    assert sim.full_key == Counter(refused=4, replaced=0)  # a store's full-key counts too
+
+
+def test_a_lookup_that_misses_volunteers_reports_where_their_records_are(monkeypatch):
+    """bench/sim.py at 3,000 peers, one model (~840 volunteers, a home keeps 256 a key):
+    lookups missed a few volunteers, the same ones again and again. The report now says
+    where the missed records were (how many nodes held each, the rank from the key of
+    the nearest) and how often stores met a full key, so a fix can be measured.
+    Here a home keeps 4 values a key, under ~20 volunteers of one model: those missed
+    are refused everywhere (held by none)."""
+    import functools
+
+    import meshnet_p2p.dht.node as node_mod
+    from meshnet_p2p.dht.storage import ValueStore
+
+    monkeypatch.setattr(node_mod, "ValueStore", functools.partial(ValueStore, max_values_per_key=4))
+    steady = Churn(session_median_s=36_000.0, gap_median_s=60.0)
+    doc = simulate(SimConfig(**{**SMALL, "models": 1, "volunteer_share": 0.8, "churn": steady}))
+    assert doc["model_lookup_complete"] < 1.0 and doc["model_lookup_missed"] > 0, doc
+    assert 1 <= doc["model_lookup_missed_volunteers"] <= doc["model_lookup_missed"]
+    held = doc["model_lookup_missed"] - doc["model_lookup_missed_unheld"]
+    assert (held == 0) == (doc["model_lookup_missed_nearest_rank_p50"] is None), doc
+    assert doc["full_key_stores_per_node_s"]["refused"] > 0, doc
+
+
+def test_where_a_missed_volunteers_record_is_held_is_ranked_by_distance_from_the_key():
+    """The oracle behind the report above: among the DHT's servers online (NATed
+    peers serve no DHT requests), the holders of a missed record, nearest the key first."""
+    from types import SimpleNamespace
+
+    from meshnet_p2p.dht.routing import key_id
+    from meshnet_p2p.sim.clients import Clients
+    from meshnet_p2p.swarm.capability import model_key
+
+    target = key_id(model_key("ab" * 32).encode())
+    a, b = (SimpleNamespace(multihash=bytes([i])) for i in (1, 2))
+    holds = {0: set(), 1: {a.multihash}, 2: set(), 3: {a.multihash}, 4: {a.multihash, b.multihash}}
+
+    def peer(rank: int, natted: bool = False):
+        store = SimpleNamespace(expires_at=lambda key, signer: 1 if signer in holds[rank] else None)
+        return SimpleNamespace(host=SimpleNamespace(natted=natted), node=SimpleNamespace(node_id=target ^ (rank + 1), store=store))
+
+    peers = [peer(3), peer(1), peer(0), peer(4, natted=True), peer(2)]  # the NATed one is no server
+    sim = SimpleNamespace(models=["ab" * 32], online=lambda sybils=False: peers, m=None,
+                          cfg=SimpleNamespace(probe=True, seed=1))
+    got = Clients(sim)._where_held(0, [a, b])
+    assert sorted(got, key=lambda x: x["signer"]) == sorted([
+        {"signer": str(a), "holders": 2, "nearest_rank": 1},  # ranks 1 and 3 of servers 0-3
+        {"signer": str(b), "holders": 0, "nearest_rank": None}], key=lambda x: x["signer"])
 
 
 def test_liars_squatting_a_slice_cannot_empty_it_under_auto_placement():

@@ -33,6 +33,8 @@ that do. The node's own values (source None) are never evicted.
 
 from __future__ import annotations
 
+import hashlib
+import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection
 
@@ -92,6 +94,14 @@ class ValueStore:
     # key -> no value of it expires before this (a lower bound): a read of a key with
     # nothing due skips walking its values (every find_value and pull reads one)
     _soonest: dict[str, int] = field(default_factory=dict)
+    # stores that met a full key: refused, or taken in place of a value whose signer is not
+    # known live (a key with more signers than it holds: who is left out, and how often)
+    full_key_refused: int = 0
+    full_key_replaced: int = 0
+    # this node's order of signers when a full key makes room (_unproven): its own, so that
+    # the homes of a key leave out different volunteers, and secret, so that nobody grinds
+    # identities a home keeps before others
+    _salt: bytes = field(default_factory=lambda: os.urandom(16))
 
     def put(self, key: str, record: Record, now_ms: int, *, source: Any = None, own: bool = False,
             live: Callable[[Record], bool] | None = None, lifetime_cap_ms: int | None = None,
@@ -139,8 +149,10 @@ class ValueStore:
             else:
                 victim = self._unproven(key, values, live) if live is not None and live(record) else None
                 if victim is None:
+                    self.full_key_refused += 1
                     return False, f"key holds the maximum of {self.max_values_per_key} values"
                 self._drop(key, victim)
+                self.full_key_replaced += 1
         while self._count >= self.max_values or self._bytes + size > self.max_bytes:
             victim = self._room_for(source, short)
             if victim is None:
@@ -208,7 +220,11 @@ class ValueStore:
 
     def _unproven(self, key: str, values: dict[bytes, Record], live: Callable[[Record], bool]) -> bytes | None:
         """A value a live record may replace: its signer not known live, stored by
-        the source holding most of the key, the soonest to expire among those."""
+        the source holding most of the key; among those, the last in this node's own
+        order of signers (a keyed hash). Not the soonest to expire: every home of a
+        key then chose the same volunteers (those whose records it held longest
+        without a renewal, the first to announce), and a lookup found them at none
+        of the homes near the key (bench/sim.py, one model of ~840 volunteers)."""
         candidates = [s for s, r in values.items() if not live(r)]  # the node's own records count as live
         if not candidates:
             return None
@@ -216,7 +232,9 @@ class ValueStore:
         for s in candidates:
             src = self._source((key, s))
             per_source[src] = per_source.get(src, 0) + 1
-        return max(candidates, key=lambda s: (per_source[self._source((key, s))], -self._meta[(key, s)].expires_at_ms))
+        salt = self._salt
+        return max(candidates, key=lambda s: (per_source[self._source((key, s))],
+                                              hashlib.blake2b(s, key=salt, digest_size=8).digest()))
 
     def _drop(self, key: str, signer: bytes) -> None:
         values = self._by_key[key]

@@ -243,6 +243,11 @@ class DhtCollector(Collector):
                         {a: _sum_under(st, "reachability_" + a) for a in answers}, answers)
         yield _counter("meshnet_dht_stores_rate_limited_total", "stores refused: too many from one network",
                        st.get("store_rate_limited", 0))
+        store = self.node.store
+        yield _labelled("meshnet_dht_full_key_stores_total", "stores that met a key holding its most values: "
+                        "refused, or taken in place of a value whose signer is not known live", "result",
+                        {"refused": store.full_key_refused, "replaced": store.full_key_replaced},
+                        ("refused", "replaced"))
         # the node's and the role's loops (guard.py): the names are a small fixed set, from the code
         from meshnet_p2p.core.guard import LOOP_ERRORS
 

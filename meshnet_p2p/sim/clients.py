@@ -32,6 +32,7 @@ from meshnet_p2p.client.probe import probe_candidates, probe_wait_s
 from meshnet_p2p.client.search import MAX_OPEN_TRIES, RouteSearch, grace_until, probe_width
 from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.dht.node import DHTConfig, DHTNode
+from meshnet_p2p.dht.routing import key_id
 from meshnet_p2p.swarm.capability import model_key
 from meshnet_p2p.swarm.node import TYPES, lifetime_cap
 from meshnet_p2p.swarm.placement import NoRoute, Span, plan_route
@@ -53,6 +54,7 @@ ORACLE_HEADS = 40  # heads the oracle tries (the cheapest by compute): bounds it
 @dataclass
 class Measures:
     model_lookups: list[dict] = field(default_factory=list)  # {t, s, recall, found, live}
+    missed: list[dict] = field(default_factory=list)  # per volunteer a model lookup missed: {signer, holders, nearest_rank}
     node_lookups: list[dict] = field(default_factory=list)  # {t, s, found, queried}
     surveys: list[dict] = field(default_factory=list)  # {t, s, model, outcome, failed_contacts, contact_rounds, quality, quality_rtt}
     routable_s: list[float] = field(default_factory=list)  # join -> a stranger's lookup finds its report
@@ -129,6 +131,23 @@ class Clients:
                                      "phase": self.sim.phase(t0), "cut_side": side(asker.host),
                                      "found": len(found & live),
                                      "recall": len(found & live) / len(live) if live else 1.0})
+        if live - found:
+            self.m.missed.extend(self._where_held(model, live - found))
+
+    def _where_held(self, model: int, missed: set) -> list[dict]:
+        """For each volunteer a lookup missed: how many online nodes store its record
+        under the model's key, and how far from the key the nearest of them is (its
+        rank among the DHT's servers online, nearest 0): a record no reader's lookup
+        reaches, or one hardly anyone holds (the oracle's view)."""
+        key = model_key(self.sim.models[model])
+        target = key_id(key.encode())
+        servers = sorted((p.node for p in self.sim.online(sybils=True) if not p.host.natted),
+                         key=lambda n: n.node_id ^ target)
+        out = []
+        for peer_id in missed:
+            ranks = [i for i, n in enumerate(servers) if n.store.expires_at(key, peer_id.multihash) is not None]
+            out.append({"signer": str(peer_id), "holders": len(ranks), "nearest_rank": ranks[0] if ranks else None})
+        return out
 
     async def node_lookups(self, until: float) -> None:
         async for rng in self._arrivals("node lookups", self.sim.cfg.find_nodes_per_s, until):

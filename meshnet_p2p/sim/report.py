@@ -32,6 +32,21 @@ def _mean(values: list[float]) -> float | None:
     return _r3(sum(values) / len(values)) if values else None
 
 
+def _missed(missed: list[dict]) -> dict[str, Any]:
+    """The volunteers model lookups missed, and where their records were: how many
+    nodes held each, and the rank from the key of the nearest (0: the nearest server
+    online; a lookup reads about the 20 nearest along each of its paths)."""
+    ranks = [x["nearest_rank"] for x in missed if x["nearest_rank"] is not None]
+    return {
+        "model_lookup_missed": len(missed),  # volunteer-lookup pairs
+        "model_lookup_missed_volunteers": len({x["signer"] for x in missed}),
+        "model_lookup_missed_holders_p50": _pct([x["holders"] for x in missed], 0.5),
+        "model_lookup_missed_nearest_rank_p50": _pct(ranks, 0.5),
+        "model_lookup_missed_nearest_rank_p10": _pct(ranks, 0.1),
+        "model_lookup_missed_unheld": sum(1 for x in missed if x["nearest_rank"] is None),
+    }
+
+
 def _surveys(surveys: list[dict], prefix: str) -> dict[str, Any]:
     routed = [x for x in surveys if x["outcome"] == "route"]
     generated = [x for x in routed if "generation" in x]
@@ -94,6 +109,7 @@ def report(sim: "SimSwarm", span: float, sent: int, sent_bytes: int, online: flo
         "model_lookup_s_p50": _r3(_pct([x["s"] for x in ml], 0.5)),
         "model_lookup_s_p90": _r3(_pct([x["s"] for x in ml], 0.9)),
         "model_lookup_s_p99": _r3(_pct([x["s"] for x in ml], 0.99)),
+        **_missed(m.missed),
         "node_lookups": len(nl),
         "node_lookup_success": _share(nl, lambda x: x["found"]),
         "node_lookup_s_p50": _r3(_pct([x["s"] for x in nl], 0.5)),
@@ -111,6 +127,9 @@ def report(sim: "SimSwarm", span: float, sent: int, sent_bytes: int, online: flo
         # the bytes a second a node sends, by the request kind they ask or answer
         "bytes_per_node_s_by_kind": {f"{k} {part}": round(v / span / max(1.0, online))
                                      for (k, part), v in sim.kind_bytes.most_common(10)},
+        # stores that met a key holding its most values (storage.py): refused, or taken in place
+        # of a value whose signer the node does not know live
+        "full_key_stores_per_node_s": {k: _r3(sim.full_key[k] / span / max(1.0, online)) for k in ("refused", "replaced")},
         "lost_datagrams": sim.net.lost,
         "rss_per_peer_kb": round(rss_bytes / 1024 / max(1, peak), 1),
         # gossiped records a peer's node holds (bootstrap peers, which follow every topic, aside)
