@@ -201,14 +201,19 @@ def test_a_small_simulated_swarm_finds_its_models_and_nodes(small):
 def test_joining_volunteers_learn_whether_others_can_dial_them(small):
     """Reachability checks (nat/reachability.py's asker, nat/dialer.py's dialers, the real
     dial_back requests over the simulated DHT): a public volunteer hears "reachable", one
-    behind NAT "unreachable", whatever the swarm's churn."""
+    behind NAT never does, whatever the swarm's churn. (That a NATed address hears
+    "unreachable" is shown on real nodes: test_reachability.py. Here it hung on chance:
+    a run whose only NATed check had too few dialers to ask said "unknown", rightly,
+    and failed CI-T of e86d861 on 2026-12-06.)"""
     outcomes, checks = small["reachability_outcomes"], small["reachability_checks"]
     assert checks >= 2, small  # (the joins of the run: 4-11 seen)
     # never a wrong answer; "unknown" is not wrong: 3 dialers asked, 2 must agree, and in a
     # 30-peer swarm a NATed volunteer's table may hold only 2 to ask (1 of 20 runs saw one)
     assert outcomes.get("public unreachable", 0) == 0 and outcomes.get("natted reachable", 0) == 0, small
-    assert outcomes.get("public reachable", 0) >= 1 and outcomes.get("natted unreachable", 0) >= 1, small
-    assert outcomes.get("public reachable", 0) + outcomes.get("natted unreachable", 0) >= 0.75 * checks, small
+    assert outcomes.get("public reachable", 0) >= 1, small
+    # most conclude: a quarter unknown at most, or the one thin table above
+    unknown = checks - outcomes.get("public reachable", 0) - outcomes.get("natted unreachable", 0)
+    assert unknown <= max(1, checks // 4), small
 
 
 def test_natted_volunteers_reserve_on_relays_within_their_bound(small):
