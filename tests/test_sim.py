@@ -349,7 +349,7 @@ def test_requests_are_counted_from_when_measuring_began():
     assert sim.kinds == Counter(ping=2, store=1, gossip_pull=4)
     assert sim.kind_bytes == Counter({("ping", "asks"): 200, ("store", "asks"): 700,
                                       ("gossip_pull", "answers"): 1000, ("ping", "answers"): 150})
-    assert sim.full_key == Counter(refused=4, replaced=0)  # a store's full-key counts too
+    assert sim.full_key == Counter(full_key_refused=4, full_key_replaced=0)  # a store's full-key counts too
 
 
 def test_a_lookup_that_misses_volunteers_reports_where_their_records_are(monkeypatch):

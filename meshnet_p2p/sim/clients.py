@@ -22,7 +22,7 @@ import functools
 import random
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 import trio
 
@@ -41,6 +41,8 @@ from meshnet_p2p.swarm.view import RecipeNotCertified, build_view, fetch_believa
 from .records import N_LAYER
 
 if TYPE_CHECKING:
+    from meshnet_p2p.core.identity import PeerId
+
     from .swarm import Peer, SimSwarm
 
 SETTLED_S = 30.0  # a peer online this long has joined, and a volunteer announced (every 30 s): it should be found
@@ -134,7 +136,7 @@ class Clients:
         if live - found:
             self.m.missed.extend(self._where_held(model, live - found))
 
-    def _where_held(self, model: int, missed: set) -> list[dict]:
+    def _where_held(self, model: int, missed: Iterable[PeerId]) -> list[dict]:
         """For each volunteer a lookup missed: how many online nodes store its record
         under the model's key, and how far from the key the nearest of them is (its
         rank among the DHT's servers online, nearest 0): a record no reader's lookup

@@ -129,7 +129,7 @@ def report(sim: "SimSwarm", span: float, sent: int, sent_bytes: int, online: flo
                                      for (k, part), v in sim.kind_bytes.most_common(10)},
         # stores that met a key holding its most values (storage.py): refused, or taken in place
         # of a value whose signer the node does not know live
-        "full_key_stores_per_node_s": {k: _r3(sim.full_key[k] / span / max(1.0, online)) for k in ("refused", "replaced")},
+        "full_key_stores_per_node_s": {k: _r3(sim.full_key["full_key_" + k] / span / max(1.0, online)) for k in ("refused", "replaced")},
         "lost_datagrams": sim.net.lost,
         "rss_per_peer_kb": round(rss_bytes / 1024 / max(1, peak), 1),
         # gossiped records a peer's node holds (bootstrap peers, which follow every topic, aside)

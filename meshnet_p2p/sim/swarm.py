@@ -180,7 +180,7 @@ class SimSwarm:
         self.certifier: Identity | None = None  # the first bootstrap peer's operator
         self.trust = TrustPolicy()
         self.kinds: Counter[str] = Counter()  # requests sent while measuring, by kind
-        self.full_key: Counter[str] = Counter()  # stores that met a full key while measuring: refused, replaced
+        self.full_key: Counter[str] = Counter()  # stores that met a full key while measuring: full_key_refused, _replaced
         self.kind_bytes: Counter[tuple[str, str]] = Counter()  # their bytes: (kind, "asks" or "answers")
         self._kinds_at_start: dict[int, dict] = {}  # node -> its counts when measuring began
 
@@ -311,7 +311,7 @@ class SimSwarm:
         if self.measuring:
             start = self._kinds_at_start.pop(id(node), {})
             for k, v in _full_key(node).items():
-                self.full_key[k] += v - start.get("full_key_" + k, 0)
+                self.full_key[k] += v - start.get(k, 0)
             for k, v in node.stats.items():
                 if k.startswith("sent_"):
                     self.kinds[k[5:]] += v - start.get(k, 0)
@@ -601,8 +601,7 @@ class SimSwarm:
             self.measuring = True
             self.m.wall_phases["warmup"] = time.perf_counter() - wall0
             for p in self.online(sybils=True):
-                self._kinds_at_start[id(p.node)] = {**p.node.stats,
-                                                    **{"full_key_" + k: v for k, v in _full_key(p.node).items()}}
+                self._kinds_at_start[id(p.node)] = {**p.node.stats, **_full_key(p.node)}
             sent0, bytes0, t0 = self.net.sent_total, self.net.sent_bytes_total, trio.current_time()
             until = t0 + cfg.minutes * 60
             nursery.start_soon(self.clients.model_lookups, until)
@@ -633,7 +632,7 @@ class SimSwarm:
 
 
 def _full_key(node: DHTNode) -> dict[str, int]:
-    return {"refused": node.store.full_key_refused, "replaced": node.store.full_key_replaced}
+    return {"full_key_refused": node.store.full_key_refused, "full_key_replaced": node.store.full_key_replaced}
 
 
 # A survey's look is bounded well inside this (bootstrap and fetch timeouts), and so is a
