@@ -374,6 +374,75 @@ async def test_a_key_of_many_values_is_read_from_each_home_in_two_round_trips(au
         nursery.cancel_scope.cancel()
 
 
+async def test_a_home_whose_first_page_came_is_read_to_the_end_though_its_rest_turns_slow(autojump_clock):
+    # A lookup counts a request slow after three of its median round trips and, once
+    # nothing else is in flight, ends without it. A home's rest of a key is a second
+    # round trip after its first page: a far home that answered in time had its later
+    # ranges cut with the lookup (records only it held were lost: docs/scale.md). Its
+    # first page shows it alive; its rest is read to the end, each page bounded by the
+    # request's own timeout
+    async with trio.open_nursery() as nursery:
+        network, nodes = await start_swarm(nursery, 8, TYPES)
+        far = nodes[5]
+        signers = [swarm_identity(7000 + i) for i in range(256)]  # four pages
+        for s in signers:
+            far.store.put(KEY, _checked(report(s)), wall_ms())
+        client = DHTNode(swarm_identity(98), network.endpoint(), TYPES, DHTConfig(client_mode=True))
+        await nursery.start(client.run)
+        await client.bootstrap([nodes[0].contact()])
+        assert len(client.table) == len(nodes)
+        real_request = client.request
+        pages: list[float] = []
+
+        async def request(c, kind, body, **kw):
+            # 50 ms round trips, 120 ms to the far home: its first page is in time
+            # (slow after 150 ms), its rest comes at 240 ms
+            await trio.sleep(0.12 if c.node_id == far.node_id else 0.05)
+            if kind == "find_value" and c.node_id == far.node_id:
+                pages.append(trio.current_time())
+            return await real_request(c, kind, body, **kw)
+
+        client.request = request
+        got = await client.get(KEY)
+        assert len(set(pages)) == 2 and len(pages) > 2, pages  # the far home's pages: two round trips
+        assert {r.signer for r in got} == {s.peer_id for s in signers}
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_home_that_drips_its_rest_holds_a_read_one_lookup_request_longer_at_most(autojump_clock):
+    # The rest of a home's key is read past the lookup's end (above): a home that answers
+    # each of its pages just inside the request timeout, one record at a time, "more to
+    # come", would otherwise hold the read for max_pages such waits
+    async with trio.open_nursery() as nursery:
+        network, nodes = await start_swarm(nursery, 8, TYPES)
+        dripper = nodes[5]
+        for s in [swarm_identity(7500 + i) for i in range(256)]:
+            dripper.store.put(KEY, _checked(report(s)), wall_ms())
+        client = DHTNode(swarm_identity(98), network.endpoint(), TYPES, DHTConfig(client_mode=True))
+        await nursery.start(client.run)
+        await client.bootstrap([nodes[0].contact()])
+        real_request = client.request
+        rest_pages = 0
+
+        async def request(c, kind, body, **kw):
+            nonlocal rest_pages
+            reply = await real_request(c, kind, body, **kw)
+            if kind == "find_value" and c.node_id == dripper.node_id and body.get("after"):
+                rest_pages += 1
+                await trio.sleep(client.config.request_timeout * 0.9)
+                if reply is not None:
+                    reply.body["values"], reply.body["more"] = reply.body["values"][:1], True
+            return reply
+
+        client.request = request
+        t0 = trio.current_time()
+        got = await client.get(KEY)
+        took = trio.current_time() - t0
+        assert len(got) > rest_pages >= 3  # its first page, and its rest read on in ranges...
+        assert took <= client.config.request_timeout * 2 + 0.01, took  # ...for one lookup request's time
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_home_leaves_out_of_its_answer_the_records_the_reader_holds(autojump_clock):
     # Every home of a key mostly holds the same records, and each sent all of them: a model
     # lookup asks some twenty. A reader names what it holds by the heads of their signatures;

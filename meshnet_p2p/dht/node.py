@@ -19,6 +19,7 @@ handler owns what the request means, and answers at once or later from a task.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import logging
@@ -802,26 +803,38 @@ class DHTNode:
                     return
                 after = got[2]
 
-        async def call(c: Contact):
+        async def rest_of(c: Contact, ranges: list[tuple[bytes, bytes | None]], pages: list[int]) -> None:
+            # one lookup request's time for a home's rest: a home that drips its pages holds
+            # the read no longer than one that never answered
+            with trio.move_on_after(self.config.request_timeout * 2):
+                async with trio.open_nursery() as nursery:
+                    for after, upto in ranges:
+                        nursery.start_soon(rest, c, after, upto, pages)
+
+        async def call(c: Contact, rests: trio.Nursery):
             got = await page(c, b"", None)
             if got is None:
                 return None
             brought, more, last, known, reply = got
-            contacts = self._contacts(reply.body.get("nodes"))
             if more:  # the rest at once, in ranges that each fit a page (paging.py)
                 pages = [self.config.max_pages - 1]
-                async with trio.open_nursery() as nursery:
-                    for after, upto in paging.split_rest(last, brought + known, pages[0]):
-                        nursery.start_soon(rest, c, after, upto, pages)
+                rests.start_soon(rest_of, c, paging.split_rest(last, brought + known, pages[0]), pages)
             # the answer: does it hold the key (one that held only what this get had does;
             # the first page tells: the rest is asked for only when it brought some)
-            return brought > 0 or known > 0, contacts
+            return brought > 0 or known > 0, self._contacts(reply.body.get("nodes"))
 
         def enough(responses: dict[int, bool]) -> bool:
             return sum(responses.values()) >= self.config.get_quorum
 
         t0 = trio.current_time()
-        result = await self._lookup(target, call, done=enough, also=[c for c in also_ask if c.node_id != self.node_id])
+        # A home's rest is read outside the lookup's request: its first page answers the
+        # lookup (one round trip, like every other answer it times), and the rest, a second
+        # round trip, is no reason to count the home slow and cut it off with the lookup's
+        # end (records only a far home held were lost so). A home's rest is bounded like a
+        # request of the lookup (rest_of), and its pages by max_pages.
+        also = [c for c in also_ask if c.node_id != self.node_id]
+        async with trio.open_nursery() as rests:
+            result = await self._lookup(target, functools.partial(call, rests=rests), done=enough, also=also)
         self._lookup_done("get", t0, bool(result.responses))
         now = self.now_ms()
         return sorted((r for r in found.values() if r.expires_at_ms > now), key=lambda r: r.signer.multihash)
