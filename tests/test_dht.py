@@ -374,6 +374,20 @@ async def test_a_key_of_many_values_is_read_from_each_home_in_two_round_trips(au
         nursery.cancel_scope.cancel()
 
 
+async def _one_home_of_eight_and_a_reader(nursery, signers) -> tuple[DHTNode, DHTNode]:
+    """Eight nodes, one of which alone holds a record of KEY by each of ``signers``, and a
+    fresh client node that knows all eight: (the client, that home)."""
+    network, nodes = await start_swarm(nursery, 8, TYPES)
+    home = nodes[5]
+    for s in signers:
+        home.store.put(KEY, _checked(report(s)), wall_ms())
+    client = DHTNode(swarm_identity(98), network.endpoint(), TYPES, DHTConfig(client_mode=True))
+    await nursery.start(client.run)
+    await client.bootstrap([nodes[0].contact()])
+    assert len(client.table) == len(nodes)
+    return client, home
+
+
 async def test_a_home_whose_first_page_came_is_read_to_the_end_though_its_rest_turns_slow(autojump_clock):
     # A lookup counts a request slow after three of its median round trips and, once
     # nothing else is in flight, ends without it. A home's rest of a key is a second
@@ -382,15 +396,8 @@ async def test_a_home_whose_first_page_came_is_read_to_the_end_though_its_rest_t
     # first page shows it alive; its rest is read to the end, each page bounded by the
     # request's own timeout
     async with trio.open_nursery() as nursery:
-        network, nodes = await start_swarm(nursery, 8, TYPES)
-        far = nodes[5]
         signers = [swarm_identity(7000 + i) for i in range(256)]  # four pages
-        for s in signers:
-            far.store.put(KEY, _checked(report(s)), wall_ms())
-        client = DHTNode(swarm_identity(98), network.endpoint(), TYPES, DHTConfig(client_mode=True))
-        await nursery.start(client.run)
-        await client.bootstrap([nodes[0].contact()])
-        assert len(client.table) == len(nodes)
+        client, far = await _one_home_of_eight_and_a_reader(nursery, signers)
         real_request = client.request
         pages: list[float] = []
 
@@ -414,13 +421,7 @@ async def test_a_home_that_drips_its_rest_holds_a_read_one_lookup_request_longer
     # each of its pages just inside the request timeout, one record at a time, "more to
     # come", would otherwise hold the read for max_pages such waits
     async with trio.open_nursery() as nursery:
-        network, nodes = await start_swarm(nursery, 8, TYPES)
-        dripper = nodes[5]
-        for s in [swarm_identity(7500 + i) for i in range(256)]:
-            dripper.store.put(KEY, _checked(report(s)), wall_ms())
-        client = DHTNode(swarm_identity(98), network.endpoint(), TYPES, DHTConfig(client_mode=True))
-        await nursery.start(client.run)
-        await client.bootstrap([nodes[0].contact()])
+        client, dripper = await _one_home_of_eight_and_a_reader(nursery, [swarm_identity(7500 + i) for i in range(256)])
         real_request = client.request
         rest_pages = 0
 

@@ -795,21 +795,16 @@ class DHTNode:
             known = min(known, 256) if isinstance(known, int) and not isinstance(known, bool) and known > 0 else 0
             return brought, more and last is not None, last, known, reply
 
-        async def rest(c: Contact, after: bytes, upto: bytes | None, pages: list[int]) -> None:
-            while pages[0] > 0:
-                pages[0] -= 1
-                got = await page(c, after, upto)
-                if got is None or not got[1]:
-                    return
-                after = got[2]
-
-        async def rest_of(c: Contact, ranges: list[tuple[bytes, bytes | None]], pages: list[int]) -> None:
-            # one lookup request's time for a home's rest: a home that drips its pages holds
-            # the read no longer than one that never answered
-            with trio.move_on_after(self.config.request_timeout * 2):
-                async with trio.open_nursery() as nursery:
-                    for after, upto in ranges:
-                        nursery.start_soon(rest, c, after, upto, pages)
+        async def rest(c: Contact, after: bytes, upto: bytes | None, pages: list[int], until: float) -> None:
+            # a home's ranges share one lookup request's time from its first page (``until``):
+            # a home that drips its pages holds the read no longer than one that never answered
+            with trio.move_on_at(until):
+                while pages[0] > 0:
+                    pages[0] -= 1
+                    got = await page(c, after, upto)
+                    if got is None or not got[1]:
+                        return
+                    after = got[2]
 
         async def call(c: Contact, rests: trio.Nursery):
             got = await page(c, b"", None)
@@ -817,8 +812,9 @@ class DHTNode:
                 return None
             brought, more, last, known, reply = got
             if more:  # the rest at once, in ranges that each fit a page (paging.py)
-                pages = [self.config.max_pages - 1]
-                rests.start_soon(rest_of, c, paging.split_rest(last, brought + known, pages[0]), pages)
+                pages, until = [self.config.max_pages - 1], trio.current_time() + self.config.request_timeout * 2
+                for after, upto in paging.split_rest(last, brought + known, pages[0]):
+                    rests.start_soon(rest, c, after, upto, pages, until)
             # the answer: does it hold the key (one that held only what this get had does;
             # the first page tells: the rest is asked for only when it brought some)
             return brought > 0 or known > 0, self._contacts(reply.body.get("nodes"))
@@ -831,7 +827,7 @@ class DHTNode:
         # lookup (one round trip, like every other answer it times), and the rest, a second
         # round trip, is no reason to count the home slow and cut it off with the lookup's
         # end (records only a far home held were lost so). A home's rest is bounded like a
-        # request of the lookup (rest_of), and its pages by max_pages.
+        # request of the lookup, and its pages by max_pages.
         also = [c for c in also_ask if c.node_id != self.node_id]
         async with trio.open_nursery() as rests:
             result = await self._lookup(target, functools.partial(call, rests=rests), done=enough, also=also)
