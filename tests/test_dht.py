@@ -907,6 +907,39 @@ async def test_a_datagram_replayed_from_another_address_does_not_rebind_its_send
         nursery.cancel_scope.cancel()
 
 
+async def test_a_datagram_seen_before_is_dropped_and_forgotten_once_out_of_the_clock_window(autojump_clock):
+    async with trio.open_nursery() as nursery:
+        net, nodes = await start_swarm(nursery, 3, TYPES, now_ms=lambda: 1_800_000_000_000 + int(trio.current_time() * 1000))
+        bob = nodes[2]
+        asker = net.endpoint()
+        mallory = swarm_identity(78)
+        pongs = []
+
+        async def read() -> None:  # (bob also pings the asker, to check the address: not counted)
+            while True:
+                data, _ = await asker.receive()
+                msg = wire.decode(data, bob.now_ms(), mallory.peer_id)
+                if msg.kind == "pong":
+                    pongs.append(msg.rpc_id)
+
+        nursery.start_soon(read)
+        rpc_id = wire.new_rpc_id()
+        ping = wire.encode(mallory, "ping", rpc_id, {}, bob.now_ms(), to=bob.peer_id)
+        for _ in range(3):  # the first is answered; the copies are replays
+            bob.transport._send.send_nowait((ping, asker.local_addr))
+        await trio.sleep(2)
+        assert pongs == [rpc_id] and bob.stats["replayed_datagrams"] == 2
+        # what fell out of the clock window is forgotten (a decoder refuses it by its time anyway)
+        await trio.sleep(2 * wire.MAX_CLOCK_SKEW_MS / 1000 + 2)
+        fresh = wire.new_rpc_id()
+        bob.transport._send.send_nowait((wire.encode(mallory, "ping", fresh, {}, bob.now_ms(), to=bob.peer_id),
+                                         asker.local_addr))
+        await trio.sleep(2)
+        assert pongs == [rpc_id, fresh]
+        assert not any(key[1] == rpc_id for key in bob._seen)
+        nursery.cancel_scope.cancel()
+
+
 async def test_contacts_with_bogus_addresses_do_not_evict_honest_entries(autojump_clock):
     async with trio.open_nursery() as nursery:
         net, nodes = await start_swarm(nursery, 6, TYPES)

@@ -194,6 +194,7 @@ async def _one_path(target: int, seeds: list[Contact], call, me: int, claimed: d
     """One path: returns its k closest that answered, its answers, and the
     contacts it left waiting on (slow or pending) for the caller to abandon."""
     candidates: dict[int, Contact] = {c.node_id: c for c in seeds}
+    groups: dict[int, str | None] = {i: ip_group(c.host) for i, c in candidates.items()}  # (read by every window)
     # (distance, node id) of every candidate, nearest first: a path's window is read off
     # its front on every answer, instead of sorting hundreds of candidates each time
     ranked: list[tuple[int, int]] = sorted((c.node_id ^ target, c.node_id) for c in candidates.values())
@@ -220,17 +221,17 @@ async def _one_path(target: int, seeds: list[Contact], call, me: int, claimed: d
         read off the front of ``ranked``: called on every answer, and written out as
         one loop for it."""
         out: list[Contact] = []
-        taken: Counter[str] = Counter()
+        taken: dict[str, int] = {}
         for _, i in ranked:
             s = state.get(i)
             if (s != "ok") if answered else (s in ("failed", "slow") or claimed.get(i, me) != me):
                 continue
-            c = candidates[i]
-            if per_path is not None and (g := ip_group(c.host)) is not None:
-                if taken[g] >= per_path:
+            if per_path is not None and (g := groups[i]) is not None:
+                n = taken.get(g, 0)
+                if n >= per_path:
                     continue
-                taken[g] += 1
-            out.append(c)
+                taken[g] = n + 1
+            out.append(candidates[i])
             if len(out) == k:
                 break
         return out
@@ -286,6 +287,7 @@ async def _one_path(target: int, seeds: list[Contact], call, me: int, claimed: d
                 for n in diverse(sorted(contacts, key=dist), per_answer):
                     if n.node_id not in candidates:
                         candidates[n.node_id] = n
+                        groups[n.node_id] = ip_group(n.host)
                         bisect.insort(ranked, (n.node_id ^ target, n.node_id))
                 if done(responses):
                     break

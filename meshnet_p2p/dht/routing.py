@@ -61,7 +61,14 @@ class Contact:
 
     @classmethod
     def of(cls, peer_id: PeerId, host: str, port: int) -> "Contact":
+        if cls is Contact:
+            return _contact(peer_id, host, port)
         return cls(node_id_of(peer_id), peer_id, host, port)
+
+
+@functools.lru_cache(maxsize=65536)  # every reply's contacts are made again: the same few thousand
+def _contact(peer_id: PeerId, host: str, port: int) -> Contact:
+    return Contact(node_id_of(peer_id), peer_id, host, port)  # (frozen: one object serves every holder)
 
 
 class KBucket:
