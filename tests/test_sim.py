@@ -82,6 +82,35 @@ async def test_datagrams_due_within_one_tick_arrive_together_and_tick_zero_keeps
             nursery.cancel_scope.cancel()
 
 
+async def test_a_socket_keeps_what_arrived_in_order_across_a_cancelled_receive_and_ends_when_closed(autojump_clock):
+    net = SimNetwork(random.Random(1), NetModel(loss=0.0))
+    a, b = net.host(region="eu"), net.host(region="eu")
+    ta, tb = net.attach(a), net.attach(b)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(net.run)
+        with trio.move_on_after(0.001):  # gives up before anything arrives
+            await tb.receive()
+        for i in range(3):  # due within one tick: delivered together, while nobody receives
+            await ta.send(b"%d" % i, b.addr)
+        await trio.sleep(1)
+        assert [await tb.receive() for _ in range(3)] == [(b"0", a.addr), (b"1", a.addr), (b"2", a.addr)]
+        ended = []
+
+        async def receive_until_closed() -> None:
+            with pytest.raises(trio.EndOfChannel):
+                await tb.receive()
+            ended.append(trio.current_time())
+
+        nursery.start_soon(receive_until_closed)
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(trio.BusyResourceError):  # one reader a socket, as a node's receive loop
+            await tb.receive()
+        tb.close()
+        await trio.testing.wait_all_tasks_blocked()
+        assert ended == [trio.current_time()]
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_partition_drops_what_crosses_it_until_it_heals(autojump_clock):
     net = SimNetwork(random.Random(1), NetModel(loss=0.0))
     asia, asia2, europe = net.host(region="as"), net.host(region="as"), net.host(region="eu")
@@ -261,6 +290,88 @@ def test_the_oracle_prices_a_ring_and_finds_the_fastest():
              for x in (0, 3) for y in (1, 4) for z in (2, 5)]
     assert best == pytest.approx(min(every))
     assert best == pytest.approx(clients._ring_ms([peers["p0"], peers["p1"], peers["p2"]]))  # all in one region
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_the_oracle_is_the_cheapest_ring_of_every_chain_of_spans(data):
+    """Any spans (auto placement's too), peers in any regions, some behind a relay: the
+    oracle's price is the cheapest ring over every chain of spans from layer 0 to the
+    last, among its ORACLE_HEADS heads, tried one by one."""
+    from types import SimpleNamespace
+
+    from meshnet_p2p.sim.clients import ORACLE_HEADS, Clients
+    from meshnet_p2p.sim.net import REGIONS
+    from meshnet_p2p.sim.records import N_LAYER
+    from meshnet_p2p.swarm.placement import Span
+
+    net = SimNetwork(random.Random(data.draw(st.integers(0, 1000))), NetModel(loss=0.0))
+    cuts = data.draw(st.lists(st.integers(1, N_LAYER - 1), max_size=3, unique=True).map(sorted))
+    bounds = [0, *cuts, N_LAYER]
+    n = data.draw(st.integers(1, 9))
+    peers, spans = {}, []
+    relays = [SimpleNamespace(host=net.host(region=r)) for r in REGIONS[:2]]
+    for i in range(n):
+        a, b = sorted(data.draw(st.lists(st.sampled_from(bounds), min_size=2, max_size=2, unique=True)))
+        relay = data.draw(st.sampled_from([None, *relays]))
+        peers[f"p{i}"] = SimpleNamespace(host=net.host(region=data.draw(st.sampled_from(REGIONS))), relay=relay,
+                                         compute_ms=data.draw(st.floats(0.5, 50.0)))
+        spans.append(Span(f"p{i}", a, b))
+    clients = Clients(SimpleNamespace(net=net, m=None, rng=None, cfg=SimpleNamespace(probe=False, seed=1)))
+
+    heads = sorted((s for s in spans if s.start == 0), key=lambda s: peers[s.peer_id].compute_ms)[:ORACLE_HEADS]
+    rings = []
+
+    def chains(chain):
+        if chain[-1].end == N_LAYER:
+            rings.append(clients._ring_ms([peers[s.peer_id] for s in chain]))
+            return
+        for s in spans:
+            if s.start == chain[-1].end and s not in chain:
+                chains(chain + [s])
+
+    for head in heads:
+        chains([head])
+    best = clients._oracle_ms(spans, peers)
+    if rings:
+        assert best == pytest.approx(min(rings), rel=1e-9)
+    else:
+        assert best is None
+
+
+@pytest.mark.parametrize("minutes", [0.5, 1.0, 10.0])
+async def test_surveys_start_early_enough_to_end_in_the_window_and_as_many_as_over_all_of_it(minutes, autojump_clock):
+    """The window's surveys are the arrivals of the whole window's Poisson stream, each
+    earlier by the window's ratio: none in its last SURVEY_LEAD_S (half of a short
+    one), and the run waits for every one started, and every lookup, to end."""
+    from types import SimpleNamespace
+
+    from meshnet_p2p.sim.clients import SURVEY_LEAD_S, Clients
+
+    cfg = SimpleNamespace(probe=False, seed=5, surveys_per_s=0.5)
+    window = minutes * 60
+    whole, s0 = [], trio.current_time()
+    async for rng in Clients(SimpleNamespace(m=None, cfg=cfg))._arrivals("surveys", cfg.surveys_per_s, s0 + window):
+        whole.append(trio.current_time() - s0)
+        rng.randrange(2)  # (each arrival's own choice: its model)
+    started, ended = [], []
+    async with trio.open_nursery() as nursery:
+        sim = SimpleNamespace(m=None, cfg=cfg, tasks=nursery, models=["a", "b"])
+        clients = Clients(sim)
+
+        async def survey(model: int) -> None:
+            started.append(trio.current_time() - t0)
+            await trio.sleep(20.0)
+            ended.append(trio.current_time() - t0)
+
+        clients._survey = survey
+        t0 = trio.current_time()
+        await clients.surveys(t0 + window)
+        await clients.reported()
+        assert len(ended) == len(started)
+    lead = min(SURVEY_LEAD_S, window / 2)
+    assert started == pytest.approx([t * (window - lead) / window for t in whole])
+    assert len(started) > 5 and max(started) < window - lead
 
 
 # a swarm whose honest peers cover every slice throughout (few leave, most serve):

@@ -38,6 +38,7 @@ from meshnet_p2p.swarm.node import TYPES, lifetime_cap
 from meshnet_p2p.swarm.placement import NoRoute, Span, plan_route
 from meshnet_p2p.swarm.view import RecipeNotCertified, build_view, fetch_believable, routable_spans
 
+from .net import RTT_MS
 from .records import N_LAYER
 
 if TYPE_CHECKING:
@@ -51,6 +52,9 @@ REPLAY_SPEEDUP = 8  # a replay is a prefill: a position costs about 1/8 of a dec
 # capability call, then the calls whose round trips it measures, one after another
 FIRST_CONTACT_RTTS = 3 + ROUND_TRIP_SAMPLES
 ORACLE_HEADS = 40  # heads the oracle tries (the cheapest by compute): bounds its cost at large N
+# Surveys start no later than this before the window's end (at most half the window): a
+# look and the generation on its route take ~15-25 simulated seconds at 10,000 peers.
+SURVEY_LEAD_S = 30.0
 
 
 @dataclass
@@ -87,8 +91,8 @@ class Clients:
         self.m = sim.m
         self.probe = sim.cfg.probe
         self.rng = random.Random(f"probes/{sim.cfg.seed}")  # which probes are lost
-        self._surveys_open = 0
-        self._surveys_done = trio.Event()
+        self._running = 0  # surveys and lookups started in the window and not ended
+        self._ended = trio.Event()
 
     def _settled_volunteers(self, model: int) -> list["Peer"]:
         now = trio.current_time()
@@ -113,7 +117,7 @@ class Clients:
         async for rng in self._arrivals("model lookups", self.sim.cfg.lookups_per_s, until):
             askers = self.sim.online(settled=True, clients=True)
             if askers:
-                self.sim.tasks.start_soon(self._model_lookup, rng.choice(askers), rng.randrange(len(self.sim.models)))
+                self._start(self._model_lookup, rng.choice(askers), rng.randrange(len(self.sim.models)))
 
     async def _model_lookup(self, asker: "Peer", model: int) -> None:
         side = self.sim.net.side  # during a partition, what the asker's side of it holds
@@ -155,7 +159,7 @@ class Clients:
         async for rng in self._arrivals("node lookups", self.sim.cfg.find_nodes_per_s, until):
             askers, targets = self.sim.online(settled=True), self.sim.online(settled=True, public=True)
             if askers and targets:
-                self.sim.tasks.start_soon(self._node_lookup, rng.choice(askers), rng.choice(targets))
+                self._start(self._node_lookup, rng.choice(askers), rng.choice(targets))
 
     async def _node_lookup(self, asker: "Peer", target: "Peer") -> None:
         node = asker.node
@@ -177,26 +181,38 @@ class Clients:
     # --- surveys: a fresh client's way to its first route ------------------------------------
 
     async def surveys(self, until: float) -> None:
-        """Fresh clients arriving until ``until`` (a Poisson process)."""
-        async for rng in self._arrivals("surveys", self.sim.cfg.surveys_per_s, until):
-            self._surveys_open += 1
-            self.sim.tasks.start_soon(self._survey_to_its_end, rng.randrange(len(self.sim.models)))
+        """Fresh clients arriving (a Poisson process) over the window but its last
+        SURVEY_LEAD_S (at most half of it), at the rate raised so that as many arrive:
+        the same arrivals as over the whole window, drawn from the same stream, each
+        earlier by the window's ratio. So a survey and its generation end inside the
+        window, where the swarm is measured, and the run need not go on for them
+        after it (a simulated second after the window costs the swarm's whole work,
+        as one inside it: 12 % of a 10,000-peer run's wall time, docs/scale.md)."""
+        window = until - trio.current_time()
+        lead = min(SURVEY_LEAD_S, window / 2)
+        rate = self.sim.cfg.surveys_per_s * window / max(1e-9, window - lead)
+        async for rng in self._arrivals("surveys", rate, until - lead):
+            self._start(self._survey, rng.randrange(len(self.sim.models)))
 
-    async def surveys_reported(self) -> None:
-        """Until every survey started, and the generation on its route, has ended: a
-        window's end would otherwise censor the slow ones (a thin model's look takes
-        seconds, a generation that waits out a vanished hop ten more) and bias what is
-        reported."""
-        while self._surveys_open:
-            await self._surveys_done.wait()
-            self._surveys_done = trio.Event()
+    def _start(self, fn, *args) -> None:
+        self._running += 1
+        self.sim.tasks.start_soon(self._to_its_end, fn, *args)
 
-    async def _survey_to_its_end(self, model: int) -> None:
+    async def _to_its_end(self, fn, *args) -> None:
         try:
-            await self._survey(model)
+            await fn(*args)
         finally:
-            self._surveys_open -= 1
-            self._surveys_done.set()
+            self._running -= 1
+            self._ended.set()
+
+    async def reported(self) -> None:
+        """Until every survey and lookup started in the window has ended (with a
+        survey, the generation on its route): a window's end would otherwise censor
+        the slow ones (a thin model's look takes seconds, a generation that waits out
+        a vanished hop ten more, a lookup a few) and bias what is reported."""
+        while self._running:
+            await self._ended.wait()
+            self._ended = trio.Event()
 
     async def _look(self, model: int, host) -> tuple[list[Span] | str, int, int, frozenset[str]]:
         """What ``generate`` does to see the model's certified spans (a first look and
@@ -459,11 +475,25 @@ class Clients:
     def _oracle_ms(self, spans: list[Span], peers: dict[str, "Peer"]) -> float | None:
         """The fastest ring over ``spans`` (boundary to boundary), knowing every link:
         for each head, the cheapest chain to every span by dynamic programming over
-        the spans in order of their start, closed by the tail's link back."""
-        link = self._link_s
+        the spans in order of their start, closed by the tail's link back.
+
+        A link's one-way time is the two regions' delay plus each end's access delay
+        (``SimNetwork.one_way_s``; into a peer behind a relay, to the relay and on), so
+        the cheapest way into a span from every span ending where it starts is the
+        cheapest per region the senders are in: a boundary keeps, per region, the least
+        of (a chain's cost + its last hop's access delay), and a span pays its region's
+        delay from each of those few. Pairing every span with every span before it
+        instead was most of a large run's wall time (a third, at 3,000 peers of one model)."""
+        one_way = self.sim.net.one_way_s
         by_start: dict[int, list[Span]] = {}
         for s in spans:
             by_start.setdefault(s.start, []).append(s)
+        starts = sorted(by_start)
+        into: dict[str, tuple[object, float]] = {}  # a span's way in: the host dialled first, and the rest of the way (s)
+        for s in spans:
+            relay = peers[s.peer_id].relay
+            into[s.peer_id] = (peers[s.peer_id].host, 0.0) if relay is None else \
+                (relay.host, one_way(relay.host, peers[s.peer_id].host))
         heads = sorted(by_start.get(0, []), key=lambda s: peers[s.peer_id].compute_ms)[:ORACLE_HEADS]
         best = None
         for head in heads:
@@ -471,24 +501,25 @@ class Clients:
             if head.end == N_LAYER:  # one hop: no link
                 best = h.compute_ms if best is None else min(best, h.compute_ms)
                 continue
-            cost = {head.peer_id: h.compute_ms}  # peer -> the cheapest chain from the head to the end of its span
-            frontier = [head]
-            while frontier:
-                nxt: dict[str, tuple[float, Span]] = {}
-                for a in frontier:
-                    pa = peers[a.peer_id]
-                    for b in by_start.get(a.end, []):
-                        if b.peer_id == head.peer_id:
-                            continue
-                        c = cost[a.peer_id] + link(pa, peers[b.peer_id]) * 1000 + peers[b.peer_id].compute_ms
-                        if b.peer_id not in nxt or c < nxt[b.peer_id][0]:
-                            nxt[b.peer_id] = (c, b)
-                frontier = []
-                for peer, (c, s) in nxt.items():
-                    if s.end == N_LAYER:
-                        total = c + link(peers[peer], h) * 1000
+            # boundary -> region -> the cheapest chain from the head ending there, plus its last hop's access (ms)
+            ending: dict[int, dict[str, float]] = {head.end: {h.host.region: h.compute_ms + 1000 * h.host.access_s}}
+            for start in starts:
+                arriving = ending.get(start)
+                if arriving is None:
+                    continue
+                for b in by_start[start]:
+                    if b.peer_id == head.peer_id:
+                        continue
+                    pb = peers[b.peer_id]
+                    entry, rest = into[b.peer_id]
+                    c = min(m + RTT_MS[region, entry.region] / 2 for region, m in arriving.items()) \
+                        + 1000 * (entry.access_s + rest) + pb.compute_ms
+                    if b.end == N_LAYER:
+                        total = c + self._link_s(pb, h) * 1000
                         best = total if best is None else min(best, total)
-                    elif c < cost.get(peer, float("inf")):
-                        cost[peer] = c
-                        frontier.append(s)
+                        continue
+                    slot = ending.setdefault(b.end, {})
+                    c += 1000 * pb.host.access_s
+                    if c < slot.get(pb.host.region, float("inf")):
+                        slot[pb.host.region] = c
         return best

@@ -620,8 +620,8 @@ class SimSwarm:
             sent, sent_bytes = self.net.sent_total - sent0, self.net.sent_bytes_total - bytes0
             self.m.wall_phases["measured"] = time.perf_counter() - wall0 - self.m.wall_phases["warmup"]
             grace0 = trio.current_time()
-            with trio.move_on_after(SURVEY_GRACE_S):  # the window's surveys and generations end (traffic: not counted)
-                await self.clients.surveys_reported()
+            with trio.move_on_after(SURVEY_GRACE_S):  # the window's surveys, generations and lookups end (not counted)
+                await self.clients.reported()
             self.m.grace_s = trio.current_time() - grace0
             self.m.wall_phases["grace"] = time.perf_counter() - wall0 - sum(self.m.wall_phases.values())
             nursery.cancel_scope.cancel()
