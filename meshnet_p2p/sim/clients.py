@@ -482,8 +482,9 @@ class Clients:
         the cheapest way into a span from every span ending where it starts is the
         cheapest per region the senders are in: a boundary keeps, per region, the least
         of (a chain's cost + its last hop's access delay), and a span pays its region's
-        delay from each of those few. Pairing every span with every span before it
-        instead was most of a large run's wall time (a third, at 3,000 peers of one model)."""
+        delay from each of those few. Pairing every span with every span ending where
+        it starts instead was 29 % of a profile of a measured minute at 3,000 peers of
+        one model (docs/scale.md)."""
         one_way = self.sim.net.one_way_s
         by_start: dict[int, list[Span]] = {}
         for s in spans:
