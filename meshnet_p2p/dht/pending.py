@@ -7,6 +7,7 @@ bootstrap peer) trio's channel code was ~9 % of the CPU, these channels and a
 simulated host's socket together (docs/scale.md). This is the least that is
 needed: the first answer is kept and wakes the waiting task, any later one is
 dropped, and a cancelled wait (the request's timeout) leaves nothing behind.
+``Parked``, the one waiting task, is shared with the simulator's socket.
 """
 
 from __future__ import annotations
@@ -19,30 +20,27 @@ import trio
 T = TypeVar("T")
 
 
-class Pending(Generic[T]):
-    __slots__ = ("answer", "_task")
+class Parked:
+    """The one task parked on something (a request's answer, a simulated socket):
+    ``park`` suspends the caller until ``wake`` hands it an outcome, and a
+    cancelled park (a timeout) leaves nobody parked."""
+
+    __slots__ = ("_task",)
 
     def __init__(self) -> None:
-        self.answer: T | None = None
         self._task: trio.lowlevel.Task | None = None
 
-    def set(self, answer: T) -> bool:
-        """Keep ``answer`` and wake the waiter, if it is the first; False if one came before."""
-        if self.answer is not None:
+    def wake(self, result: outcome.Outcome) -> bool:
+        """Resume the parked task with ``result``; False if nobody is parked."""
+        if self._task is None:
             return False
-        self.answer = answer
-        if self._task is not None:
-            task, self._task = self._task, None
-            trio.lowlevel.reschedule(task, outcome.Value(answer))
+        task, self._task = self._task, None
+        trio.lowlevel.reschedule(task, result)
         return True
 
-    async def wait(self) -> T:
-        """The answer, once it comes (it may already have). One task waits at a time."""
-        if self.answer is not None:
-            await trio.lowlevel.checkpoint()
-            return self.answer
+    async def park(self, busy: str):
         if self._task is not None:
-            raise trio.BusyResourceError("another task already waits for this answer")
+            raise trio.BusyResourceError(busy)
         self._task = trio.lowlevel.current_task()
 
         def abort(_: object) -> trio.lowlevel.Abort:
@@ -50,3 +48,26 @@ class Pending(Generic[T]):
             return trio.lowlevel.Abort.SUCCEEDED
 
         return await trio.lowlevel.wait_task_rescheduled(abort)
+
+
+class Pending(Parked, Generic[T]):
+    __slots__ = ("answer",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer: T | None = None
+
+    def set(self, answer: T) -> bool:
+        """Keep ``answer`` and wake the waiter, if it is the first; False if one came before."""
+        if self.answer is not None:
+            return False
+        self.answer = answer
+        self.wake(outcome.Value(answer))
+        return True
+
+    async def wait(self) -> T:
+        """The answer, once it comes (it may already have). One task waits at a time."""
+        if self.answer is not None:
+            await trio.lowlevel.checkpoint()
+            return self.answer
+        return await self.park("another task already waits for this answer")

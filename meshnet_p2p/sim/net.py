@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import outcome
 import trio
 
+from meshnet_p2p.dht.pending import Parked
 from meshnet_p2p.dht.transport import Addr
 
 # Regions, their share of hosts, and round-trip times between them (ms). Rounded from
@@ -166,7 +167,7 @@ class SimNetwork:
                 self._deliver(dst, data, src)
 
 
-class Inbox:
+class Inbox(Parked):
     """A host's socket buffer: datagrams in order of arrival, and the one task that
     waits on it (a node's receive loop). Neither taking a datagram that is there nor
     handing one to the waiting task yields to the scheduler: a trio memory channel
@@ -175,40 +176,27 @@ class Inbox:
     A node takes what arrived together in one step, as a socket's reader drains its
     buffer."""
 
-    __slots__ = ("items", "waiter", "closed")
+    __slots__ = ("items", "closed")
 
     def __init__(self) -> None:
+        super().__init__()
         self.items: deque[tuple[bytes, Addr]] = deque()
-        self.waiter: trio.lowlevel.Task | None = None
         self.closed = False
 
     def put(self, item: tuple[bytes, Addr]) -> None:
-        if self.waiter is not None:
-            task, self.waiter = self.waiter, None
-            trio.lowlevel.reschedule(task, outcome.Value(item))
-        else:
+        if not self.wake(outcome.Value(item)):
             self.items.append(item)
 
     def close(self) -> None:
         self.closed = True
-        if self.waiter is not None:
-            task, self.waiter = self.waiter, None
-            trio.lowlevel.reschedule(task, outcome.Error(trio.EndOfChannel()))
+        self.wake(outcome.Error(trio.EndOfChannel()))
 
     async def get(self) -> tuple[bytes, Addr]:
         if self.items:
             return self.items.popleft()
         if self.closed:
             raise trio.EndOfChannel
-        if self.waiter is not None:
-            raise trio.BusyResourceError("another task already receives on this socket")
-        self.waiter = trio.lowlevel.current_task()
-
-        def abort(_: object) -> trio.lowlevel.Abort:
-            self.waiter = None
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        return await trio.lowlevel.wait_task_rescheduled(abort)
+        return await self.park("another task already receives on this socket")
 
 
 class SimTransport:
