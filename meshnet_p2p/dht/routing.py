@@ -61,9 +61,7 @@ class Contact:
 
     @classmethod
     def of(cls, peer_id: PeerId, host: str, port: int) -> "Contact":
-        if cls is Contact:
-            return _contact(peer_id, host, port)
-        return cls(node_id_of(peer_id), peer_id, host, port)
+        return _contact(peer_id, host, port)
 
 
 @functools.lru_cache(maxsize=65536)  # every reply's contacts are made again: the same few thousand
