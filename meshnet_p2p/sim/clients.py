@@ -38,7 +38,7 @@ from meshnet_p2p.swarm.node import TYPES, lifetime_cap
 from meshnet_p2p.swarm.placement import NoRoute, Span, plan_route
 from meshnet_p2p.swarm.view import RecipeNotCertified, build_view, fetch_believable, routable_spans
 
-from .net import RTT_MS
+from .net import RTT_MS, Host
 from .records import N_LAYER
 
 if TYPE_CHECKING:
@@ -190,7 +190,9 @@ class Clients:
         as one inside it: 12 % of a 10,000-peer run's wall time, docs/scale.md)."""
         window = until - trio.current_time()
         lead = min(SURVEY_LEAD_S, window / 2)
-        rate = self.sim.cfg.surveys_per_s * window / max(1e-9, window - lead)
+        if window <= 0:
+            return
+        rate = self.sim.cfg.surveys_per_s * window / (window - lead)  # (lead <= window / 2)
         async for rng in self._arrivals("surveys", rate, until - lead):
             self._start(self._survey, rng.randrange(len(self.sim.models)))
 
@@ -490,7 +492,7 @@ class Clients:
         for s in spans:
             by_start.setdefault(s.start, []).append(s)
         starts = sorted(by_start)
-        into: dict[str, tuple[object, float]] = {}  # a span's way in: the host dialled first, and the rest of the way (s)
+        into: dict[str, tuple[Host, float]] = {}  # a span's way in: the host dialled first, and the rest of the way (s)
         for s in spans:
             relay = peers[s.peer_id].relay
             into[s.peer_id] = (peers[s.peer_id].host, 0.0) if relay is None else \
