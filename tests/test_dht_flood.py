@@ -490,13 +490,14 @@ def test_a_one_topic_digest_is_the_longest_prefix_that_fits_its_budget(count, bu
     and packs within it."""
     from meshnet_p2p.dht.gossip import _ENTRY_OVERHEAD, _TOPIC_OVERHEAD, SIGNER_TAG_BYTES
 
-    state = GossipState()
+    state = GossipState(max_per_topic=512)
     now = wall_ms()
     topic = "model/" + "ab" * 32
-    held = state.topics.setdefault(topic, {})
     for i in range(count):
         signer = bytes([0, 36]) + i.to_bytes(36, "big")
-        held[signer] = Record("t", {"key": topic}, i, now, now + 60_000, PeerId(signer), b"", b"w")
+        assert state.offer(topic, Record("t", {"key": topic}, i, now, now + 60_000, PeerId(signer), b"", b"w"),
+                           now) == "new"
+    held = state.topics[topic] if count else {}
     if -60 <= budget <= 60:  # near the edge where the whole topic just fits, or just does not
         budget += 8 + len(topic) + _TOPIC_OVERHEAD + count * (SIGNER_TAG_BYTES + _ENTRY_OVERHEAD)
     got = state.digest_of(topic, budget=budget)[topic]
@@ -510,3 +511,28 @@ def test_a_one_topic_digest_is_the_longest_prefix_that_fits_its_budget(count, bu
     assert all(got[s[-SIGNER_TAG_BYTES:]] == held[s].seq for s in list(held)[:fits])
     if got:
         assert len(msgpack.packb({topic: got}, use_bin_type=True)) <= budget
+
+
+@given(st.lists(st.tuples(st.sampled_from(["offer", "offer", "offer", "expire", "drop"]),
+                          st.integers(0, 1), st.integers(0, 11), st.integers(0, 5), st.integers(1, 4)),
+                max_size=60))
+def test_a_topic_digest_kept_as_records_come_and_go_names_what_is_held(steps):
+    """digest_of names a topic's held signers and their seqs in the order held, kept
+    as records are offered (new signers, newer and older seqs), expire and are
+    dropped, not rebuilt per pull (docs/scale.md)."""
+    state, now = GossipState(), wall_ms()
+    topics = ["model/" + "ab" * 32, "model/" + "cd" * 32]
+    for what, t, who, seq, minutes in steps:
+        topic = topics[t]
+        if what == "offer":
+            signer = bytes([0, 36]) + who.to_bytes(36, "big")
+            state.offer(topic, Record("t", {"key": topic}, seq, now, now + minutes * 60_000, PeerId(signer),
+                                      b"", b"w"), now)
+        elif what == "expire":
+            now += 60_000
+            state.expire(now)
+        else:
+            state.drop(topic)
+        for topic in topics:
+            held = state.topics.get(topic, {})
+            assert list(state.digest_of(topic)[topic].items()) == [(r.signer.tag, r.seq) for r in held.values()]

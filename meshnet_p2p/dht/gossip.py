@@ -73,6 +73,11 @@ class GossipState:
     _short: dict[str, int] = field(default_factory=dict)  # short-lived topic -> its records
     _short_count: int = 0
     _since: dict[str, dict[bytes, int]] = field(default_factory=dict)  # topic -> signer -> refresh.since_after
+    # topic -> {signer tag: seq} of what it holds, kept as records come and go: a follower's
+    # every pull names a whole topic, and building it per pull was ~4 % of a simulated
+    # swarm's CPU (docs/scale.md). Two signers sharing a tag (one ground ~2**64 keys) are
+    # named once, with either's seq, as a digest always could.
+    _seqs: dict[str, dict[bytes, int]] = field(default_factory=dict)
 
     def offer(self, topic: str, record: Record, now_ms: int, *, short: bool = False,
               volatile: frozenset[str] = frozenset()) -> str:
@@ -110,6 +115,7 @@ class GossipState:
                 self._short[topic] = self._short.get(topic, 0) + 1
                 self._short_count += 1
         held[signer] = record
+        self._seqs.setdefault(topic, {})[record.signer.tag] = record.seq
         same = known is not None and refresh.same_but_load(known, record, volatile)
         since = self._since.setdefault(topic, {})
         since[signer] = refresh.since_after(known, since.get(signer), record, same=same)
@@ -263,7 +269,7 @@ class GossipState:
         used = 8 + len(topic.encode()) + _TOPIC_OVERHEAD
         held = self.topics.get(topic, {})
         if used + len(held) * (SIGNER_TAG_BYTES + _ENTRY_OVERHEAD) <= budget:  # all of it fits: no count kept
-            return {topic: {rec.signer.tag: rec.seq for rec in held.values()}}
+            return {topic: dict(self._seqs.get(topic, {}))}
         for rec in held.values():
             used += SIGNER_TAG_BYTES + _ENTRY_OVERHEAD
             if used > budget:
@@ -275,6 +281,7 @@ class GossipState:
         """Forget a topic (no longer followed)."""
         records = self.topics.pop(topic, {})
         self._since.pop(topic, None)
+        self._seqs.pop(topic, None)
         self._count -= len(records)
         if topic in self._short:
             self._short_count -= self._short.pop(topic)
@@ -288,6 +295,8 @@ class GossipState:
                 del records[signer]
                 since.pop(signer, None)
                 self._count -= 1
+            if gone:  # (rebuilt: a tag another held signer shares stays named)
+                self._seqs[topic] = {r.signer.tag: r.seq for r in records.values()}
             if gone and topic in self._short:
                 self._short[topic] -= len(gone)
                 self._short_count -= len(gone)
@@ -296,4 +305,5 @@ class GossipState:
             if not records:
                 del self.topics[topic]
                 self._since.pop(topic, None)
+                self._seqs.pop(topic, None)
         self._prune_buckets(now_ms)
