@@ -468,3 +468,51 @@ def test_a_topic_is_full_exactly_when_a_new_signers_record_would_be_refused_as_f
 
 # records of seven signers, for the tests of a gossip state's bounds (its topics are named when offered)
 _SIGNED = [RecordVerifier(TYPES).verify(report(7100 + i), _HELD_AT, remember=False) for i in range(7)]
+
+
+@given(st.lists(st.tuples(st.sampled_from(["gossip", "store", "expire"]), st.integers(0, 1), st.integers(0, 7),
+                          st.integers(0, 4), st.integers(1, 3)), max_size=40),
+       st.lists(st.tuples(st.integers(0, 1), st.integers(0, 9), st.integers(-1, 5)), max_size=12),
+       st.booleans())
+def test_a_pull_is_answered_from_the_records_its_digest_does_not_name_as_from_all_it_holds(steps, digest, new_signers):
+    """A pull's answer is drawn from what the answerer holds, gossiped or stored (the
+    newest a signer), that the digest does not name at its seq (tagged.py): a set
+    difference instead of walking and merging everything held for every pull
+    (docs/scale.md). The same records as from all of it, kept through offers,
+    stores, replacements and expiries."""
+    from meshnet_p2p.core.identity import PeerId
+    from meshnet_p2p.core.records import Record, keep_newest
+    from meshnet_p2p.dht.gossip import SIGNER_TAG_BYTES, GossipState
+    from meshnet_p2p.dht.storage import ValueStore
+    from meshnet_p2p.dht.tagged import unnamed
+
+    state, store, now = GossipState(), ValueStore(), wall_ms()
+    topics = [KEY, OTHER_KEY]
+    signer = [PeerId(bytes([0, 36]) + i.to_bytes(36, "big")) for i in range(10)]
+    for where, t, who, seq, minutes in steps:
+        if where == "expire":
+            now += 60_000
+            state.expire(now)
+            store.expire(now)
+            continue
+        rec = Record("t", {"key": topics[t]}, seq, now, now + minutes * 60_000, signer[who], b"", bytes([who, seq]))
+        if where == "gossip":
+            state.offer(topics[t], rec, now)
+        else:
+            store.put(topics[t], rec, now, source="a network")
+    have = {topic: {} for topic in topics}
+    for t, who, seq in digest:
+        have[topics[t]][signer[who].multihash[-SIGNER_TAG_BYTES:]] = seq
+
+    def everything(topic):  # as answers were drawn before: all held, merged per signer
+        return list(keep_newest(store.live(topic, now), state.records(topic)).values())
+
+    def the_unnamed(topic):
+        return unnamed(have[topic], state.tagged(topic), store.tagged(topic, now))
+
+    before = GossipState.missing_among(have, everything, budget=1 << 20, new_signers=new_signers)
+    after = GossipState.missing_among(have, the_unnamed, budget=1 << 20, new_signers=new_signers)
+    key = lambda r: (r.content["key"], r.signer.multihash, r.seq)  # noqa: E731
+    assert sorted(map(key, after)) == sorted(map(key, before))
+    for topic in topics:  # and a digest of everything held names nothing to send
+        assert unnamed(dict(state.tagged(topic).seqs) if state.tagged(topic) else {}, state.tagged(topic)) == []

@@ -26,7 +26,9 @@ A node may follow only some topics (``DHTNode.follows``: a volunteer, its own
 model's): its pull then names each topic it asks about, held records or none
 (``digest_of``), and the answer holds only those topics (``missing_among``,
 drawing on the answerer's store as well: a key's homes store every record put
-there, whether or not they follow it).
+there, whether or not they follow it). Both sides keep each topic's records by
+signer tag as they come and go (tagged.py): the digest is read off it, and the
+answer walks only what the digest does not name at its seq.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from meshnet_p2p.core.identity import PEER_TAG_BYTES
 from meshnet_p2p.core.ratelimit import TokenBucket
 from meshnet_p2p.core.records import Record
 from meshnet_p2p.dht import refresh
+from meshnet_p2p.dht.tagged import Tagged
 
 
 # A pull's digest must fit one datagram (wire.MAX_DATAGRAM, 60,000 bytes) with its
@@ -73,11 +76,8 @@ class GossipState:
     _short: dict[str, int] = field(default_factory=dict)  # short-lived topic -> its records
     _short_count: int = 0
     _since: dict[str, dict[bytes, int]] = field(default_factory=dict)  # topic -> signer -> refresh.since_after
-    # topic -> {signer tag: seq} of what it holds, kept as records come and go: a follower's
-    # every pull names a whole topic, and building it per pull was ~4 % of a simulated
-    # swarm's CPU (docs/scale.md). Two signers sharing a tag (one ground ~2**64 keys) are
-    # named once, with either's seq, as a digest always could.
-    _seqs: dict[str, dict[bytes, int]] = field(default_factory=dict)
+    # topic -> its records by signer tag, and the {tag: seq} its digest names (tagged.py)
+    _tagged: dict[str, Tagged] = field(default_factory=dict)
 
     def offer(self, topic: str, record: Record, now_ms: int, *, short: bool = False,
               volatile: frozenset[str] = frozenset()) -> str:
@@ -115,7 +115,7 @@ class GossipState:
                 self._short[topic] = self._short.get(topic, 0) + 1
                 self._short_count += 1
         held[signer] = record
-        self._seqs.setdefault(topic, {})[record.signer.tag] = record.seq
+        self._tagged.setdefault(topic, Tagged()).put(record)
         same = known is not None and refresh.same_but_load(known, record, volatile)
         since = self._since.setdefault(topic, {})
         since[signer] = refresh.since_after(known, since.get(signer), record, same=same)
@@ -162,6 +162,10 @@ class GossipState:
             return False
         rec = self.topics.get(topic, {}).get(signer)
         return rec is not None and rec.seq >= seq
+
+    def tagged(self, topic: str) -> Tagged | None:
+        """``topic``'s records by signer tag (tagged.py), or None if it holds none."""
+        return self._tagged.get(topic)
 
     def records(self, topic: str) -> list[Record]:
         return list(self.topics.get(topic, {}).values())
@@ -269,7 +273,7 @@ class GossipState:
         used = 8 + len(topic.encode()) + _TOPIC_OVERHEAD
         held = self.topics.get(topic, {})
         if used + len(held) * (SIGNER_TAG_BYTES + _ENTRY_OVERHEAD) <= budget:  # all of it fits: no count kept
-            return {topic: dict(self._seqs.get(topic, {}))}
+            return {topic: dict(self._tagged[topic].seqs) if topic in self._tagged else {}}
         for rec in held.values():
             used += SIGNER_TAG_BYTES + _ENTRY_OVERHEAD
             if used > budget:
@@ -281,7 +285,7 @@ class GossipState:
         """Forget a topic (no longer followed)."""
         records = self.topics.pop(topic, {})
         self._since.pop(topic, None)
-        self._seqs.pop(topic, None)
+        self._tagged.pop(topic, None)
         self._count -= len(records)
         if topic in self._short:
             self._short_count -= self._short.pop(topic)
@@ -292,11 +296,9 @@ class GossipState:
             gone = [s for s, r in records.items() if r.expires_at_ms <= now_ms]
             since = self._since.get(topic, {})
             for signer in gone:
-                del records[signer]
+                self._tagged[topic].drop(records.pop(signer))
                 since.pop(signer, None)
                 self._count -= 1
-            if gone:  # (rebuilt: a tag another held signer shares stays named)
-                self._seqs[topic] = {r.signer.tag: r.seq for r in records.values()}
             if gone and topic in self._short:
                 self._short[topic] -= len(gone)
                 self._short_count -= len(gone)
@@ -305,5 +307,5 @@ class GossipState:
             if not records:
                 del self.topics[topic]
                 self._since.pop(topic, None)
-                self._seqs.pop(topic, None)
+                self._tagged.pop(topic, None)
         self._prune_buckets(now_ms)

@@ -41,6 +41,7 @@ from .gossip import GossipState
 from .topics import Follows
 from .lookup import iterative_lookup
 from .pending import Pending
+from .tagged import unnamed
 from meshnet_p2p.core.ratelimit import SourceRates
 from .routing import Contact, RoutingTable, key_id, node_id_of
 from meshnet_p2p.core.netgroup import network_of, networks
@@ -564,7 +565,8 @@ class DHTNode:
             if body.get("only") is True:  # the asker follows these topics, and only these
                 for topic in have:
                     self._heard_follower(topic, msg.sender)
-                missing = self.gossip.missing_among(have, self._topic_records, budget=REPLY_BUDGET_BYTES,
+                missing = self.gossip.missing_among(have, lambda topic: self._unnamed(topic, have[topic]),
+                                                    budget=REPLY_BUDGET_BYTES,
                                                     stands=self._copy_stands, new_signers=body.get("full") is not True)
             else:
                 after, upto = self.gossip.parse_bound(body.get("after")), self.gossip.parse_bound(body.get("upto"))
@@ -599,12 +601,10 @@ class DHTNode:
                 self._push_to(self._follower_contacts(key, exclude={record.signer}), record.wire)
         return ok, reason
 
-    def _topic_records(self, topic: str) -> list[Record]:
-        """What this node holds of a topic, gossiped or stored, one record a signer."""
-        stored = self.store.live(topic, self.now_ms())
-        if not stored:  # most nodes are not among a topic's homes: nothing to merge
-            return self.gossip.records(topic)
-        return list(keep_newest(stored, self.gossip.records(topic)).values())
+    def _unnamed(self, topic: str, theirs: dict[bytes, int]) -> list[Record]:
+        """What this node holds of a topic, gossiped or stored (newest a signer), that a
+        pull's digest of it does not name at its seq (tagged.py): what it may lack."""
+        return unnamed(theirs, self.gossip.tagged(topic), self.store.tagged(topic, self.now_ms()))
 
     def _volatile(self, record: Record) -> frozenset[str]:
         """Its payload type's load fields: what a refresh of it may change."""

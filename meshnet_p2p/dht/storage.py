@@ -40,6 +40,7 @@ from typing import Any, Callable, Collection
 
 from meshnet_p2p.core.records import Record
 from meshnet_p2p.dht.refresh import since_after
+from meshnet_p2p.dht.tagged import Tagged
 
 TAG_BYTES = 8  # of a record's signature: which version of which signer's record it is
 MAX_KNOWN_TAGS = 512  # tags a reader names as already held, in one find_value (4 KB)
@@ -79,6 +80,7 @@ class ValueStore:
     max_bytes: int = 256 * 1024 * 1024
     max_bytes_per_network: int = 16 * 1024 * 1024
     _by_key: dict[str, dict[bytes, Record]] = field(default_factory=dict)
+    _tagged: dict[str, Tagged] = field(default_factory=dict)  # key -> its values by signer tag (tagged.py)
     _keys_of_signer: dict[bytes, set[str]] = field(default_factory=dict)
     _meta: dict[Slot, _Meta] = field(default_factory=dict)
     _of_source: dict[Any, dict[Slot, None]] = field(default_factory=dict)  # source -> its values (not None's)
@@ -127,6 +129,7 @@ class ValueStore:
             if old.seq > record.seq or (old.seq == record.seq and old.wire != record.wire):
                 return False, f"sequence {record.seq} is not newer than the stored {old.seq}"
             values[signer] = record
+            self._tagged[key].put(record)
             meta = self._meta[(key, signer)]
             meta.expires_at_ms, meta.short = expires, short  # a re-store renews (by today's policy)
             meta.since = since_after(old, meta.since, record, volatile)
@@ -159,6 +162,7 @@ class ValueStore:
                 return False, "this node's store is full"
             self._drop(*victim)
         self._by_key.setdefault(key, values)[signer] = record
+        self._tagged.setdefault(key, Tagged()).put(record)
         self._keys_of_signer.setdefault(signer, set()).add(key)
         self._meta[(key, signer)] = _Meta(source, expires, short, since_after(None, None, record))
         self._soonest[key] = min(self._soonest.get(key, expires), expires)
@@ -239,8 +243,10 @@ class ValueStore:
     def _drop(self, key: str, signer: bytes) -> None:
         values = self._by_key[key]
         dropped = values.pop(signer)
+        self._tagged[key].drop(dropped)
         if not values:
             del self._by_key[key]
+            del self._tagged[key]
             self._soonest.pop(key, None)
         keys = self._keys_of_signer[signer]
         keys.discard(key)
@@ -300,6 +306,11 @@ class ValueStore:
         """Every live record of ``key``, by signer (a copy; unordered, unbounded: for this node's own use)."""
         self.expire_key(key, now_ms)
         return dict(self._by_key.get(key, {}))
+
+    def tagged(self, key: str, now_ms: int) -> Tagged | None:
+        """``key``'s live values by signer tag (tagged.py), or None if it holds none."""
+        self.expire_key(key, now_ms)
+        return self._tagged.get(key)
 
     def expire_key(self, key: str, now_ms: int) -> None:
         values = self._by_key.get(key)

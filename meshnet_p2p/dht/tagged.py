@@ -1,0 +1,57 @@
+"""A topic's held records by their signer's tag, kept as records come and go.
+
+A follower pulls a topic about once a second, naming every signer it holds by
+tag with its seq (gossip's digest); the answerer sends what it holds newer.
+Walking a topic's up to 256 records (and, at a key's home, merging the stored
+ones with the gossiped) for every digest, and building each digest afresh, was
+a fifth of a simulated swarm's CPU (docs/scale.md). Kept per topic instead:
+``seqs`` ({tag: seq}) is a digest's whole topic, and the records a digest does
+not name at their seq are a set difference, taken in C, so an answer walks only
+those (usually few). Two signers of a topic sharing a tag (one ground ~2**64
+keys for it) are held here once: the other is not offered by pull, as a digest
+could never name it apart.
+"""
+
+from __future__ import annotations
+
+from meshnet_p2p.core.records import Record
+
+
+class Tagged:
+    __slots__ = ("seqs", "records")
+
+    def __init__(self) -> None:
+        self.seqs: dict[bytes, int] = {}  # signer tag -> the seq held
+        self.records: dict[bytes, Record] = {}  # signer tag -> the record held
+
+    def put(self, record: Record) -> None:
+        """``record`` is now its signer's held record (new, or in place of an older)."""
+        t = record.signer.tag
+        self.seqs[t] = record.seq
+        self.records[t] = record
+
+    def drop(self, record: Record) -> None:
+        """``record`` is no longer held."""
+        t = record.signer.tag
+        if self.records.get(t) is record:
+            del self.records[t], self.seqs[t]
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+def unnamed(theirs: dict[bytes, int], *held: Tagged | None) -> list[Record]:
+    """The newest record of each tag over ``held`` whose (tag, seq) ``theirs`` (a
+    digest's topic) does not name: every record an answer may owe it (newer than
+    it holds, or of a signer it lacks), among some it does not (older than it holds:
+    the caller compares). In tag order."""
+    named = theirs.items()
+    out: dict[bytes, Record] = {}
+    for h in held:
+        if h is None:
+            continue
+        for t, seq in h.seqs.items() - named:
+            have = out.get(t)
+            if have is None or have.seq < seq:
+                out[t] = h.records[t]
+    return [out[t] for t in sorted(out)]
