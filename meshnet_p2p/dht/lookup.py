@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Generic, Iterable, Sequence, TypeVar
 
@@ -61,14 +60,15 @@ def diverse(contacts: Iterable[Contact], per_group: int | None) -> list[Contact]
     (exempt addresses are all kept; None keeps everything)."""
     if per_group is None:
         return list(contacts)
-    taken: Counter[str] = Counter()
+    taken: dict[str, int] = {}  # (a Counter's missing key is a Python call: this runs on every answer)
     out = []
     for c in contacts:
         g = ip_group(c.host)
         if g is not None:
-            if taken[g] >= per_group:
+            n = taken.get(g, 0)
+            if n >= per_group:
                 continue
-            taken[g] += 1
+            taken[g] = n + 1
         out.append(c)
     return out
 
@@ -215,12 +215,14 @@ async def _one_path(target: int, seeds: list[Contact], call, me: int, claimed: d
         # docs/scale.md). A lookup of a node that left pays for it (twice: asked again once).
         return timeout if node_id == target else slow.after
 
-    def window(answered: bool) -> list[Contact]:
+    def window(answered: bool, unasked: int = 0) -> list[Contact]:
         """The k nearest candidates that answered (or, not ``answered``: that this path
         may still ask or wait for), at most per_path of a network (as :func:`diverse`),
         read off the front of ``ranked``: called on every answer, and written out as
-        one loop for it."""
+        one loop for it. With ``unasked``: only the first that many of them not yet
+        asked (what the free slots take), read no further than they are."""
         out: list[Contact] = []
+        fresh: list[Contact] = []
         taken: dict[str, int] = {}
         for _, i in ranked:
             s = state.get(i)
@@ -232,12 +234,13 @@ async def _one_path(target: int, seeds: list[Contact], call, me: int, claimed: d
                     continue
                 taken[g] = n + 1
             out.append(candidates[i])
+            if unasked and i not in state:
+                fresh.append(candidates[i])
+                if len(fresh) == unasked:
+                    break
             if len(out) == k:
                 break
-        return out
-
-    def next_up() -> list[Contact]:
-        return [c for c in window(answered=False) if c.node_id not in state]
+        return fresh if unasked else out
 
     async def query(c: Contact) -> None:
         answer, t0 = None, trio.current_time()
@@ -257,7 +260,8 @@ async def _one_path(target: int, seeds: list[Contact], call, me: int, claimed: d
             nursery.start_soon(query, c)
 
         while True:
-            for c in next_up()[: max(0, alpha - len(started))]:
+            free = alpha - len(started)
+            for c in window(answered=False, unasked=free) if free > 0 else ():
                 if queried >= max_queries:
                     break
                 claimed[c.node_id] = me
