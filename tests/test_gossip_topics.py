@@ -479,7 +479,7 @@ def test_a_pull_is_answered_from_the_records_its_digest_does_not_name_as_from_al
     newest a signer), that the digest does not name at its seq (tagged.py): a set
     difference instead of walking and merging everything held for every pull
     (docs/scale.md). The same records as from all of it, kept through offers,
-    stores, replacements and expiries."""
+    stores, replacements and expiries, and in the order held."""
     from meshnet_p2p.core.identity import PeerId
     from meshnet_p2p.core.records import Record, keep_newest
     from meshnet_p2p.dht.gossip import SIGNER_TAG_BYTES, GossipState
@@ -514,5 +514,24 @@ def test_a_pull_is_answered_from_the_records_its_digest_does_not_name_as_from_al
     after = GossipState.missing_among(have, the_unnamed, budget=1 << 20, new_signers=new_signers)
     key = lambda r: (r.content["key"], r.signer.multihash, r.seq)  # noqa: E731
     assert sorted(map(key, after)) == sorted(map(key, before))
+    if not any(store.live(topic, now) for topic in topics):  # in the order held (not every asker the same first)
+        assert list(map(key, after)) == list(map(key, before))
     for topic in topics:  # and a digest of everything held names nothing to send
         assert unnamed(dict(state.tagged(topic).seqs) if state.tagged(topic) else {}, state.tagged(topic)) == []
+
+
+def test_a_pull_is_offered_what_the_answerer_holds_in_the_order_it_got_it_not_by_tag():
+    """Were answers in tag order, every answerer would offer an asker the same
+    signers first, and followers with room for only part of a topic (more
+    volunteers than it holds) would all hold the same part (docs/scale.md)."""
+    from meshnet_p2p.core.identity import PeerId
+    from meshnet_p2p.core.records import Record
+    from meshnet_p2p.dht.gossip import GossipState
+    from meshnet_p2p.dht.tagged import unnamed
+
+    state, now = GossipState(), wall_ms()
+    arrived = [PeerId(bytes([0, 36]) + i.to_bytes(36, "big")) for i in (5, 2, 9, 0, 7)]
+    for i, signer in enumerate(arrived):
+        state.offer(KEY, Record("t", {"key": KEY}, 1, now, now + 60_000, signer, b"", bytes([i])), now)
+    assert [r.signer for r in unnamed({}, state.tagged(KEY))] == arrived
+    assert [r.signer for r in unnamed({arrived[2].tag: 1}, state.tagged(KEY))] == arrived[:2] + arrived[3:]

@@ -3,13 +3,13 @@
 A follower pulls a topic about once a second, naming every signer it holds by
 tag with its seq (gossip's digest); the answerer sends what it holds newer.
 Walking a topic's up to 256 records (and, at a key's home, merging the stored
-ones with the gossiped) for every digest, and building each digest afresh, was
-a fifth of a simulated swarm's CPU (docs/scale.md). Kept per topic instead:
-``seqs`` ({tag: seq}) is a digest's whole topic, and the records a digest does
-not name at their seq are a set difference, taken in C, so an answer walks only
-those (usually few). Two signers of a topic sharing a tag (one ground ~2**64
-keys for it) are held here once: the other is not offered by pull, as a digest
-could never name it apart.
+ones with the gossiped) for every digest, and building each digest afresh,
+was 16 % of a profile of a simulated 10,000-peer swarm (docs/scale.md). Kept
+per topic instead: ``seqs`` ({tag: seq}) is a digest's whole topic, and the
+records a digest does not name at their seq are a set difference, taken in C,
+so an answer walks only those (usually few). Two signers of a topic sharing a
+tag (one ground ~2**64 keys for it) are held here once: the other is not
+offered by pull, as a digest could never name it apart.
 """
 
 from __future__ import annotations
@@ -36,15 +36,14 @@ class Tagged:
         if self.records.get(t) is record:
             del self.records[t], self.seqs[t]
 
-    def __len__(self) -> int:
-        return len(self.seqs)
-
 
 def unnamed(theirs: dict[bytes, int], *held: Tagged | None) -> list[Record]:
     """The newest record of each tag over ``held`` whose (tag, seq) ``theirs`` (a
     digest's topic) does not name: every record an answer may owe it (newer than
     it holds, or of a signer it lacks), among some it does not (older than it holds:
-    the caller compares). In tag order."""
+    the caller compares). In the order ``held`` holds them: the order each got its
+    records (tag order would offer every asker the same signers first, and an asker
+    with room for only some would hold the same part of a topic as every other)."""
     named = theirs.items()
     out: dict[bytes, Record] = {}
     for h in held:
@@ -54,4 +53,7 @@ def unnamed(theirs: dict[bytes, int], *held: Tagged | None) -> list[Record]:
             have = out.get(t)
             if have is None or have.seq < seq:
                 out[t] = h.records[t]
-    return [out[t] for t in sorted(out)]
+    if not out:
+        return []
+    order = dict.fromkeys(t for h in held if h is not None for t in h.seqs if t in out)
+    return [out[t] for t in order]
