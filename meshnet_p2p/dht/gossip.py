@@ -115,7 +115,10 @@ class GossipState:
                 self._short[topic] = self._short.get(topic, 0) + 1
                 self._short_count += 1
         held[signer] = record
-        self._tagged.setdefault(topic, Tagged()).put(record)
+        tagged = self._tagged.get(topic)
+        if tagged is None:  # (setdefault would build an index per record)
+            tagged = self._tagged[topic] = Tagged()
+        tagged.put(record)
         same = known is not None and refresh.same_but_load(known, record, volatile)
         since = self._since.setdefault(topic, {})
         since[signer] = refresh.since_after(known, since.get(signer), record, same=same)

@@ -62,7 +62,8 @@ class Pending(Parked, Generic[T]):
         if self.answer is not None:
             return False
         self.answer = answer
-        self.wake(outcome.Value(answer))
+        if self._task is not None:  # (no outcome made for nobody: most answers come before the wait)
+            self.wake(outcome.Value(answer))
         return True
 
     async def wait(self) -> T:

@@ -162,7 +162,10 @@ class ValueStore:
                 return False, "this node's store is full"
             self._drop(*victim)
         self._by_key.setdefault(key, values)[signer] = record
-        self._tagged.setdefault(key, Tagged()).put(record)
+        tagged = self._tagged.get(key)
+        if tagged is None:  # (setdefault would build an index per record)
+            tagged = self._tagged[key] = Tagged()
+        tagged.put(record)
         self._keys_of_signer.setdefault(signer, set()).add(key)
         self._meta[(key, signer)] = _Meta(source, expires, short, since_after(None, None, record))
         self._soonest[key] = min(self._soonest.get(key, expires), expires)

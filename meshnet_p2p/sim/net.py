@@ -184,8 +184,10 @@ class Inbox(Parked):
         self.closed = False
 
     def put(self, item: tuple[bytes, Addr]) -> None:
-        if not self.wake(outcome.Value(item)):
+        if self._task is None:  # (no outcome made per datagram when nobody waits)
             self.items.append(item)
+        else:
+            self.wake(outcome.Value(item))
 
     def close(self) -> None:
         self.closed = True
