@@ -479,7 +479,8 @@ def test_a_pull_is_answered_from_the_records_its_digest_does_not_name_as_from_al
     newest a signer), that the digest does not name at its seq (tagged.py): a set
     difference instead of walking and merging everything held for every pull
     (docs/scale.md). The same records as from all of it, kept through offers,
-    stores, replacements and expiries, and in the order held."""
+    stores, replacements and expiries, and in the order held; for an asker
+    whose topic is full (no ``new_signers``), drawn from the signers it names."""
     from meshnet_p2p.core.identity import PeerId
     from meshnet_p2p.core.records import Record, keep_newest
     from meshnet_p2p.dht.gossip import SIGNER_TAG_BYTES, GossipState
@@ -508,7 +509,7 @@ def test_a_pull_is_answered_from_the_records_its_digest_does_not_name_as_from_al
         return list(keep_newest(store.live(topic, now), state.records(topic)).values())
 
     def the_unnamed(topic):
-        return unnamed(have[topic], state.tagged(topic), store.tagged(topic, now))
+        return unnamed(have[topic], state.tagged(topic), store.tagged(topic, now), named_only=not new_signers)
 
     before = GossipState.missing_among(have, everything, budget=1 << 20, new_signers=new_signers)
     after = GossipState.missing_among(have, the_unnamed, budget=1 << 20, new_signers=new_signers)
@@ -516,6 +517,11 @@ def test_a_pull_is_answered_from_the_records_its_digest_does_not_name_as_from_al
     assert sorted(map(key, after)) == sorted(map(key, before))
     if not any(store.live(topic, now) for topic in topics):  # in the order held (not every asker the same first)
         assert list(map(key, after)) == list(map(key, before))
+    for topic in topics:  # gossip's order, then the store's for signers gossip lacks
+        held = [h for h in (state.tagged(topic), store.tagged(topic, now)) if h is not None]
+        assert all(h.arrival.keys() == h.seqs.keys() == h.records.keys() for h in held)
+        got = [r.signer.tag for r in after if r.content["key"] == topic]
+        assert got == [t for t in dict.fromkeys(t for h in held for t in h.seqs) if t in got]
     for topic in topics:  # and a digest of everything held names nothing to send
         assert unnamed(dict(state.tagged(topic).seqs) if state.tagged(topic) else {}, state.tagged(topic)) == []
 

@@ -565,9 +565,10 @@ class DHTNode:
             if body.get("only") is True:  # the asker follows these topics, and only these
                 for topic in have:
                     self._heard_follower(topic, msg.sender)
-                missing = self.gossip.missing_among(have, lambda topic: self._unnamed(topic, have[topic]),
+                full = body.get("full") is True  # it could hold no new signer: only newer of those it names
+                missing = self.gossip.missing_among(have, lambda topic: self._unnamed(topic, have[topic], full),
                                                     budget=REPLY_BUDGET_BYTES,
-                                                    stands=self._copy_stands, new_signers=body.get("full") is not True)
+                                                    stands=self._copy_stands, new_signers=not full)
             else:
                 after, upto = self.gossip.parse_bound(body.get("after")), self.gossip.parse_bound(body.get("upto"))
                 missing = self.gossip.missing_from(have, budget=REPLY_BUDGET_BYTES, now_ms=self.now_ms(),
@@ -601,10 +602,12 @@ class DHTNode:
                 self._push_to(self._follower_contacts(key, exclude={record.signer}), record.wire)
         return ok, reason
 
-    def _unnamed(self, topic: str, theirs: dict[bytes, int]) -> list[Record]:
+    def _unnamed(self, topic: str, theirs: dict[bytes, int], named_only: bool) -> list[Record]:
         """What this node holds of a topic, gossiped or stored (newest a signer), that a
-        pull's digest of it does not name at its seq (tagged.py): what it may lack."""
-        return unnamed(theirs, self.gossip.tagged(topic), self.store.tagged(topic, self.now_ms()))
+        pull's digest of it does not name at its seq (tagged.py): what it may lack
+        (with ``named_only``, only of the signers it names)."""
+        return unnamed(theirs, self.gossip.tagged(topic), self.store.tagged(topic, self.now_ms()),
+                       named_only=named_only)
 
     def _volatile(self, record: Record) -> frozenset[str]:
         """Its payload type's load fields: what a refresh of it may change."""

@@ -18,15 +18,23 @@ from meshnet_p2p.core.records import Record
 
 
 class Tagged:
-    __slots__ = ("seqs", "records")
+    __slots__ = ("seqs", "records", "arrival", "_arrived")
 
     def __init__(self) -> None:
         self.seqs: dict[bytes, int] = {}  # signer tag -> the seq held
         self.records: dict[bytes, Record] = {}  # signer tag -> the record held
+        # signer tag -> when (a count) its signer's first held record came: the order
+        # held (a newer record of a signer keeps its place, as in ``seqs``), so an
+        # answer sorts only what it offers instead of walking everything held
+        self.arrival: dict[bytes, int] = {}
+        self._arrived = 0
 
     def put(self, record: Record) -> None:
         """``record`` is now its signer's held record (new, or in place of an older)."""
         t = record.signer.tag
+        if t not in self.seqs:
+            self.arrival[t] = self._arrived
+            self._arrived += 1
         self.seqs[t] = record.seq
         self.records[t] = record
 
@@ -34,26 +42,37 @@ class Tagged:
         """``record`` is no longer held."""
         t = record.signer.tag
         if self.records.get(t) is record:
-            del self.records[t], self.seqs[t]
+            del self.records[t], self.seqs[t], self.arrival[t]
 
 
-def unnamed(theirs: dict[bytes, int], *held: Tagged | None) -> list[Record]:
+def unnamed(theirs: dict[bytes, int], *held: Tagged | None, named_only: bool = False) -> list[Record]:
     """The newest record of each tag over ``held`` whose (tag, seq) ``theirs`` (a
     digest's topic) does not name: every record an answer may owe it (newer than
     it holds, or of a signer it lacks), among some it does not (older than it holds:
-    the caller compares). In the order ``held`` holds them: the order each got its
-    records (tag order would offer every asker the same signers first, and an asker
-    with room for only some would hold the same part of a topic as every other)."""
+    the caller compares); with ``named_only`` (an asker whose topic is full: it
+    could hold no new signer) only of tags it names. In the order ``held`` holds
+    them: the order each got its records (tag order would offer every asker the
+    same signers first, and an asker with room for only some would hold the same
+    part of a topic as every other)."""
     named = theirs.items()
     out: dict[bytes, Record] = {}
     for h in held:
         if h is None:
             continue
-        for t, seq in h.seqs.items() - named:
+        differ = dict(h.seqs.items() - named)  # (set operations in C: most pulls name nearly all)
+        for t in (differ.keys() & theirs.keys() if named_only else differ):
             have = out.get(t)
-            if have is None or have.seq < seq:
+            if have is None or have.seq < differ[t]:
                 out[t] = h.records[t]
-    if not out:
-        return []
-    order = dict.fromkeys(t for h in held if h is not None for t in h.seqs if t in out)
-    return [out[t] for t in order]
+    if len(out) < 2:
+        return list(out.values())
+    return [out[t] for t in sorted(out, key=lambda t: _place(t, held))]
+
+
+def _place(tag: bytes, held: tuple[Tagged | None, ...]) -> tuple[int, int]:
+    """Where ``tag`` stands in the order ``held`` holds: (the first source that
+    holds it, when it came there)."""
+    for i, h in enumerate(held):
+        if h is not None and tag in h.arrival:
+            return i, h.arrival[tag]
+    raise KeyError(tag)
