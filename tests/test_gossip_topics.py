@@ -474,6 +474,9 @@ _SIGNED = [RecordVerifier(TYPES).verify(report(7100 + i), _HELD_AT, remember=Fal
                           st.integers(0, 4), st.integers(1, 3)), max_size=40),
        st.lists(st.tuples(st.integers(0, 1), st.integers(0, 9), st.integers(-1, 5)), max_size=12),
        st.booleans())
+# a home's answer from both sources: signer 0 is newer in the store, so it comes in gossip's place, before signer 1
+@example(steps=[("gossip", 0, 0, 1, 1), ("gossip", 0, 1, 1, 1), ("store", 0, 0, 2, 1)], digest=[(0, 0, 1)],
+         new_signers=True)
 def test_a_pull_is_answered_from_the_records_its_digest_does_not_name_as_from_all_it_holds(steps, digest, new_signers):
     """A pull's answer is drawn from what the answerer holds, gossiped or stored (the
     newest a signer), that the digest does not name at its seq (tagged.py): a set

@@ -6,8 +6,9 @@ Walking a topic's up to 256 records (and, at a key's home, merging the stored
 ones with the gossiped) for every digest, and building each digest afresh,
 was 16 % of a profile of a simulated 10,000-peer swarm (docs/scale.md). Kept
 per topic instead: ``seqs`` ({tag: seq}) is a digest's whole topic, and the
-records a digest does not name at their seq are a set difference, taken in C,
-so an answer walks only those (usually few). Two signers of a topic sharing a
+records a digest does not name at their seq are found in one pass over the
+topic's tags (and none when the digest names exactly what is held), so an answer
+walks only those (usually few). Two signers of a topic sharing a
 tag (one ground ~2**64 keys for it) are held here once: the other is not
 offered by pull, as a digest could never name it apart.
 """
@@ -25,7 +26,8 @@ class Tagged:
         self.records: dict[bytes, Record] = {}  # signer tag -> the record held
         # signer tag -> when (a count) its signer's first held record came: the order
         # held (a newer record of a signer keeps its place, as in ``seqs``), so an
-        # answer sorts only what it offers instead of walking everything held
+        # answer drawn from two sources (a key's home: gossiped and stored) sorts
+        # only what it offers instead of walking everything held
         self.arrival: dict[bytes, int] = {}
         self._arrived = 0
 
@@ -54,25 +56,31 @@ def unnamed(theirs: dict[bytes, int], *held: Tagged | None, named_only: bool = F
     them: the order each got its records (tag order would offer every asker the
     same signers first, and an asker with room for only some would hold the same
     part of a topic as every other)."""
-    named = theirs.items()
     out: dict[bytes, Record] = {}
+    held = tuple(h for h in held if h is not None)
     for h in held:
-        if h is None:
+        if h.seqs == theirs:  # (a follower that holds what this source holds: nothing to walk)
             continue
-        differ = dict(h.seqs.items() - named)  # (set operations in C: most pulls name nearly all)
-        for t in (differ.keys() & theirs.keys() if named_only else differ):
+        seqs = h.seqs
+        # one pass in the order held, ~1.8x quicker here than a set difference of the items
+        # (which makes a tuple of each item of both sides: 256 a side for a full topic)
+        if named_only:
+            differ = [t for t, s in seqs.items() if (q := theirs.get(t)) is not None and q != s]
+        else:
+            differ = [t for t, s in seqs.items() if theirs.get(t) != s]
+        for t in differ:
             have = out.get(t)
-            if have is None or have.seq < differ[t]:
+            if have is None or have.seq < seqs[t]:
                 out[t] = h.records[t]
-    if len(out) < 2:
+    if len(held) < 2 or len(out) < 2:  # one source: found in the order it holds
         return list(out.values())
     return [out[t] for t in sorted(out, key=lambda t: _place(t, held))]
 
 
-def _place(tag: bytes, held: tuple[Tagged | None, ...]) -> tuple[int, int]:
+def _place(tag: bytes, held: tuple[Tagged, ...]) -> tuple[int, int]:
     """Where ``tag`` stands in the order ``held`` holds: (the first source that
     holds it, when it came there)."""
     for i, h in enumerate(held):
-        if h is not None and tag in h.arrival:
+        if tag in h.arrival:
             return i, h.arrival[tag]
     raise KeyError(tag)
