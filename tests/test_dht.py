@@ -125,7 +125,7 @@ def test_nearest_reads_full_tables_in_the_order_of_distance():
                  st.integers(0, 2**12).map(lambda x: ("near local", x))),
        st.integers(0, 30), st.sets(st.integers(1, 60), max_size=10))
 def test_nearest_and_len_follow_the_buckets_whatever_joins_moves_fails_or_is_evicted(ops, t, count, excluded):
-    # nearest() and len() keep an index of the buckets' members (and nearest() reads them off
+    # nearest(), len() and get() keep an index of the buckets' members (and nearest() reads them off
     # in bands of distance): it must never drift from sorting every member, whatever the
     # target (a member, the local ID, anywhere, or within the low buckets)
     local = node_id_of(swarm_identity(0).peer_id)
@@ -142,6 +142,8 @@ def test_nearest_and_len_follow_the_buckets_whatever_joins_moves_fails_or_is_evi
             table.evict(c.node_id)
     members = [m for b in table.buckets for m in b.members.values()]
     assert len(table) == len(members) and table.contacts() == members
+    assert all(table.get(contact(i).node_id) == table._bucket(contact(i).node_id).members.get(contact(i).node_id)
+               for i in range(1, 61))  # get() reads the index too
     kind, x = t
     target = {"contact": lambda: contact(x).node_id, "local": lambda: local, "any": lambda: x,
               "near local": lambda: local ^ x}[kind]()

@@ -202,7 +202,7 @@ class RoutingTable:
         b.failures.pop(node_id, None)
 
     def get(self, node_id: int) -> Contact | None:
-        return self._bucket(node_id).members.get(node_id)
+        return self._members.get(node_id)  # (every bucket's members in one dict: no bucket to find)
 
     def nearest(self, target: int, count: int | None = None, exclude: set[int] | frozenset[int] = frozenset()) -> list[Contact]:
         """The ``count`` members closest to ``target``, closest first, none of ``exclude``.
