@@ -19,24 +19,15 @@ from meshnet_p2p.core.records import Record
 
 
 class Tagged:
-    __slots__ = ("seqs", "records", "arrival", "_arrived")
+    __slots__ = ("seqs", "records")
 
     def __init__(self) -> None:
-        self.seqs: dict[bytes, int] = {}  # signer tag -> the seq held
+        self.seqs: dict[bytes, int] = {}  # signer tag -> the seq held (in the order first held)
         self.records: dict[bytes, Record] = {}  # signer tag -> the record held
-        # signer tag -> when (a count) its signer's first held record came: the order
-        # held (a newer record of a signer keeps its place, as in ``seqs``), so an
-        # answer drawn from two sources (a key's home: gossiped and stored) sorts
-        # only what it offers instead of walking everything held
-        self.arrival: dict[bytes, int] = {}
-        self._arrived = 0
 
     def put(self, record: Record) -> None:
         """``record`` is now its signer's held record (new, or in place of an older)."""
         t = record.signer.tag
-        if t not in self.seqs:
-            self.arrival[t] = self._arrived
-            self._arrived += 1
         self.seqs[t] = record.seq
         self.records[t] = record
 
@@ -44,7 +35,7 @@ class Tagged:
         """``record`` is no longer held."""
         t = record.signer.tag
         if self.records.get(t) is record:
-            del self.records[t], self.seqs[t], self.arrival[t]
+            del self.records[t], self.seqs[t]
 
 
 def unnamed(theirs: dict[bytes, int], *held: Tagged | None, named_only: bool = False) -> list[Record]:
@@ -72,15 +63,6 @@ def unnamed(theirs: dict[bytes, int], *held: Tagged | None, named_only: bool = F
             have = out.get(t)
             if have is None or have.seq < seqs[t]:
                 out[t] = h.records[t]
-    if len(held) < 2 or len(out) < 2:  # one source: found in the order it holds
+    if len(held) < 2 or len(out) < 2:  # one source (every node but a key's home): found in the order it holds
         return list(out.values())
-    return [out[t] for t in sorted(out, key=lambda t: _place(t, held))]
-
-
-def _place(tag: bytes, held: tuple[Tagged, ...]) -> tuple[int, int]:
-    """Where ``tag`` stands in the order ``held`` holds: (the first source that
-    holds it, when it came there)."""
-    for i, h in enumerate(held):
-        if tag in h.arrival:
-            return i, h.arrival[tag]
-    raise KeyError(tag)
+    return [out[t] for t in dict.fromkeys(t for h in held for t in h.seqs if t in out)]
