@@ -479,9 +479,9 @@ _SIGNED = [RecordVerifier(TYPES).verify(report(7100 + i), _HELD_AT, remember=Fal
          new_signers=True)
 def test_a_pull_is_answered_from_the_records_its_digest_does_not_name_as_from_all_it_holds(steps, digest, new_signers):
     """A pull's answer is drawn from what the answerer holds, gossiped or stored (the
-    newest a signer), that the digest does not name at its seq (tagged.py): a set
-    difference instead of walking and merging everything held for every pull
-    (docs/scale.md). The same records as from all of it, kept through offers,
+    newest a signer), that the digest does not name at its seq (tagged.py): one
+    pass over each topic's tags instead of walking and merging everything held
+    for every pull (docs/scale.md). The same records as from all of it, kept through offers,
     stores, replacements and expiries, and in the order held; for an asker
     whose topic is full (no ``new_signers``), drawn from the signers it names."""
     from meshnet_p2p.core.identity import PeerId
