@@ -40,7 +40,7 @@ from meshnet_p2p.core.identity import PEER_TAG_BYTES
 from meshnet_p2p.core.ratelimit import TokenBucket
 from meshnet_p2p.core.records import Record
 from meshnet_p2p.dht import refresh
-from meshnet_p2p.dht.tagged import Tagged
+from meshnet_p2p.dht.tagged import Tagged, put_tagged
 
 
 # A pull's digest must fit one datagram (wire.MAX_DATAGRAM, 60,000 bytes) with its
@@ -115,10 +115,7 @@ class GossipState:
                 self._short[topic] = self._short.get(topic, 0) + 1
                 self._short_count += 1
         held[signer] = record
-        tagged = self._tagged.get(topic)
-        if tagged is None:  # (setdefault would build an index per record)
-            tagged = self._tagged[topic] = Tagged()
-        tagged.put(record)
+        put_tagged(self._tagged, topic, record)
         same = known is not None and refresh.same_but_load(known, record, volatile)
         since = self._since.setdefault(topic, {})
         since[signer] = refresh.since_after(known, since.get(signer), record, same=same)

@@ -38,6 +38,12 @@ class Parked:
         trio.lowlevel.reschedule(task, result)
         return True
 
+    def wake_value(self, value: object) -> bool:
+        """Resume the parked task with ``value``; False if nobody is parked. (Its
+        outcome is made only for a task to take: most answers and simulated
+        datagrams come while nobody waits.)"""
+        return self._task is not None and self.wake(outcome.Value(value))
+
     async def park(self, busy: str):
         if self._task is not None:
             raise trio.BusyResourceError(busy)
@@ -62,8 +68,7 @@ class Pending(Parked, Generic[T]):
         if self.answer is not None:
             return False
         self.answer = answer
-        if self._task is not None:  # (no outcome made for nobody: most answers come before the wait)
-            self.wake(outcome.Value(answer))
+        self.wake_value(answer)
         return True
 
     async def wait(self) -> T:

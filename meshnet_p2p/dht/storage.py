@@ -40,7 +40,7 @@ from typing import Any, Callable, Collection
 
 from meshnet_p2p.core.records import Record
 from meshnet_p2p.dht.refresh import since_after
-from meshnet_p2p.dht.tagged import Tagged
+from meshnet_p2p.dht.tagged import Tagged, put_tagged
 
 TAG_BYTES = 8  # of a record's signature: which version of which signer's record it is
 MAX_KNOWN_TAGS = 512  # tags a reader names as already held, in one find_value (4 KB)
@@ -162,10 +162,7 @@ class ValueStore:
                 return False, "this node's store is full"
             self._drop(*victim)
         self._by_key.setdefault(key, values)[signer] = record
-        tagged = self._tagged.get(key)
-        if tagged is None:  # (setdefault would build an index per record)
-            tagged = self._tagged[key] = Tagged()
-        tagged.put(record)
+        put_tagged(self._tagged, key, record)
         self._keys_of_signer.setdefault(signer, set()).add(key)
         self._meta[(key, signer)] = _Meta(source, expires, short, since_after(None, None, record))
         self._soonest[key] = min(self._soonest.get(key, expires), expires)

@@ -38,6 +38,15 @@ class Tagged:
             del self.records[t], self.seqs[t]
 
 
+def put_tagged(index: dict[str, Tagged], topic: str, record: Record) -> None:
+    """``record`` is now its signer's held record of ``topic`` in ``index`` (a
+    topic's index made with its first record, not per record as setdefault would)."""
+    tagged = index.get(topic)
+    if tagged is None:
+        tagged = index[topic] = Tagged()
+    tagged.put(record)
+
+
 def unnamed(theirs: dict[bytes, int], *held: Tagged | None, named_only: bool = False) -> list[Record]:
     """The newest record of each tag over ``held`` whose (tag, seq) ``theirs`` (a
     digest's topic) does not name: every record an answer may owe it (newer than

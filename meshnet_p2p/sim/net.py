@@ -184,10 +184,8 @@ class Inbox(Parked):
         self.closed = False
 
     def put(self, item: tuple[bytes, Addr]) -> None:
-        if self._task is None:  # (no outcome made per datagram when nobody waits)
+        if not self.wake_value(item):
             self.items.append(item)
-        else:
-            self.wake(outcome.Value(item))
 
     def close(self) -> None:
         self.closed = True
