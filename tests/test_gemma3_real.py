@@ -69,3 +69,21 @@ def test_real_gemma3_chain_matches_whole_model_bit_for_bit(gemma, load_engine, s
     # the tail samples after every prefill chunk too: the last MAX_TOKENS are the steps
     for i, (mine, ref) in enumerate(zip(step_logits[-MAX_TOKENS:], ref_logits, strict=True)):
         assert mine.tobytes() == ref.tobytes(), f"logits of step {i} differ"
+
+
+# sha256 of the real model's shards as the writer of our own wrote them, before files
+# were written by gguf-py's GGUFWriter: the head re-encodes the 262k-token vocabulary,
+# which must come out as the source's bytes (its tokenizer digest is over them).
+SHARD_SHA256 = {
+    (0, 9): "08b8fbac97c1ac66fd8fa68414296641b15453523d7803c8276b80290604ecd0",
+    (9, 18): "c6f9c64f18a8b656c09fa78a630f544d70e6620e41e8932600e7762cb576bc61",
+}
+
+
+@pytest.mark.parametrize("span", SHARD_SHA256)
+def test_real_gemma3_shards_are_the_bytes_they_always_were(gemma, span):
+    path, digest, *_, tmp = gemma
+    out = tmp / f"{span[0]}-{span[1]}.gguf"
+    if not out.exists():
+        cut_shard(path, *span, str(out), source_sha256=digest)
+    assert sha256_file(str(out)) == SHARD_SHA256[span]

@@ -19,13 +19,14 @@ from meshnet_p2p.engine.cut import (
     cut_shard,
     inspect_gguf,
     parse_layer_range,
+    sha256_file,
 )
 from meshnet_p2p.engine.gguf import (
     GGML_BLOCKS,
     GGUFFormatError,
     OutTensor,
     ValueType,
-    encode_kv,
+    KV,
     read_gguf,
     tensor_nbytes,
     write_gguf,
@@ -38,10 +39,10 @@ from tests.swarm import meshnet_peer
 
 def tiny_gguf(path, arch="llama", n_layer=2, n_embd=32, extra_kv=()):
     kv = [
-        encode_kv("general.architecture", ValueType.STRING, arch),
-        encode_kv(f"{arch}.block_count", ValueType.UINT32, n_layer),
-        encode_kv(f"{arch}.embedding_length", ValueType.UINT32, n_embd),
-        encode_kv(f"{arch}.feed_forward_length", ValueType.ARRAY, list(range(100, 100 + n_layer)), ValueType.UINT32),
+        KV("general.architecture", ValueType.STRING, arch),
+        KV(f"{arch}.block_count", ValueType.UINT32, n_layer),
+        KV(f"{arch}.embedding_length", ValueType.UINT32, n_embd),
+        KV(f"{arch}.feed_forward_length", ValueType.ARRAY, list(range(100, 100 + n_layer)), ValueType.UINT32),
         *extra_kv,
     ]
     row = struct.pack(f"<{n_embd}f", *range(n_embd))
@@ -60,6 +61,76 @@ def test_writer_and_reader_round_trip(tmp_path):
     assert f.get("llama.feed_forward_length") == (100, 101, 102)
     assert [t.name for t in f.tensors][-1] == "blk.2.attn_norm.weight"
     assert f.file_size == os.path.getsize(path)
+
+
+# sha256 of the embedded model's shards as the writer of our own wrote them before
+# files were written by gguf-py's GGUFWriter: a shard's bytes are its identity (its
+# binding, the fingerprints certified over it), so moving the writer must not move them.
+SHARD_SHA256 = {
+    (0, 10): "8fb48737b222fd0477eb68d1d588ad71e73ec65cb1e8337c923ca4e90557de82",
+    (10, 20): "3f6dacbc98220a0160fe6ef2001cd8e997401a1e3bbe6697e95ea90187dc32ff",
+    (20, 30): "b4205c211ef46358c9b8b2fa343c72f56e465d0a6e92d460cc7127d4333bc699",
+}
+
+
+@pytest.mark.parametrize("span", SHARD_SHA256)
+def test_shards_are_the_bytes_they_always_were(shard_dir, span):
+    assert sha256_file(shard_dir[span]) == SHARD_SHA256[span]
+
+
+# Every metadata value type, and arrays of each: what a model file may carry.
+_SCALARS = {
+    ValueType.UINT8: st.integers(0, 2**8 - 1),
+    ValueType.INT8: st.integers(-(2**7), 2**7 - 1),
+    ValueType.UINT16: st.integers(0, 2**16 - 1),
+    ValueType.INT16: st.integers(-(2**15), 2**15 - 1),
+    ValueType.UINT32: st.integers(0, 2**32 - 1),
+    ValueType.INT32: st.integers(-(2**31), 2**31 - 1),
+    ValueType.UINT64: st.integers(0, 2**64 - 1),
+    ValueType.INT64: st.integers(-(2**63), 2**63 - 1),
+    ValueType.FLOAT32: st.floats(width=32, allow_nan=False),
+    ValueType.FLOAT64: st.floats(allow_nan=False),
+    ValueType.BOOL: st.booleans(),
+    ValueType.STRING: st.text(max_size=20),
+}
+
+
+@st.composite
+def _kv_entry(draw, key):
+    vtype = draw(st.sampled_from([*_SCALARS, ValueType.ARRAY]))
+    if vtype is not ValueType.ARRAY:
+        return KV(key, vtype, draw(_SCALARS[vtype]))
+    sub = draw(st.sampled_from(list(_SCALARS)))
+    return KV(key, vtype, tuple(draw(st.lists(_SCALARS[sub], min_size=1, max_size=8))), sub)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_what_is_written_reads_back_the_same_in_both_readers(tmp_path, data):
+    """Files are written by gguf-py; our reader and gguf-py's own read back every entry
+    and tensor as written (so the two agree on the format both ways)."""
+    keys = data.draw(st.lists(st.text("abcdefgh._", min_size=1, max_size=12), max_size=6, unique=True))
+    extra = [data.draw(_kv_entry(f"x.{k}")) for k in keys]
+    path = tiny_gguf(tmp_path / f"m{len(os.listdir(tmp_path))}.gguf", n_layer=2, extra_kv=extra)
+    ours, theirs = read_gguf(path), gguf.GGUFReader(path)
+    for e in extra:
+        got = ours.kv[e.key]
+        assert (got.type, got.value, got.array_type) == (e.type, e.value, e.array_type)
+        field = theirs.fields[e.key]
+        assert field.types[0] == e.type
+        assert (tuple(field.contents()) if e.array_type is not None else field.contents()) == e.value
+        start, end = got.span
+        assert field.offset == start and field.offset + sum(p.nbytes for p in field.parts) == end
+    assert [(t.name, t.dims, t.offset) for t in ours.tensors] == [
+        (t.name, tuple(int(d) for d in t.shape), t.data_offset - theirs.data_offset) for t in theirs.tensors
+    ]
+    assert all(bytes(t.data) == struct.pack("<32f", *range(32)) for t in theirs.tensors if t.name != "token_embd.weight")
+
+
+def test_what_gguf_py_cannot_write_is_a_typed_error_and_leaves_no_file(tmp_path):
+    with pytest.raises(GGUFFormatError, match="gguf-py cannot write"):
+        tiny_gguf(tmp_path / "m.gguf", extra_kv=[KV("x.empty", ValueType.ARRAY, (), ValueType.UINT32)])
+    assert os.listdir(tmp_path) == []
 
 
 def test_real_model_metadata_is_copied_byte_for_byte(shard_dir, model_path):
@@ -196,15 +267,15 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path, arch):
 
 
 def _gemma3(path, n_layer=6, n_embd=32, n_head=4, key_length=None, window=8, pattern=None):
-    kv = [encode_kv("gemma3.attention.head_count", ValueType.UINT32, n_head)]
+    kv = [KV("gemma3.attention.head_count", ValueType.UINT32, n_head)]
     if key_length is not None:
-        kv.append(encode_kv("gemma3.attention.key_length", ValueType.UINT32, key_length))
+        kv.append(KV("gemma3.attention.key_length", ValueType.UINT32, key_length))
     if window is not None:
-        kv.append(encode_kv("gemma3.attention.sliding_window", ValueType.UINT32, window))
+        kv.append(KV("gemma3.attention.sliding_window", ValueType.UINT32, window))
     if isinstance(pattern, int):
-        kv.append(encode_kv("gemma3.attention.sliding_window_pattern", ValueType.UINT32, pattern))
+        kv.append(KV("gemma3.attention.sliding_window_pattern", ValueType.UINT32, pattern))
     elif pattern is not None:
-        kv.append(encode_kv("gemma3.attention.sliding_window_pattern", ValueType.ARRAY, pattern, ValueType.BOOL))
+        kv.append(KV("gemma3.attention.sliding_window_pattern", ValueType.ARRAY, pattern, ValueType.BOOL))
     return tiny_gguf(path, arch="gemma3", n_layer=n_layer, n_embd=n_embd, extra_kv=kv)
 
 
@@ -246,10 +317,10 @@ def test_gemma3_without_a_window_is_cut_as_is(tmp_path):
     [([True] * 5, "5 entries for 6 layers"), ((ValueType.FLOAT32, [1.0] * 6), "array of FLOAT32")],
 )
 def test_gemma3_pattern_llama_cpp_would_not_read_per_layer_is_refused(tmp_path, pattern, why):
-    kv = [encode_kv("gemma3.attention.head_count", ValueType.UINT32, 4),
-          encode_kv("gemma3.attention.sliding_window", ValueType.UINT32, 8)]
+    kv = [KV("gemma3.attention.head_count", ValueType.UINT32, 4),
+          KV("gemma3.attention.sliding_window", ValueType.UINT32, 8)]
     vtype, values = pattern if isinstance(pattern, tuple) else (ValueType.BOOL, pattern)
-    kv.append(encode_kv("gemma3.attention.sliding_window_pattern", ValueType.ARRAY, values, vtype))
+    kv.append(KV("gemma3.attention.sliding_window_pattern", ValueType.ARRAY, values, vtype))
     src = tiny_gguf(tmp_path / "m.gguf", arch="gemma3", n_layer=6, extra_kv=kv)
     with pytest.raises(UncarriedLayerProperty, match=why):
         cut_shard(src, 0, 3, str(tmp_path / "s.gguf"))

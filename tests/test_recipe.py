@@ -31,7 +31,7 @@ from meshnet_p2p.engine.gguf import (
     GGUFFormatError,
     OutTensor,
     ValueType,
-    encode_kv,
+    KV,
     encode_string,
     read_gguf,
     tensor_nbytes,
@@ -342,8 +342,8 @@ def test_an_old_format_shard_is_refused_and_recut(monkeypatch, tmp_path, model_p
     os.makedirs(os.path.dirname(path))
     tiny = _tiny_gguf(
         tmp_path / "old.gguf",
-        extra_kv=[encode_kv("meshnet.format_version", ValueType.UINT32, 1),
-                  encode_kv("meshnet.source.sha256", ValueType.STRING, model_digest)],
+        extra_kv=[KV("meshnet.format_version", ValueType.UINT32, 1),
+                  KV("meshnet.source.sha256", ValueType.STRING, model_digest)],
     )
     shutil.copyfile(tiny, path)
     with pytest.raises(ShardCutError, match="format version 1"):
@@ -355,9 +355,9 @@ def test_an_old_format_shard_is_refused_and_recut(monkeypatch, tmp_path, model_p
 
 def _tiny_gguf(path, n_layer=2, n_embd=32, extra_kv=()):
     kv = [
-        encode_kv("general.architecture", ValueType.STRING, "llama"),
-        encode_kv("llama.block_count", ValueType.UINT32, n_layer),
-        encode_kv("llama.embedding_length", ValueType.UINT32, n_embd),
+        KV("general.architecture", ValueType.STRING, "llama"),
+        KV("llama.block_count", ValueType.UINT32, n_layer),
+        KV("llama.embedding_length", ValueType.UINT32, n_embd),
         *extra_kv,
     ]
     row = struct.pack(f"<{n_embd}f", *range(n_embd))

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 from meshnet_p2p.core.errors import MeshnetError
-from .gguf import GGUFFile, ValueType, encode_kv
+from .gguf import KV, GGUFFile, ValueType
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -97,8 +97,8 @@ class ArchitectureAdapter:
     def key(self, suffix: str) -> str:
         return f"{self.architecture}.{suffix}"
 
-    def per_layer_metadata(self, src: GGUFFile, n_layer: int, start: int, end: int) -> dict[str, bytes]:
-        """{key: its encoded metadata entry} for each layer-indexed property the
+    def per_layer_metadata(self, src: GGUFFile, n_layer: int, start: int, end: int) -> dict[str, KV]:
+        """{key: its metadata entry} for each layer-indexed property the
         whole model uses: what the shard of layers [start, end) must carry (the
         values of layers start..end-1 in the whole model). Raises
         :class:`UncarriedLayerProperty` if that shard cannot compute what its
@@ -107,7 +107,7 @@ class ArchitectureAdapter:
             reason = check(src, self.architecture, n_layer, end - start)
             if reason:
                 raise UncarriedLayerProperty(self.architecture, reason)
-        out: dict[str, bytes] = {}
+        out: dict[str, KV] = {}
         for prop in self.layer_indexed:
             values = prop.values(src, self.architecture, n_layer)
             if values is None:
@@ -115,11 +115,11 @@ class ArchitectureAdapter:
             assert len(values) == n_layer, prop.what
             span = tuple(values[start:end])
             key = self.key(prop.key_suffix)
-            out[key] = encode_kv(key, ValueType.ARRAY, span, prop.array_type)
+            out[key] = KV(key, ValueType.ARRAY, span, prop.array_type)
             if prop.if_none_in_span is not None and not any(span):
                 suffix, value = prop.if_none_in_span
                 entry = src.kv[self.key(suffix)]
-                out[entry.key] = encode_kv(entry.key, entry.type, value)
+                out[entry.key] = KV(entry.key, entry.type, value)
         return out
 
 

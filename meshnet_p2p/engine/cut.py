@@ -41,12 +41,12 @@ from gguf import GGMLQuantizationType
 from meshnet_p2p.core.errors import MeshnetError
 from .adapters import ArchitectureAdapter, adapter_for
 from .gguf import (
+    KV,
     GGUFFile,
     GGUFFormatError,
     OutTensor,
     TensorInfo,
     ValueType,
-    encode_kv,
     encode_string,
     read_gguf,
     read_range,
@@ -283,11 +283,11 @@ def cut_shard(
     role = role_of(start, end, n_layer)
     head, tail = start == 0, end == n_layer
 
-    kv: list[bytes] = []
+    kv: list[KV] = []
     for key in src.kv_order:
         entry = src.kv[key]
         if key == adapter.key("block_count"):
-            kv.append(encode_kv(key, entry.type, end - start))
+            kv.append(KV(key, entry.type, end - start))
         elif key in carried:
             continue  # written below, explicitly per layer
         elif key.startswith("meshnet."):
@@ -301,25 +301,25 @@ def cut_shard(
             and len(entry.value) == n_layer
         ):
             # Per-layer hyperparameters (head counts, FFN widths) follow their layers.
-            kv.append(encode_kv(key, entry.type, entry.value[start:end], entry.array_type))
+            kv.append(KV(key, entry.type, entry.value[start:end], entry.array_type))
         else:
-            kv.append(src.raw_entry(key))
+            kv.append(KV(key, entry.type, entry.value, entry.array_type))  # re-encoded: the same bytes
     kv += carried.values()
     if not (head or tail):
-        kv.append(encode_kv("tokenizer.ggml.model", ValueType.STRING, "none"))
-        kv.append(encode_kv(adapter.key("vocab_size"), ValueType.UINT32, 1))
+        kv.append(KV("tokenizer.ggml.model", ValueType.STRING, "none"))
+        kv.append(KV(adapter.key("vocab_size"), ValueType.UINT32, 1))
     kv += [
-        encode_kv(K_FORMAT, ValueType.UINT32, SHARD_FORMAT_VERSION),
-        encode_kv(K_SOURCE_SHA256, ValueType.STRING, digest),
-        encode_kv(K_SOURCE_LAYERS, ValueType.UINT32, n_layer),
-        encode_kv(K_SOURCE_SIZE, ValueType.UINT64, src.file_size),
-        encode_kv(K_SOURCE_NAME, ValueType.STRING, os.path.basename(model_path)),
-        encode_kv(K_START, ValueType.UINT32, start),
-        encode_kv(K_END, ValueType.UINT32, end),
-        encode_kv(K_ROLE, ValueType.STRING, role),
-        encode_kv(K_ADAPTER, ValueType.STRING, adapter.adapter_id),
-        encode_kv(K_SOURCE_TOKENIZER, ValueType.STRING, source_tokenizer),
-        encode_kv(K_DATA_SHA256, ValueType.STRING, _UNBOUND),  # filled in once the bytes are on disk
+        KV(K_FORMAT, ValueType.UINT32, SHARD_FORMAT_VERSION),
+        KV(K_SOURCE_SHA256, ValueType.STRING, digest),
+        KV(K_SOURCE_LAYERS, ValueType.UINT32, n_layer),
+        KV(K_SOURCE_SIZE, ValueType.UINT64, src.file_size),
+        KV(K_SOURCE_NAME, ValueType.STRING, os.path.basename(model_path)),
+        KV(K_START, ValueType.UINT32, start),
+        KV(K_END, ValueType.UINT32, end),
+        KV(K_ROLE, ValueType.STRING, role),
+        KV(K_ADAPTER, ValueType.STRING, adapter.adapter_id),
+        KV(K_SOURCE_TOKENIZER, ValueType.STRING, source_tokenizer),
+        KV(K_DATA_SHA256, ValueType.STRING, _UNBOUND),  # filled in once the bytes are on disk
     ]
 
     tensors = [out for out, _ in _plan_tensors(src, adapter, start, end, n_embd, model_path)]
@@ -370,7 +370,7 @@ def tensors_needed(src: GGUFFile, start: int, end: int) -> tuple[TensorInfo, ...
 
 
 def _write_bound(
-    out_path: str, kv: Iterable[bytes], tensors: list[OutTensor], model_path: str, alignment: int, progress: Progress | None
+    out_path: str, kv: Iterable[KV], tensors: list[OutTensor], model_path: str, alignment: int, progress: Progress | None
 ) -> str:
     """Write the shard under a name of our own, hash what is on disk, write the
     binding over its placeholder (same length: no offset moves), then rename
