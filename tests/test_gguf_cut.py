@@ -127,9 +127,14 @@ def test_what_is_written_reads_back_the_same_in_both_readers(tmp_path, data):
     assert all(bytes(t.data) == struct.pack("<32f", *range(32)) for t in theirs.tensors if t.name != "token_embd.weight")
 
 
-def test_what_gguf_py_cannot_write_is_a_typed_error_and_leaves_no_file(tmp_path):
-    with pytest.raises(GGUFFormatError, match="gguf-py cannot write"):
-        tiny_gguf(tmp_path / "m.gguf", extra_kv=[KV("x.empty", ValueType.ARRAY, (), ValueType.UINT32)])
+@pytest.mark.parametrize("extra,why", [
+    ([KV("x.empty", ValueType.ARRAY, (), ValueType.UINT32)], "gguf-py cannot write"),
+    ([KV("x.big", ValueType.UINT8, 256)], "gguf-py cannot write"),
+    ([KV("x.twice", ValueType.UINT8, 1), KV("x.twice", ValueType.UINT8, 2)], "written twice"),
+])
+def test_what_cannot_be_written_as_given_is_a_typed_error_and_leaves_no_file(tmp_path, extra, why):
+    with pytest.raises(GGUFFormatError, match=why):
+        tiny_gguf(tmp_path / "m.gguf", extra_kv=extra)
     assert os.listdir(tmp_path) == []
 
 

@@ -369,12 +369,15 @@ def write_gguf(
     from the source file 4 MiB at a time, so no tensor is held whole in memory.
 
     gguf-py writes ``general.architecture`` first whatever its place in
-    ``kv_entries``, and refuses what it cannot encode (an empty array, a value
-    that does not fit its type): a GGUFFormatError here. The file is written
+    ``kv_entries``; a key given twice, and what gguf-py cannot encode (an empty
+    array, a value that does not fit its type), are a GGUFFormatError here. The file is written
     under a temporary name and renamed into place, so a crash never leaves a
     truncated shard where a valid one is expected.
     """
     kv_list = list(kv_entries)
+    if len({e.key for e in kv_list}) != len(kv_list):
+        # (gguf-py would keep the last value of a key written twice, and say so only in a log)
+        raise GGUFFormatError(f"{out_path}: a metadata key is written twice")
     arch = next((e.value for e in kv_list if e.key == gguf.Keys.General.ARCHITECTURE), None)
     if not isinstance(arch, str) or not arch:
         raise GGUFFormatError(f"{out_path}: a GGUF file needs a general.architecture string")
