@@ -370,9 +370,9 @@ def write_gguf(
 
     gguf-py writes ``general.architecture`` first whatever its place in
     ``kv_entries``; a key given twice, and what gguf-py cannot encode (an empty
-    array, a value that does not fit its type), are a GGUFFormatError here. The file is written
-    under a temporary name and renamed into place, so a crash never leaves a
-    truncated shard where a valid one is expected.
+    array, a value that does not fit its type), are a GGUFFormatError here.
+    The file is written under a temporary name and renamed into place, so a
+    crash never leaves a truncated shard where a valid one is expected.
     """
     kv_list = list(kv_entries)
     if len({e.key for e in kv_list}) != len(kv_list):
