@@ -44,6 +44,7 @@ from .gguf import (
     KV,
     GGUFFile,
     GGUFFormatError,
+    KVEntry,
     OutTensor,
     TensorInfo,
     ValueType,
@@ -283,7 +284,7 @@ def cut_shard(
     role = role_of(start, end, n_layer)
     head, tail = start == 0, end == n_layer
 
-    kv: list[KV] = []
+    kv: list[KV | KVEntry] = []
     for key in src.kv_order:
         entry = src.kv[key]
         if key == adapter.key("block_count"):
@@ -303,7 +304,7 @@ def cut_shard(
             # Per-layer hyperparameters (head counts, FFN widths) follow their layers.
             kv.append(KV(key, entry.type, entry.value[start:end], entry.array_type))
         else:
-            kv.append(KV(key, entry.type, entry.value, entry.array_type))  # re-encoded: the same bytes
+            kv.append(entry)  # re-encoded from its value: the same bytes
     kv += carried.values()
     if not (head or tail):
         kv.append(KV("tokenizer.ggml.model", ValueType.STRING, "none"))
@@ -370,7 +371,7 @@ def tensors_needed(src: GGUFFile, start: int, end: int) -> tuple[TensorInfo, ...
 
 
 def _write_bound(
-    out_path: str, kv: Iterable[KV], tensors: list[OutTensor], model_path: str, alignment: int, progress: Progress | None
+    out_path: str, kv: Iterable[KV | KVEntry], tensors: list[OutTensor], model_path: str, alignment: int, progress: Progress | None
 ) -> str:
     """Write the shard under a name of our own, hash what is on disk, write the
     binding over its placeholder (same length: no offset moves), then rename

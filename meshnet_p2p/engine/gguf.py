@@ -300,8 +300,8 @@ def encode_string(s: str) -> bytes:
 
 @dataclass(frozen=True)
 class KV:
-    """A metadata entry to write (a :class:`KVEntry` read from a file copies as
-    ``KV(e.key, e.type, e.value, e.array_type)``; gguf-py encodes it)."""
+    """A metadata entry to write (gguf-py encodes it); a :class:`KVEntry` read from a
+    file is written as it is."""
 
     key: str
     type: ValueType
@@ -357,7 +357,7 @@ def written_atomically(out_path: str, tag: str):
 
 def write_gguf(
     out_path: str,
-    kv_entries: Iterable[KV],
+    kv_entries: Iterable[KV | KVEntry],
     tensors: Sequence[OutTensor],
     *,
     source_path: str | None,
@@ -383,44 +383,41 @@ def write_gguf(
         raise GGUFFormatError(f"{out_path}: a GGUF file needs a general.architecture string")
     total = sum(align_up(t.nbytes, alignment) for t in tensors)
     done = 0
-    with written_atomically(out_path, "partial") as tmp:
-        writer = gguf.GGUFWriter(tmp, arch)  # writes general.architecture itself
-        writer.data_alignment = alignment
+    # (the writer's file is closed before the name is renamed into place or removed)
+    with written_atomically(out_path, "partial") as tmp, contextlib.closing(gguf.GGUFWriter(tmp, arch)) as writer:
+        writer.data_alignment = alignment  # (GGUFWriter wrote general.architecture itself)
         try:
-            try:
-                for e in kv_list:
-                    if e.key != gguf.Keys.General.ARCHITECTURE:
-                        writer.add_key_value(e.key, e.value, e.type, e.array_type)
-                for t in tensors:
-                    # gguf-py takes numpy's order (ne0 last) and, for raw bytes, the
-                    # byte shape, as its own copying scripts pass a tensor it read.
-                    qtype = gguf.GGMLQuantizationType(t.ggml_type)
-                    shape = gguf.quant_shape_to_byte_shape(tuple(reversed(t.dims)), qtype)
-                    writer.add_tensor_info(t.name, shape, np.dtype(np.uint8), t.nbytes, raw_dtype=qtype)
-                writer.write_header_to_file()
-                writer.write_kv_data_to_file()
-                writer.write_ti_data_to_file()
-            except (ValueError, TypeError, OverflowError, struct.error) as e:
-                raise GGUFFormatError(f"{out_path}: gguf-py cannot write it: {e}") from None
-            out = writer.fout[0]
-            writer.write_padding(out, out.tell(), alignment)  # the data section starts aligned
-            with open(source_path, "rb") if source_path else contextlib.nullcontext() as src:
-                for t in tensors:
-                    if t.data is not None:
-                        out.write(t.data)
-                        done += len(t.data)
-                    else:
-                        if src is None:
-                            raise GGUFFormatError(f"no source file to copy {t.name!r} from")
-                        for chunk in read_range(src, t.source_offset, t.nbytes, short=f"source ended while copying {t.name!r}"):
-                            out.write(chunk)
-                            done += len(chunk)
-                            if progress:
-                                progress(done, total)
-                    writer.write_padding(out, t.nbytes, alignment)
-            out.flush()
-            os.fsync(out.fileno())
-        finally:
-            writer.close()
+            for e in kv_list:
+                if e.key != gguf.Keys.General.ARCHITECTURE:
+                    writer.add_key_value(e.key, e.value, e.type, e.array_type)
+            for t in tensors:
+                # gguf-py takes numpy's order (ne0 last) and, for raw bytes, the
+                # byte shape, as its own copying scripts pass a tensor it read.
+                qtype = gguf.GGMLQuantizationType(t.ggml_type)
+                shape = gguf.quant_shape_to_byte_shape(tuple(reversed(t.dims)), qtype)
+                writer.add_tensor_info(t.name, shape, np.dtype(np.uint8), t.nbytes, raw_dtype=qtype)
+            writer.write_header_to_file()
+            writer.write_kv_data_to_file()
+            writer.write_ti_data_to_file()
+        except (ValueError, TypeError, OverflowError, struct.error) as e:
+            raise GGUFFormatError(f"{out_path}: gguf-py cannot write it: {e}") from None
+        out = writer.fout[0]
+        writer.write_padding(out, out.tell())  # the data section starts aligned
+        with open(source_path, "rb") if source_path else contextlib.nullcontext() as src:
+            for t in tensors:
+                if t.data is not None:
+                    out.write(t.data)
+                    done += len(t.data)
+                else:
+                    if src is None:
+                        raise GGUFFormatError(f"no source file to copy {t.name!r} from")
+                    for chunk in read_range(src, t.source_offset, t.nbytes, short=f"source ended while copying {t.name!r}"):
+                        out.write(chunk)
+                        done += len(chunk)
+                        if progress:
+                            progress(done, total)
+                writer.write_padding(out, t.nbytes)
+        out.flush()
+        os.fsync(out.fileno())
     if progress:
         progress(total, total)
