@@ -107,8 +107,8 @@ def _kv_entry(draw, key):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_what_is_written_reads_back_the_same_in_both_readers(tmp_path, data):
-    """Files are written by gguf-py; our reader and gguf-py's own read back every entry
-    and tensor as written (so the two agree on the format both ways)."""
+    """Files are written by gguf-py; read_gguf (gguf-py's reader, bounded, arrays read
+    whole) and gguf-py's reader as released read back every entry and tensor as written."""
     keys = data.draw(st.lists(st.text("abcdefgh._", min_size=1, max_size=12), max_size=6, unique=True))
     extra = [data.draw(_kv_entry(f"x.{k}")) for k in keys]
     path = tiny_gguf(tmp_path / f"m{len(os.listdir(tmp_path))}.gguf", n_layer=2, extra_kv=extra)
@@ -159,6 +159,68 @@ def test_block_sizes_agree_with_the_linked_ggml():
     assert gguf.GGML_QUANT_SIZES[q8_1] != (ggml.ggml_blck_size(q8_1), ggml.ggml_type_size(q8_1))
     with pytest.raises(GGUFFormatError, match="unsupported ggml tensor type id 9"):
         tensor_nbytes(q8_1, (32,))
+
+
+def test_a_real_model_reads_as_gguf_py_reads_it(model_path, shard_dir):
+    """read_gguf is gguf-py's reader, bounded and with arrays read whole: on the real
+    model and a head shard it gives what gguf-py's reader as released gives."""
+    for path in (model_path, shard_dir[(0, 10)]):
+        ours, theirs = read_gguf(path), gguf.GGUFReader(path)
+        assert list(ours.kv) == [k for k in theirs.fields if not k.startswith("GGUF.")]
+        for key, e in ours.kv.items():
+            field = theirs.fields[key]
+            assert (e.type, e.array_type) == (field.types[0], field.types[1] if len(field.types) > 1 else None)
+            assert e.value == (tuple(field.contents()) if e.array_type is not None else field.contents()), key
+            assert e.span == (field.offset, field.offset + sum(int(p.nbytes) for p in field.parts))
+        assert [(t.name, t.dims, t.ggml_type, t.offset, t.nbytes) for t in ours.tensors] == [
+            (t.name, tuple(int(d) for d in t.shape), int(t.tensor_type), t.data_offset - theirs.data_offset, t.n_bytes)
+            for t in theirs.tensors
+        ]
+        assert (ours.alignment, ours.data_offset) == (theirs.alignment, theirs.data_offset)
+
+
+def test_reading_is_gguf_py_s(tmp_path, monkeypatch):
+    """A change in gguf-py's reader changes what read_gguf gives (it is on the path)."""
+    path = tiny_gguf(tmp_path / "m.gguf")
+    parse = gguf.GGUFReader._get_tensor_info_field
+
+    def renamed(self, offs):
+        field = parse(self, offs)
+        return field._replace(name="seen." + field.name)
+
+    monkeypatch.setattr(gguf.GGUFReader, "_get_tensor_info_field", renamed)
+    assert all(t.name.startswith("seen.") for t in read_gguf(path).tensors)
+
+
+def _header(n_kv: int, *entries: bytes, n_tensors: int = 0, version: bytes = struct.pack("<I", 3)) -> bytes:
+    return b"GGUF" + version + struct.pack("<QQ", n_tensors, n_kv) + b"".join(entries)
+
+
+def _key(name: str, vtype: int) -> bytes:
+    return struct.pack("<Q", len(name)) + name.encode() + struct.pack("<I", vtype)
+
+
+@pytest.mark.parametrize("data,why", [
+    # what gguf-py's reader as released loops on, reads past the end or maps whole
+    (_header(1, _key("a", 9), struct.pack("<IQ", 0, 2**40)), "exceeds the bound"),  # 2**40 uint8s in a 40-byte file
+    (_header(1, _key("a", 9), struct.pack("<IQ", 0, 2**25)), "truncated"),  # fewer, still past the end
+    (_header(1, _key("a", 9), struct.pack("<IQ", 8, 2**40)), "exceeds the bound"),  # 2**40 strings
+    (_header(1, _key("a", 9), struct.pack("<IQ", 8, 3), struct.pack("<Q", 5), b"ab"), "truncated"),
+    (_header(1, _key("a", 8), struct.pack("<Q", 2**62)), "exceeds the"),  # a 4 EiB string
+    (_header(1, _key("a", 8), struct.pack("<Q", 9), b"abc"), "truncated"),  # a bare IndexError in gguf-py
+    (_header(2**63), "implausible"),
+    (_header(0, n_tensors=2**40), "implausible"),
+    (_header(1, _key("a", 9), struct.pack("<IQ", 9, 1), struct.pack("<IQ", 0, 0)), "nested arrays"),
+    (_header(1, _key("a", 42), b"\0" * 8), "not a well-formed GGUF file"),  # an unknown value type
+    (_header(1, struct.pack("<Q", 2) + b"\xff\xfe" + struct.pack("<IB", 0, 1)), "not a well-formed GGUF file"),  # not UTF-8
+    (_header(2, _key("a", 0), b"\1", _key("a", 0), b"\2"), "Duplicate a"),
+    (_header(0, version=struct.pack(">I", 3)), "big-endian"),
+    (_header(0, version=struct.pack("<I", 1)), "not a well-formed GGUF file"),
+], ids=lambda v: v if isinstance(v, str) else f"{len(v)}B")
+def test_hostile_headers_are_typed_errors_within_the_file(data, why):
+    """Each ends within the file's bytes (every read is bounded by it), typed."""
+    with pytest.raises(GGUFFormatError, match=why):
+        read_gguf("x.gguf", buf=data)
 
 
 @pytest.mark.parametrize("data", [b"", b"GGU", b"NOPE" + b"\0" * 100, b"GGUF" + struct.pack("<I", 7) + b"\0" * 16])

@@ -1,31 +1,29 @@
-"""GGUF: a small, strict reader of our own; gguf-py's writer and format tables.
+"""GGUF through gguf-py: its reader (bounded), its writer and its format tables.
 
 The tables that move with every llama.cpp release (metadata value types, ggml
 tensor types and their block sizes) come from the ``gguf`` package (gguf-py,
-kept in llama.cpp's own repository, pinned beside llama-cpp-python), and files
-are written with its ``GGUFWriter`` (:func:`write_gguf`): the format's bytes
-are gguf-py's, only tensor data (opaque to the format) is copied by us, in
-chunks.
+kept in llama.cpp's own repository, pinned beside llama-cpp-python).
 
-Reading stays ours: gguf-py's ``GGUFReader`` bounds nothing (a 40-byte file
-declaring a 2**40-element array keeps it looping; a truncated string raises a
-bare IndexError), takes a path only (no bytes for the fuzzers), and builds a
-numpy view per array element: 3.0 s against our 0.17 s on the embedded 135M
-model, 11.9 s against 0.35 s on Gemma 3 270M's 262k-token vocabulary, paid by
-every process that opens a shard. We need the byte span of every metadata
-entry (a shard's binding and a tokenizer's digest are over the file's own
-bytes) and hard bounds on every count and length (a truncated or hostile file
-must give a typed error, never a huge allocation or an endless loop). The
-format is documented in ggml's docs/gguf.md.
+Files are read by gguf-py's ``GGUFReader`` (:func:`read_gguf`), with a few of
+its methods overridden (:class:`_Reader`): as released it reads past a file's
+end (a truncated string is a bare IndexError, a 40-byte file declaring a
+2**40-element array keeps it looping) and makes a numpy view per array
+element (11.9 s to open Gemma 3 270M). We keep every entry's byte span (a
+shard's binding and a tokenizer's digest are over the file's own bytes).
 
-Only GGUF v2 and v3 little-endian files are read; v1 is long obsolete.
+Files are written with its ``GGUFWriter`` (:func:`write_gguf`): the format's
+bytes are gguf-py's, only tensor data (opaque to the format) is copied by us,
+in chunks. The format is documented in ggml's docs/gguf.md. Only GGUF v2 and
+v3 little-endian files are read; v1 is long obsolete.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import struct
+import tempfile
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -52,19 +50,6 @@ class GGUFFormatError(MeshnetError):
 # The metadata value types (UINT8 = 0 ... FLOAT64 = 12), as gguf-py names them.
 ValueType = gguf.GGUFValueType
 
-_SCALAR_FMT = {
-    ValueType.UINT8: "<B",
-    ValueType.INT8: "<b",
-    ValueType.UINT16: "<H",
-    ValueType.INT16: "<h",
-    ValueType.UINT32: "<I",
-    ValueType.INT32: "<i",
-    ValueType.FLOAT32: "<f",
-    ValueType.BOOL: "<?",
-    ValueType.UINT64: "<Q",
-    ValueType.INT64: "<q",
-    ValueType.FLOAT64: "<d",
-}
 
 # ggml tensor type id -> (elements per block, bytes per block), from gguf-py. Types
 # it does not list (removed ones, and any newer than the pinned release) are refused,
@@ -136,144 +121,142 @@ class GGUFFile:
             return f.read(end - start)
 
 
-class _Short(Exception):
-    """The parse ran past the bytes read so far (maybe only past the window)."""
+class _Reader(gguf.GGUFReader):
+    """gguf-py's ``GGUFReader`` with every read bounded and arrays read in one piece.
 
+    The format's parsing (header, the metadata loop, scalars, strings, the tensor
+    table, alignment, duplicate keys and tensors) is gguf-py's. Overridden, and
+    only these: ``_get`` refuses to read past the file (gguf-py slices past the
+    end and fails later with a bare IndexError, or loops on a huge count: each
+    item now costs at least a byte, so every loop ends within the file), the
+    counts and lengths are bounded, and an array is parsed here: numbers as one
+    view (gguf-py makes a view per element, 11.9 s for Gemma 3's 262k-token
+    vocabulary), strings with a view per part as gguf-py has them, cut from
+    the plain ndarray (a memmap's slicing costs ~10x). A numeric array's field
+    therefore holds its values in one part, so ``contents()`` gives the whole
+    list (not ``contents(i)`` per item). Tensor data is not mapped: the table
+    is checked by :func:`_tensors`, and a header fetched alone has no data.
+    """
 
-class _Cursor:
-    """Bounds-checked reads over a bytes-like buffer."""
+    def __init__(self, source: Any, what: str) -> None:
+        self._what = what
+        super().__init__(source)
 
-    def __init__(self, buf: memoryview, what: str) -> None:
-        self.buf = buf
-        self.pos = 0
-        self.what = what
+    def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
+        count = int(count)
+        end = offset + np.dtype(dtype).itemsize * count
+        if count < 0 or end > len(self.data):
+            raise GGUFFormatError(f"{self._what}: truncated (needed bytes up to {end}, have {len(self.data)})")
+        return super()._get(offset, dtype, count, override_order)
 
-    def take(self, n: int) -> memoryview:
-        if n < 0 or self.pos + n > len(self.buf):
-            raise _Short(f"{self.what}: truncated (needed {n} bytes at offset {self.pos}, have {len(self.buf)})")
-        out = self.buf[self.pos : self.pos + n]
-        self.pos += n
-        return out
+    def _get_str(self, offset: int) -> tuple[np.ndarray, np.ndarray]:
+        n = self._get(offset, np.uint64)
+        if n[0] > MAX_STRING:
+            raise GGUFFormatError(f"{self._what}: string length {n[0]} at offset {offset} exceeds the {MAX_STRING}-byte bound")
+        return n, self._get(offset + 8, np.uint8, n[0])
 
-    def unpack(self, fmt: str) -> Any:
-        size = struct.calcsize(fmt)
-        return struct.unpack(fmt, self.take(size))[0]
+    def _build_fields(self, offs: int, count: int) -> int:
+        if count > MAX_KV:
+            raise GGUFFormatError(f"{self._what}: implausible count of {count} metadata keys")
+        return super()._build_fields(offs, count)
 
-    def string(self) -> str:
-        n = self.unpack("<Q")
-        if n > MAX_STRING:
-            raise GGUFFormatError(f"{self.what}: string length {n} at offset {self.pos} exceeds the {MAX_STRING}-byte bound")
-        raw = self.take(n)
-        try:
-            return bytes(raw).decode("utf-8")
-        except UnicodeDecodeError:
-            raise GGUFFormatError(f"{self.what}: string at offset {self.pos - n} is not UTF-8") from None
+    def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list]:
+        if count > MAX_TENSORS:
+            raise GGUFFormatError(f"{self._what}: implausible count of {count} tensors")
+        return super()._build_tensor_info(offs, count)
 
-    def value(self, vtype: int) -> tuple[Any, ValueType | None]:
-        try:
-            t = ValueType(vtype)
-        except ValueError:
-            raise GGUFFormatError(f"{self.what}: unknown metadata value type {vtype}") from None
-        if t is ValueType.STRING:
-            return self.string(), None
-        if t is ValueType.ARRAY:
-            sub = self.unpack("<I")
-            count = self.unpack("<Q")
-            if count > MAX_ARRAY:
-                raise GGUFFormatError(f"{self.what}: array of {count} elements exceeds the bound")
-            try:
-                st = ValueType(sub)
-            except ValueError:
-                raise GGUFFormatError(f"{self.what}: unknown array element type {sub}") from None
-            if st is ValueType.ARRAY:
-                raise GGUFFormatError(f"{self.what}: nested arrays are not supported")
-            if st is ValueType.STRING:
-                return tuple(self.string() for _ in range(count)), st
-            fmt = _SCALAR_FMT[st]
-            size = struct.calcsize(fmt)
-            raw = self.take(size * count)
-            return tuple(struct.unpack(f"<{count}{fmt[1]}", raw)), st
-        return self.unpack(_SCALAR_FMT[t]), None
+    def _build_tensors(self, start_offs: int, fields: list) -> None:
+        self.tensor_fields = fields
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list, list[int], list]:
+        if raw_type != ValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        count = self._get(orig_offs + 4, np.uint64)
+        n = int(count[0])
+        if n > MAX_ARRAY:
+            raise GGUFFormatError(f"{self._what}: array of {n} elements at offset {orig_offs} exceeds the bound")
+        itype = ValueType(raw_itype[0])
+        parts: list[np.ndarray] = [raw_itype, count]
+        offs = orig_offs + 12
+        if itype is ValueType.STRING:
+            raw = self.data.view(np.ndarray)
+            mv, size, spans = memoryview(raw), len(raw), []
+            for _ in range(n):  # (the lengths first, bounded; then the views, in one go)
+                k = int.from_bytes(mv[offs : offs + 8], "little") if offs + 8 <= size else -1
+                if k > MAX_STRING:
+                    raise GGUFFormatError(f"{self._what}: string length {k} at offset {offs} exceeds the {MAX_STRING}-byte bound")
+                if k < 0 or offs + 8 + k > size:
+                    raise GGUFFormatError(f"{self._what}: truncated (a string at offset {offs} runs past {size})")
+                spans.append(offs)
+                offs += 8 + k
+            spans.append(offs)
+            u64 = np.uint64
+            for a, b in zip(spans, spans[1:]):
+                parts += (raw[a : a + 8].view(u64), raw[a + 8 : b])
+            return offs - orig_offs, parts, list(range(3, 2 * n + 2, 2)), [ValueType.ARRAY, itype]
+        nptype = self.gguf_scalar_to_np.get(itype)
+        if nptype is None:
+            raise GGUFFormatError(f"{self._what}: nested arrays are not supported")
+        values = self._get(offs, nptype, n)
+        parts.append(values)
+        return 12 + int(values.nbytes), parts, [2], [ValueType.ARRAY, itype]
 
 
 def read_gguf(path: str | os.PathLike[str], *, buf: bytes | None = None, file_size: int | None = None) -> GGUFFile:
-    """Parse a GGUF file's header, metadata and tensor table, with every bound checked.
+    """Parse a GGUF file's header, metadata and tensor table (gguf-py's reader,
+    bounded), with every entry's byte span and every tensor checked to lie inside
+    the file; tensor data is not read.
 
-    Tensor data is not read, only checked to lie inside the file. ``buf`` lets
-    tests and fuzzers parse bytes directly, and a fetcher a header on its own
-    (``file_size``: the size of the whole file it heads; default ``len(buf)``).
+    ``buf`` lets tests and fuzzers parse bytes, and a fetcher a header on its own
+    (``file_size``: the size of the whole file it heads; default ``len(buf)``):
+    gguf-py maps a file, so the bytes go to an anonymous temporary file first.
     """
     path = os.fspath(path)
     what = os.path.basename(path) or "gguf"
-    if buf is not None:
-        try:
-            return _parse(memoryview(buf), len(buf) if file_size is None else file_size, path, what)
-        except _Short as e:
-            raise GGUFFormatError(str(e)) from None
     try:
+        # (first, so that any other file is called what it is, not a malformed GGUF)
+        if (buf[:4] if buf is not None else _head(path)) != GGUF_MAGIC:
+            raise GGUFFormatError(f"{what}: not a GGUF file (bad magic)")
+        if buf is not None:
+            with tempfile.TemporaryFile() as tmp:
+                tmp.write(buf)
+                tmp.flush()
+                # (numpy's memmap, which GGUFReader opens, takes an open file as well as a name)
+                reader = _Reader(tmp, what)
+                return _gguf_file(reader, path, what, len(buf) if file_size is None else file_size)
         size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            # The header has no length field: parse a window and grow it while
-            # the parse runs off its end. Real headers are a few MB (vocabularies).
-            window = min(size, 8 << 20)
-            while True:
-                f.seek(0)
-                data = f.read(window)
-                try:
-                    return _parse(memoryview(data), size, path, what)
-                except _Short as e:
-                    if window >= size:
-                        raise GGUFFormatError(str(e)) from None
-                    window = min(size, window * 4)
+        return _gguf_file(_Reader(path, what), path, what, size)
+    except GGUFFormatError:
+        raise
+    except KeyError as e:  # gguf-py's word for a duplicate key
+        raise GGUFFormatError(f"{what}: {e.args[0] if e.args else e}") from None
+    except (ValueError, OverflowError) as e:  # gguf-py's word for a bad magic, version, type, UTF-8, alignment
+        raise GGUFFormatError(f"{what}: not a well-formed GGUF file: {e}") from None
     except OSError as e:
         raise GGUFFormatError(f"{path}: cannot read: {e.strerror or e}") from None
 
 
-def _parse(data: memoryview, size: int, path: str, what: str) -> GGUFFile:
-    cur = _Cursor(data, what)
-    if len(data) < 4 or bytes(data[:4]) != GGUF_MAGIC:
-        raise GGUFFormatError(f"{what}: not a GGUF file (bad magic)")
-    cur.take(4)
-    version = cur.unpack("<I")
-    if version not in (2, 3):
-        raise GGUFFormatError(f"{what}: unsupported GGUF version {version} (need 2 or 3)")
-    n_tensors = cur.unpack("<Q")
-    n_kv = cur.unpack("<Q")
-    if n_tensors > MAX_TENSORS or n_kv > MAX_KV:
-        raise GGUFFormatError(f"{what}: implausible counts ({n_tensors} tensors, {n_kv} metadata keys)")
+def _head(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(4)
+
+
+def _gguf_file(reader: _Reader, path: str, what: str, size: int) -> GGUFFile:
+    if reader.byte_order != "I":
+        raise GGUFFormatError(f"{what}: a big-endian GGUF file (only little-endian files are read)")
     kv: dict[str, KVEntry] = {}
-    order: list[str] = []
-    for _ in range(n_kv):
-        start = cur.pos
-        key = cur.string()
-        vtype = cur.unpack("<I")
-        value, sub = cur.value(vtype)
-        if key in kv:
-            raise GGUFFormatError(f"{what}: duplicate metadata key {key!r}")
-        kv[key] = KVEntry(key, ValueType(vtype), (start, cur.pos), value, sub)
-        order.append(key)
-    tensors: list[TensorInfo] = []
-    names: set[str] = set()
-    for _ in range(n_tensors):
-        name = cur.string()
-        n_dims = cur.unpack("<I")
-        if not 1 <= n_dims <= GGML_MAX_DIMS:
-            raise GGUFFormatError(f"{what}: tensor {name!r} has {n_dims} dimensions")
-        dims = tuple(cur.unpack("<Q") for _ in range(n_dims))
-        if any(d <= 0 or d > (1 << 40) for d in dims):
-            raise GGUFFormatError(f"{what}: tensor {name!r} has bad dimensions {dims}")
-        gtype = cur.unpack("<I")
-        offset = cur.unpack("<Q")
-        if name in names:
-            raise GGUFFormatError(f"{what}: duplicate tensor {name!r}")
-        names.add(name)
-        tensors.append(TensorInfo(name, dims, gtype, offset, tensor_nbytes(gtype, dims)))
-    alignment = DEFAULT_ALIGNMENT
-    if "general.alignment" in kv:
-        alignment = kv["general.alignment"].value
-        if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
-            raise GGUFFormatError(f"{what}: general.alignment {alignment!r} is not a power of two")
-    data_offset = align_up(cur.pos, alignment)
+    for key, field in itertools.islice(reader.fields.items(), 3, None):  # (after gguf-py's fields for the version and counts)
+        vtype = field.types[0]
+        value = field.contents()
+        array_type = field.types[1] if vtype is ValueType.ARRAY else None
+        if array_type is not None:
+            value = tuple(value)
+        end = field.offset + sum(int(p.nbytes) for p in field.parts)
+        kv[key] = KVEntry(key, vtype, (field.offset, end), value, array_type)
+    alignment = int(reader.alignment)
+    tensors = _tensors(reader.tensor_fields, what)
+    data_offset = int(reader.data_offset)
     for t in tensors:
         if t.offset % alignment:
             raise GGUFFormatError(f"{what}: tensor {t.name!r} data is not aligned")
@@ -281,7 +264,27 @@ def _parse(data: memoryview, size: int, path: str, what: str) -> GGUFFile:
             raise GGUFFormatError(
                 f"{what}: truncated: tensor {t.name!r} needs bytes up to {data_offset + t.offset + t.nbytes}, file has {size}"
             )
-    return GGUFFile(path, version, kv, tuple(order), tuple(tensors), alignment, data_offset, size)
+    return GGUFFile(path, int(reader.fields["GGUF.version"].parts[0][0]), kv, tuple(kv), tensors, alignment, data_offset, size)
+
+
+def _tensors(fields: list, what: str) -> tuple[TensorInfo, ...]:
+    """The tensor table gguf-py parsed, checked (what its ``_build_tensors`` would
+    check, and the dimensions, types and sizes ggml accepts)."""
+    out: list[TensorInfo] = []
+    names: set[str] = set()
+    for field in fields:
+        _, _, n_dims, dims, gtype, offset = field.parts
+        name = field.name
+        if not 1 <= int(n_dims[0]) <= GGML_MAX_DIMS:
+            raise GGUFFormatError(f"{what}: tensor {name!r} has {int(n_dims[0])} dimensions")
+        shape = tuple(int(d) for d in dims)
+        if any(d <= 0 or d > (1 << 40) for d in shape):
+            raise GGUFFormatError(f"{what}: tensor {name!r} has bad dimensions {shape}")
+        if name in names:
+            raise GGUFFormatError(f"{what}: duplicate tensor {name!r}")
+        names.add(name)
+        out.append(TensorInfo(name, shape, int(gtype[0]), int(offset[0]), tensor_nbytes(int(gtype[0]), shape)))
+    return tuple(out)
 
 
 def align_up(n: int, alignment: int) -> int:
