@@ -8,7 +8,7 @@ Files are read by gguf-py's ``GGUFReader`` (:func:`read_gguf`), with a few of
 its methods overridden (:class:`_Reader`): as released it reads past a file's
 end (a truncated string is a bare IndexError, a 40-byte file declaring a
 2**40-element array keeps it looping) and makes a numpy view per array
-element (11.9 s to open Gemma 3 270M). We keep every entry's byte span (a
+element (~13 s to open Gemma 3 270M). We keep every entry's byte span (a
 shard's binding and a tokenizer's digest are over the file's own bytes).
 
 Files are written with its ``GGUFWriter`` (:func:`write_gguf`): the format's
@@ -130,9 +130,9 @@ class _Reader(gguf.GGUFReader):
     end and fails later with a bare IndexError, or loops on a huge count: each
     item now costs at least a byte, so every loop ends within the file), the
     counts and lengths are bounded, and an array is parsed here: numbers as one
-    view (gguf-py makes a view per element, 11.9 s for Gemma 3's 262k-token
+    view (gguf-py makes a view per element: ~13 s for Gemma 3's 262k-token
     vocabulary), strings with a view per part as gguf-py has them, cut from
-    the plain ndarray (a memmap's slicing costs ~10x). A numeric array's field
+    the plain ndarray (a memmap's slicing is several times slower). A numeric array's field
     therefore holds its values in one part, so ``contents()`` gives the whole
     list (not ``contents(i)`` per item). Tensor data is not mapped: the table
     is checked by :func:`_tensors`, and a header fetched alone has no data.
