@@ -129,17 +129,19 @@ class _Reader(gguf.GGUFReader):
     only these: ``_get`` refuses to read past the file (gguf-py slices past the
     end and fails later with a bare IndexError, or loops on a huge count: each
     item now costs at least a byte, so every loop ends within the file), the
-    counts and lengths are bounded, and an array is parsed here: numbers as one
-    view (gguf-py makes a view per element: ~13 s for Gemma 3's 262k-token
-    vocabulary), strings with a view per part as gguf-py has them, cut from
-    the plain ndarray (a memmap's slicing is several times slower). A numeric array's field
-    therefore holds its values in one part, so ``contents()`` gives the whole
-    list (not ``contents(i)`` per item). Tensor data is not mapped: the table
-    is checked by :func:`_tensors`, and a header fetched alone has no data.
+    counts and lengths are bounded, and an array is parsed here, in one piece
+    (gguf-py makes a view per element: ~13 s for Gemma 3's 262k-token
+    vocabulary). A numeric array's field holds its values as one part, so
+    ``contents()`` gives the whole list (not ``contents(i)`` per item); a string
+    array's holds its bytes as one part, decoded here as they are read and kept
+    in ``string_arrays`` (its ``contents()`` is not the strings). Tensor data is
+    not mapped: the table is checked by :func:`_tensors`, and a header fetched
+    alone has no data.
     """
 
     def __init__(self, source: Any, what: str) -> None:
         self._what = what
+        self.string_arrays: dict[int, tuple[str, ...]] = {}  # id(a field's body part) -> its strings
         super().__init__(source)
 
     def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> np.ndarray:
@@ -180,21 +182,18 @@ class _Reader(gguf.GGUFReader):
         parts: list[np.ndarray] = [raw_itype, count]
         offs = orig_offs + 12
         if itype is ValueType.STRING:
-            raw = self.data.view(np.ndarray)
-            mv, size, spans = memoryview(raw), len(raw), []
-            for _ in range(n):  # (the lengths first, bounded; then the views, in one go)
+            mv, size, strings = memoryview(self.data.view(np.ndarray)), len(self.data), []
+            for _ in range(n):
                 k = int.from_bytes(mv[offs : offs + 8], "little") if offs + 8 <= size else -1
                 if k > MAX_STRING:
                     raise GGUFFormatError(f"{self._what}: string length {k} at offset {offs} exceeds the {MAX_STRING}-byte bound")
                 if k < 0 or offs + 8 + k > size:
                     raise GGUFFormatError(f"{self._what}: truncated (a string at offset {offs} runs past {size})")
-                spans.append(offs)
+                strings.append(str(mv[offs + 8 : offs + 8 + k], "utf-8"))
                 offs += 8 + k
-            spans.append(offs)
-            u64 = np.uint64
-            for a, b in zip(spans, spans[1:]):
-                parts += (raw[a : a + 8].view(u64), raw[a + 8 : b])
-            return offs - orig_offs, parts, list(range(3, 2 * n + 2, 2)), [ValueType.ARRAY, itype]
+            body = self._get(orig_offs + 12, np.uint8, offs - orig_offs - 12)
+            self.string_arrays[id(body)] = tuple(strings)
+            return offs - orig_offs, [*parts, body], [2], [ValueType.ARRAY, itype]
         nptype = self.gguf_scalar_to_np.get(itype)
         if nptype is None:
             raise GGUFFormatError(f"{self._what}: nested arrays are not supported")
@@ -248,10 +247,13 @@ def _gguf_file(reader: _Reader, path: str, what: str, size: int) -> GGUFFile:
     kv: dict[str, KVEntry] = {}
     for key, field in itertools.islice(reader.fields.items(), 3, None):  # (after gguf-py's fields for the version and counts)
         vtype = field.types[0]
-        value = field.contents()
         array_type = field.types[1] if vtype is ValueType.ARRAY else None
-        if array_type is not None:
-            value = tuple(value)
+        if array_type is ValueType.STRING:
+            value: Any = reader.string_arrays[id(field.parts[field.data[0]])]
+        elif array_type is not None:
+            value = tuple(field.contents())
+        else:
+            value = field.contents()
         end = field.offset + sum(int(p.nbytes) for p in field.parts)
         kv[key] = KVEntry(key, vtype, (field.offset, end), value, array_type)
     alignment = int(reader.alignment)
