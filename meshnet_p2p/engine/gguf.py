@@ -151,10 +151,13 @@ class _Reader(gguf.GGUFReader):
             raise GGUFFormatError(f"{self._what}: truncated (needed bytes up to {end}, have {len(self.data)})")
         return super()._get(offset, dtype, count, override_order)
 
+    def _check_length(self, n: int, offset: int) -> None:
+        if n > MAX_STRING:
+            raise GGUFFormatError(f"{self._what}: string length {n} at offset {offset} exceeds the {MAX_STRING}-byte bound")
+
     def _get_str(self, offset: int) -> tuple[np.ndarray, np.ndarray]:
         n = self._get(offset, np.uint64)
-        if n[0] > MAX_STRING:
-            raise GGUFFormatError(f"{self._what}: string length {n[0]} at offset {offset} exceeds the {MAX_STRING}-byte bound")
+        self._check_length(int(n[0]), offset)
         return n, self._get(offset + 8, np.uint8, n[0])
 
     def _build_fields(self, offs: int, count: int) -> int:
@@ -185,8 +188,7 @@ class _Reader(gguf.GGUFReader):
             mv, size, strings = memoryview(self.data.view(np.ndarray)), len(self.data), []
             for _ in range(n):
                 k = int.from_bytes(mv[offs : offs + 8], "little") if offs + 8 <= size else -1
-                if k > MAX_STRING:
-                    raise GGUFFormatError(f"{self._what}: string length {k} at offset {offs} exceeds the {MAX_STRING}-byte bound")
+                self._check_length(k, offs)
                 if k < 0 or offs + 8 + k > size:
                     raise GGUFFormatError(f"{self._what}: truncated (a string at offset {offs} runs past {size})")
                 strings.append(str(mv[offs + 8 : offs + 8 + k], "utf-8"))
