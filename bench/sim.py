@@ -20,6 +20,7 @@ docs/scale.md: the figures, the assumptions and their sources.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from meshnet_p2p.dht.node import DHTConfig
@@ -85,11 +86,16 @@ def main() -> int:
                          "the simulator always did; the verdicts are the same, only slower: meshnet_p2p/sim/shared.py)")
     ap.add_argument("--no-probe", action="store_true",
                     help="fresh clients plan blind, without probing their candidates' round trips (before 2026-12-05)")
+    ap.add_argument("--procs", type=int, choices=(1, 2), default=None,
+                    help="processes the run is split over, a core each (meshnet_p2p/sim/split.py; default: 2 where "
+                         "there are two cores, 1 with --relays, which a split run does not simulate)")
     ap.add_argument("--json", action="store_true")
     args = parse_args(ap, peers=40, minutes=0.5, warmup_minutes=0.5, models=1, sybils=4)
     measured, warmup = default_window(args.peers)
     args.minutes = measured if args.minutes is None else args.minutes
     args.warmup_minutes = warmup if args.warmup_minutes is None else args.warmup_minutes
+    if args.procs is None:
+        args.procs = 1 if args.relays + args.bad_relays or (os.cpu_count() or 1) < 2 else 2
     churn = Churn(session_median_s=args.session_minutes * 60, gap_median_s=args.session_minutes * 60,
                   vanish_share=args.vanish_share)
     cfg = SimConfig(peers=args.peers, minutes=args.minutes, warmup_minutes=args.warmup_minutes, seed=args.seed,
@@ -103,7 +109,8 @@ def main() -> int:
                     partition_at_minutes=args.partition_at, partition_minutes=args.partition_minutes,
                     sybil_layers=tuple(int(x) for x in args.sybil_layers.split(":")),
                     dht=DHTConfig(follow_all=args.follow_all, refresh_interval=args.refresh_s,
-                                  refresh_paths=args.refresh_paths), share_checks=not args.check_each)
+                                  refresh_paths=args.refresh_paths), share_checks=not args.check_each,
+                    procs=args.procs)
     doc = simulate(cfg)
     print_report(doc, args.json)
     if args.smoke and not (doc["model_lookups"] and doc["model_lookup_found_any"] == 1.0 and doc["surveys"]):

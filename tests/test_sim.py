@@ -348,15 +348,15 @@ async def test_surveys_start_early_enough_to_end_in_the_window_and_as_many_as_ov
 
     from meshnet_p2p.sim.clients import SURVEY_LEAD_S, Clients
 
-    cfg = SimpleNamespace(probe=False, seed=5, surveys_per_s=0.5)
+    cfg = SimpleNamespace(probe=False, seed=5, surveys_per_s=0.5, procs=1)
     window = minutes * 60
     whole, s0 = [], trio.current_time()
-    async for rng in Clients(SimpleNamespace(m=None, cfg=cfg))._arrivals("surveys", cfg.surveys_per_s, s0 + window):
+    async for rng in Clients(SimpleNamespace(m=None, cfg=cfg))._poisson("surveys", cfg.surveys_per_s, s0 + window):
         whole.append(trio.current_time() - s0)
         rng.randrange(2)  # (each arrival's own choice: its model)
     started, ended = [], []
     async with trio.open_nursery() as nursery:
-        sim = SimpleNamespace(m=None, cfg=cfg, tasks=nursery, models=["a", "b"])
+        sim = SimpleNamespace(m=None, cfg=cfg, tasks=nursery, models=["a", "b"], me=0)
         clients = Clients(sim)
 
         async def survey(model: int) -> None:
@@ -617,3 +617,112 @@ def test_the_default_window_measures_as_many_peer_minutes_at_any_size():
         measured, warmup = default_window(n)
         assert 1.0 <= measured <= 10.0 and warmup in (1.0, 2.0)
         assert measured * n == 10_000 or measured in (1.0, 10.0)
+
+
+def _halves(body, lookahead_s=None):
+    """``body(net, partner)`` in two threads, each its own trio run on a mock clock: the
+    two processes of a split run, linked as split.py links them, on one network of
+    hosts both know (made before, as a split run forks after drawing its swarm)."""
+    import socket
+    import threading
+
+    from meshnet_p2p.sim.split import LOOKAHEAD_S, Partner
+
+    socks = socket.socketpair()
+    results, errors = [None, None], []
+
+    def half(me: int) -> None:
+        net = SimNetwork(random.Random(1), NetModel(loss=0.0))
+        hosts = [net.host(region=r) for r in ("na", "eu", "eu")]
+        for i, h in enumerate(hosts):
+            net.owner[h.addr] = i % 2
+        net.me = me
+        net.partner = Partner(socks[me], me, lookahead_s or LOOKAHEAD_S)
+
+        async def main():
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(net.run)
+                done = trio.Event()
+
+                async def meet():
+                    await net.partner.run(net, lambda *change: None)
+                    done.set()
+
+                nursery.start_soon(meet)
+                results[me] = await body(net, hosts)
+                net.partner.wants_end = lambda: True
+                await done.wait()
+                nursery.cancel_scope.cancel()
+
+        try:
+            trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+        except BaseException as e:  # (seen by the test, not lost in the thread)
+            errors.append(e)
+            socks[me].close()  # the other half then ends too
+
+    threads = [threading.Thread(target=half, args=(me,), daemon=True) for me in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads), "a half never ended"
+    return results, errors
+
+
+def test_a_datagram_to_the_other_half_of_a_split_run_arrives_at_its_time_and_its_answer_too():
+    """split.py: host 0 (process 0, NA) asks host 1 (process 1, EU), which answers: each
+    arrives at its one-way delay, as in one process, though the two clocks run apart
+    between the points where the halves meet."""
+    async def body(net, hosts):
+        a, b = hosts[0], hosts[1]
+        one_way = net.one_way_s(a, b)
+        if net.me == 0:
+            t = net.attach(a)
+            await t.send(b"question", b.addr)
+            got = await t.receive()
+            return got, trio.current_time(), one_way
+        t = net.attach(b)
+        data, src = await t.receive()
+        at = trio.current_time()
+        await t.send(b"answer to " + data, src)
+        return (data, src), at, one_way
+
+    (asked, answered), errors = _halves(body)
+    assert not errors
+    (got, t_back, one_way), ((data, src), t_there, _) = asked, answered
+    assert one_way <= t_there < one_way + 0.001  # at the tick it falls in, as in one process
+    assert 2 * one_way <= t_back < 2 * one_way + 0.002
+    assert data == b"question" and got[0] == b"answer to question"
+
+
+def test_a_datagram_faster_than_the_lookahead_is_refused_not_delivered_late():
+    async def body(net, hosts):
+        if net.me == 0:
+            await net.attach(hosts[0]).send(b"too fast", hosts[1].addr)
+
+    _, errors = _halves(body, lookahead_s=1.0)  # a lookahead longer than the NA-EU delay
+    assert any("under the split run's lookahead" in repr(e) for e in errors), errors
+
+
+def test_a_run_split_over_two_processes_finds_what_one_finds():
+    """bench/sim.py's default on two cores: half the peers in each process (split.py).
+    A lookup from either half finds the volunteers of both (recall against the whole
+    swarm), node lookups find nodes of both, fresh clients route and generate, and the
+    report adds up both halves' traffic."""
+    cfg = dict(SMALL, models=1, volunteer_share=0.8, churn=Churn(session_median_s=120.0, gap_median_s=120.0))
+    doc, one = simulate(SimConfig(**cfg, procs=2)), simulate(SimConfig(**cfg))
+    assert doc["procs"] == 2 and doc["model_lookups"] > 10 and doc["model_lookup_recall_mean"] >= 0.95, doc
+    assert doc["node_lookups"] > 5 and doc["node_lookup_success"] >= 0.9, doc
+    assert doc["surveys"] > 3 and doc["route_found"] == 1.0 and doc["generated"] == 1.0, doc
+    # who is online when is the seed's, in one process or two (a half sees the other's
+    # peers at most a lookahead late: the samples may differ by a peer)
+    assert doc["joins"] + doc["leaves"] > 0 and (doc["joins"], doc["leaves"]) == (one["joins"], one["leaves"])
+    assert doc["online_mean"] == pytest.approx(one["online_mean"], abs=1.0)
+    assert 0.7 < doc["messages_per_node_s"] / one["messages_per_node_s"] < 1.4, (doc, one)
+
+
+def test_a_split_run_refuses_relays_and_more_than_two_processes():
+    with pytest.raises(ValueError, match="relays"):
+        simulate(SimConfig(**SMALL, relays=2, procs=2))
+    with pytest.raises(ValueError, match="1 or 2"):
+        simulate(SimConfig(**SMALL, procs=3))

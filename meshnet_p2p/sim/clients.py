@@ -40,6 +40,7 @@ from meshnet_p2p.swarm.view import RecipeNotCertified, build_view, fetch_believa
 
 from .net import RTT_MS, Host
 from .records import N_LAYER
+from .split import RemotePeerNode
 
 if TYPE_CHECKING:
     from meshnet_p2p.core.identity import PeerId
@@ -101,7 +102,18 @@ class Clients:
 
     # --- model and node lookups -------------------------------------------------------------
 
-    async def _arrivals(self, name: str, rate_per_s: float, until: float):
+    @property
+    def running(self) -> int:
+        """Surveys and lookups started in the window and not ended."""
+        return self._running
+
+    def _arrivals(self, name: str, rate_per_s: float, until: float):
+        """Arrivals of users picking from the peers this process runs: in a run split
+        over two processes (split.py), each draws its share from a stream of its own."""
+        procs = self.sim.cfg.procs
+        return self._poisson(name if procs == 1 else f"{name}/half {self.sim.me}", rate_per_s / procs, until)
+
+    async def _poisson(self, name: str, rate_per_s: float, until: float):
         """A Poisson process of ``rate_per_s`` until ``until``, drawn from a stream of its
         own (yielded at each arrival, for the arrival's own choices): how many arrive in a
         window is then the seed's alone, not moved by what else drew from a shared stream."""
@@ -115,7 +127,7 @@ class Clients:
 
     async def model_lookups(self, until: float) -> None:
         async for rng in self._arrivals("model lookups", self.sim.cfg.lookups_per_s, until):
-            askers = self.sim.online(settled=True, clients=True)
+            askers = self.sim.online(settled=True, clients=True, local=True)
             if askers:
                 self._start(self._model_lookup, rng.choice(askers), rng.randrange(len(self.sim.models)))
 
@@ -138,26 +150,41 @@ class Clients:
                                      "found": len(found & live),
                                      "recall": len(found & live) / len(live) if live else 1.0})
         if live - found:
-            self.m.missed.extend(self._where_held(model, live - found))
+            elsewhere = None
+            if self.sim.partner is not None:  # the other process's nodes, asked at the next meeting point
+                elsewhere = await self.sim.partner.ask("where_held", model, [p.multihash for p in live - found])
+            self.m.missed.extend(self._where_held(model, live - found, elsewhere))
 
-    def _where_held(self, model: int, missed: Iterable[PeerId]) -> list[dict]:
+    def held_here(self, model: int, signers: list[bytes]) -> dict[bytes, list[int]]:
+        """For the other process of a split run (split.py): which of the DHT servers
+        this one runs hold each signer's record under ``model``'s key (peer indices)."""
+        key = model_key(self.sim.models[model])
+        servers = [p for p in self.sim.online(sybils=True, local=True) if not p.host.natted]
+        return {s: [p.index for p in servers if p.node.store.expires_at(key, s) is not None] for s in signers}
+
+    def _where_held(self, model: int, missed: Iterable[PeerId], elsewhere: dict[bytes, list[int]] | None = None
+                    ) -> list[dict]:
         """For each volunteer a lookup missed: how many online nodes store its record
         under the model's key, and how far from the key the nearest of them is (its
         rank among the DHT's servers online, nearest 0): a record no reader's lookup
-        reaches, or one hardly anyone holds (the oracle's view)."""
+        reaches, or one hardly anyone holds (the oracle's view). ``elsewhere``: the
+        holders among the other process's nodes (``held_here``)."""
         key = model_key(self.sim.models[model])
         target = key_id(key.encode())
-        servers = sorted((p.node for p in self.sim.online(sybils=True) if not p.host.natted),
-                         key=lambda n: n.node_id ^ target)
+        servers = sorted((p for p in self.sim.online(sybils=True) if not p.host.natted),
+                         key=lambda p: p.node.node_id ^ target)
         out = []
         for peer_id in missed:
-            ranks = [i for i, n in enumerate(servers) if n.store.expires_at(key, peer_id.multihash) is not None]
+            there = set((elsewhere or {}).get(peer_id.multihash, ()))
+            ranks = [i for i, p in enumerate(servers)
+                     if (p.index in there if isinstance(p.node, RemotePeerNode)
+                         else p.node.store.expires_at(key, peer_id.multihash) is not None)]
             out.append({"signer": str(peer_id), "holders": len(ranks), "nearest_rank": ranks[0] if ranks else None})
         return out
 
     async def node_lookups(self, until: float) -> None:
         async for rng in self._arrivals("node lookups", self.sim.cfg.find_nodes_per_s, until):
-            askers, targets = self.sim.online(settled=True), self.sim.online(settled=True, public=True)
+            askers, targets = self.sim.online(settled=True, local=True), self.sim.online(settled=True, public=True)
             if askers and targets:
                 self._start(self._node_lookup, rng.choice(askers), rng.choice(targets))
 
@@ -193,8 +220,13 @@ class Clients:
         if window <= 0:
             return
         rate = self.sim.cfg.surveys_per_s * window / (window - lead)  # (lead <= window / 2)
-        async for rng in self._arrivals("surveys", rate, until - lead):
-            self._start(self._survey, rng.randrange(len(self.sim.models)))
+        procs = self.sim.cfg.procs
+        arrival = 0
+        async for rng in self._poisson("surveys", rate, until - lead):
+            model = rng.randrange(len(self.sim.models))
+            if arrival % procs == self.sim.me:  # (a split run: the two processes take turns, split.py)
+                self._start(self._survey, model)
+            arrival += 1
 
     def _start(self, fn, *args) -> None:
         self._running += 1

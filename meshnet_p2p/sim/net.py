@@ -95,15 +95,28 @@ class SimNetwork:
         self._heap: list[tuple[float, int, Addr, bytes, Addr]] = []
         self._seq = 0
         self._changed = trio.Event()
+        # a run split over two processes (split.py): which process runs each host (this one
+        # when unnamed), this one's number, and the link datagrams to the other's hosts take
+        self.owner: dict[Addr, int] = {}
+        self.me = 0
+        self.partner = None
+        self.port = 4001  # new hosts' port (split.py: each process its own, so addresses never clash)
 
     def host(self, *, natted: bool = False, region: str | None = None, ip: str | None = None) -> Host:
         """A new host (an address that keeps its region and access delay across restarts)."""
         region = region or self.rng.choices(REGIONS, REGION_SHARE)[0]
         access = self.model.access_ms_median * math.exp(self.rng.gauss(0, self.model.access_sigma)) / 1000
-        addr = (ip or _public_ip(self.rng, self._prefixes), 4001)
+        addr = (ip or _public_ip(self.rng, self._prefixes), self.port)
         h = Host(addr, region, access, natted)
         self.hosts[addr] = h
+        if self.partner is not None:  # the other process learns of it before any datagram from it
+            self.partner.hosts.append([addr[0], addr[1], region, access, natted])
         return h
+
+    def add_remote_host(self, addr: Addr, region: str, access_s: float, natted: bool, *, owner: int) -> None:
+        """A host the other process made (split.py)."""
+        self.hosts[addr] = Host(addr, region, access_s, natted)
+        self.owner[addr] = owner
 
     def network(self) -> str:
         """A fresh public /24 (its first three octets), for hosts that share one network."""
@@ -137,8 +150,17 @@ class SimNetwork:
         due = now + self.one_way_s(src, target)
         if tick := self.model.tick_s:
             due = math.ceil(due / tick) * tick
+        if self.partner is not None and self.owner.get(dst, self.me) != self.me:
+            if due < now + self.partner.lookahead_s:  # (it would arrive before the point that hands it over)
+                raise RuntimeError(f"a datagram due in {due - now:.4f} s, under the split run's lookahead")
+            self.partner.datagrams.append([due, dst[0], dst[1], bytes(data), src.addr[0], src.addr[1]])
+            return
+        self.arrive(due, dst, bytes(data), src.addr)
+
+    def arrive(self, due: float, dst: Addr, data: bytes, src: Addr) -> None:
+        """``data`` is due at ``dst`` at ``due`` (sent here, or by the other process: split.py)."""
         self._seq += 1
-        heapq.heappush(self._heap, (due, self._seq, dst, bytes(data), src.addr))
+        heapq.heappush(self._heap, (due, self._seq, dst, data, src))
         if self._heap[0][1] == self._seq:  # a new earliest arrival: the deliverer waits for it instead
             self._changed.set()
 

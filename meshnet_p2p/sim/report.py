@@ -2,11 +2,58 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgpack
+
+from .clients import Measures
+
 if TYPE_CHECKING:
-    from .swarm import SimSwarm
+    from .swarm import SimConfig
+
+
+@dataclass
+class Part:
+    """What one process of a run measured (split.py: two are added up), and the report's inputs."""
+    span: float  # simulated seconds measured
+    sent: int  # datagrams sent while measuring, and their bytes
+    sent_bytes: int
+    rss_bytes: int  # peak RSS growth
+    m: Measures
+    kinds: Counter
+    kind_bytes: Counter
+    full_key: Counter
+    lost: int  # datagrams lost, and dropped by a partition, over the whole run
+    partitioned: int
+
+    def pack(self) -> bytes:
+        return msgpack.packb({**{k: getattr(self, k) for k in ("span", "sent", "sent_bytes", "rss_bytes", "lost",
+                                                               "partitioned")},
+                              "m": dataclasses.asdict(self.m), "kinds": dict(self.kinds),
+                              "kind_bytes": [[k, part, v] for (k, part), v in self.kind_bytes.items()],
+                              "full_key": dict(self.full_key)}, use_bin_type=True)
+
+    def add(self, packed: bytes) -> None:
+        """Add the other process's part (``pack``): its counts, its samples."""
+        d = msgpack.unpackb(packed, raw=False)
+        self.sent += d["sent"]
+        self.sent_bytes += d["sent_bytes"]
+        self.rss_bytes += d["rss_bytes"]
+        self.lost += d["lost"]
+        self.partitioned += d["partitioned"]
+        self.kinds.update(d["kinds"])
+        self.kind_bytes.update({(k, part): v for k, part, v in d["kind_bytes"]})
+        self.full_key.update(d["full_key"])
+        for f in dataclasses.fields(Measures):
+            mine, theirs = getattr(self.m, f.name), d["m"][f.name]
+            if isinstance(mine, list):
+                mine.extend(theirs)
+            elif isinstance(mine, int):
+                setattr(self.m, f.name, mine + theirs)
+            # (grace_s and wall_phases: this process's, the one that reports)
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -93,12 +140,12 @@ def _coverage(samples: list[dict], prefix: str) -> dict[str, Any]:
     }
 
 
-def report(sim: "SimSwarm", span: float, sent: int, sent_bytes: int, online: float, peak: int, rss_bytes: int,
-           wall_s: float) -> dict:
-    m, cfg = sim.m, sim.cfg
+def report(cfg: "SimConfig", part: "Part", online: float, peak: int, wall_s: float) -> dict:
+    """``part``: what the run measured (both processes' of a split run, added up)."""
+    m, span, sent, sent_bytes = part.m, part.span, part.sent, part.sent_bytes
     ml, nl = m.model_lookups, m.node_lookups
     doc = {
-        "peers": cfg.peers, "simulated_s": round(span), "warmup_s": round(cfg.warmup_minutes * 60),
+        "peers": cfg.peers, "procs": cfg.procs, "simulated_s": round(span), "warmup_s": round(cfg.warmup_minutes * 60),
         "grace_s": round(m.grace_s, 1), "wall_s": round(wall_s, 1),
         "wall_s_by_phase": {k: round(v, 1) for k, v in m.wall_phases.items()}, "seed": cfg.seed,
         "online_mean": round(online, 1), "online_peak": peak, "joins": m.joins, "leaves": m.leaves,
@@ -123,15 +170,15 @@ def report(sim: "SimSwarm", span: float, sent: int, sent_bytes: int, online: flo
         "never_routable": m.never_routable, "routable_probed": len(m.routable_s) + m.never_routable,
         "messages_per_node_s": _r3(sent / span / max(1.0, online)),
         "bytes_per_node_s": round(sent_bytes / span / max(1.0, online)),
-        "requests_per_node_s": {k: _r3(v / span / max(1.0, online)) for k, v in sim.kinds.most_common(8)},
+        "requests_per_node_s": {k: _r3(v / span / max(1.0, online)) for k, v in part.kinds.most_common(8)},
         # the bytes a second a node sends, by the request kind they ask or answer
         "bytes_per_node_s_by_kind": {f"{k} {part}": round(v / span / max(1.0, online))
-                                     for (k, part), v in sim.kind_bytes.most_common(10)},
+                                     for (k, part), v in part.kind_bytes.most_common(10)},
         # stores that met a key holding its most values (storage.py): refused, or taken in place
         # of a value whose signer the node does not know live
-        "full_key_stores_per_node_s": {k: _r3(sim.full_key["full_key_" + k] / span / max(1.0, online)) for k in ("refused", "replaced")},
-        "lost_datagrams": sim.net.lost,
-        "rss_per_peer_kb": round(rss_bytes / 1024 / max(1, peak), 1),
+        "full_key_stores_per_node_s": {k: _r3(part.full_key["full_key_" + k] / span / max(1.0, online)) for k in ("refused", "replaced")},
+        "lost_datagrams": part.lost,
+        "rss_per_peer_kb": round(part.rss_bytes / 1024 / max(1, peak), 1),
         # gossiped records a peer's node holds (bootstrap peers, which follow every topic, aside)
         "gossip_held_mean": _mean(m.gossip_held),
         "gossip_held_max": max(m.gossip_held, default=0),
@@ -164,7 +211,7 @@ def report(sim: "SimSwarm", span: float, sent: int, sent_bytes: int, online: flo
             "reachability_s_p90": _r3(_pct([x["s"] for x in rc], 0.9)),
         })
     if cfg.partitioned:  # before, during (each side) and after the cut
-        doc["partitioned_datagrams"] = sim.net.partitioned
+        doc["partitioned_datagrams"] = part.partitioned
         for phase, pick in (("before", lambda x: x["phase"] == "before"),
                             ("during_inside", lambda x: x["phase"] == "during" and x["cut_side"]),
                             ("during_outside", lambda x: x["phase"] == "during" and not x["cut_side"]),

@@ -16,6 +16,7 @@ import contextlib
 import functools
 import gc
 import math
+import os
 import random
 import resource
 import time
@@ -33,7 +34,7 @@ from meshnet_p2p.nat.dialback import relay_of
 from meshnet_p2p.nat.reachability import RELAY_DIAL_TIMEOUT, check_reachability, relay_check
 from meshnet_p2p.nat.relay import RelayError, Reservation
 from meshnet_p2p.dht.node import DHTConfig, DHTNode
-from meshnet_p2p.dht.routing import Contact, key_id
+from meshnet_p2p.dht.routing import Contact, key_id, node_id_of
 from meshnet_p2p.roles.join import ANNOUNCE_INTERVAL_S
 from meshnet_p2p.swarm.capability import model_key
 from meshnet_p2p.swarm.node import TYPES, lifetime_cap, peers_for_model
@@ -51,7 +52,8 @@ from .crypto import stand_in_signatures
 from .shared import shared_record_checks
 from .net import Host, NetModel, SimNetwork
 from .records import N_LAYER, SLICES
-from .report import report
+from .report import Part, report
+from .split import Partner, RemotePeerNode, run_split
 from .sybil import Behaviour, SybilNode, grind
 
 AUDITED_AFTER_S = 30.0  # a volunteer the certifier has served a while: audited (its replays matched)
@@ -125,6 +127,8 @@ class SimConfig:
     # a record's checks that hang on its bytes alone run once for the swarm (shared.py);
     # False: every node runs them itself, as a real node does (same verdicts, slower)
     share_checks: bool = True
+    # processes the run is split over (split.py): 1, or 2 (a core each, half the peers each)
+    procs: int = 1
 
     @property
     def partitioned(self) -> bool:
@@ -183,6 +187,9 @@ class SimSwarm:
         self.full_key: Counter[str] = Counter()  # stores that met a full key while measuring: full_key_refused, _replaced
         self.kind_bytes: Counter[tuple[str, str]] = Counter()  # their bytes: (kind, "asks" or "answers")
         self._kinds_at_start: dict[int, dict] = {}  # node -> its counts when measuring began
+        # a run split over two processes (split.py): this one's number and its link to the other
+        self.me = 0
+        self.partner: Partner | None = None
 
     def now_ms(self) -> int:
         return EPOCH_MS + int(trio.current_time() * 1000)
@@ -191,17 +198,43 @@ class SimSwarm:
         return Identity.from_seed(self.rng.randbytes(32))
 
     def online(self, *, settled: bool = False, public: bool = False, clients: bool | None = None,
-               sybils: bool = False) -> list[Peer]:
-        """Honest peers online (and, with ``sybils``, the attackers too)."""
+               sybils: bool = False, local: bool = False) -> list[Peer]:
+        """Honest peers online (and, with ``sybils``, the attackers too; with ``local``,
+        only those this process runs, whose nodes are here: split.py)."""
         now = trio.current_time()
         return [p for p in self.peers if p.node is not None and p.node.running and (sybils or p.sybil is None)
                 and (not settled or now - p.online_since >= SETTLED_S)
                 and (not public or not p.host.natted)
-                and (clients is None or (p.model is None and not p.is_relay) == clients)]
+                and (clients is None or (p.model is None and not p.is_relay) == clients)
+                and (not local or self.runs(p))]
+
+    def runs(self, p: Peer) -> bool:
+        """Whether this process runs ``p`` (always, unless the run is split: split.py)."""
+        return p.index % self.cfg.procs == self.me
+
+    def tell(self, p: Peer, name: str, value) -> None:
+        """What changed of ``p``, for the other process's view of it (split.py)."""
+        if self.partner is not None:
+            self.partner.changes.append([p.index, name, value])
+
+    def _told(self, index: int, name: str, value) -> None:
+        """What changed of a peer the other process runs: its stand-in here (split.py)."""
+        p = self.peers[index]
+        if name == "up":
+            p.node, p.online_since, p.vanished, p.announced_at = RemotePeerNode(node_id_of(p.identity.peer_id)), *value, None
+        elif name == "down":
+            p.node = None
+        elif name == "announced":
+            p.announced_at = value
+        elif name == "layers":
+            self._serves(p, tuple(value))
 
     # --- who is in the swarm ------------------------------------------------------------------
 
-    def _populate(self) -> None:
+    def populate(self) -> None:
+        """Draw who is in the swarm (before a split run forks: both halves the same)."""
+        if self.peers:
+            return
         cfg = self.cfg
         for i in range(cfg.peers + cfg.bootstrap):
             boot = i < cfg.bootstrap
@@ -275,6 +308,7 @@ class SimSwarm:
             async with trio.open_nursery() as inner:
                 await inner.start(node.run)
                 p.node, p.online_since = node, started
+                self.tell(p, "up", [started, p.vanished])
                 if self.measuring:
                     self.m.joins += 1
                 if p.index >= self.cfg.bootstrap:
@@ -298,6 +332,7 @@ class SimSwarm:
         finally:
             node.transport.close()
             p.node = None
+            self.tell(p, "down", None)
             if p.session_over is not None:  # a relay's reservations end with it
                 p.session_over.set()
                 p.session_over = None
@@ -452,6 +487,7 @@ class SimSwarm:
         spans = [Span.from_report(r) for r in found if r.signer != p.identity.peer_id]
         spans = await answering_spans(spans, dial, rng=self.rng)
         self._serves(p, choose_span(spans, N_LAYER, default_num_layers(N_LAYER)))
+        self.tell(p, "layers", list(p.layers))
 
     async def _announce(self, p: Peer, node: DHTNode, started: float) -> None:
         digest = self.models[p.model]
@@ -469,6 +505,7 @@ class SimSwarm:
             if first and not liar:
                 first = False
                 p.announced_at = trio.current_time()
+                self.tell(p, "announced", p.announced_at)
                 if self.measuring:
                     self.tasks.start_soon(self._probe_routable, p, started)
             await trio.sleep(ANNOUNCE_INTERVAL_S)
@@ -502,7 +539,7 @@ class SimSwarm:
         key = model_key(self.models[p.model])
         for wait in (0.0, 5.0, 15.0, 45.0):
             await trio.sleep(wait)
-            askers = [q for q in self.online(settled=True, clients=True) if q is not p]
+            askers = [q for q in self.online(settled=True, clients=True, local=True) if q is not p]
             if not askers or p.node is None:
                 return
             node = self.rng.choice(askers).node
@@ -582,25 +619,31 @@ class SimSwarm:
     # --- the run ---------------------------------------------------------------------------------
 
     async def run(self) -> dict:
+        """The run; its report (a split run: this process's part, ``Part``)."""
         cfg = self.cfg
-        self._populate()
+        self.populate()
         rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         wall0 = time.perf_counter()
         async with trio.open_nursery() as nursery:
             self.tasks = nursery  # what users do runs here: an error in it ends the run, with its traceback
             nursery.start_soon(self.net.run)
+            met = trio.Event()  # a split run: both processes agreed to end
+            if self.partner is not None:
+                nursery.start_soon(self._meet, met)
             for p in self.peers[:cfg.bootstrap]:
-                nursery.start_soon(self._lifecycle, p)
+                if self.runs(p):
+                    nursery.start_soon(self._lifecycle, p)
             await trio.sleep(1.0)  # the bootstrap peers are up before anyone joins through them
             # relays and attackers first: in place before the swarm forms (for attackers the hardest case)
             arrivals = sorted(self.peers[cfg.bootstrap:], key=lambda p: p.sybil is None and not p.is_relay)
             for p in arrivals:
-                nursery.start_soon(self._lifecycle, p)
+                if self.runs(p):
+                    nursery.start_soon(self._lifecycle, p)
                 await trio.sleep(cfg.warmup_minutes * 60 / 2 / max(1, len(arrivals)))  # over half the warm-up
             await trio.sleep(cfg.warmup_minutes * 30)
             self.measuring = True
             self.m.wall_phases["warmup"] = time.perf_counter() - wall0
-            for p in self.online(sybils=True):
+            for p in self.online(sybils=True, local=True):
                 self._kinds_at_start[id(p.node)] = {**p.node.stats, **_full_key(p.node)}
             sent0, bytes0, t0 = self.net.sent_total, self.net.sent_bytes_total, trio.current_time()
             until = t0 + cfg.minutes * 60
@@ -608,31 +651,53 @@ class SimSwarm:
             nursery.start_soon(self.clients.node_lookups, until)
             if cfg.surveys_per_s > 0:
                 nursery.start_soon(self.clients.surveys, until)
-            nursery.start_soon(self._sample_online)
+            if self.me == 0:  # (it sees every peer: one process samples)
+                nursery.start_soon(self._sample_online)
             if cfg.partitioned:
                 nursery.start_soon(self._partition)
             await trio.sleep(cfg.minutes * 60)
-            for p in self.online(sybils=True):
+            for p in self.online(sybils=True, local=True):
                 self._count(p.node)
-            self.m.gossip_held = [len(p.node.gossip) for p in self.online() if p.index >= cfg.bootstrap]
+            self.m.gossip_held = [len(p.node.gossip) for p in self.online(local=True) if p.index >= cfg.bootstrap]
             self.measuring = False
             span = trio.current_time() - t0
             sent, sent_bytes = self.net.sent_total - sent0, self.net.sent_bytes_total - bytes0
             self.m.wall_phases["measured"] = time.perf_counter() - wall0 - self.m.wall_phases["warmup"]
             grace0 = trio.current_time()
-            with trio.move_on_after(SURVEY_GRACE_S):  # the window's surveys, generations and lookups end (not counted)
-                await self.clients.reported()
+            if self.partner is None:
+                with trio.move_on_after(SURVEY_GRACE_S):  # the window's surveys, generations and lookups end (not counted)
+                    await self.clients.reported()
+            else:  # both processes' (they end at the same meeting point)
+                self.partner.wants_end = lambda: not self.clients.running or trio.current_time() >= grace0 + SURVEY_GRACE_S
+                await met.wait()
             self.m.grace_s = trio.current_time() - grace0
             self.m.wall_phases["grace"] = time.perf_counter() - wall0 - sum(self.m.wall_phases.values())
             nursery.cancel_scope.cancel()
-        online = sum(self.m.online_samples) / max(1, len(self.m.online_samples))
-        peak = max(self.m.online_samples, default=0)
-        rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return report(self, span, sent, sent_bytes, online, peak, (rss1 - rss0) * 1024, time.perf_counter() - wall0)
+        rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024
+        part = Part(span, sent, sent_bytes, rss, self.m, self.kinds, self.kind_bytes, self.full_key, self.net.lost,
+                    self.net.partitioned)
+        if self.partner is not None:
+            return part
+        return self.report(part, time.perf_counter() - wall0)
+
+    def report(self, part: "Part", wall_s: float) -> dict:
+        online = sum(part.m.online_samples) / max(1, len(part.m.online_samples))
+        peak = max(part.m.online_samples, default=0)
+        return report(self.cfg, part, online, peak, wall_s)
+
+    async def _meet(self, met: trio.Event) -> None:
+        await self.partner.run(self.net, self._told)
+        met.set()
 
 
 def _full_key(node: DHTNode) -> dict[str, int]:
     return {"full_key_refused": node.store.full_key_refused, "full_key_replaced": node.store.full_key_replaced}
+
+
+def _run(swarm: SimSwarm):
+    from trio.testing import MockClock
+
+    return trio.run(swarm.run, clock=MockClock(autojump_threshold=0))
 
 
 # A survey's look is bounded well inside this (bootstrap and fetch timeouts), and so is a
@@ -642,9 +707,12 @@ SURVEY_GRACE_S = 300.0
 
 def simulate(cfg: SimConfig) -> dict:
     """Run ``cfg`` in virtual time (trio's MockClock), signatures stood in for
-    (crypto.py); its measures."""
-    from trio.testing import MockClock
-
+    (crypto.py), in one process or split over two (``cfg.procs``, split.py); its measures."""
+    if cfg.procs not in (1, 2):
+        raise ValueError(f"procs must be 1 or 2, not {cfg.procs}")
+    if cfg.procs > 1 and cfg.relays + cfg.bad_relays:
+        # a reservation is state one process's volunteer changes on the other's relay
+        raise ValueError("a run split over two processes does not simulate relays: run it in one (procs=1)")
     # The nodes' own random choices (gossip targets, refreshes) from the seed too. A run is
     # still not exactly repeatable: trio shuffles its run queue on purpose (docs/scale.md).
     random.seed(cfg.seed)
@@ -657,11 +725,11 @@ def simulate(cfg: SimConfig) -> dict:
     collecting = gc.isenabled()
     gc.disable()
     try:
-        with stand_in_signatures():
+        with stand_in_signatures(os.urandom(32)):  # (one secret: a split run's halves check each other's)
             swarm = SimSwarm(cfg)
             shared = shared_record_checks(swarm.now_ms) if cfg.share_checks else contextlib.nullcontext()
             with shared:
-                return trio.run(swarm.run, clock=MockClock(autojump_threshold=0))
+                return _run(swarm) if cfg.procs == 1 else run_split(swarm, _run)
     finally:
         if collecting:
             gc.enable()
