@@ -712,6 +712,7 @@ def test_a_run_split_over_two_processes_finds_what_one_finds():
     cfg = dict(SMALL, models=1, volunteer_share=0.8, churn=Churn(session_median_s=120.0, gap_median_s=120.0))
     doc, one = simulate(SimConfig(**cfg, procs=2)), simulate(SimConfig(**cfg))
     assert doc["procs"] == 2 and doc["model_lookups"] > 10 and doc["model_lookup_recall_mean"] >= 0.95, doc
+    assert len(doc["split_waited_s"]) == 2 and "split_waited_s" not in one  # (each half's wait for the other)
     assert doc["node_lookups"] > 5 and doc["node_lookup_success"] >= 0.9, doc
     assert doc["surveys"] > 3 and doc["route_found"] == 1.0 and doc["generated"] == 1.0, doc
     # who is online when is the seed's, in one process or two (a half sees the other's

@@ -28,10 +28,11 @@ class Part:
     full_key: Counter
     lost: int  # datagrams lost, and dropped by a partition, over the whole run
     partitioned: int
+    waited_s: list[float] = dataclasses.field(default_factory=list)  # split.py: each half's wall time waiting for the other
 
     def pack(self) -> bytes:
         return msgpack.packb({**{k: getattr(self, k) for k in ("span", "sent", "sent_bytes", "rss_bytes", "lost",
-                                                               "partitioned")},
+                                                               "partitioned", "waited_s")},
                               "m": dataclasses.asdict(self.m), "kinds": dict(self.kinds),
                               "kind_bytes": [[k, part, v] for (k, part), v in self.kind_bytes.items()],
                               "full_key": dict(self.full_key)}, use_bin_type=True)
@@ -44,6 +45,7 @@ class Part:
         self.rss_bytes += d["rss_bytes"]
         self.lost += d["lost"]
         self.partitioned += d["partitioned"]
+        self.waited_s.extend(d["waited_s"])
         self.kinds.update(d["kinds"])
         self.kind_bytes.update({(k, part): v for k, part, v in d["kind_bytes"]})
         self.full_key.update(d["full_key"])
@@ -148,6 +150,8 @@ def report(cfg: "SimConfig", part: "Part", online: float, peak: int, wall_s: flo
         "peers": cfg.peers, "procs": cfg.procs, "simulated_s": round(span), "warmup_s": round(cfg.warmup_minutes * 60),
         "grace_s": round(m.grace_s, 1), "wall_s": round(wall_s, 1),
         "wall_s_by_phase": {k: round(v, 1) for k, v in m.wall_phases.items()}, "seed": cfg.seed,
+        # a split run: the wall seconds each half waited at the meeting points for the other (its imbalance)
+        **({"split_waited_s": [round(w, 1) for w in part.waited_s]} if part.waited_s else {}),
         "online_mean": round(online, 1), "online_peak": peak, "joins": m.joins, "leaves": m.leaves,
         "model_lookups": len(ml),
         "model_lookup_recall_mean": _mean([x["recall"] for x in ml]),

@@ -73,6 +73,7 @@ class Partner:
         self._waiting: dict[int, tuple[trio.Event, list]] = {}
         self._ids = itertools.count()
         self.points = 0
+        self.waited_s = 0.0  # wall time blocked on the other (its half's work took longer)
         self.wants_end: Callable[[], bool] = lambda: False
         self.theirs_wants_end = False
 
@@ -100,9 +101,10 @@ class Partner:
         out = msgpack.packb(mine, use_bin_type=True)
         if self.me == 0:
             self._send(out)
-            got = self._recv()
-        else:
-            got = self._recv()
+        t0 = time.perf_counter()
+        got = self._recv()
+        self.waited_s += time.perf_counter() - t0
+        if self.me == 1:
             self._send(out)
         return msgpack.unpackb(got, raw=False, strict_map_key=False)
 
