@@ -72,10 +72,8 @@ class Partner:
         self.handlers: dict[str, Callable[..., Any]] = {}  # what the other may ask of this side
         self._waiting: dict[int, tuple[trio.Event, list]] = {}
         self._ids = itertools.count()
-        self.points = 0
         self.waited_s = 0.0  # wall time blocked on the other (its half's work took longer)
         self.wants_end: Callable[[], bool] = lambda: False
-        self.theirs_wants_end = False
 
     # --- the exchange --------------------------------------------------------------------------
 
@@ -113,7 +111,6 @@ class Partner:
         to end (``wants_end``) at the same point."""
         for k in itertools.count(1):
             await trio.sleep_until(k * self.lookahead_s)
-            self.points = k
             wants = self.wants_end()
             mine = [self.hosts, self.datagrams, self.changes, self.asks, self.answers, wants]
             self.hosts, self.datagrams, self.changes, self.asks, self.answers = [], [], [], [], []
