@@ -43,7 +43,11 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--models", type=int, default=4)
     ap.add_argument("--nat", type=float, default=0.3, help="share of peers behind NAT")
+    ap.add_argument("--nat-filtering", choices=("address", "endpoint"), default="address",
+                    help="what a NAT lets in: from addresses its host sent to, or anyone while its mapping is open")
     ap.add_argument("--loss", type=float, default=0.01)
+    ap.add_argument("--uplink-mbps", type=float, default=0.0,
+                    help="median uplink of a host, Mbit/s (log-normal); a datagram waits its turn on it. 0: unlimited")
     ap.add_argument("--session-minutes", type=float, default=60.0, help="median online session")
     ap.add_argument("--vanish-share", type=float, default=0.0,
                     help="share of sessions ending with the machine gone (no FIN): a generation waits out a step")
@@ -100,7 +104,7 @@ def main() -> int:
                   vanish_share=args.vanish_share)
     cfg = SimConfig(peers=args.peers, minutes=args.minutes, warmup_minutes=args.warmup_minutes, seed=args.seed,
                     models=args.models, nat_share=args.nat, lookups_per_s=args.lookups_per_s, churn=churn,
-                    net=NetModel(loss=args.loss), surveys_per_s=args.surveys_per_s, sybils=args.sybils,
+                    net=NetModel(loss=args.loss, uplink_mbps=args.uplink_mbps, nat_filtering=args.nat_filtering), surveys_per_s=args.surveys_per_s, sybils=args.sybils,
                     sybil_behaviour=args.sybil_behaviour, sybil_target=args.sybil_target,
                     sybil_networks=args.sybil_networks, placement=args.placement, generation_tokens=args.generation_tokens,
                     verdicts=args.verdicts, probe=not args.no_probe, reachability=args.reachability, relays=args.relays,

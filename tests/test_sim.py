@@ -57,6 +57,65 @@ async def test_a_datagram_arrives_after_its_one_way_delay_and_a_nat_takes_only_a
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize("filtering", ["address", "endpoint"])
+async def test_a_nat_lets_in_what_its_filtering_lets_in_while_its_mapping_is_open(filtering, autojump_clock):
+    """RFC 4787's filtering: an address-dependent NAT takes only the addresses its host
+    sent to; an endpoint-independent one ("full cone") anyone, while its host's mapping
+    is open (nat_window_s since it last sent); neither takes anything before it."""
+    net = SimNetwork(random.Random(1), NetModel(loss=0.0, nat_filtering=filtering, nat_window_s=10.0))
+    hidden, asked, stranger = net.host(natted=True), net.host(), net.host()
+    th, ta, ts = net.attach(hidden), net.attach(asked), net.attach(stranger)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(net.run)
+        await ts.send(b"before", hidden.addr)  # no mapping yet: dropped by both
+        await trio.sleep(1)
+        await th.send(b"hello", asked.addr)
+        await ta.receive()
+        await ta.send(b"answer", hidden.addr)
+        await ts.send(b"stranger", hidden.addr)
+        await trio.sleep(1)
+        got = []
+        while th._inbox.items:
+            got.append((await th.receive())[0])
+        assert sorted(got) == ([b"answer", b"stranger"] if filtering == "endpoint" else [b"answer"])
+        await trio.sleep(20)  # the mapping closed: nobody again
+        await ta.send(b"late", hidden.addr)
+        await trio.sleep(1)
+        assert not th._inbox.items
+        nursery.cancel_scope.cancel()
+    with pytest.raises(ValueError, match="nat_filtering"):
+        NetModel(nat_filtering="symmetric")
+
+
+async def test_a_host_s_uplink_sends_a_burst_one_datagram_after_another_at_its_rate(autojump_clock):
+    """--uplink-mbps: ten datagrams of 12,500 bytes sent at once from a 1 Mbps uplink leave
+    0.1 s apart, the first after its own 0.1 s; the link's delay comes on top. Lost ones
+    take their turn too (the sender sent them). Without an uplink rate: all at once."""
+    net = SimNetwork(random.Random(1), NetModel(loss=0.0, uplink_mbps=20.0))
+    a, b = net.host(region="na"), net.host(region="na")
+    assert a.uplink_bps > 0 and a.uplink_bps != b.uplink_bps  # (drawn per host)
+    a.uplink_bps = 1e6
+    ta, tb = net.attach(a), net.attach(b)
+    one_way = net.one_way_s(a, b)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(net.run)
+        t0 = trio.current_time()
+        for i in range(10):
+            await ta.send(bytes([i]) * 12_500, b.addr)
+        for i in range(10):
+            data, _ = await tb.receive()
+            assert data[0] == i
+            assert (i + 1) * 0.1 + one_way <= trio.current_time() - t0 < (i + 1) * 0.1 + one_way + 0.0011
+        a.uplink_bps = 0.0  # unlimited: a burst arrives together
+        t1 = trio.current_time()
+        for i in range(3):
+            await ta.send(b"x" * 12_500, b.addr)
+        for i in range(3):
+            await tb.receive()
+            assert trio.current_time() - t1 < one_way + 0.0011
+        nursery.cancel_scope.cancel()
+
+
 async def test_datagrams_due_within_one_tick_arrive_together_and_tick_zero_keeps_exact_times(autojump_clock):
     for tick in (0.001, 0.0):
         net = SimNetwork(random.Random(1), NetModel(loss=0.0, tick_s=tick))

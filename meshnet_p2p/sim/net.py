@@ -2,9 +2,14 @@
 
 A host sits in a region; a datagram from a to b arrives after the two regions'
 one-way delay plus both hosts' access delay (fixed per host, log-normal), or is
-lost with probability ``loss``. A host behind NAT takes a datagram only from an
+lost with probability ``loss``. With ``uplink_mbps`` set, each host also has an
+uplink (fixed per host, log-normal): a datagram leaves only once those sent
+before it have, and takes its size over the link's rate to (a FIFO queue at the
+sender, where a home's traffic waits; downlinks, several times wider on home
+lines, are not modelled). A host behind NAT takes a datagram only from an
 address it sent to within ``nat_window_s`` (address-dependent filtering, what most
-home routers do): nobody reaches it unasked. Every datagram sent is counted, in
+home routers do): nobody reaches it unasked; or, with ``nat_filtering="endpoint"``
+(a "full cone"), from anyone while its mapping is open (it sent within the window). Every datagram sent is counted, in
 messages and bytes, and every one lost. While ``cut`` names regions, no
 datagram crosses between them and the rest (a partition: a cable cut, a
 national firewall).
@@ -51,12 +56,24 @@ class NetModel:
     access_sigma: float = 0.7
     nat_share: float = 0.0  # hosts behind NAT (assigned by the caller: ``endpoint(natted=...)``)
     nat_window_s: float = 60.0  # how long a NAT keeps an outbound mapping open for answers
+    # what a NAT lets in (RFC 4787's filtering): "address", only from addresses its host
+    # sent to (each simulated host has one port: address-and-port-dependent alike; most
+    # home routers); "endpoint", from anyone while its host's mapping is open ("full cone")
+    nat_filtering: str = "address"
     # Arrival times are rounded up to a whole tick, so the datagrams due within one tick
     # are delivered together: one wake-up of the deliverer and one jump of the clock for
     # all of them, and their handlers run in one batch of the scheduler (3,000 peers: 15 %
     # less wall time, docs/scale.md). A millisecond is far below any one-way delay drawn
     # here (15 ms and up). 0: exact times.
     tick_s: float = 0.001
+    # a host's uplink, megabits a second (log-normal: median, sigma); 0: unlimited (as
+    # before 2026-12-07; drawing none keeps a seed's hosts as they were)
+    uplink_mbps: float = 0.0
+    uplink_sigma: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.nat_filtering not in ("address", "endpoint"):
+            raise ValueError(f"nat_filtering: 'address' or 'endpoint', not {self.nat_filtering!r}")
 
 
 @dataclass
@@ -66,6 +83,9 @@ class Host:
     access_s: float
     natted: bool
     sent_to: dict[Addr, float] = field(default_factory=dict)  # NAT mappings: destination -> last send
+    last_sent: float = -math.inf  # its NAT's mapping, for endpoint-independent filtering
+    uplink_bps: float = 0.0  # bits a second its uplink carries (0: unlimited)
+    uplink_free: float = 0.0  # when what it has sent so far has left
 
 
 def _public_ip(rng: random.Random, used: set[str]) -> str:
@@ -108,6 +128,8 @@ class SimNetwork:
         access = self.model.access_ms_median * math.exp(self.rng.gauss(0, self.model.access_sigma)) / 1000
         addr = (ip or _public_ip(self.rng, self._prefixes), self.port)
         h = Host(addr, region, access, natted)
+        if self.model.uplink_mbps:
+            h.uplink_bps = self.model.uplink_mbps * 1e6 * math.exp(self.rng.gauss(0, self.model.uplink_sigma))
         self.hosts[addr] = h
         if self.partner is not None:  # the other process learns of it before any datagram from it
             self.partner.hosts.append([addr[0], addr[1], region, access, natted])
@@ -139,7 +161,10 @@ class SimNetwork:
         self.sent_bytes_total += len(data)
         now = trio.current_time()
         if src.natted:
-            src.sent_to[dst] = now
+            src.sent_to[dst] = src.last_sent = now
+        gone = now
+        if src.uplink_bps:  # it leaves after what was sent before it, at the uplink's rate
+            gone = src.uplink_free = max(now, src.uplink_free) + len(data) * 8 / src.uplink_bps
         target = self.hosts.get(dst)
         if target is None or self.rng.random() < self.model.loss:
             self.lost += 1
@@ -147,7 +172,7 @@ class SimNetwork:
         if self.cut and (src.region in self.cut) != (target.region in self.cut):
             self.partitioned += 1
             return
-        due = now + self.one_way_s(src, target)
+        due = gone + self.one_way_s(src, target)
         if tick := self.model.tick_s:
             due = math.ceil(due / tick) * tick
         if self.partner is not None and self.owner.get(dst, self.me) != self.me:
@@ -169,9 +194,11 @@ class SimNetwork:
         if inbox is None or host is None:
             self.lost += 1  # nobody listens there now (the node left)
             return
-        if host.natted and trio.current_time() - host.sent_to.get(src, -math.inf) > self.model.nat_window_s:
-            self.lost += 1  # unsolicited: the NAT drops it
-            return
+        if host.natted:
+            opened = host.last_sent if self.model.nat_filtering == "endpoint" else host.sent_to.get(src, -math.inf)
+            if trio.current_time() - opened > self.model.nat_window_s:
+                self.lost += 1  # unsolicited: the NAT drops it
+                return
         inbox.put((data, src))
 
     async def run(self) -> None:
