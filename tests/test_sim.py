@@ -89,8 +89,8 @@ async def test_a_nat_lets_in_what_its_filtering_lets_in_while_its_mapping_is_ope
 
 async def test_a_host_s_uplink_sends_a_burst_one_datagram_after_another_at_its_rate(autojump_clock):
     """--uplink-mbps: ten datagrams of 12,500 bytes sent at once from a 1 Mbps uplink leave
-    0.1 s apart, the first after its own 0.1 s; the link's delay comes on top. Lost ones
-    take their turn too (the sender sent them). Without an uplink rate: all at once."""
+    0.1 s apart, the first after its own 0.1 s; the link's delay comes on top. What would
+    wait longer than the queue holds is dropped. Without an uplink rate: all at once."""
     net = SimNetwork(random.Random(1), NetModel(loss=0.0, uplink_mbps=20.0))
     a, b = net.host(region="na"), net.host(region="na")
     assert a.uplink_bps > 0 and a.uplink_bps != b.uplink_bps  # (drawn per host)
@@ -106,6 +106,14 @@ async def test_a_host_s_uplink_sends_a_burst_one_datagram_after_another_at_its_r
             data, _ = await tb.receive()
             assert data[0] == i
             assert (i + 1) * 0.1 + one_way <= trio.current_time() - t0 < (i + 1) * 0.1 + one_way + 0.0011
+        net.model.uplink_queue_s = 0.25  # a queue of a quarter second: the rest of a burst is dropped
+        t2 = trio.current_time()
+        for i in range(5):
+            await ta.send(bytes([i]) * 12_500, b.addr)
+        assert (net.queue_dropped, net.lost) == (2, 2)  # those that would start after 0.3 s
+        for i in range(3):
+            assert (await tb.receive())[0][0] == i
+        assert trio.current_time() - t2 < 0.3 + one_way + 0.0011 and not tb._inbox.items
         a.uplink_bps = 0.0  # unlimited: a burst arrives together
         t1 = trio.current_time()
         for i in range(3):

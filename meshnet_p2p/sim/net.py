@@ -5,8 +5,9 @@ one-way delay plus both hosts' access delay (fixed per host, log-normal), or is
 lost with probability ``loss``. With ``uplink_mbps`` set, each host also has an
 uplink (fixed per host, log-normal): a datagram leaves only once those sent
 before it have, and takes its size over the link's rate to (a FIFO queue at the
-sender, where a home's traffic waits; downlinks, several times wider on home
-lines, are not modelled). A host behind NAT takes a datagram only from an
+sender, where a home's traffic waits, dropping what would wait over
+``uplink_queue_s``; downlinks, several times wider on home lines, are not
+modelled). A host behind NAT takes a datagram only from an
 address it sent to within ``nat_window_s`` (address-dependent filtering, what most
 home routers do): nobody reaches it unasked; or, with ``nat_filtering="endpoint"``
 (a "full cone"), from anyone while its mapping is open (it sent within the window). Every datagram sent is counted, in
@@ -70,6 +71,9 @@ class NetModel:
     # before 2026-12-07; drawing none keeps a seed's hosts as they were)
     uplink_mbps: float = 0.0
     uplink_sigma: float = 1.0
+    # what an uplink's queue holds, in seconds of sending: a datagram that would wait
+    # longer is dropped (a home router's buffer; bufferbloat is of this order)
+    uplink_queue_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.nat_filtering not in ("address", "endpoint"):
@@ -109,6 +113,7 @@ class SimNetwork:
         self.inboxes: dict[Addr, Inbox] = {}  # attached endpoints
         self.sent_total = self.sent_bytes_total = 0  # datagrams and their bytes
         self.lost = 0
+        self.queue_dropped = 0  # of them, dropped by a full uplink queue
         self.cut: frozenset[str] = frozenset()  # regions cut off from the others (a partition), while set
         self.partitioned = 0  # datagrams the partition dropped
         self._prefixes: set[str] = set()
@@ -164,7 +169,12 @@ class SimNetwork:
             src.sent_to[dst] = src.last_sent = now
         gone = now
         if src.uplink_bps:  # it leaves after what was sent before it, at the uplink's rate
-            gone = src.uplink_free = max(now, src.uplink_free) + len(data) * 8 / src.uplink_bps
+            start = max(now, src.uplink_free)
+            if start - now > self.model.uplink_queue_s:  # the router's queue is full: dropped
+                self.lost += 1
+                self.queue_dropped += 1
+                return
+            gone = src.uplink_free = start + len(data) * 8 / src.uplink_bps
         target = self.hosts.get(dst)
         if target is None or self.rng.random() < self.model.loss:
             self.lost += 1

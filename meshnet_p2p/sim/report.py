@@ -29,10 +29,11 @@ class Part:
     lost: int  # datagrams lost, and dropped by a partition, over the whole run
     partitioned: int
     waited_s: list[float] = dataclasses.field(default_factory=list)  # split.py: each half's wall time waiting for the other
+    queue_dropped: int = 0  # of the lost, dropped by a full uplink queue (net.py)
 
     def pack(self) -> bytes:
         return msgpack.packb({**{k: getattr(self, k) for k in ("span", "sent", "sent_bytes", "rss_bytes", "lost",
-                                                               "partitioned", "waited_s")},
+                                                               "partitioned", "waited_s", "queue_dropped")},
                               "m": dataclasses.asdict(self.m), "kinds": dict(self.kinds),
                               "kind_bytes": [[k, part, v] for (k, part), v in self.kind_bytes.items()],
                               "full_key": dict(self.full_key)}, use_bin_type=True)
@@ -46,6 +47,7 @@ class Part:
         self.lost += d["lost"]
         self.partitioned += d["partitioned"]
         self.waited_s.extend(d["waited_s"])
+        self.queue_dropped += d["queue_dropped"]
         self.kinds.update(d["kinds"])
         self.kind_bytes.update({(k, part): v for k, part, v in d["kind_bytes"]})
         self.full_key.update(d["full_key"])
@@ -182,6 +184,7 @@ def report(cfg: "SimConfig", part: "Part", online: float, peak: int, wall_s: flo
         # of a value whose signer the node does not know live
         "full_key_stores_per_node_s": {k: _r3(part.full_key["full_key_" + k] / span / max(1.0, online)) for k in ("refused", "replaced")},
         "lost_datagrams": part.lost,
+        **({"uplink_queue_dropped": part.queue_dropped} if cfg.net.uplink_mbps else {}),
         "rss_per_peer_kb": round(part.rss_bytes / 1024 / max(1, peak), 1),
         # gossiped records a peer's node holds (bootstrap peers, which follow every topic, aside)
         "gossip_held_mean": _mean(m.gossip_held),

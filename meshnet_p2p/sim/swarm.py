@@ -675,7 +675,8 @@ class SimSwarm:
             nursery.cancel_scope.cancel()
         rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024
         part = Part(span, sent, sent_bytes, rss, self.m, self.kinds, self.kind_bytes, self.full_key, self.net.lost,
-                    self.net.partitioned, [self.partner.waited_s] if self.partner is not None else [])
+                    self.net.partitioned, [self.partner.waited_s] if self.partner is not None else [],
+                    self.net.queue_dropped)
         if self.partner is not None:
             return part
         return self.report(part, time.perf_counter() - wall0)
