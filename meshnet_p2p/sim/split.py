@@ -187,7 +187,7 @@ def _half(swarm, sock: socket.socket, me: int, run: Callable):
     swarm.partner.handlers["where_held"] = swarm.clients.held_here
     net.port = 4001 + me  # hosts made from here on (fresh clients'): never the other's addresses
     for p in swarm.peers:
-        net.owner[p.host.addr] = p.index % cfg.procs
+        net.owner[p.host.addr] = swarm.owner(p)
     swarm.rng.seed(f"{cfg.seed}/half/{me}")  # (the network's too: one object) drawn apart from the other's
     swarm.clients.rng.seed(f"probes/{cfg.seed}/half/{me}")
     random.seed(f"{cfg.seed}/half/{me}")

@@ -208,9 +208,13 @@ class SimSwarm:
                 and (clients is None or (p.model is None and not p.is_relay) == clients)
                 and (not local or self.runs(p))]
 
+    def owner(self, p: Peer) -> int:
+        """The process that runs ``p`` (0, unless the run is split: split.py)."""
+        return p.index % self.cfg.procs
+
     def runs(self, p: Peer) -> bool:
-        """Whether this process runs ``p`` (always, unless the run is split: split.py)."""
-        return p.index % self.cfg.procs == self.me
+        """Whether this process runs ``p``."""
+        return self.owner(p) == self.me
 
     def tell(self, p: Peer, name: str, value) -> None:
         """What changed of ``p``, for the other process's view of it (split.py)."""
