@@ -17,7 +17,7 @@ import time
 from meshnet_p2p.engine.contract import SamplingParams
 from meshnet_p2p.engine.cut import inspect_gguf, sha256_file
 from meshnet_p2p.engine.tokenizer import Tokenizer
-from meshnet_p2p.client.local import LocalRoute, parse_split
+from meshnet_p2p.route.local import LocalRoute, parse_split
 from meshnet_p2p.engine.models import default_model_path
 
 from _smoke import parse_args  # bench/ is on sys.path when a bench runs

@@ -28,7 +28,7 @@ from meshnet_p2p.client import Client, connect
 from meshnet_p2p.engine.contract import SamplingParams
 from meshnet_p2p.engine.cut import sha256_file
 from meshnet_p2p.engine.tokenizer import Tokenizer
-from meshnet_p2p.client.local import LocalRoute
+from meshnet_p2p.route.local import LocalRoute
 from meshnet_p2p.engine.models import default_model_path
 from meshnet_p2p.roles.peer_process import Swarm
 

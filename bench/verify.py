@@ -12,7 +12,7 @@ processes from the repository's top: they serve 10:20 with the real data plane
 and a real shard that nudges one float of its hidden output (valid CRC, tokens
 usually unchanged, so only an exact replay sees it). Every session is a real
 generation (the ring) through a route forced through the peer measured, with
-the client's own audit policy (client/records.py: every session of a peer with
+the client's own audit policy (verify/peer_records.py: every session of a peer with
 no verified record, then 1/(1+n), never below --audit-rate); cross-checking is
 off here, to measure the audits alone (tests/test_verified_compute.py covers it).
 
@@ -54,8 +54,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # tests/cheaters.py: the cheating peers are test doubles, run as processes
 
 from meshnet_p2p.client import Client  # noqa: E402
-from meshnet_p2p.client.audit import Verdict, planner_through  # noqa: E402
-from meshnet_p2p.client.records import AUDIT_RATE  # noqa: E402
+from meshnet_p2p.verify.replay import Verdict, planner_through  # noqa: E402
+from meshnet_p2p.verify.peer_records import AUDIT_RATE  # noqa: E402
 from meshnet_p2p.engine.contract import SamplingParams  # noqa: E402
 from meshnet_p2p.roles.peer_process import OutputLines, PeerProcess, Swarm  # noqa: E402
 

@@ -32,7 +32,7 @@ with atheris.instrument_imports(include=["meshnet_p2p", "h2", "hpack", "hyperfra
     from meshnet_p2p.core.records import RecordRejected, RecordVerifier, sign_record
     from meshnet_p2p.trust import verdicts
     from meshnet_p2p.trust.commitment import GENESIS, Commitment, CommitmentError, tokens_digest
-    from meshnet_p2p.trust.fraud import ChainLink, FraudProof, FraudProofError
+    from meshnet_p2p.trust.fraud_proof import ChainLink, FraudProof, FraudProofError
 
 from google.protobuf.message import DecodeError
 

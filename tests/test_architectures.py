@@ -28,7 +28,7 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from meshnet_p2p.client.local import LocalRoute
+from meshnet_p2p.route.local import LocalRoute
 from meshnet_p2p.engine.adapters import supported_architectures
 from meshnet_p2p.engine.contract import HIDDEN
 from meshnet_p2p.engine.cut import cut_shard, sha256_file

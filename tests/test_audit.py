@@ -12,12 +12,12 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from meshnet_p2p.client.audit import Decision, ReplayRun, Verdict, audit_hop, decide, planner_through, replay_planner
-from meshnet_p2p.client.errors import GenerationError
-from meshnet_p2p.client.hop import Hop
-from meshnet_p2p.client.options import RouteOptions
-from meshnet_p2p.client.search import RouteSearch
-from meshnet_p2p.client.transcript import HopTranscript, StepRecord
+from meshnet_p2p.verify.replay import Decision, ReplayRun, Verdict, audit_hop, decide, planner_through, replay_planner
+from meshnet_p2p.route.errors import GenerationError
+from meshnet_p2p.route.hop import Hop
+from meshnet_p2p.route.options import RouteOptions
+from meshnet_p2p.route.search import RouteSearch
+from meshnet_p2p.verify.transcript import HopTranscript, StepRecord
 from meshnet_p2p.dataplane.stub import ShardConnectionError
 from meshnet_p2p.dataplane.wire import Fingerprint
 from meshnet_p2p.engine.contract import HIDDEN, SamplingParams, Tensor, TensorBundle, TokenOutput
@@ -25,8 +25,8 @@ from meshnet_p2p.swarm.placement import NoRoute, Span
 from meshnet_p2p.core.identity import Identity
 from meshnet_p2p.core.records import canonical
 from meshnet_p2p.trust.commitment import GENESIS, Commitment, tokens_digest
-from meshnet_p2p.trust.fraud import (FRAUD_PROOF, MAX_CUTS, MAX_PROOF_STEPS, MAX_PROOF_TOKENS, MAX_REPLAYERS, ChainLink,
-                                     FraudProof, FraudProofError, output_digest)
+from meshnet_p2p.trust.fraud_proof import (FRAUD_PROOF, MAX_CUTS, MAX_PROOF_STEPS, MAX_PROOF_TOKENS, MAX_REPLAYERS,
+                                           ChainLink, FraudProof, FraudProofError, output_digest)
 
 from tests.mutations import mutate_tree
 

@@ -12,10 +12,10 @@ import pytest
 import trio
 
 from meshnet_p2p.client import Client
-from meshnet_p2p.client.recheck import recheck_proof
+from meshnet_p2p.verify.recheck import recheck_proof
 from meshnet_p2p.engine.tokenizer import Tokenizer
 from meshnet_p2p.roles.audit import generate_and_audit
-from meshnet_p2p.trust.fraud import FraudProof
+from meshnet_p2p.trust.fraud_proof import FraudProof
 from tests.reference import reference_generate
 from tests.swarm import Proc, meshnet_peer, start_swarm
 
@@ -164,7 +164,7 @@ def test_a_false_fraud_proof_against_an_honest_peer_is_refuted_and_blames_nobody
     import dataclasses
 
     from meshnet_p2p.roles.audit import generate_through
-    from meshnet_p2p.trust.fraud import ChainLink
+    from meshnet_p2p.trust.fraud_proof import ChainLink
 
     addr, joins, _ = swarm
     honest = joins[3]

@@ -1,4 +1,4 @@
-"""The auditor's part in fraud reports (client/auditing.py), with the network calls
+"""The auditor's part in fraud reports (verify/auditor.py), with the network calls
 passed in as doubles: what it publishes, whom it looks up and how often, which
 reports it re-checks, and what a re-check's outcome does to its records. The
 replays themselves are tests/test_audit_live.py's (real processes)."""
@@ -9,11 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from meshnet_p2p.client import auditing
-from meshnet_p2p.client.auditing import Auditor
-from meshnet_p2p.client.options import PeerMeasures, RouteOptions
-from meshnet_p2p.client.recheck import Recheck, RecheckResult
-from meshnet_p2p.client.records import PeerRecords
+from meshnet_p2p.verify import auditor
+from meshnet_p2p.verify.auditor import Auditor
+from meshnet_p2p.route.options import PeerMeasures, RouteOptions
+from meshnet_p2p.verify.recheck import Recheck, RecheckResult
+from meshnet_p2p.verify.peer_records import PeerRecords
 
 
 def report(reporter: str, accused: str, n: int) -> SimpleNamespace:
@@ -25,13 +25,13 @@ def rig(monkeypatch):
     """An auditor whose re-checks answer from ``outcomes`` (accused -> outcome), and whose
     exchange records each call and answers from ``published`` (accused -> reports)."""
     calls, published, outcomes, rechecked = [], {}, {}, []
-    monkeypatch.setattr(auditing, "proof_of", lambda r: SimpleNamespace(peer_id=r.accused))
+    monkeypatch.setattr(auditor, "proof_of", lambda r: SimpleNamespace(peer_id=r.accused))
 
     def fake_recheck(proof, provider, opts, measures=None):
         rechecked.append(proof.peer_id)
         return RecheckResult(outcomes.get(proof.peer_id, Recheck.UNDECIDED), proof.peer_id, "replayed")
 
-    monkeypatch.setattr(auditing, "recheck_proof", fake_recheck)
+    monkeypatch.setattr(auditor, "recheck_proof", fake_recheck)
 
     def exchange(publish, lookup):
         calls.append((list(publish), list(lookup)))
@@ -67,13 +67,13 @@ def test_each_peer_is_looked_up_once_per_interval_and_each_report_rechecked_once
     run(rig, ["p"])  # within the interval: not looked up again
     assert [look for _, look in rig.calls] == [["p"]]
     assert rig.rechecked == ["p"]
-    monkeypatch.setattr(auditing, "REPORT_LOOKUP_INTERVAL_S", 0.0)
+    monkeypatch.setattr(auditor, "REPORT_LOOKUP_INTERVAL_S", 0.0)
     run(rig, ["p"])  # looked up again: the same report is not re-checked again
     assert [look for _, look in rig.calls] == [["p"], ["p"]] and rig.rechecked == ["p"]
 
 
 def test_a_reporter_whose_report_is_refuted_is_not_heard_again(rig, monkeypatch):
-    monkeypatch.setattr(auditing, "REPORT_LOOKUP_INTERVAL_S", 0.0)
+    monkeypatch.setattr(auditor, "REPORT_LOOKUP_INTERVAL_S", 0.0)
     rig.published.update(a=[report("liar", "a", 0)])
     rig.outcomes.update(a=Recheck.REFUTED, b=Recheck.CONFIRMED)
     run(rig, ["a"])
@@ -83,7 +83,7 @@ def test_a_reporter_whose_report_is_refuted_is_not_heard_again(rig, monkeypatch)
 
 
 def test_a_proof_found_here_is_published_with_the_next_exchange(rig):
-    from meshnet_p2p.client.audit import AuditResult, Verdict
+    from meshnet_p2p.verify.replay import AuditResult, Verdict
 
     proof = SimpleNamespace(transferable=lambda: None)
     rig.auditor._apply(AuditResult(Verdict.MISMATCH, "cheat", 10, 20, 3, (("r",), ("s",)), 1, 5, detail="x",
@@ -118,7 +118,7 @@ def test_an_audit_under_way_when_its_client_closes_surveys_the_swarm_no_more(mon
         finally:
             done.set()
 
-    monkeypatch.setattr(auditing, "audit_hop", fake_audit_hop)
+    monkeypatch.setattr(auditor, "audit_hop", fake_audit_hop)
     events: list[str] = []
     a = Auditor(PeerRecords(), lambda: surveys.append(1) or [], lambda: RouteOptions(max_tokens=1), PeerMeasures(),
                 0.05, on_event=events.append)

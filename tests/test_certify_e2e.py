@@ -11,7 +11,7 @@ import trio
 
 from meshnet_p2p.trust.policy import TrustPolicy
 from meshnet_p2p.client import connect
-from meshnet_p2p.client.hop import route_fingerprint
+from meshnet_p2p.route.hop import route_fingerprint
 from meshnet_p2p.dataplane.stub import ShardError
 from meshnet_p2p.engine.contract import SamplingParams
 from meshnet_p2p.engine.cut import inspect_gguf

@@ -12,10 +12,10 @@ import trio
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
 from meshnet_p2p.client import GenerationError, RouteOptions, open_route
 from meshnet_p2p.client import bridge
-from meshnet_p2p.client.hop import DishonestHop, Hop, check_commitment, commitments_of, route_fingerprint
-from meshnet_p2p.client.ring import RingRoute
-from meshnet_p2p.client.search import RouteSearch
-from meshnet_p2p.client.star import StarRoute
+from meshnet_p2p.route.hop import DishonestHop, Hop, check_commitment, commitments_of, route_fingerprint
+from meshnet_p2p.route.ring import RingRoute
+from meshnet_p2p.route.search import RouteSearch
+from meshnet_p2p.route.star import StarRoute
 from meshnet_p2p.client.text import TextStream, prompt_ids
 from meshnet_p2p.core.identity import Identity
 from meshnet_p2p.dataplane import wire
@@ -105,7 +105,7 @@ def test_many_liars_cost_a_route_search_rounds_that_grow_as_their_log(monkeypatc
     400 liars cost 26 rounds, past the search's 60 s (bench/sim.py --sybils ...
     --sybil-behaviour liar counts them). The width doubles with what was set
     aside, so the rounds grow as the log of the liars' number."""
-    from meshnet_p2p.client import search as search_module
+    from meshnet_p2p.route import search as search_module
 
     liars = [Span(f"liar{i:03d}", 0, 30, throughput=1000.0) for i in range(400)]
     honest = [Span("h0", 0, 15, throughput=60.0), Span("h1", 15, 30, throughput=60.0)]
@@ -133,7 +133,7 @@ def _contacts_measuring(rtt_ms: dict[str, float], rounds: list, seen: list):
     """A stand-in for first contacts: each peer answers in ``rtt_ms``'s order (the order
     they come), its round trip measured as first_contact measures it; ``rounds``: each
     round's peers; ``seen``: each peer handed over (a round closed early stops there)."""
-    from meshnet_p2p.client import search as search_module
+    from meshnet_p2p.route import search as search_module
 
     def first_contacts(self, spans, wait_s=lambda: None):
         rounds.append(sorted(s.peer_id for s in spans))
@@ -145,7 +145,7 @@ def _contacts_measuring(rtt_ms: dict[str, float], rounds: list, seen: list):
 
 
 def _open_with(monkeypatch, spans, rtt_ms):
-    from meshnet_p2p.client import search as search_module
+    from meshnet_p2p.route import search as search_module
 
     rounds, seen = [], []
     monkeypatch.setattr(RouteSearch, "_first_contacts", _contacts_measuring(rtt_ms, rounds, seen))
@@ -196,7 +196,7 @@ def test_a_round_stops_waiting_for_a_hanging_address_once_a_route_of_peers_that_
     grace (as long again, at least MIN_GRACE_S), not the connect timeout, and plans
     without it: not banned (nothing is known against it), and its connection, should it
     come, is closed."""
-    from meshnet_p2p.client import search as search_module
+    from meshnet_p2p.route import search as search_module
 
     spans = [Span("liar", 0, 30, throughput=1000.0), Span("h0", 0, 15, throughput=60.0),
              Span("h1", 15, 30, throughput=60.0)]
@@ -319,7 +319,7 @@ def test_an_attestation_converts_to_the_trust_layers_value_and_still_verifies():
     assert back == a and back.verifies()
 
 
-# --- a hop's commitments as a peer sent them (client/hop.py, client/ring.py), with stand-in replies ---
+# --- a hop's commitments as a peer sent them (route/hop.py, route/ring.py), with stand-in replies ---
 
 _PEER = Identity.from_seed(b"\x41" * 32)
 _BEFORE = Identity.from_seed(b"\x42" * 32)
@@ -414,8 +414,8 @@ def test_a_probe_before_the_first_plan_finds_the_near_peers_and_leaves_out_made_
     crowd of liars at made-up addresses cost it a first contact's timeout a round. A TCP
     connect to every candidate first (one round trip each) prices the first plan by the
     client's own round trips, and what never answers is left out of it."""
-    from meshnet_p2p.client import search as search_module
-    from meshnet_p2p.client.search import direct_address
+    from meshnet_p2p.route import search as search_module
+    from meshnet_p2p.route.search import direct_address
 
     far = [_reported(Identity.generate(), 15 * i, 15 * (i + 1), f"10.0.1.{i + 1}", throughput=60.0) for i in range(2)]
     near = [_reported(Identity.generate(), 15 * i, 15 * (i + 1), f"10.0.2.{i + 1}", throughput=50.0) for i in range(2)]
@@ -445,7 +445,7 @@ def test_a_crowd_of_reports_naming_one_address_probes_it_a_bounded_number_of_tim
     most PROBES_PER_HOST ports of one IP; the claimants of an address that answered share
     its round trip; past the cap, a peer of a host none of whose probed ports answered
     is unanswered (one made-up address for a crowd), else it stays unmeasured."""
-    from meshnet_p2p.client.probe import PROBES_PER_HOST
+    from meshnet_p2p.route.probe import PROBES_PER_HOST
 
     victim = [_reported(Identity.generate(), 0, 30, "10.9.9.9", throughput=1000.0) for _ in range(100)]
     for i, s in enumerate(victim):  # half of them name one port, the rest a port each

@@ -16,10 +16,10 @@ import pytest
 
 from meshnet_p2p._proto import shard_runtime_pb2 as pb
 from meshnet_p2p.client import RouteOptions
-from meshnet_p2p.client.generation import generate
-from meshnet_p2p.client.hop import DishonestHop, commitments_of
-from meshnet_p2p.client.ring import RingRoute
-from meshnet_p2p.client.star import StarRoute
+from meshnet_p2p.route.generation import generate
+from meshnet_p2p.route.hop import DishonestHop, commitments_of
+from meshnet_p2p.route.ring import RingRoute
+from meshnet_p2p.route.star import StarRoute
 from meshnet_p2p.core.identity import Identity
 from meshnet_p2p.core.records import RecordVerifier, wall_ms
 from meshnet_p2p.dataplane.servicer import ShardRuntimeServicer

@@ -1,4 +1,4 @@
-"""Cross-checked generation (client/crosscheck.py) over unit-test doubles of routes:
+"""Cross-checked generation (verify/crosscheck.py) over unit-test doubles of routes:
 what is handed on, what is settled by a third route, who is caught, and when the
 answer is withheld. The live attack is in tests/test_verified_compute.py."""
 
@@ -11,10 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from meshnet_p2p.client.crosscheck import CrossCheckedRoute, OutputWithheld, peers_of
-from meshnet_p2p.client.errors import GenerationError
-from meshnet_p2p.client.generation import generate
-from meshnet_p2p.client.records import PeerRecords
+from meshnet_p2p.verify.crosscheck import CrossCheckedRoute, OutputWithheld, peers_of
+from meshnet_p2p.route.errors import GenerationError
+from meshnet_p2p.route.generation import generate
+from meshnet_p2p.verify.peer_records import PeerRecords
 
 HONEST = [11, 12, 13, 14, 15, 16]
 
@@ -168,7 +168,7 @@ def test_records_are_kept_in_a_file_of_their_own_and_a_bad_file_starts_afresh(tm
 
     import msgpack
 
-    from meshnet_p2p.client.records import MAX_KEPT, PeerRecord, load_records
+    from meshnet_p2p.verify.peer_records import MAX_KEPT, PeerRecord, load_records
 
     path = str(tmp_path / "records" / "m.msgpack")
     rec = PeerRecords(path)
@@ -202,7 +202,7 @@ def test_records_are_kept_in_a_file_of_their_own_and_a_bad_file_starts_afresh(tm
     lambda kids: st.one_of(st.lists(kids, max_size=4), st.dictionaries(st.text(max_size=8), kids, max_size=4)),
     max_leaves=10))))
 def test_any_records_file_loads_or_starts_afresh(tmp_path_factory, data):
-    from meshnet_p2p.client.records import load_records
+    from meshnet_p2p.verify.peer_records import load_records
 
     path = tmp_path_factory.mktemp("rec") / "r.msgpack"
     path.write_bytes(data)

@@ -18,7 +18,7 @@ from meshnet_p2p.dataplane.transport.tls import TlsBindingError, verify_binding
 from meshnet_p2p.engine.contract import HIDDEN, Tensor, TensorBundle
 from meshnet_p2p.engine.tokenizer import Tokenizer
 from meshnet_p2p.core.identity import Identity
-from meshnet_p2p.client.local import LocalRoute
+from meshnet_p2p.route.local import LocalRoute
 from meshnet_p2p.core.multiaddr import Multiaddr
 from meshnet_p2p.roles.peer_process import PeerProcess
 from meshnet_p2p.core.records import wall_ms

@@ -60,7 +60,7 @@ def test_the_network_route_and_the_local_chain_run_one_loop(tmp_path, model_path
     """The same steps in the same order (positions, rows, tokens) through the
     swarm and through the whole model here; and a client process loads no
     llama.cpp engine: it only tokenizes."""
-    from meshnet_p2p.client.local import LocalRoute
+    from meshnet_p2p.route.local import LocalRoute
 
     boot, addr, joins = start_swarm(tmp_path, ["0:15", "15:30"])
     try:

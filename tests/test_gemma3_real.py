@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshnet_p2p.client.local import LocalRoute
+from meshnet_p2p.route.local import LocalRoute
 from meshnet_p2p.engine.cut import cut_shard, sha256_file
 from meshnet_p2p.engine.gguf import read_gguf
 from meshnet_p2p.engine.tokenizer import Tokenizer

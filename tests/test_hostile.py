@@ -569,8 +569,8 @@ def test_a_stranger_who_knows_every_session_id_cannot_cancel_a_generation(tmp_pa
     connection, mid-generation. Before sessions belonged to their connection,
     the tail cancelled and the client failed over (and banned an honest peer)."""
     from meshnet_p2p.client import RouteOptions, connect
-    from meshnet_p2p.client.star import StarRoute
-    from meshnet_p2p.client.generation import generate
+    from meshnet_p2p.route.star import StarRoute
+    from meshnet_p2p.route.generation import generate
     from meshnet_p2p.dataplane.transport.tls import make_client_credentials
     from meshnet_p2p.engine.contract import SamplingParams
 

@@ -16,9 +16,11 @@ LAYERS = {
     "dataplane.transport": 5,
     "dataplane": 6,
     "nat": 7,
-    "client": 8,
-    "roles": 9,
-    "sim": 10,  # the simulator drives the roles' code on a simulated network (issue 30)
+    "route": 8,
+    "verify": 9,
+    "client": 10,
+    "roles": 11,
+    "sim": 12,  # the simulator drives the roles' code on a simulated network (issue 30)
 }
 # the generated protobuf modules belong to the data plane above its transport
 PRIVATE = {"_proto": {"dataplane"}}

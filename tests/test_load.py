@@ -144,7 +144,7 @@ def test_generations_that_start_together_share_one_survey(model_path, monkeypatc
 def test_a_busy_peers_hint_cannot_stall_a_client():
     """retry_after_ms costs a peer nothing to inflate: the client waits at most
     its own ceiling (4 s, +25% jitter), and backs off when the hint is small."""
-    from meshnet_p2p.client.search import BACKOFF_MAX_S, backoff
+    from meshnet_p2p.route.search import BACKOFF_MAX_S, backoff
 
     assert max(backoff(0, 10**6) for _ in range(100)) <= BACKOFF_MAX_S * 1.25
     assert max(backoff(0, 0.0) for _ in range(100)) <= 0.25 * 1.25

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from meshnet_p2p.engine.tokenizer import Tokenizer
-from meshnet_p2p.client.local import LocalRoute
+from meshnet_p2p.route.local import LocalRoute
 
 from tests.conftest import N_UBATCH
 from tests.reference import reference_generate

@@ -92,8 +92,8 @@ def test_first_contact_on_a_pooled_connection_the_peer_just_closed_tries_a_new_o
     import socket
     from types import SimpleNamespace
 
-    from meshnet_p2p.client import hop
-    from meshnet_p2p.client.options import PeerMeasures, RouteOptions
+    from meshnet_p2p.route import hop
+    from meshnet_p2p.route.options import PeerMeasures, RouteOptions
     from meshnet_p2p.core.identity import Identity
     from meshnet_p2p.dataplane.servicer import ShardRuntimeServicer
     from meshnet_p2p.dataplane.transport.server import Server

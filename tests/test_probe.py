@@ -1,4 +1,4 @@
-"""The probe before a route's first plan (client/probe.py): one TCP connect to each
+"""The probe before a route's first plan (route/probe.py): one TCP connect to each
 candidate on real loopback sockets, and when to stop waiting for the rest."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 
 from hypothesis import assume, given, strategies as st
 
-from meshnet_p2p.client.probe import (MAX_PROBES, PROBE_MAX_S, PROBE_MIN_S, probe_candidates,
+from meshnet_p2p.route.probe import (MAX_PROBES, PROBE_MAX_S, PROBE_MIN_S, probe_candidates,
                                       probe_round_trips, probe_wait_s)
 from meshnet_p2p.swarm.placement import Span
 

@@ -25,7 +25,7 @@ from meshnet_p2p.dataplane.servicer import ShardRuntimeServicer
 from meshnet_p2p.dataplane.transport.tls import make_tls_credentials
 from meshnet_p2p.engine.tokenizer import Tokenizer
 from meshnet_p2p.core.identity import Identity
-from meshnet_p2p.client.local import LocalRoute
+from meshnet_p2p.route.local import LocalRoute
 from meshnet_p2p.core.multiaddr import Multiaddr
 from meshnet_p2p.core.records import RecordVerifier, wall_ms
 from meshnet_p2p.nat.keeper import RelayKeeper

@@ -15,19 +15,19 @@ import pytest
 import trio
 
 from meshnet_p2p.client import Client
-from meshnet_p2p.client.audit import AuditResult, Verdict
-from meshnet_p2p.client.recheck import Recheck, RecheckResult
-from meshnet_p2p.client.records import PeerRecords
 from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.core.identity import Identity
 from meshnet_p2p.core.records import RecordVerifier, wall_ms
 from meshnet_p2p.dht.node import Stored
-from meshnet_p2p.roles.review import Heard, ReviewNet, review_round, to_review
-from meshnet_p2p.swarm.fraud import exchange_reports
 from meshnet_p2p.swarm.placement import Span
 from meshnet_p2p.swarm.view import survey
 from meshnet_p2p.trust.policy import TrustPolicy
 from meshnet_p2p.trust.verdicts import TYPES, proof_of, verdicts_of
+from meshnet_p2p.verify.peer_records import PeerRecords
+from meshnet_p2p.verify.recheck import Recheck, RecheckResult
+from meshnet_p2p.verify.replay import AuditResult, Verdict
+from meshnet_p2p.verify.reports import exchange_reports
+from meshnet_p2p.verify.review import Heard, ReviewNet, review_round, to_review
 
 MODEL = "ab" * 32
 ME = Identity.generate()

@@ -335,9 +335,9 @@ class _Peer:
 
 def _route(hops):
     from meshnet_p2p.client import RouteOptions
-    from meshnet_p2p.client.hop import Hop
-    from meshnet_p2p.client.ring import RingRoute
-    from meshnet_p2p.client.search import RouteSearch
+    from meshnet_p2p.route.hop import Hop
+    from meshnet_p2p.route.ring import RingRoute
+    from meshnet_p2p.route.search import RouteSearch
     from meshnet_p2p.swarm.placement import Span
 
     search = RouteSearch(lambda: [], RouteOptions(max_tokens=64, ring=True, step_timeout=1.0))

@@ -579,7 +579,7 @@ def test_a_call_the_peer_turned_away_before_any_work_bans_no_peer():
     the request's error: the route search sets that peer aside, as a full one,
     and does not ban it. Anything else from the transport still counts as the
     peer's fault."""
-    from meshnet_p2p.client.errors import is_full
+    from meshnet_p2p.route.errors import is_full
     from meshnet_p2p.dataplane.stub import ShardConnectionError
 
     refused = ChannelError("UNAVAILABLE", "the peer reset the stream (HTTP/2 error 7)", refused=True)

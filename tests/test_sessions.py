@@ -16,7 +16,7 @@ from meshnet_p2p.engine.contract import (
     TensorBundle,
 )
 from meshnet_p2p.engine.tokenizer import Tokenizer
-from meshnet_p2p.client.local import LocalRoute
+from meshnet_p2p.route.local import LocalRoute
 
 PROMPTS = ["Once upon a time", "The three primary colors are", "import numpy as np\n", "Bonjour, je m'appelle"]
 

@@ -462,7 +462,7 @@ def test_liars_claiming_the_whole_model_cost_fresh_clients_first_contacts_not_th
 
 
 def test_a_probe_before_the_first_plan_spares_fresh_clients_the_liars_made_up_addresses():
-    """The same swarm, the search probing its candidates first (client/probe.py, as
+    """The same swarm, the search probing its candidates first (route/probe.py, as
     production does): the liars' addresses never accept, so no first contact goes to
     them and the route opens in one round."""
     doc = simulate(SimConfig(**LIARS))
@@ -599,7 +599,7 @@ async def test_a_generation_fails_over_when_a_hop_leaves_and_completes(autojump_
     layers, the generation ends saying so."""
     from types import SimpleNamespace
 
-    from meshnet_p2p.client.options import RouteOptions
+    from meshnet_p2p.route.options import RouteOptions
     from meshnet_p2p.sim.clients import FIRST_CONTACT_RTTS, REPLAY_SPEEDUP, Clients
     from meshnet_p2p.sim.records import SLICES
     from meshnet_p2p.swarm.placement import Span

@@ -8,7 +8,7 @@ import hashlib
 import msgpack
 import pytest
 
-from meshnet_p2p.client.records import PeerRecords, load_records
+from meshnet_p2p.verify.peer_records import PeerRecords, load_records
 from meshnet_p2p.core.identity import Identity
 from meshnet_p2p.core.records import (MAX_RECORD_BYTES, Record, RecordRejected, RecordVerifier, Reject, sign_record,
                                       wall_ms)
@@ -18,8 +18,8 @@ from meshnet_p2p.swarm.node import TYPES, UNANNOUNCED_LIFETIME_MS, lifetime_cap
 from meshnet_p2p.swarm.view import build_view
 from meshnet_p2p.trust.commitment import GENESIS, Commitment
 from meshnet_p2p.trust.evidence import Refusal
-from meshnet_p2p.trust.fraud import (MAX_CUTS, MAX_LAYERS, MAX_POSITION, MAX_PROOF_STEPS, MAX_PROOF_TOKENS,
-                                     MAX_REPLAYERS, ChainLink, FraudProof, FraudProofError)
+from meshnet_p2p.trust.fraud_proof import (MAX_CUTS, MAX_LAYERS, MAX_POSITION, MAX_PROOF_STEPS, MAX_PROOF_TOKENS,
+                                           MAX_REPLAYERS, ChainLink, FraudProof, FraudProofError)
 from meshnet_p2p.trust.policy import TrustPolicy
 from meshnet_p2p.trust.verdicts import (FRAUD_REPORT, MAX_CONTENT_BYTES, MAX_CONVICTED, MAX_VERIFIED, MAX_WHY_CHARS,
                                         PEER_VERDICTS, model_of_key, proof_of, report_key, sign_report, sign_verdicts,

@@ -75,7 +75,7 @@ def test_with_verify_the_hijacker_is_caught_in_its_first_session_through_the_cli
     assert v["mode"] == "cross-checked"
     assert [d["caught"] for d in v["disputes"]] == [[hijacker.peer_id]]
     assert hijacker.peer_id not in {h["peer_id"] for r in v["routes"] for h in r}
-    # this machine's clients remember it (client/records.py), and `status` shows it
+    # this machine's clients remember it (verify/peer_records.py), and `status` shows it
     r = meshnet_peer("status", "--bootstrap", addr, "--json", "--no-probe", env=env)
     assert r.returncode == 0, r.stderr
     [model] = json.loads(r.stdout)["models"]

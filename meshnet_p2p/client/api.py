@@ -8,17 +8,17 @@ Discovery: a DHT node in client mode fetches the signed capability reports
 for the model; only reports that agree on the recipe form a route (a peer on
 another recipe would compute other numbers). The route is the cheapest chain
 of peers covering every layer (:func:`meshnet_p2p.swarm.placement.plan_route`),
-found by search.py.
+found by route/search.py.
 
-By default the route is a ring (ring.py, docs/ring.md): each peer forwards its
+By default the route is a ring (route/ring.py, docs/ring.md): each peer forwards its
 output to the next, the tail its token to the head, and every hop sends the
 client a copy, so a token costs one network crossing per hop. With
-``ring=False`` (a star, star.py) the client carries every hidden state itself,
+``ring=False`` (a star, route/star.py) the client carries every hidden state itself,
 two crossings a hop. Either way the client keeps each hop's inputs. When a peer
 dies, stalls past the step deadline or answers with an error, the client bans
 it for a while, plans a replacement for just that span of layers, replays the
 span's inputs into the replacement (rebuilding its cache), rolls a ring's other
-hops back to the step that failed, and goes on (failover.py). With greedy
+hops back to the step that failed, and goes on (route/failover.py). With greedy
 sampling (or a seed) the output is the same as without the failure.
 """
 
@@ -42,22 +42,22 @@ from meshnet_p2p.dataplane.transport.tls import make_client_credentials
 from meshnet_p2p.engine.contract import SamplingParams
 from meshnet_p2p.swarm.placement import Span, plan_route
 from meshnet_p2p.core.records import wall_ms
-from meshnet_p2p.swarm.fraud import exchange_reports
 from meshnet_p2p.swarm.view import routable_spans, survey
 from meshnet_p2p.trust.verdicts import report_key, sign_report
 from meshnet_p2p.trust.policy import TrustPolicy
+from meshnet_p2p.route.chain import Chain
+from meshnet_p2p.route.errors import GenerationError, RequestRefused
+from meshnet_p2p.route.generation import Generation, generate
+from meshnet_p2p.route.hop import DishonestHop
+from meshnet_p2p.route.options import PeerMeasures, RouteOptions
+from meshnet_p2p.route.ring import RingRoute
+from meshnet_p2p.route.star import StarRoute
+from meshnet_p2p.verify.auditor import Auditor, transcripts
+from meshnet_p2p.verify.crosscheck import CrossCheckedRoute, OutputWithheld, peers_of
+from meshnet_p2p.verify.peer_records import AUDIT_RATE, PeerRecords, records_path
+from meshnet_p2p.verify.reports import exchange_reports
 
 from . import bridge
-from .auditing import Auditor, transcripts
-from .chain import Chain
-from .crosscheck import CrossCheckedRoute, OutputWithheld, peers_of
-from .errors import GenerationError, RequestRefused
-from .generation import Generation, generate
-from .hop import DishonestHop
-from .options import PeerMeasures, RouteOptions
-from .records import AUDIT_RATE, PeerRecords, records_path
-from .ring import RingRoute
-from .star import StarRoute
 from .text import TextStream, prompt_ids
 
 SPANS_MAX_AGE_S = 5.0  # a generation may start from a survey this recent (a failover always surveys afresh)

@@ -20,7 +20,7 @@ from typing import Any, Awaitable, Callable, Sequence
 import trio
 
 from meshnet_p2p.client.fetch import fetch_parts
-from meshnet_p2p.client.hop import connect
+from meshnet_p2p.route.hop import connect
 from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.dataplane.transport.channel import ChannelError
 from meshnet_p2p.dataplane.weights import WeightClient

@@ -2,7 +2,7 @@
 
 Runs a short greedy generation over a star route that goes through PEER (its
 span forced in, the cheapest chains of the certified recipe before and after
-it), keeps PEER's hop's transcript, and audits it (client/audit.py): replays
+it), keeps PEER's hop's transcript, and audits it (verify/replay.py): replays
 its steps on other peers of the recipe and compares every output exactly.
 Prints the verdict (``--json``: one object). A mismatch's proof, when others
 can check it, is published as a signed fraud report (``--no-publish``: not).
@@ -10,7 +10,7 @@ Exit status: 0 match, 3 mismatch (proven by two independent replays), 2 when it
 cannot decide (unconfirmed, undecided, no replayer), 1 on errors.
 
 ``--recheck``: instead, fetch the fraud reports others published against PEER
-and re-check each by this machine's own replays (client/recheck.py): exit 3
+and re-check each by this machine's own replays (verify/recheck.py): exit 3
 if one is confirmed, 2 if one could not be decided, else 0 (none, or all
 refuted). docs/verification.md.
 """
@@ -27,7 +27,7 @@ from .flags import add_bootstrap, add_trust, peer_id, positive, positive_float  
 
 if TYPE_CHECKING:  # cli.py imports this module to build its parser: the rest loads when the role runs
     from meshnet_p2p.client import Client
-    from meshnet_p2p.client.audit import AuditResult
+    from meshnet_p2p.verify.replay import AuditResult
 
 DEFAULT_PROMPT = "The capital of France is"
 DEFAULT_TOKENS = 8
@@ -60,7 +60,7 @@ def generate_and_audit(client: "Client", peer_id: str, prompt: str, max_tokens: 
     """A greedy generation through ``peer_id``, then the audit of its hop (replayed
     on peers other than ``exclude``): what the generation did (route, tokens), and
     the audit's result."""
-    from meshnet_p2p.client.audit import audit_hop
+    from meshnet_p2p.verify.replay import audit_hop
 
     done, transcript, spans, opts = generate_through(client, peer_id, prompt, max_tokens)
     return done, audit_hop(transcript, spans, opts, exclude=exclude, measures=client.measures)
@@ -74,10 +74,10 @@ def generate_through(client: "Client", peer_id: str, prompt: str, max_tokens: in
 
     import trio
 
-    from meshnet_p2p.client.audit import planner_through
-    from meshnet_p2p.client.auditing import transcripts
-    from meshnet_p2p.client.generation import generate
-    from meshnet_p2p.client.star import StarRoute
+    from meshnet_p2p.verify.replay import planner_through
+    from meshnet_p2p.verify.auditor import transcripts
+    from meshnet_p2p.route.generation import generate
+    from meshnet_p2p.route.star import StarRoute
     from meshnet_p2p.client.text import prompt_ids
     from meshnet_p2p.engine.contract import SamplingParams
 
@@ -105,7 +105,7 @@ def generate_through(client: "Client", peer_id: str, prompt: str, max_tokens: in
 
 
 def exit_code(verdict) -> int:
-    from meshnet_p2p.client.audit import Verdict
+    from meshnet_p2p.verify.replay import Verdict
 
     return {Verdict.MATCH: EXIT_MATCH, Verdict.MISMATCH: EXIT_MISMATCH}.get(verdict, EXIT_UNDECIDED)
 
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _recheck(client: "Client", args: argparse.Namespace) -> int:
-    from meshnet_p2p.client.recheck import Recheck
+    from meshnet_p2p.verify.recheck import Recheck
 
     found, _ = client.exchange_reports([], [args.peer])
     reports = found.get(args.peer, [])

@@ -41,8 +41,8 @@ from meshnet_p2p.trust.evidence import (
 from meshnet_p2p.trust.catalogue import Entry, catalogue_key, entries_of, name_problem, sign_catalogue, with_entry
 from meshnet_p2p.trust.policy import TrustPolicy
 from meshnet_p2p.client import RouteOptions
-from meshnet_p2p.client.star import StarRoute
-from meshnet_p2p.client.generation import generate
+from meshnet_p2p.route.star import StarRoute
+from meshnet_p2p.route.generation import generate
 from meshnet_p2p.engine.contract import SamplingParams
 from meshnet_p2p.engine.models import save_manifest
 from meshnet_p2p.engine.recipe import explain_mismatch
@@ -106,7 +106,7 @@ def whole_model_reference(opts: CertifyOptions, view: RecipeView, source_sha256:
                           ) -> tuple[list[int] | None, str]:
     """The certifier's own tokens from the whole model under the recipe's settings,
     or (None, why not): another build or CPU path derives another recipe digest."""
-    from meshnet_p2p.client.local import LocalRoute
+    from meshnet_p2p.route.local import LocalRoute
 
     n_ubatch = int(view.axes.get("n_ubatch", 0) or 0)
     seam = str(view.axes.get("seam_dtype", ""))

@@ -272,7 +272,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     from meshnet_p2p.engine.cut import inspect_gguf, sha256_file
     from meshnet_p2p.engine.tokenizer import Tokenizer
-    from meshnet_p2p.client.local import LocalRoute, parse_split
+    from meshnet_p2p.route.local import LocalRoute, parse_split
     from meshnet_p2p.client.text import TextStream, prompt_ids
     from .progress import TerminalProgress
 

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import trio
 
-from meshnet_p2p.client.records import PeerRecord, load_records, records_path
+from meshnet_p2p.verify.peer_records import PeerRecord, load_records, records_path
 from meshnet_p2p.swarm.capability import MODELS_KEY
 from meshnet_p2p.trust.policy import TrustPolicy
 from meshnet_p2p.core.errors import MeshnetError, sanitize, unwrap_errors
@@ -70,7 +70,7 @@ def probe(span: Span) -> float | None:
 
 def recipe_doc(view: SwarmView, r: RecipeView, rtt: dict[str, float | None],
                records: dict[str, PeerRecord] | None = None) -> dict[str, Any]:
-    """``records``: what this machine's clients verified of each peer (client/records.py); beside
+    """``records``: what this machine's clients verified of each peer (verify/peer_records.py); beside
     it, what trusted certifiers' signed verdicts say (verified by their audits, or convicted)."""
     cert = r.certificate
     vouched = ({p for p, _, _ in cert.route} if cert else set()) | view.verified_by_certifiers()

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Iterable
 
 import trio
 
-from meshnet_p2p.client.hop import CONNECT_TIMEOUT_S, ROUND_TRIP_SAMPLES
-from meshnet_p2p.client.options import RouteOptions
-from meshnet_p2p.client.probe import probe_candidates, probe_wait_s
-from meshnet_p2p.client.search import MAX_OPEN_TRIES, RouteSearch, grace_until, probe_width
+from meshnet_p2p.route.hop import CONNECT_TIMEOUT_S, ROUND_TRIP_SAMPLES
+from meshnet_p2p.route.options import RouteOptions
+from meshnet_p2p.route.probe import probe_candidates, probe_wait_s
+from meshnet_p2p.route.search import MAX_OPEN_TRIES, RouteSearch, grace_until, probe_width
 from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.dht.node import DHTConfig, DHTNode
 from meshnet_p2p.dht.routing import key_id
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 SETTLED_S = 30.0  # a peer online this long has joined, and a volunteer announced (every 30 s): it should be found
 REPLAY_SPEEDUP = 8  # a replay is a prefill: a position costs about 1/8 of a decode step's compute (llama.cpp, CPU)
-# a first contact (client/hop.py first_contact): a TCP connect, a TLS 1.3 handshake, the
+# a first contact (route/hop.py first_contact): a TCP connect, a TLS 1.3 handshake, the
 # capability call, then the calls whose round trips it measures, one after another
 FIRST_CONTACT_RTTS = 3 + ROUND_TRIP_SAMPLES
 ORACLE_HEADS = 40  # heads the oracle tries (the cheapest by compute): bounds its cost at large N
@@ -318,7 +318,7 @@ class Clients:
 
     async def _open(self, search: RouteSearch, start: int, end: int, answering: dict[str, "Peer"], host,
                     *, spend: bool = True) -> dict:
-        """The route search's own decisions for layers [start, end) (``client.search.RouteSearch``:
+        """The route search's own decisions for layers [start, end) (``route.search.RouteSearch``:
         the plan, whom to contact in each round (``to_contact``, ``probe_width``: wider in
         the first round and as candidates fail), when a round's plan stands without the
         contacts still out (``stands``), each round trip an answer measures
@@ -431,7 +431,7 @@ class Clients:
         """``generation_tokens`` ring tokens on ``route``, each taking the ring's time
         (compute, hop-to-hop links, the tail's link back). A hop whose peer left (its
         session gone with its node) fails the next step, and the client fails over as
-        client/failover.py does: a failover spent (at most RouteOptions.max_failovers),
+        route/failover.py does: a failover spent (at most RouteOptions.max_failovers),
         the peer banned, a fresh look at the swarm (``_look``, as the provider's second
         look surveys afresh), a replacement for the hop's layers opened by the route
         search, its inputs replayed (a prefill of every position so far on the new hops).
@@ -472,7 +472,7 @@ class Clients:
             answering = self._answering()
             opened = await self._open(search, failed.start, failed.end, answering, host)
             if opened["outcome"] != "route":
-                # client/failover.py replaces the failed hop's layers exactly; would a whole new route have done?
+                # route/failover.py replaces the failed hop's layers exactly; would a whole new route have done?
                 whole = (await self._open(search, 0, N_LAYER, answering, host, spend=False))["outcome"] == "route"
                 entry["generation"] = f"failover: {opened['outcome']}" + (" (a whole new route existed)" if whole else "")
                 break

@@ -107,7 +107,7 @@ class SimConfig:
     bad_relay_behaviour: str = "blackhole"
     reachability: bool = False  # public peers dial others back; each volunteer checks its own reachability
     verdicts: bool = False  # the certifier also publishes verdicts vouching for the volunteers it audited
-    probe: bool = True  # a fresh client probes its candidates' round trips before its first plan (client/probe.py)
+    probe: bool = True  # a fresh client probes its candidates' round trips before its first plan (route/probe.py)
     generation_tokens: int = 64  # each routed survey then generates this many tokens on its route (0: none)
     # "slices": each volunteer serves one of SLICES at random; "auto": each session's span
     # chosen as ``join --layers auto`` chooses it, from the model's reports its node finds

@@ -1,13 +1,13 @@
 """The records that carry verified compute through the DHT (issue 26, points 3-4).
 
 - A **fraud report** (``fraud/<model>/<peer>``, one per reporter): a
-  transferable :class:`~.fraud.FraudProof` against ``peer``, signed by whoever
+  transferable :class:`~.fraud_proof.FraudProof` against ``peer``, signed by whoever
   found it. Nodes store and gossip only reports whose proof is well formed
   and carries the accused peer's own signature on the output it contradicts
   (so nobody can report a peer that never served them), bounded per key, per
   signer and per source like every record (dht/storage.py, the store rate
   per source). A report is a claim: a node acts on it only after its own
-  replays confirm it (client/recheck.py).
+  replays confirm it (verify/recheck.py).
 - A certifier's **peer verdicts** (``verdicts/<model>/<certifier>``, only it
   may sign there): the peers it verified by its own audits, with how many
   sessions, and the peers it convicted on a proof it re-checked. A node that
@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping
 from meshnet_p2p.core.identity import Identity
 from meshnet_p2p.core.records import PayloadType, Record, canonical, never_raising, sign_record
 
-from .fraud import FraudProof, FraudProofError
+from .fraud_proof import FraudProof, FraudProofError
 
 FRAUD_REPORT = "meshnet/fraud-report/v1"
 PEER_VERDICTS = "meshnet/peer-verdicts/v1"
@@ -64,7 +64,7 @@ def sign_report(identity: Identity, proof: FraudProof, *, now_ms: int, ttl_ms: i
         raise FraudProofError(f"a proof others cannot check is not reported: {why}")
     content = {"key": report_key(proof.model_digest, proof.peer_id), "reporter": str(identity.peer_id),
                "proof": proof.to_content()}
-    if len(canonical(content)) > MAX_CONTENT_BYTES:  # a proof of peer-ID replayers always fits (trust/fraud.py)
+    if len(canonical(content)) > MAX_CONTENT_BYTES:  # a proof of peer-ID replayers always fits (trust/fraud_proof.py)
         raise FraudProofError(f"the report would exceed {MAX_CONTENT_BYTES} bytes")
     return sign_record(identity, FRAUD_REPORT, content, seq=now_ms, now_ms=now_ms, ttl_ms=ttl_ms)
 

@@ -85,7 +85,7 @@ class Hop:
     stream: SessionStream
     n_ubatch: int  # the route's recipe: prefill steps must be whole micro-batches of it
     history: list[tuple[int, object, bool]] = field(default_factory=list)  # (position, input, decode)
-    replies: list = field(default_factory=list)  # the peer's StepReply to each step of history (transcript.py)
+    replies: list = field(default_factory=list)  # the peer's StepReply to each step of history (verify/transcript.py)
     attach_token: bytes = b""  # what the ring's previous hop attaches with (ring routes only)
     # what this hop was given and gave back, as the peer's attestation must state it
     inputs: RowDigest = field(default_factory=lambda: RowDigest(SEAM_DOMAIN))

@@ -1,6 +1,6 @@
 """Re-checking someone else's fraud proof by replay: what makes a proof count here.
 
-A proof (trust/fraud.py) is a claim by its reporter; it costs a stranger little
+A proof (trust/fraud_proof.py) is a claim by its reporter; it costs a stranger little
 to publish one, so nothing is believed on its word. It counts for this node
 when its own replays, on peers of the proof's recipe, show what the proof says:
 
@@ -12,7 +12,7 @@ when its own replays, on peers of the proof's recipe, show what the proof says:
    each must equal the input digest the peer signed for that step. If not,
    the proof does not stand against the peer (its predecessor fed it
    something else, or the reporter made the tokens up): ``inputs-differ``;
-3. the peer's layers, replayed here from those inputs (audit.py: two disjoint
+3. the peer's layers, replayed here from those inputs (replay.py: two disjoint
    replays before blame), differ from the outputs the peer signed:
    ``confirmed``. If they give exactly what it signed, the proof is false:
    ``refuted``, and its reporter is the one who lied.
@@ -29,11 +29,12 @@ from typing import Callable, Iterable
 
 from meshnet_p2p.swarm.placement import Span, plan_route
 from meshnet_p2p.trust.commitment import hidden_digest
-from meshnet_p2p.trust.fraud import FraudProof
+from meshnet_p2p.trust.fraud_proof import FraudProof
 
-from .audit import AuditResult, Verdict, audit_hop, replay_search, replay_steps
-from .hop import route_fingerprint
-from .options import PeerMeasures, RouteOptions
+from meshnet_p2p.route.hop import route_fingerprint
+from meshnet_p2p.route.options import PeerMeasures, RouteOptions
+
+from .replay import AuditResult, Verdict, audit_hop, replay_search, replay_steps
 from .transcript import HopTranscript, StepRecord
 
 

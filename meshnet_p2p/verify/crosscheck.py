@@ -1,7 +1,7 @@
 """Cross-checked generation: two routes with no peer in common, stepped side by
 side, and a token handed on only when both computed it.
 
-Used when a route depends on a peer with no verified record (records.py), or
+Used when a route depends on a peer with no verified record (peer_records.py), or
 always with ``verify="always"``. Started with one route (``verify="auto"``),
 it steps that route alone while every peer on it has a record, and enlists a
 disjoint second route, brought level by replaying the steps so far, as soon
@@ -28,9 +28,10 @@ from typing import Callable, Sequence
 
 from meshnet_p2p.core.errors import MeshnetError
 
-from .chain import Chain
-from .errors import GenerationError
-from .records import PeerRecords
+from meshnet_p2p.route.chain import Chain
+from meshnet_p2p.route.errors import GenerationError
+
+from .peer_records import PeerRecords
 
 
 class OutputWithheld(GenerationError):
@@ -51,7 +52,7 @@ def _describe(reply) -> str:
 
 
 class CrossCheckedRoute:
-    """A Route (generation.py) over two disjoint routes; ``open_disjoint(exclude)``
+    """A Route (route/generation.py) over two disjoint routes; ``open_disjoint(exclude)``
     opens another route over every layer, with none of the peers in ``exclude``."""
 
     def __init__(self, routes: Sequence[Chain], open_disjoint: Callable[[set[str]], Chain], records: PeerRecords,

@@ -3,8 +3,8 @@ what their verdicts do to each peer's record.
 
 After a generation (off its latency: the answer is already out), each hop of
 each route it used is audited with the probability its peer's record gives
-(records.py: every session until the peer has a verified record, then
-falling to the audit rate), by exact replay on other peers (audit.py), in a
+(peer_records.py: every session until the peer has a verified record, then
+falling to the audit rate), by exact replay on other peers (replay.py), in a
 background thread. A match adds to the peer's record; a proven mismatch
 catches it (never planned again); one replay that disagrees and none that
 confirms resets its record (checked every session again), and nobody is
@@ -30,17 +30,18 @@ import time
 from typing import Callable, Iterable
 
 from meshnet_p2p.core.records import Record
-from meshnet_p2p.trust.fraud import FraudProof, FraudProofError
+from meshnet_p2p.trust.fraud_proof import FraudProof, FraudProofError
 from meshnet_p2p.trust.verdicts import proof_of
 
 from meshnet_p2p.core.errors import MeshnetError, sanitize
 
-from .audit import AuditResult, Verdict, audit_hop
+from meshnet_p2p.route.chain import Chain
+from meshnet_p2p.route.errors import ClientClosed
+from meshnet_p2p.route.options import PeerMeasures, RouteOptions
+
+from .replay import AuditResult, Verdict, audit_hop
 from .recheck import Recheck, RecheckResult, recheck_proof
-from .chain import Chain
-from .errors import ClientClosed
-from .options import PeerMeasures, RouteOptions
-from .records import PeerRecords
+from .peer_records import PeerRecords
 from .transcript import HopTranscript, route_tokens, transcript_of
 
 

@@ -8,7 +8,7 @@ a session of other peers of the recipe over the same layers (the exact span,
 or, with a float32 seam, any chain of sub-spans that covers it: other seams do
 not compose across cuts), opened with the hop's fingerprint, sampling and
 max_tokens, and each step's output is compared with the peer's, byte for byte
-(:func:`meshnet_p2p.trust.fraud.output_digest`), up to the first difference.
+(:func:`meshnet_p2p.trust.fraud_proof.output_digest`), up to the first difference.
 
 A difference is not yet blame: it is replayed again on peers disjoint from the
 first replayers. :func:`decide`, a pure function, turns the comparisons into
@@ -37,13 +37,14 @@ from typing import Callable, Iterable, Sequence
 from meshnet_p2p.core.errors import sanitize
 from meshnet_p2p.dataplane.stub import ShardConnectionError, ShardError
 from meshnet_p2p.swarm.placement import NoRoute, Span, plan_route
-from meshnet_p2p.trust.fraud import MAX_PROOF_STEPS, MAX_PROOF_TOKENS, ChainLink, FraudProof, output_digest
+from meshnet_p2p.trust.fraud_proof import MAX_PROOF_STEPS, MAX_PROOF_TOKENS, ChainLink, FraudProof, output_digest
 
-from .chain import Chain
-from .errors import ClientClosed, GenerationError, RequestRefused, is_full
-from .hop import route_fingerprint
-from .options import PeerMeasures, RouteOptions
-from .search import RouteSearch
+from meshnet_p2p.route.chain import Chain
+from meshnet_p2p.route.errors import ClientClosed, GenerationError, RequestRefused, is_full
+from meshnet_p2p.route.hop import route_fingerprint
+from meshnet_p2p.route.options import PeerMeasures, RouteOptions
+from meshnet_p2p.route.search import RouteSearch
+
 from .transcript import HopTranscript, StepRecord
 
 MAX_CHAINS = 4  # replay chains one replay tries before it gives up (a failing replayer is set aside)
@@ -306,7 +307,7 @@ def _result(t: HopTranscript, d: Decision, runs: tuple[tuple[str, ...], ...], pe
 
 
 def _carried(t: HopTranscript, k: int) -> tuple:
-    """What makes a proof transferable (trust/fraud.py): the route's tokens to the end of
+    """What makes a proof transferable (trust/fraud_proof.py): the route's tokens to the end of
     step ``k``, the peer's commitments before it, and its signed one; none when the peer
     signed no commitments or they do not fit a proof."""
     signed = [s.commitment for s in t.steps[: k + 1]]

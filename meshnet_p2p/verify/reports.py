@@ -1,6 +1,6 @@
 """Fraud reports through the DHT: publish the ones this node made, fetch the
 ones others made against the peers it uses (trust/verdicts.py says what a
-report is; client/recheck.py what makes one count: nothing on its word).
+report is; verify/recheck.py what makes one count: nothing on its word).
 
 A client has no long-lived DHT node, so :func:`exchange_reports` runs one in
 client mode for the exchange, as a survey does."""
@@ -46,7 +46,7 @@ async def exchange_reports(bootstrap: Sequence, model_digest: str, publish: Iter
     """Through a short-lived client-mode node: store each (key, report wire) of ``publish``
     and fetch the reports against ``lookup``'s peers. Returns (reports by peer, how many
     of the published ones some node took)."""
-    from .node import start_node
+    from meshnet_p2p.swarm.node import start_node
 
     stored = 0
     with unwrap_errors():

@@ -75,7 +75,7 @@ class Chain:
         self.check_kind(hop, reply)
         check_commitment(hop, position, payload, reply)  # it signed for what it was given and answered
         hop.history.append((position, payload, decode))  # only what it really computed is replayed
-        hop.replies.append(reply)  # and what it answered: audited by replay (transcript.py)
+        hop.replies.append(reply)  # and what it answered: audited by replay (verify/transcript.py)
         if self.opts.attest:
             if hidden:
                 hop.inputs.hidden(position, payload)

@@ -1,6 +1,6 @@
 """What one hop of a generation was given and answered, kept by the client so
 that the hop's work can be checked later by exact replay on other peers of
-the same recipe (audit.py) and, when it does not match, shown to others.
+the same recipe (replay.py) and, when it does not match, shown to others.
 
 A transcript is plain data taken from an open (or closed) hop: the peer and
 its span, the route's fingerprint and micro-batch size, the session's
@@ -19,7 +19,7 @@ from meshnet_p2p.engine.contract import SamplingParams, TensorBundle
 
 from meshnet_p2p.trust.commitment import Commitment
 
-from .hop import DishonestHop, Hop, commitments_of, route_fingerprint
+from meshnet_p2p.route.hop import DishonestHop, Hop, commitments_of, route_fingerprint
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class HopTranscript:
     max_tokens: int  # KV positions the session reserved (a replay reserves as many)
     session_id: str
     steps: tuple[StepRecord, ...]
-    tokens: tuple[int, ...] = ()  # the route's token ids from position 0 (a proof carries them: trust/fraud.py)
+    tokens: tuple[int, ...] = ()  # the route's token ids from position 0 (a proof carries them: trust/fraud_proof.py)
     cuts: tuple[int, ...] = ()  # the first layers of the route's hops before this one (a later hop's inputs)
 
     @property

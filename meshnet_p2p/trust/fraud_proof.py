@@ -1,10 +1,10 @@
 """What a proven mismatch carries, and how anyone checks that it stands.
 
-An audit (client/audit.py) replays a hop's recorded steps on other peers of
+An audit (verify/replay.py) replays a hop's recorded steps on other peers of
 the same certified recipe; honest peers compute bit-identical outputs, so when
 two independent replays agree with each other and not with the audited peer,
 the peer computed something else. :class:`FraudProof` is that finding in a
-form anyone with the weights can check by replay (client/recheck.py), whoever
+form anyone with the weights can check by replay (verify/recheck.py), whoever
 made it:
 
 - the peer's own signed commitment to the step that differs (``commitment``),

@@ -107,7 +107,7 @@ class RingRoute(Chain):
             if fault is not None:
                 return None, fault
             hop.history.append((position, payload, decode))  # what it computed: replayed on failover
-            hop.replies.append(reply)  # and what it answered: audited by replay (transcript.py)
+            hop.replies.append(reply)  # and what it answered: audited by replay (verify/transcript.py)
             payload = reply.hidden
         return reply, None
 
