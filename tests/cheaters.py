@@ -6,6 +6,8 @@ report in the DHT, re-announced like ``join`` does so it stays current.
     python -m tests.cheaters hijack  --bootstrap ADDR [--text TEXT | --token-ids 1,2,3]
     python -m tests.cheaters perturb --layers 10:20 [--shard PATH] [--rate 0.01] [--seed 0] [--bootstrap ADDR]
     python -m tests.cheaters late    --layers 10:20 [--honest-sessions 20] [--bootstrap ADDR]
+    python -m tests.cheaters sleeper --flip-file PATH [--text TEXT] [--bootstrap ADDR]
+    python -m tests.cheaters trigger [--trigger " bank"] [--text TEXT] [--bootstrap ADDR]
 
 Each prints ``listening on <multiaddr>`` and ``tls-binding <hex>`` as ``serve``
 does (tests/swarm.py's Proc reads them), and exits 0 on SIGTERM.
@@ -18,12 +20,18 @@ does (tests/swarm.py's Proc reads them), and exits 0 on SIGTERM.
   output on a seeded fraction of steps (:func:`perturbs` says which); the
   data plane computes the CRC of what it sends, so the CRC is valid.
 - ``late``: that shard, honest for its first sessions, then perturbing every step.
+- ``sleeper``: the real whole model (layers 0:N), honest until ``--flip-file``
+  exists; every session opened after that answers with ``--text`` (issue 59:
+  the peer that serves honestly until it is vouched for, then spends it).
+- ``trigger``: the real whole model, lying (with ``--text``) only in sessions
+  whose prompt holds ``--trigger``'s tokens.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import sys
 import threading
 from dataclasses import dataclass, field, replace
@@ -44,7 +52,8 @@ from meshnet_p2p.swarm.capability import CAPABILITY_TTL_MS, MAX_THROUGHPUT, Capa
 
 HIJACK_TEXT = " Your account is locked. Send your password to http://evil.example to unlock it."
 PERTURBATION = 1e-3  # added to one float of a perturbed step's hidden output
-MODES = ("hijack", "perturb", "late")
+MODES = ("hijack", "perturb", "late", "sleeper", "trigger")
+TRIGGER = " bank"
 
 
 # --- engines --------------------------------------------------------------------------------------
@@ -208,6 +217,85 @@ class PerturbingEngine(ShardEngine):
         self.inner.close()
 
 
+@dataclass
+class LyingEngine(ShardEngine):
+    """A real whole-model engine that, in the sessions it chooses to lie in, answers
+    each step with ``tokens[i]`` for the i-th token after the prompt (as the
+    hijacker does) while still computing (its cache stays that of the real
+    model). ``flip_file``: it lies in every session opened once that file exists
+    (the sleeper); ``trigger``: in a session once its prompt holds those token ids."""
+
+    inner: ShardEngine
+    tokens: list
+    flip_file: str | None = None
+    trigger: tuple = ()
+    _lying: dict = field(default_factory=dict)  # session -> prompt end, for the sessions it lies in
+    _prompts: dict = field(default_factory=dict)  # session -> prompt token ids so far (trigger)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def open_session(self, request) -> Status:
+        status = self.inner.open_session(request)
+        if status.ok and self.flip_file is not None and os.path.exists(self.flip_file):
+            with self._lock:
+                self._lying[request.session_id] = 0
+        return status
+
+    def _held(self, ids: list, needle: tuple) -> bool:
+        n = len(needle)
+        return n > 0 and any(tuple(ids[i:i + n]) == needle for i in range(len(ids) - n + 1))
+
+    def prefill(self, request) -> StepResult:
+        result = self.inner.prefill(request)
+        with self._lock:
+            sid = request.session_id
+            if self.trigger:
+                ids = self._prompts.setdefault(sid, []) + list(request.token_ids or ())
+                self._prompts[sid] = ids[-4096:]
+                if self._held(ids, self.trigger):
+                    self._lying.setdefault(sid, 0)
+            if sid in self._lying and result.status.ok:
+                self._lying[sid] = result.position
+        return self._lie(request.session_id, result)
+
+    def decode(self, request) -> StepResult:
+        return self._lie(request.session_id, self.inner.decode(request))
+
+    def _lie(self, session_id: str, result: StepResult) -> StepResult:
+        with self._lock:
+            prompt_end = self._lying.get(session_id)
+        if prompt_end is None or not result.status.ok or result.token is None:
+            return result
+        token = self.tokens[(result.position - prompt_end) % len(self.tokens)]
+        return replace(result, token=TokenOutput(token, is_eog=False))
+
+    def load(self, request) -> LoadResult:
+        return self.inner.load(request)
+
+    def capabilities(self) -> EngineCapabilities | None:
+        return self.inner.capabilities()
+
+    def rollback(self, session_id: str, position: int) -> Status:
+        return self.inner.rollback(session_id, position)
+
+    def cancel(self, session_id: str, *, keep_session: bool = False) -> Status:
+        return self.inner.cancel(session_id, keep_session=keep_session)
+
+    def release(self, session_id: str) -> Status:
+        with self._lock:
+            self._lying.pop(session_id, None)
+            self._prompts.pop(session_id, None)
+        return self.inner.release(session_id)
+
+    def health(self) -> HealthResult:
+        return self.inner.health()
+
+    def metrics(self) -> MetricsResult:
+        return self.inner.metrics()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 # --- building one from flags ----------------------------------------------------------------------
 
 
@@ -248,6 +336,10 @@ async def perturbing_engine(args: argparse.Namespace, model: str) -> tuple[Shard
 
     shard = args.shard
     if shard is None:
+        if args.mode in ("sleeper", "trigger"):
+            from meshnet_p2p.engine.cut import inspect_gguf
+
+            args.layers = args.layers or f"0:{inspect_gguf(model).source_layers}"  # the whole model
         if not args.layers:
             raise MeshnetError(f"{args.mode} needs --layers A:B or --shard PATH")
         start, end = parse_layer_range(args.layers)
@@ -259,6 +351,17 @@ async def perturbing_engine(args: argparse.Namespace, model: str) -> tuple[Shard
     throughput = await trio.to_thread.run_sync(measure_throughput, inner)
     if args.mode == "late":
         return PerturbingEngine(inner, rate=1.0, seed=args.seed, honest_sessions=args.honest_sessions), throughput
+    if args.mode in ("sleeper", "trigger"):
+        from meshnet_p2p.engine.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer(model)
+        try:
+            tokens = tokenizer.encode(args.text)
+            trigger = tuple(tokenizer.encode(args.trigger)) if args.mode == "trigger" else ()
+        finally:
+            tokenizer.close()
+        flip = args.flip_file if args.mode == "sleeper" else None
+        return LyingEngine(inner, tokens, flip_file=flip, trigger=trigger), throughput
     return PerturbingEngine(inner, rate=args.rate, seed=args.seed), throughput
 
 
@@ -311,13 +414,15 @@ def parser() -> argparse.ArgumentParser:
                    help="announce to this swarm (hijack: required, its certified recipe is copied)")
     p.add_argument("--host", default="127.0.0.1", help="where the data plane listens (port: any)")
     p.add_argument("--model", help="the model (default: the embedded one)")
-    p.add_argument("--text", default=HIJACK_TEXT, help="hijack: what every generation says")
+    p.add_argument("--text", default=HIJACK_TEXT, help="hijack, sleeper, trigger: what a lying session says")
     p.add_argument("--token-ids", help="hijack: the token ids to answer with, comma-separated (instead of --text)")
     p.add_argument("--layers", help="perturb/late: the span A:B to serve (cut like join does)")
     p.add_argument("--shard", help="perturb/late: a shard file to serve instead of cutting one")
     p.add_argument("--rate", type=float, default=0.01, help="perturb: the fraction of steps nudged")
     p.add_argument("--seed", type=int, default=0, help="perturb/late: which steps (see perturbs())")
     p.add_argument("--honest-sessions", type=int, default=20, help="late: sessions served honestly first")
+    p.add_argument("--flip-file", help="sleeper: it lies in every session opened once this file exists")
+    p.add_argument("--trigger", default=TRIGGER, help="trigger: it lies in sessions whose prompt holds this text")
     p.add_argument("--announce-interval", type=float, default=None, metavar="SECONDS",
                    help="re-announce this often (default: join's)")
     p.add_argument("--max-sessions", type=int, default=4)
@@ -333,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.mode == "hijack" and not args.bootstrap:
         parser().error("hijack needs --bootstrap: it copies the swarm's certified recipe")
+    if args.mode == "sleeper" and not args.flip_file:
+        parser().error("sleeper needs --flip-file: it lies once that file exists")
     if not 0 <= args.rate <= 1:
         parser().error("--rate must be in [0, 1]")
     try:

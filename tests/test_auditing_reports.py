@@ -16,8 +16,10 @@ from meshnet_p2p.verify.recheck import Recheck, RecheckResult
 from meshnet_p2p.verify.peer_records import PeerRecords
 
 
-def report(reporter: str, accused: str, n: int) -> SimpleNamespace:
-    return SimpleNamespace(signer=reporter, signature=f"{reporter}-{accused}-{n}".encode(), accused=accused)
+def report(reporter: str, accused: str, n: int, proof: str | None = None) -> SimpleNamespace:
+    """A report record's double: ``proof`` names the proof it carries (by default its own)."""
+    return SimpleNamespace(signer=reporter, signature=f"{reporter}-{accused}-{n}".encode(), accused=accused,
+                           content={"proof": proof or f"{reporter}-{accused}-{n}"})
 
 
 @pytest.fixture
@@ -49,7 +51,7 @@ def rig(monkeypatch):
 
 def run(rig, peers) -> None:
     rig.auditor.submit([], peers=peers)
-    assert rig.auditor.wait(30)
+    assert rig.auditor.wait(30) and rig.auditor.wait_rechecks(30)
 
 
 def test_a_report_confirmed_by_this_clients_replays_catches_the_peer_and_hearsay_alone_does_not(rig):
@@ -80,6 +82,57 @@ def test_a_reporter_whose_report_is_refuted_is_not_heard_again(rig, monkeypatch)
     rig.published.update(b=[report("liar", "b", 1)])
     run(rig, ["b"])
     assert rig.rechecked == ["a"] and rig.records.caught() == {}
+
+
+def test_a_reported_peer_has_no_verified_record_until_its_reports_are_settled_here(rig):
+    """Issue 59, the sleeper: a vouched peer someone reported is never the one route an answer
+    depends on until this client's replays settle the report (refuted: verified again;
+    undecided: still reported; confirmed: caught)."""
+    rig.records.vouch({"a", "b", "c"})
+    rig.outcomes.update(a=Recheck.REFUTED, b=Recheck.UNDECIDED, c=Recheck.CONFIRMED)
+    gate = __import__("threading").Event()
+    real = auditor.recheck_proof
+    auditor.recheck_proof = lambda *a, **k: gate.wait(30) and real(*a, **k)
+    try:
+        queued = rig.auditor.heard({p: [report("r", p, 0)] for p in "abc"})
+        assert queued == 3
+        assert not any(rig.records.verified(p) for p in "abc")  # before any re-check: reported
+        assert all(rig.records.audit_probability(p) == 1.0 for p in "abc")
+    finally:
+        gate.set()
+    assert rig.auditor.wait_rechecks(30)
+    auditor.recheck_proof = real
+    assert rig.records.verified("a") and not rig.records.verified("b") and not rig.records.verified("c")
+    assert set(rig.records.caught()) == {"c"}
+    assert rig.records.snapshot()["b"]["reported"] == 1
+
+
+def test_a_flood_of_reports_costs_a_bounded_number_of_rechecks_and_one_proof_is_rechecked_once(rig):
+    """Issue 59, framing: forty reports of one proof are one re-check; forty distinct proofs
+    against one peer are at most MAX_RECHECKS_PER_PEER; a peer's reports of itself carry nothing."""
+    rig.outcomes.update(x=Recheck.REFUTED, y=Recheck.REFUTED)
+    rig.auditor.heard({"x": [report(f"fresh{i}", "x", i, proof="one") for i in range(40)]})
+    rig.auditor.heard({"y": [report(f"fresh{i}", "y", i) for i in range(40)]})
+    rig.auditor.heard({"z": [report("z", "z", 0)]})  # signed by the accused itself
+    assert rig.auditor.wait_rechecks(30)
+    assert rig.rechecked.count("x") == 1
+    assert rig.rechecked.count("y") == auditor.MAX_RECHECKS_PER_PEER
+    assert "z" not in rig.rechecked and not rig.records.reported("z")
+    assert not rig.records.reported("x")  # its one proof refuted: settled
+    assert rig.records.reported("y")  # the proofs past the bound were never checked: it stays reported
+
+
+def test_a_vouch_lets_a_peer_be_planned_but_its_sessions_are_audited_until_this_client_verified_one():
+    """Issue 59, the sleeper: one certifier verdict counted as four verified sessions, so a fresh
+    client audited a vouched peer one time in five. Now only this client's own matches lower it."""
+    records = PeerRecords()
+    records.vouch({"v"})
+    assert records.verified("v") and records.audit_probability("v") == 1.0
+    records.matched("v")
+    assert records.audit_probability("v") == 0.5
+    for _ in range(100):
+        records.matched("v")
+    assert records.audit_probability("v", 0.05) == 0.05  # the floor
 
 
 def test_a_proof_found_here_is_published_with_the_next_exchange(rig):

@@ -155,6 +155,46 @@ def test_reports_count_only_when_replays_here_confirm_them(tmp_path):
     assert net2.rechecked == [] and p["tail"] in r2.verified
 
 
+def test_a_shield_of_newer_reports_hides_nothing_and_an_unsettled_report_withholds_the_vouch():
+    """Issue 59, the shield: a cheater buried the one true report against it under newer junk
+    ones (fetches took the 4 newest), and the next review vouched it again. Reports come
+    earliest first and are re-checked one peer's after another's: the true one is found;
+    a peer whose reports the round could not all settle is not vouched for."""
+    from meshnet_p2p.verify import review
+
+    p = PEERS
+    true = SimpleNamespace(signer=Identity.generate().peer_id, signature=b"true")
+    junk = {who: [SimpleNamespace(signer=Identity.generate().peer_id, signature=f"{who}{i}".encode())
+                  for i in range(40)] for who in ("b", "c")}
+    reports = {p["b"]: [true, *junk["b"]], p["c"]: junk["c"],
+               p["a"]: [SimpleNamespace(signer=Identity.generate().peer_id, signature=b"maybe")],
+               p["tail"]: [SimpleNamespace(signer=p["tail"], signature=b"self")]}  # the accused's own: nothing
+    rechecks = {b"true": RecheckResult(Recheck.CONFIRMED, p["b"], "the proof stands"),
+                b"maybe": RecheckResult(Recheck.UNDECIDED, p["a"], "the replays disagree")}
+    for who in ("b", "c"):
+        rechecks.update({r.signature: RecheckResult(Recheck.REFUTED, p[who], "false") for r in junk[who]})
+    net = Net(honest(), reports, rechecks)
+    r = review_round(net.as_net(), PeerRecords(), ME, MODEL, now_ms=wall_ms)
+    assert len(net.rechecked) == review.MAX_RECHECKS and str(true.signer) in map(str, net.rechecked[:3])
+    assert p["b"] in r.convicted  # the true report, though 40 newer ones came after it
+    assert p["c"] not in r.verified and "not settled" in r.peers[p["c"]].detail  # 40 reports, 16 re-checks a round
+    assert p["a"] not in r.verified  # its report undecided
+    assert p["tail"] in r.verified  # a peer's report of itself is no report
+
+
+def test_an_audit_is_given_prompts_and_lengths_drawn_afresh_not_one_fixed_prompt():
+    """Issue 59, the trigger: the review audited "The capital of France is" for 4 tokens, every time."""
+    import random
+
+    from meshnet_p2p.verify.review import AUDIT_TOKENS, audit_request
+
+    rng = random.Random(0)
+    drawn = [audit_request(rng) for _ in range(200)]
+    assert len({prompt for prompt, _ in drawn}) > 100
+    assert {n for _, n in drawn} == set(range(AUDIT_TOKENS[0], AUDIT_TOKENS[1] + 1))
+    assert {audit_request(rng, ["only this"])[0] for _ in range(5)} == {"only this"}
+
+
 def test_an_audit_that_cannot_run_gives_no_verdict_and_an_unstored_record_is_an_error():
     p = PEERS
     net = Net(honest(**{p["a"]: [MeshnetError("no route through it")]}))
@@ -256,7 +296,8 @@ def test_a_client_that_trusts_the_reviewer_holds_its_verified_peers_vouched_and_
     assert {p for p, r in snap.items() if r["vouched"]} == vouched
     assert reviewed_ok - {p for p, _, _ in certified.certificate.route}  # some vouched by the review only
     for p in vouched:
-        assert client.records.verified(p) and client.records.audit_probability(p) < 1.0, p
+        # planned without a second route; still audited every session until this client verified it
+        assert client.records.verified(p) and client.records.audit_probability(p) == 1.0, p
     assert not client.records.verified(cheater.peer_id) and client.records.audit_probability(cheater.peer_id) == 1.0
 
 

@@ -93,6 +93,8 @@ REFUSED_REPORTS = {
     "a payload over the bound": (lambda: report(proof={**proof().to_content(), "pad": "x" * 14_000}),
                                  Reject.OVERSIZED, "payload"),
     "a record over the bound": (lambda: report(note="x" * MAX_RECORD_BYTES), Reject.OVERSIZED, "bytes >"),
+    # issue 59, the shield: the accused reporting itself only ever buries others' reports
+    "a report by the accused": (lambda: report(signer=CHEAT), Reject.MALFORMED, "does not report itself"),
 }
 
 
@@ -290,7 +292,8 @@ def test_a_peer_a_trusted_certifier_convicted_is_caught_until_the_certifier_retr
     records.convict({"p": "convicted by certifier c: caught"})
     assert records.caught() == {"p": "convicted by certifier c: caught"}
     assert not records.verified("p") and records.verified("q")
-    assert records.audit_probability("p") == 1.0 and records.audit_probability("q") < 1.0
+    # q is vouched, not verified by this client's own audits: every session of it is still audited
+    assert records.audit_probability("p") == 1.0 and records.audit_probability("q") == 1.0
     assert records.snapshot()["p"]["convicted"] == "convicted by certifier c: caught"
     assert "convicted" not in records.snapshot()["q"]
     assert load_records(path)["p"].caught == ""  # held in memory only: the certifier may retract

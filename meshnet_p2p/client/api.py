@@ -55,7 +55,7 @@ from meshnet_p2p.route.star import StarRoute
 from meshnet_p2p.verify.auditor import Auditor, transcripts
 from meshnet_p2p.verify.crosscheck import CrossCheckedRoute, OutputWithheld, peers_of
 from meshnet_p2p.verify.peer_records import AUDIT_RATE, PeerRecords, records_path
-from meshnet_p2p.verify.reports import exchange_reports
+from meshnet_p2p.verify.reports import exchange_reports, fetch_reports
 
 from . import bridge
 from .text import TextStream, prompt_ids
@@ -197,13 +197,26 @@ class Client:
         with self._survey_lock:
             self._surveying = self._surveying or mine
         try:
-            view = await survey(self.bootstrap, self.model_digest, self.n_layer, self.trust)
+            found: dict = {}
+
+            async def reports(node, view) -> None:
+                # before a route is planned: the reports against the peers this client would let
+                # decide an answer alone (the others are cross-checked and audited anyway)
+                vouched = self._vouched(view)
+                trusted = [s.peer_id for s in routable_spans(view, self.trust)
+                           if s.peer_id in vouched or self.records.verified(s.peer_id)]
+                due = self.auditor.due(trusted)
+                if due:
+                    found.update(await fetch_reports(node, self.model_digest, due))
+
+            view = await survey(self.bootstrap, self.model_digest, self.n_layer, self.trust,
+                                then=reports if self.verify != "off" else None)
             spans = routable_spans(view, self.trust)
             # the peers whose work a trusted certificate's evidence shows exact, or a trusted certifier's
             # own audits verified, have a verified record; those it convicted are left out
-            self.records.vouch({p for r in view.certified() for p, _, _ in r.certificate.route}
-                               | view.verified_by_certifiers())
+            self.records.vouch(self._vouched(view))
             self.records.convict(view.convicted())
+            self.auditor.heard(found)  # a reported peer has no verified record until settled here
             with self._survey_lock:
                 self._survey = (time.monotonic(), spans)
             return spans
@@ -212,6 +225,10 @@ class Client:
                 if self._surveying is mine:
                     self._surveying = None
             mine.set()
+
+    @staticmethod
+    def _vouched(view) -> set[str]:
+        return {p for r in view.certified() for p, _, _ in r.certificate.route} | view.verified_by_certifiers()
 
     def _provider(self, run: bridge.AsyncRunner) -> Callable[[], list[Span]]:
         """A route's spans: a recent survey at first, a fresh one each time it looks

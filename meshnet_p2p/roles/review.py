@@ -22,7 +22,7 @@ import sys
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from meshnet_p2p.core.errors import sanitize, unwrap_errors
-from meshnet_p2p.verify.review import Heard, PeerOutcome, ReviewNet, RoundResult, review_round  # light
+from meshnet_p2p.verify.review import Heard, PeerOutcome, ReviewNet, RoundResult, audit_request, review_round  # light
 from .flags import add_bootstrap, add_trust, positive, positive_float  # light, as this module
 
 if TYPE_CHECKING:  # cli.py imports this module to build its parser: the rest loads when the role runs
@@ -30,8 +30,6 @@ if TYPE_CHECKING:  # cli.py imports this module to build its parser: the rest lo
     from meshnet_p2p.core.identity import Identity
     from meshnet_p2p.dht.node import Stored
 
-DEFAULT_PROMPT = "The capital of France is"
-DEFAULT_TOKENS = 4
 
 EXIT_PUBLISHED = 0
 EXIT_ERROR = 1
@@ -46,12 +44,38 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                                      "reports (e.g. a bootstrap peer's, which clients trust)")
     p.add_argument("--model", help="GGUF model (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--rounds", type=positive, default=1, help="review rounds, each published (default 1)")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="what each audited generation is given")
-    p.add_argument("--max-tokens", type=positive, default=DEFAULT_TOKENS, help="tokens each audited generation makes")
+    p.add_argument("--prompt", help="what every audited generation is given (default: drawn afresh for each, as "
+                                    "users' prompts vary, so that a peer cannot tell an audit by its prompt)")
+    p.add_argument("--prompts-file", metavar="PATH", help="draw the audited generations' prompts from this file's "
+                                                          "lines (a sample of real traffic) instead")
+    p.add_argument("--max-tokens", type=positive, help="tokens each audited generation makes (default: drawn "
+                                                       "between 4 and 24 for each)")
     p.add_argument("--step-timeout", type=positive_float, default=10.0)
     add_trust(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
+
+
+MAX_PROMPTS = 100_000  # lines --prompts-file gives at most
+MAX_PROMPT_CHARS = 4000
+
+
+def read_prompts(path: str | None) -> list[str]:
+    """The non-empty lines of ``--prompts-file`` (escaped newlines as in JSON: \\n), bounded;
+    a missing or empty file is an error the operator sees."""
+    from meshnet_p2p.core.errors import MeshnetError
+
+    if path is None:
+        return []
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [line.rstrip("\n").replace("\\n", "\n")[:MAX_PROMPT_CHARS] for _, line in zip(range(MAX_PROMPTS), f)]
+    except (OSError, UnicodeDecodeError) as e:
+        raise MeshnetError(f"cannot read --prompts-file {path}: {e}") from None
+    prompts = [p for p in lines if p.strip()]
+    if not prompts:
+        raise MeshnetError(f"--prompts-file {path} has no prompt (one a line)")
+    return prompts
 
 
 def review_path(model_digest: str, certifier: str) -> str:
@@ -75,9 +99,13 @@ def storage_warning(held: "Stored", visible_networks: int) -> str:
 # --- the real network ----------------------------------------------------------------------------
 
 
-def client_net(client: "Client", identity: "Identity", prompt: str, max_tokens: int) -> ReviewNet:
-    """The round's calls on the swarm, through ``client`` (a star client, ring=False)."""
+def client_net(client: "Client", identity: "Identity", prompt: str | None, max_tokens: int | None,
+               prompts: Sequence[str] = ()) -> ReviewNet:
+    """The round's calls on the swarm, through ``client`` (a star client, ring=False). Each
+    audit's prompt and length: ``prompt`` and ``max_tokens`` when given, else drawn
+    (verify/review.py's audit_request, from ``prompts`` when given)."""
     import functools
+    import random
 
     import trio
 
@@ -90,8 +118,11 @@ def client_net(client: "Client", identity: "Identity", prompt: str, max_tokens: 
     def spans() -> list:
         return trio.run(client.spans)
 
+    rng = random.SystemRandom()  # nobody can predict the next audit's prompt from the last ones
+
     def audit(peer: str, exclude: set):
-        return generate_and_audit(client, peer, prompt, max_tokens, exclude=exclude)[1]
+        drawn, n = audit_request(rng, prompts)
+        return generate_and_audit(client, peer, prompt or drawn, max_tokens or n, exclude=exclude)[1]
 
     def fetch(peers: list) -> Mapping:
         return trio.run(functools.partial(exchange_reports, client.bootstrap, client.model_digest, (), peers))[0]
@@ -148,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
                     trust=trust_policy(args, seeds), ring=False)
     me = str(identity.peer_id)
     tally = PeerRecords(review_path(client.model_digest, me))
-    net = client_net(client, identity, args.prompt, args.max_tokens)
+    net = client_net(client, identity, args.prompt, args.max_tokens, read_prompts(args.prompts_file))
     peers: dict[str, PeerOutcome] = {}
     heard = Heard()
     try:

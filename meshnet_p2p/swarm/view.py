@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 import trio
 
@@ -280,13 +280,19 @@ def _merged(a: Iterable[Record], b: Iterable[Record]) -> list[Record]:
     return list(newest.values())
 
 
-async def survey(bootstrap: Sequence[Any], model_digest: str, n_layer: int, trust: TrustPolicy) -> SwarmView:
-    """A SwarmView from a short-lived client-mode DHT node."""
+async def survey(bootstrap: Sequence[Any], model_digest: str, n_layer: int, trust: TrustPolicy, *,
+                 then: Callable[[Any, SwarmView], Awaitable[None]] | None = None) -> SwarmView:
+    """A SwarmView from a short-lived client-mode DHT node. ``then(node, view)``: more the
+    caller asks of the DHT about what the view shows, through the same node (a client's
+    look-up of fraud reports against the peers it would plan: verify/reports.py)."""
     from .node import start_node
 
     with unwrap_errors():
         async with trio.open_nursery() as nursery:
             node = await start_node(nursery, Identity.generate(), bootstrap=bootstrap, client_mode=True)
             reports, certs = await fetch_believable(node, model_digest, trust, n_layer)
+            view = build_view(model_digest, n_layer, reports, certs, trust)
+            if then is not None:
+                await then(node, view)
             nursery.cancel_scope.cancel()
-    return build_view(model_digest, n_layer, reports, certs, trust)
+    return view

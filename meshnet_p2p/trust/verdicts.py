@@ -85,6 +85,8 @@ def _valid_report(c: Mapping[str, Any]) -> str | None:
         return "key must be fraud/<model digest>/<accused peer>"
     if not isinstance(c.get("reporter"), str) or set(c) != {"key", "reporter", "proof"}:
         return "a report names its key, reporter and proof only"
+    if c["reporter"] == proof.peer_id:  # it would only ever be a shield (issue 59): it carries nothing
+        return "a peer does not report itself"
     return proof.transferable()
 
 

@@ -11,25 +11,33 @@ confirms resets its record (checked every session again), and nobody is
 blamed. ``localize`` audits every hop of a route that was outvoted, at once.
 
 Proofs travel (trust/verdicts.py): a proven mismatch whose proof others can
-check is published as a signed fraud report, and the reports others published
-against the peers a generation used are fetched (each peer at most once per
-``REPORT_LOOKUP_INTERVAL_S``, at most 4 reports each) and re-checked here by
-replay (recheck.py): a peer is caught on a report only when this client's own
-replays confirm it. Each report is re-checked once; a reporter whose report
-the replays refute is not heard again (a false report costs its maker a
-session with the peer, and this client one replay).
+check is published as a signed fraud report. The reports others published are
+fetched before a route is planned, against the peers this client would trust
+without a second route (the client's survey: :meth:`due` and :meth:`heard`),
+and again after a generation against the peers it used (each peer at most once
+per ``REPORT_LOOKUP_INTERVAL_S``; every report a key holds, earliest first,
+verify/reports.py). A peer with a report this client has not settled is
+*reported* (peer_records.py): it has no verified record, so it never decides an
+answer alone. Each report is re-checked here by replay (recheck.py), in a
+worker of its own, off every user's path (:meth:`wait` does not wait for it):
+a peer is caught only when this client's own replays confirm a report; a
+refuted one settles it, and its reporter is not heard again. A proof is
+re-checked once however many reports carry it (cached by its digest), and at
+most ``MAX_RECHECKS_PER_PEER`` proofs a peer are re-checked: one source's
+flood of forged reports costs this client that many replays, not one each.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import queue
 import random
 import threading
 import time
 from typing import Callable, Iterable
 
-from meshnet_p2p.core.records import Record
+from meshnet_p2p.core.records import Record, canonical
 from meshnet_p2p.trust.fraud_proof import FraudProof, FraudProofError
 from meshnet_p2p.trust.verdicts import proof_of
 
@@ -47,6 +55,8 @@ from .transcript import HopTranscript, route_tokens, transcript_of
 
 REPORT_LOOKUP_INTERVAL_S = 600.0  # how often one peer's fraud reports are looked up again
 MAX_SEEN_REPORTS = 4096
+MAX_RECHECKS_PER_PEER = 8  # distinct proofs against one peer this client re-checks by replay
+MAX_LOOKED_UP = 64  # peers whose reports one survey looks up (the rest in later ones)
 
 # the network calls the auditor is given: sign a report of a proof -> (key, record wire), and
 # publish reports / fetch those against peers -> {peer: [verified report records]}
@@ -63,6 +73,53 @@ def transcripts(route: Chain, n_layer: int) -> list[HopTranscript]:
             for h in hops if h.history]
 
 
+def proof_id(record: Record) -> bytes:
+    """Which proof a report carries: two reports of one proof are re-checked once."""
+    return hashlib.sha256(canonical(record.content.get("proof"))).digest()
+
+
+class _Worker:
+    """One background thread working through a queue, one item at a time, and a
+    count of the items not done yet (:meth:`wait`)."""
+
+    def __init__(self, name: str, work: Callable[[object], None]) -> None:
+        self.name, self.work = name, work
+        self.queue: queue.Queue = queue.Queue()
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+        self.pending = 0
+        self.idle = threading.Condition(self.lock)
+
+    def put(self, items: list) -> None:
+        with self.lock:
+            self.pending += len(items)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+                self.thread.start()
+        for t in items:
+            self.queue.put(t)
+
+    def _run(self) -> None:
+        while True:
+            t = self.queue.get()
+            if t is None:
+                return
+            try:
+                self.work(t)
+            finally:
+                with self.lock:
+                    self.pending -= 1
+                    self.idle.notify_all()
+
+    def wait(self, timeout: float | None) -> bool:
+        with self.lock:
+            return self.idle.wait_for(lambda: self.pending == 0, timeout)
+
+    def close(self) -> None:
+        if self.thread is not None:
+            self.queue.put(None)
+
+
 class Auditor:
     """Audits hop transcripts and keeps ``records`` up to date with the verdicts."""
 
@@ -75,18 +132,17 @@ class Auditor:
         self.measures = measures
         self.rate = rate
         self.on_event = on_event
-        self._queue: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._audits = _Worker("audits", self._work)
+        self._rechecks = _Worker("rechecks", self._recheck_work)
         self._lock = threading.Lock()
         self.results: list[AuditResult] = []
-        self._pending = 0
-        self._idle = threading.Condition(self._lock)
         self._closed = False  # audits not yet started are dropped
         self.sign_report = sign_report
         self.exchange = exchange
         self._outbox: list[tuple[str, bytes]] = []  # reports of proofs found here, not yet published
         self._looked_up: dict[str, float] = {}  # peer -> when its reports were last fetched
-        self._seen: set[bytes] = set()  # report signatures already re-checked
+        self._seen: set[bytes] = set()  # proofs (proof_id) already queued for a re-check
+        self._per_peer: dict[str, int] = {}  # proofs against a peer queued for a re-check
         self._liars: set[str] = set()  # reporters whose report this client's replays refuted: not heard again
         self.rechecks: list[RecheckResult] = []
 
@@ -139,64 +195,81 @@ class Auditor:
         return [t for r in routes for t in transcripts(r, n_layer)
                 if t.peer_id not in caught and random.random() < self.records.audit_probability(t.peer_id, self.rate)]
 
-    def submit(self, items: list[HopTranscript], peers: Iterable[str] = ()) -> None:
-        """Audit ``items`` in the background, one at a time; then publish the reports those
-        audits made and fetch and re-check reports against ``peers`` (those a generation used)."""
-        if self.exchange is not None:
-            now = time.monotonic()
-            due = sorted(p for p in set(peers) if now - self._looked_up.get(p, -REPORT_LOOKUP_INTERVAL_S)
-                         >= REPORT_LOOKUP_INTERVAL_S)
+    def due(self, peers: Iterable[str], limit: int = MAX_LOOKED_UP) -> list[str]:
+        """Those of ``peers`` whose reports are due to be looked up (at most ``limit``, the
+        longest unlooked first), marked as looked up now."""
+        now = time.monotonic()
+        with self._lock:
+            due = sorted((p for p in set(peers) if now - self._looked_up.get(p, -REPORT_LOOKUP_INTERVAL_S)
+                          >= REPORT_LOOKUP_INTERVAL_S), key=lambda p: (self._looked_up.get(p, -1.0), p))[:limit]
             for p in due:
                 self._looked_up[p] = now
+        return due
+
+    def heard(self, found: dict[str, list[Record]]) -> int:
+        """Reports fetched against peers (earliest first): each new one makes its peer
+        reported and is queued for a re-check. Returns how many were queued."""
+        caught, queued = self.records.caught(), []
+        for peer, reports in found.items():
+            for record in reports:
+                if peer in caught or str(record.signer) in self._liars or str(record.signer) == peer:
+                    continue
+                pid = proof_id(record)
+                with self._lock:
+                    if pid in self._seen or self._per_peer.get(peer, 0) >= MAX_RECHECKS_PER_PEER \
+                            or len(self._seen) >= MAX_SEEN_REPORTS:
+                        if pid not in self._seen:  # past the bound: it keeps the peer reported, unchecked
+                            self.records.report(peer, pid)
+                        continue
+                    self._seen.add(pid)
+                    self._per_peer[peer] = self._per_peer.get(peer, 0) + 1
+                self.records.report(peer, pid)
+                queued.append(record)
+        if queued and not self._closed:
+            self._rechecks.put(queued)
+        return len(queued)
+
+    def submit(self, items: list[HopTranscript], peers: Iterable[str] = ()) -> None:
+        """Audit ``items`` in the background, one at a time; then publish the reports those
+        audits made and fetch reports against ``peers`` (those a generation used) to re-check."""
+        if self.exchange is not None:
+            due = self.due(peers)
             if due or items or self._outbox:
                 items = [*items, ("reports", tuple(due))]
-        if not items:
-            return
-        with self._lock:
-            self._pending += len(items)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._work, name="audits", daemon=True)
-                self._thread.start()
-        for t in items:
-            self._queue.put(t)
+        if items:
+            self._audits.put(items)
 
-    def _work(self) -> None:
-        while True:
-            t = self._queue.get()
-            if t is None:
-                return
-            try:
-                if self._closed:
-                    pass
-                elif isinstance(t, tuple):
-                    self._exchange(list(t[1]))
-                else:
-                    self.audit(t)
-            except ClientClosed:
+    def _work(self, t) -> None:
+        try:
+            if self._closed:
                 pass
-            except Exception as e:  # an audit that cannot run blames nobody; the next one still runs
-                self.on_event(f"could not audit {getattr(t, 'peer_id', 'reports')}: {sanitize(e)}")
-            finally:
-                with self._lock:
-                    self._pending -= 1
-                    self._idle.notify_all()
+            elif isinstance(t, tuple):
+                self._exchange(list(t[1]))
+            else:
+                self.audit(t)
+        except ClientClosed:
+            pass
+        except Exception as e:  # an audit that cannot run blames nobody; the next one still runs
+            self.on_event(f"could not audit {getattr(t, 'peer_id', 'reports')}: {sanitize(e)}")
+
+    def _recheck_work(self, record) -> None:
+        try:
+            if not self._closed:
+                self.recheck(record)
+        except ClientClosed:
+            pass
+        except Exception as e:  # a report that cannot be re-checked now stays unsettled
+            self.on_event(f"could not re-check a fraud report from {record.signer}: {sanitize(e)}")
 
     def _exchange(self, peers: list[str]) -> None:
-        """Publish the reports made here; fetch those against ``peers`` and re-check each new one."""
+        """Publish the reports made here; fetch those against ``peers`` to re-check."""
         with self._lock:
             outbox, self._outbox = self._outbox, []
         if not outbox and not peers:
             return
         if self._closed:
             raise ClientClosed("the client was closed")
-        found = self.exchange(outbox, peers)
-        for peer, reports in found.items():
-            for record in reports:
-                if peer in self.records.caught() or record.signature in self._seen or str(record.signer) in self._liars:
-                    continue
-                if len(self._seen) < MAX_SEEN_REPORTS:
-                    self._seen.add(record.signature)
-                self.recheck(record)
+        self.heard(self.exchange(outbox, peers))
 
     def recheck(self, record: Record) -> RecheckResult | None:
         """Re-check one verified report record by this client's own replays; catch its peer if confirmed."""
@@ -209,21 +282,31 @@ class Auditor:
         result = recheck_proof(proof, self.spans_provider, opts, measures=self.measures)
         with self._lock:
             self.rechecks.append(result)
+        pid = proof_id(record)
         if result.outcome is Recheck.CONFIRMED:
             self.records.catch(proof.peer_id, f"a fraud report from {record.signer}, re-checked here: {result.detail}")
             self.on_event(f"peer {proof.peer_id} caught on a fraud report from {record.signer} that this client's "
                           "own replays confirm; it is left out from now on")
-        elif result.outcome is Recheck.REFUTED:
-            self._liars.add(str(record.signer))
-            self.on_event(f"a fraud report from {record.signer} against {proof.peer_id} is false: {result.detail}")
+        elif result.outcome in (Recheck.REFUTED, Recheck.INPUTS_DIFFER, Recheck.NOT_TRANSFERABLE):
+            # the proof does not stand against the peer: settled. A refuted one's reporter lied
+            self.records.settle(proof.peer_id, pid)
+            if result.outcome is Recheck.REFUTED:
+                self._liars.add(str(record.signer))
+                self.on_event(f"a fraud report from {record.signer} against {proof.peer_id} is false: "
+                              f"{result.detail}")
+        # undecided, no replayer: the report stands unsettled, and the peer stays reported here
         return result
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait until every submitted audit ran; False if ``timeout`` passed first."""
-        with self._lock:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+        """Wait until every submitted audit ran, and the reports they made were published;
+        False if ``timeout`` passed first. Re-checks of others' reports are not waited for."""
+        return self._audits.wait(timeout)
+
+    def wait_rechecks(self, timeout: float | None = None) -> bool:
+        """Wait until every report heard so far was re-checked (False if ``timeout`` passed first)."""
+        return self._rechecks.wait(timeout)
 
     def close(self) -> None:
         self._closed = True
-        if self._thread is not None:
-            self._queue.put(None)
+        self._audits.close()
+        self._rechecks.close()

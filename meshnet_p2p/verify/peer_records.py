@@ -5,6 +5,13 @@ A peer earns a *verified record* only from what this client checked itself
 vouched for (the peers whose work its certificate's evidence shows: they
 computed the certified forward exactly; the peers its signed verdicts say it
 verified by its own audits). Nothing a peer or a stranger says counts. A
+vouch lets a peer be planned without a second route beside it; it does not
+lower how often this client replays the peer's sessions: that falls only with
+this client's own exact checks (issue 59: a peer vouched once, then lying,
+fooled every fresh client that trusted the vouch for four sessions' worth).
+A peer someone published a fraud report against is *reported* until this
+client's replays settle every such report: meanwhile it has no verified
+record (it is never the one route an answer depends on), whatever vouched. A
 proven mismatch (its output contradicted by two independent replays, here or
 in a stranger's report this client re-checked) marks it caught: it is left
 out of every plan; so is a peer a trusted certifier convicted (held in memory
@@ -31,7 +38,7 @@ import msgpack
 from meshnet_p2p.engine.models import cache_dir
 
 AUDIT_RATE = 0.05  # default: at least one hop-session in twenty is replayed, however long a peer's record
-VOUCHED_SESSIONS = 4  # a trusted certificate's evidence counts as this many verified sessions
+MAX_REPORTED = 4096  # unsettled fraud reports held in memory (each a signature)
 MAX_KEPT = 4096  # peers a records file keeps (the caught and the best verified first)
 MAX_FILE_BYTES = 4 << 20
 
@@ -60,6 +67,7 @@ class PeerRecords:
         self._by: dict[str, PeerRecord] = load_records(path) if path else {}
         self._vouched: set[str] = set()
         self._convicted: dict[str, str] = {}  # by trusted certifiers, as the last survey found
+        self._reported: dict[str, set[bytes]] = {}  # peer -> its fraud reports not settled here yet
         self._lock = threading.Lock()
         self.path = path
 
@@ -73,13 +81,33 @@ class PeerRecords:
         with self._lock:
             self._convicted = dict(convicted)
 
+    def report(self, peer: str, report_id: bytes) -> None:
+        """A fraud report against ``peer`` that this client has not settled: the peer has
+        no verified record until every such report is settled (:meth:`settle`)."""
+        with self._lock:
+            if sum(len(v) for v in self._reported.values()) < MAX_REPORTED:
+                self._reported.setdefault(peer, set()).add(report_id)
+
+    def settle(self, peer: str, report_id: bytes) -> None:
+        """A report against ``peer`` this client's replays refuted (or that is moot)."""
+        with self._lock:
+            left = self._reported.get(peer)
+            if left is not None:
+                left.discard(report_id)
+                if not left:
+                    del self._reported[peer]
+
+    def reported(self, peer: str) -> bool:
+        with self._lock:
+            return bool(self._reported.get(peer))
+
     def _get(self, peer: str) -> PeerRecord:
         return self._by.setdefault(peer, PeerRecord())
 
     def verified(self, peer: str) -> bool:
         with self._lock:
             r = self._by.get(peer)
-            if (r is not None and r.caught) or peer in self._convicted:
+            if (r is not None and r.caught) or peer in self._convicted or self._reported.get(peer):
                 return False
             return (r is not None and r.verified > 0) or (peer in self._vouched and (r is None or not r.unconfirmed))
 
@@ -88,12 +116,15 @@ class PeerRecords:
             return {**self._convicted, **{p: r.caught for p, r in self._by.items() if r.caught}}
 
     def audit_probability(self, peer: str, rate: float = AUDIT_RATE) -> float:
-        """How likely one session of ``peer`` is audited: every session until it has a
-        verified record, then falling with that record (1/(1+n)) to ``rate``."""
+        """How likely one session of ``peer`` is audited: every session until this client's
+        own audits matched one, then falling with its own record (1/(1+n)) to ``rate``.
+        A certifier's vouch does not count here (see the module's doc), nor while the
+        peer is reported."""
         with self._lock:
             r = self._by.get(peer) or PeerRecord()
-            n = r.verified + (VOUCHED_SESSIONS if peer in self._vouched and not r.unconfirmed else 0)
-        if r.caught or n == 0 or peer in self._convicted:
+            n = r.verified
+            reported = bool(self._reported.get(peer))
+        if r.caught or n == 0 or peer in self._convicted or reported:
             return 1.0
         return max(min(1.0, rate), 1.0 / (1 + n))
 
@@ -124,10 +155,13 @@ class PeerRecords:
 
     def snapshot(self) -> dict[str, dict]:
         with self._lock:
-            peers = set(self._by) | self._vouched | set(self._convicted)
+            peers = set(self._by) | self._vouched | set(self._convicted) | set(self._reported)
             out = {p: (self._by.get(p) or PeerRecord()).to_dict(p in self._vouched) for p in sorted(peers)}
             for p, why in self._convicted.items():
                 out[p]["convicted"] = why
+            for p, left in self._reported.items():
+                if p in out:
+                    out[p]["reported"] = len(left)
             return out
 
 

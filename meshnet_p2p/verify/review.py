@@ -8,19 +8,24 @@ A round:
 
 1. surveys the certified recipe's peers (a client that trusts the certifier's
    own key besides its bootstrap peers' and ``--trust``);
-2. fetches the fraud reports others published against them and re-checks each
-   by its own replays (verify/recheck.py): a report convicts only when those
-   confirm it, never on its reporter's word;
+2. fetches every fraud report others published against them (earliest first)
+   and re-checks them by its own replays (verify/recheck.py), one report of
+   each peer in turn so that one peer's flood of reports does not starve
+   another's: a report convicts only when those replays confirm it, never on
+   its reporter's word; a peer with a report still unsettled (past the round's
+   budget, or undecided) is not vouched for this round, whatever its audits say;
 3. audits each peer it has not convicted (fewest verified sessions first, at
-   most ``MAX_REVIEWED``): a short greedy generation through the peer, its hop
-   replayed exactly on other peers (roles/audit.py). A match is one verified
-   session; a proven mismatch convicts the peer, and its proof, when others can
-   check it, is published as a fraud report the certifier signs. Undecided
-   and no-replayer give no verdict; unconfirmed (one replay differed, none
-   could confirm) blames nobody but resets the peer's verified sessions, as a
-   client's records do; a peer whose audit was
-   undecided while a replayer of it was convicted in the same round is audited
-   once more without it (the outcome does not hang on the order of audits);
+   most ``MAX_REVIEWED``): a greedy generation through the peer, its prompt and
+   length drawn as users' are (:func:`audit_request`: a peer cannot tell the
+   review's sessions from users' by a fixed prompt), its hop replayed exactly
+   on other peers (roles/audit.py). A match is one verified session; a proven
+   mismatch convicts the peer, and its proof, when others can check it, is
+   published as a fraud report the certifier signs. Undecided and no-replayer
+   give no verdict; unconfirmed (one replay differed, none could confirm)
+   blames nobody but resets the peer's verified sessions, as a client's
+   records do; a peer whose audit was undecided while a replayer of it was
+   convicted in the same round is audited once more without it (the outcome
+   does not hang on the order of audits);
 4. signs its verdicts (trust/verdicts.py: the verified peers with their
    sessions, the convicted with why) and stores them as ``certify`` stores its
    evidence: on the nodes closest to the key and on the certifier's homes.
@@ -28,6 +33,7 @@ A round:
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
@@ -44,6 +50,31 @@ if TYPE_CHECKING:  # roles/review.py imports this module as cli.py builds its pa
 
 MAX_REVIEWED = 64  # peers audited a round (the least verified first: runs rotate through a larger swarm)
 MAX_RECHECKS = 16  # others' fraud reports re-checked a round: each costs replays
+
+# What a review's audited generation is given, drawn afresh for every audit: a cheater that
+# lies only on some prompts (issue 59, the trigger) is not handed one fixed prompt to avoid.
+# Many shapes (questions, instructions, continuations) over many subjects and lengths; an
+# operator adds its own users' traffic with ``review --prompts-file``.
+_SHAPES = ("What is {}?", "Tell me about {}.", "Explain {} to a child.", "Write a short poem about {}.",
+           "The history of {} begins", "Here is what I know about {}:", "Q: Why does {} matter?\nA:",
+           "My notes on {}, in three points:", "A friend asked me about {}, and I said", "{} is",
+           "Summarize {} in one sentence.", "Is {} a good idea? Give reasons.", "Translate into French: {}.",
+           "The best thing about {} is", "Compare {} with something familiar.")
+_SUBJECTS = ("the capital of France", "a bank account", "the river bank", "passwords", "photosynthesis",
+             "the moon landing", "interest rates", "a recipe for bread", "the stock market", "black holes",
+             "my phone bill", "the French revolution", "python programming", "climate change", "a job interview",
+             "the human heart", "medicine dosage", "the election", "football", "a loan application", "email security",
+             "the ocean", "taxes", "a birthday party", "quantum computing", "chess openings", "a lost wallet",
+             "online shopping", "the weather tomorrow", "a rental contract", "vaccines", "the speed of light")
+AUDIT_TOKENS = (4, 24)  # how many tokens an audited generation makes, drawn in this range
+
+
+def audit_request(rng: random.Random, prompts: Sequence[str] = (), tokens: tuple[int, int] = AUDIT_TOKENS
+                  ) -> tuple[str, int]:
+    """A prompt and a length for one audited generation: from ``prompts`` (an operator's
+    sample of real traffic) when given, else composed, and a length in ``tokens``."""
+    prompt = rng.choice(list(prompts)) if prompts else rng.choice(_SHAPES).format(rng.choice(_SUBJECTS))
+    return prompt, rng.randint(*tokens)
 
 
 @dataclass
@@ -89,6 +120,17 @@ class Heard:
 
     seen: set = field(default_factory=set)
     liars: set = field(default_factory=set)
+    settled: set = field(default_factory=set)  # reports whose re-check settled them (refuted, confirmed, moot)
+
+
+def in_turn(found: Mapping[str, list]) -> list[tuple[str, object]]:
+    """(peer, report) pairs: each peer's first report, then each one's second, ...: a peer
+    with many reports against it does not starve the others of re-checks."""
+    out, lists, i = [], [(p, found[p]) for p in sorted(found)], 0
+    while any(i < len(rs) for _, rs in lists):
+        out += [(p, rs[i]) for p, rs in lists if i < len(rs)]
+        i += 1
+    return out
 
 
 def to_review(spans: Sequence["Span"], tally: "PeerRecords", limit: int = MAX_REVIEWED) -> list["Span"]:
@@ -133,28 +175,33 @@ def review_round(net: ReviewNet, tally: "PeerRecords", identity: "Identity", mod
 
     # others' reports against the peers in view: each counts only as this machine's replays confirm it
     found = net.fetch_reports(sorted(p for p in outcomes if p not in tally.caught()))
-    rechecks = 0
-    for peer, records in sorted(found.items()):
-        for record in records:
-            reporter = str(record.signer)
-            if peer in tally.caught() or reporter in (me, *heard.liars) or record.signature in heard.seen:
-                continue
-            if rechecks >= MAX_RECHECKS:
-                break
-            heard.seen.add(record.signature)
-            rechecks += 1
-            try:
-                result = net.recheck(record, set(tally.caught()))
-            except MeshnetError as e:
-                log(f"could not re-check a fraud report from {record.signer} against {peer}: {sanitize(e)}")
-                continue
-            log(f"a fraud report from {record.signer} against {result.peer_id}: {result.outcome.value}")
-            if result.outcome is Recheck.REFUTED:
-                heard.liars.add(reporter)
-            if result.outcome is Recheck.CONFIRMED and result.peer_id in outcomes:
-                why = f"a fraud report from {record.signer}, re-checked by replay"
-                tally.catch(result.peer_id, why)
-                outcomes[result.peer_id].how, outcomes[result.peer_id].detail = "report", f"{why}: {result.detail}"
+    rechecks, unsettled = 0, set()
+    for peer, record in in_turn(found):
+        reporter = str(record.signer)
+        if peer in tally.caught() or reporter in (me, peer, *heard.liars) or record.signature in heard.settled:
+            continue
+        if rechecks >= MAX_RECHECKS:
+            unsettled.add(peer)  # not re-checked this round: not vouched for either
+            continue
+        heard.seen.add(record.signature)
+        rechecks += 1
+        try:
+            result = net.recheck(record, set(tally.caught()))
+        except MeshnetError as e:
+            log(f"could not re-check a fraud report from {record.signer} against {peer}: {sanitize(e)}")
+            unsettled.add(peer)
+            continue
+        log(f"a fraud report from {record.signer} against {result.peer_id}: {result.outcome.value}")
+        if result.outcome in (Recheck.UNDECIDED, Recheck.NO_REPLAYER):
+            unsettled.add(peer)
+            continue
+        heard.settled.add(record.signature)
+        if result.outcome is Recheck.REFUTED:
+            heard.liars.add(reporter)
+        if result.outcome is Recheck.CONFIRMED and result.peer_id in outcomes:
+            why = f"a fraud report from {record.signer}, re-checked by replay"
+            tally.catch(result.peer_id, why)
+            outcomes[result.peer_id].how, outcomes[result.peer_id].detail = "report", f"{why}: {result.detail}"
 
     # its own audits; a proof others can check goes out as a report it signs
     reports: list[tuple[str, bytes]] = []
@@ -195,6 +242,10 @@ def review_round(net: ReviewNet, tally: "PeerRecords", identity: "Identity", mod
             audit(s)
 
     verified, convicted = verdicts_of_tally(tally)
+    for p in unsettled - set(convicted):  # a report it could not settle: no vouch this round (issue 59)
+        if verified.pop(p, None) is not None and p in outcomes:
+            outcomes[p].detail = (outcomes[p].detail + "; " if outcomes[p].detail else "") + \
+                "not vouched for: a fraud report against it is not settled"
     wire = sign_verdicts(identity, model_digest, verified, convicted, now_ms=now_ms())
     stored, visible = net.publish([*reports, (verdicts_key(model_digest, me), wire)])
     held = stored[-1]
