@@ -40,6 +40,7 @@ off here, to measure the audits alone (tests/test_verified_compute.py covers it)
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import subprocess
@@ -189,7 +190,10 @@ def main() -> int:
         env = {**os.environ, "MESHNET_CACHE_DIR": cache,
                "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
         spans = ("0:10", "10:20", "20:30", "10:20", "10:20")
-        with Swarm(spans, "--threads", "1", env=env) as swarm:
+        # every peer at a loopback address of its own: a network of its own, as on different machines
+        # (replays and cross-checks take witnesses from other networks than the audited peer's: issue 59)
+        hosts = (f"127.2.{n // 250}.{1 + n % 250}" for n in itertools.count())
+        with Swarm(spans, "--threads", "1", env=env, join_hosts=[next(hosts) for _ in spans]) as swarm:
             swarm.certify()
             middles = [j.address().rsplit("/", 1)[1] for j, s in zip(swarm.joins, spans) if s == "10:20"]
             client = Through([swarm.addr], verify="off", audit_rate=args.audit_rate)
@@ -210,7 +214,8 @@ def main() -> int:
                     kinds["one-at-a-time"] += 1
                 i += 1
             for _ in range(args.failovers):
-                victim = PeerProcess("join", "--layers", "10:20", "--bootstrap", swarm.addr, "--threads", "1", env=env)
+                victim = PeerProcess("join", "--layers", "10:20", "--bootstrap", swarm.addr, "--threads", "1",
+                                     "--listen", f"{next(hosts)}:0", env=env)
                 try:
                     seen(strict, victim.address().rsplit("/", 1)[1])
                     n, got = with_failover(strict, victim, max(args.tokens, 4))
@@ -245,7 +250,8 @@ def main() -> int:
                                            statistics.median(walls["unaudited"]), 4)
 
             # a new peer that cheats from its first session
-            new = Cheater("perturb", "--layers", "10:20", "--rate", "1", "--bootstrap", swarm.addr, env=env)
+            new = Cheater("perturb", "--layers", "10:20", "--rate", "1", "--bootstrap", swarm.addr, "--host", next(hosts),
+                          env=env)
             try:
                 peer = new.peer_id
                 seen(client, peer)
@@ -255,7 +261,7 @@ def main() -> int:
 
             # a peer that builds a record first, then cheats on every step
             late = Cheater("late", "--layers", "10:20", "--honest-sessions", str(args.late_honest),
-                           "--bootstrap", swarm.addr, env=env)
+                           "--bootstrap", swarm.addr, "--host", next(hosts), env=env)
             try:
                 peer = late.peer_id
                 seen(client, peer)

@@ -1,6 +1,7 @@
 """Helpers for tests that run `meshnet-peer` as OS processes: one command to
 completion, a long-running peer, a swarm of them on loopback."""
 
+import itertools
 import json
 import os
 import subprocess
@@ -14,6 +15,16 @@ from meshnet_p2p.dataplane.transport.tls import verify_binding
 from meshnet_p2p.roles.peer_process import OutputLines, PeerProcess, Swarm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_HOSTS = itertools.count()
+
+
+def own_address() -> str:
+    """A loopback address no other peer process of this test run listens on (all of
+    127/8 is loopback here): each counts as a network of its own (netgroup.network_of),
+    as volunteers on different machines do, so verification has independent witnesses
+    (issue 59: many identities of one network are one witness)."""
+    n = next(_HOSTS)
+    return f"127.1.{(n // 250) % 250}.{1 + n % 250}"
 
 
 def meshnet_peer(*args: str, timeout: float = 300, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
@@ -70,12 +81,14 @@ def certify_swarm(addr: str, identity_path: str, *extra: str) -> dict:
     return json.loads(r.stdout)
 
 
-def start_swarm(tmp_path, spans, *extra, certify: bool = True):
+def start_swarm(tmp_path, spans, *extra, certify: bool = True, spread: bool = False):
     """A bootstrap peer (its key at ``boot.identity_path``) and one join per span;
-    with ``certify``, the bootstrap's key certifies their recipe, as an operator would."""
+    with ``certify``, the bootstrap's key certifies their recipe, as an operator would;
+    with ``spread``, each join at an address of its own (:func:`own_address`)."""
     env = {**os.environ, "MESHNET_CACHE_DIR": str(tmp_path)}  # shards cut for this test only
     key = str(tmp_path / "bootstrap.key")
-    swarm = Swarm(spans, "--threads", "1", *extra, env=env, process=Proc, timeout=120, boot_identity=key)
+    swarm = Swarm(spans, "--threads", "1", *extra, env=env, process=Proc, timeout=120, boot_identity=key,
+                  join_hosts=[own_address() for _ in spans] if spread else None)
     swarm.boot.identity_path = key
     if certify:
         try:

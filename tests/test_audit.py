@@ -386,7 +386,8 @@ def net(monkeypatch):
 
 def provider(net):
     record = SimpleNamespace(content=REPORT)
-    return lambda: [Span(p, 10, 20, 100.0 - i, record=record) for i, p in enumerate(net["spans"])]
+    nets = net.get("networks", {})  # peer -> the network it answered from (default: its own)
+    return lambda: [Span(p, 10, 20, 100.0 - i, record=record, network=nets.get(p)) for i, p in enumerate(net["spans"])]
 
 
 def transcript(peer: str, lie: bool, n: int = 4) -> HopTranscript:
@@ -432,6 +433,32 @@ def test_a_failing_replayer_is_set_aside_at_no_cost_to_the_peer(net):
     r = audit(net, transcript("p", lie=False))
     assert (r.verdict, r.replayers) == (Verdict.MATCH, (("r2",),))
     assert [s.peer for s in net["opened"]] == ["r1", "r2"] and all(s.released for s in net["opened"])
+
+
+def test_no_replayer_shares_a_network_with_the_peer_and_the_second_none_with_the_first(net):
+    """Issue 59, the Sybil pair: two identities of one network replayed each other (a Sybil
+    vouched) and agreed against an honest peer (convicted). Many identities of one network
+    are one witness: the first replay is from another network than the peer's, the second
+    from another than both."""
+    net["spans"] = ["r1", "r2", "r3", "r4"]
+    net["networks"] = {"r1": "sybils", "r2": "sybils", "r3": "home", "r4": "office"}
+    net["liars"].update({"r1", "r2"})
+    honest = audit(net, dataclasses.replace(transcript("p", lie=False), network="elsewhere"))
+    # r1 (cheapest) differs; r2 is r1's network: the second opinion is r3's, which agrees with the peer
+    assert (honest.verdict, honest.replayers, honest.suspect) == (Verdict.UNDECIDED, (("r1",), ("r3",)), ("r1",))
+    sybil = audit(net, dataclasses.replace(transcript("r2", lie=True), network="sybils"))
+    assert sybil.replayers[0] == ("r3",)  # its twin r1 never replays it
+    assert sybil.verdict is Verdict.MISMATCH and sybil.replayers == (("r3",), ("r4",))
+
+
+def test_two_replays_convict_only_when_one_ran_on_peers_verified_here(net):
+    """An attacker with two networks can still agree with itself: a conviction needs a witness
+    this node holds a record of (a certifier's vouch, or its own audits)."""
+    t = transcript("p", lie=True)
+    r = audit(net, t, verified=lambda peer: False)
+    assert r.verdict is Verdict.UNDECIDED and r.proof is None and "verified record" in r.detail
+    assert r.suspect == ()  # nobody blamed, the replayers neither
+    assert audit(net, t, verified=lambda peer: peer == "r2").verdict is Verdict.MISMATCH
 
 
 def test_excluded_peers_and_the_peer_itself_never_replay(net):

@@ -17,7 +17,7 @@ from meshnet_p2p.engine.tokenizer import Tokenizer
 from meshnet_p2p.roles.audit import generate_and_audit
 from meshnet_p2p.trust.fraud_proof import FraudProof
 from tests.reference import reference_generate
-from tests.swarm import Proc, meshnet_peer, start_swarm
+from tests.swarm import Proc, meshnet_peer, own_address, start_swarm
 
 # `meshnet-peer join` whose engine flips the lowest bit of the first float of every
 # hidden state a decode step gives out: a real shard behind the real data plane
@@ -47,7 +47,8 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("audit")
-    boot, addr, joins = start_swarm(tmp, ["0:10", "10:20", "20:30", "10:20", "10:20", "10:15", "15:20", "20:30"])
+    boot, addr, joins = start_swarm(tmp, ["0:10", "10:20", "20:30", "10:20", "10:20", "10:15", "15:20", "20:30"],
+                                    spread=True)  # each peer a network of its own: independent witnesses
     try:
         yield addr, joins, {**os.environ, "MESHNET_CACHE_DIR": str(tmp)}
     finally:
@@ -90,8 +91,8 @@ def test_meshnet_peer_audit_on_an_honest_peer_exits_0_with_a_match(swarm):
 
 def test_a_middle_peer_that_perturbs_its_hidden_states_is_proven_to_mismatch(swarm, model_path):
     addr, joins, env = swarm
-    cheater = Proc("join", "--layers", "10:20", "--bootstrap", addr, "--threads", "1", env=env,
-                   prefix=(sys.executable, "-c", PERTURBING_JOIN))
+    cheater = Proc("join", "--layers", "10:20", "--bootstrap", addr, "--threads", "1", "--listen",
+                   f"{own_address()}:0", env=env, prefix=(sys.executable, "-c", PERTURBING_JOIN))
     client = Client([addr], model_path=model_path, ring=False)
     try:
         cheater.address()
@@ -131,8 +132,8 @@ def test_a_fraud_proof_travels_through_the_dht_and_a_stranger_convicts_only_on_i
     re-checks it by its own replays (layers 0-9 replayed to the cheater's signed inputs,
     then layers 10-19) and only then leaves the cheater out."""
     addr, joins, env = swarm
-    cheater = Proc("join", "--layers", "10:20", "--bootstrap", addr, "--threads", "1", env=env,
-                   prefix=(sys.executable, "-c", PERTURBING_JOIN))
+    cheater = Proc("join", "--layers", "10:20", "--bootstrap", addr, "--threads", "1", "--listen",
+                   f"{own_address()}:0", env=env, prefix=(sys.executable, "-c", PERTURBING_JOIN))
     finder = Client([addr], model_path=model_path, ring=False)
     stranger = Client([addr], model_path=model_path, ring=False)
     try:

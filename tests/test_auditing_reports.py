@@ -29,7 +29,7 @@ def rig(monkeypatch):
     calls, published, outcomes, rechecked = [], {}, {}, []
     monkeypatch.setattr(auditor, "proof_of", lambda r: SimpleNamespace(peer_id=r.accused))
 
-    def fake_recheck(proof, provider, opts, measures=None):
+    def fake_recheck(proof, provider, opts, measures=None, verified=None):
         rechecked.append(proof.peer_id)
         return RecheckResult(outcomes.get(proof.peer_id, Recheck.UNDECIDED), proof.peer_id, "replayed")
 
@@ -159,7 +159,7 @@ def test_an_audit_under_way_when_its_client_closes_surveys_the_swarm_no_more(mon
     looked, closed, done = threading.Event(), threading.Event(), threading.Event()
     outcome: list[BaseException] = []
 
-    def fake_audit_hop(t, provider, opts, exclude=(), measures=None):
+    def fake_audit_hop(t, provider, opts, exclude=(), measures=None, verified=None):
         try:
             provider()  # a route's first look
             looked.set()

@@ -25,6 +25,7 @@ class FakeRoute:
 
     peers: list[str]
     lie: object = None
+    nets: dict = field(default_factory=dict)  # peer -> its network (default: a network of its own)
     fail_at: int | None = None
     n_ubatch: int = 4
     failovers: int = 0
@@ -34,7 +35,8 @@ class FakeRoute:
 
     @property
     def hops(self):
-        return [SimpleNamespace(span=SimpleNamespace(peer_id=p)) for p in self.peers]
+        return [SimpleNamespace(span=SimpleNamespace(peer_id=p, network=self.nets.get(p, f"net-{p}")))
+                for p in self.peers]
 
     def step(self, position, token_ids, decode):
         self.seen.append((position, tuple(token_ids), decode))
@@ -52,18 +54,23 @@ class FakeRoute:
         self.closed = True
 
 
-def opener(*routes):
-    """open_disjoint over a queue of prepared routes, checking each is disjoint from what it must avoid."""
+def opener(*routes, verified=()):
+    """open_disjoint over a queue of prepared routes, checking each is disjoint from what it must
+    avoid (peers and networks); ``verified``: the peers a third route may be made of."""
     queue = list(routes)
     asked = []
 
-    def open_disjoint(exclude):
+    def open_disjoint(exclude, networks=frozenset(), verified_only=False):
         asked.append(set(exclude))
+        open_disjoint.networks.append(set(networks))
         for r in queue:
-            if not set(r.peers) & exclude:
+            nets = {h.span.network for h in r.hops}
+            if not set(r.peers) & exclude and not nets & networks and \
+                    (not verified_only or set(r.peers) <= set(verified)):
                 queue.remove(r)
                 return r
         raise GenerationError("no route")
+    open_disjoint.networks = []
     open_disjoint.asked = asked
     return open_disjoint
 
@@ -85,7 +92,7 @@ def test_a_lying_one_hop_route_is_outvoted_caught_and_dropped():
     liar = FakeRoute(["evil"], lie=lambda pos: 666)
     honest, third = FakeRoute(["h1", "h2"]), FakeRoute(["h3", "h4"])
     events = []
-    route = CrossCheckedRoute([liar, honest], opener(third), records, on_event=events.append)
+    route = CrossCheckedRoute([liar, honest], opener(third, verified=["h3", "h4"]), records, on_event=events.append)
     assert run(route) == HONEST[:5]  # the liar's token is never handed on
     assert "evil" in records.caught() and not records.verified("evil")
     assert liar.closed and route.routes == [honest, third]
@@ -97,9 +104,35 @@ def test_a_lying_one_hop_route_is_outvoted_caught_and_dropped():
 
 def test_the_third_route_avoids_every_peer_of_both():
     liar, honest, third = FakeRoute(["evil"], lie=lambda p: 666), FakeRoute(["h1"]), FakeRoute(["h3"])
-    open_disjoint = opener(third)
+    open_disjoint = opener(third, verified=["h3"])
     run(CrossCheckedRoute([liar, honest], open_disjoint, PeerRecords()))
     assert {"evil", "h1"} <= open_disjoint.asked[0]
+    assert {"net-evil", "net-h1"} <= open_disjoint.networks[0]  # and every network of both
+
+
+def test_a_sybil_pair_cannot_cross_check_each_other_nor_settle_a_dispute():
+    """Issue 59, the Sybil pair: two identities on one network, both lying the same way, were
+    the two "disjoint" routes of --verify always (the attacker's text, marked cross-checked),
+    and one of them could be the third route that settles a dispute. Disjoint now means no
+    network in common, and a third route is made of verified peers only."""
+    records = PeerRecords()
+    sybil1 = FakeRoute(["s1"], lie=lambda p: 666, nets={"s1": "10.0.0.0/24"})
+    sybil2 = FakeRoute(["s2"], lie=lambda p: 666, nets={"s2": "10.0.0.0/24"})
+    honest = FakeRoute(["h1", "h2"])
+    # always: the second route of a Sybil-first pair is never its twin
+    open_disjoint = opener(sybil2, honest, verified=["h1", "h2"])
+    route = CrossCheckedRoute([sybil1], open_disjoint, records)
+    route.routes.append(open_disjoint(peers_of(sybil1), {"10.0.0.0/24"}))
+    assert route.routes[1] is honest
+    # a dispute between a Sybil and an honest route: the unverified twin may not settle it
+    records2 = PeerRecords()
+    twin = FakeRoute(["s3"], lie=lambda p: 666, nets={"s3": "10.0.0.0/24"})
+    other_sybil = FakeRoute(["s4"], lie=lambda p: 666, nets={"s4": "10.9.9.0/24"})  # another network, no record
+    route2 = CrossCheckedRoute([FakeRoute(["s1"], lie=lambda p: 666, nets={"s1": "10.0.0.0/24"}), FakeRoute(["h9"])],
+                               opener(twin, other_sybil), records2)
+    with pytest.raises(OutputWithheld, match="verified peers on other networks"):
+        run(route2)
+    assert records2.caught() == {}  # withheld, nobody convicted by Sybils
 
 
 def test_without_a_third_route_the_answer_is_withheld_and_nobody_is_blamed():
@@ -112,7 +145,7 @@ def test_without_a_third_route_the_answer_is_withheld_and_nobody_is_blamed():
 
 def test_a_third_route_that_agrees_with_neither_withholds_the_answer():
     route = CrossCheckedRoute([FakeRoute(["x"], lie=lambda p: 666), FakeRoute(["y"])],
-                              opener(FakeRoute(["z"], lie=lambda p: 777)), PeerRecords())
+                              opener(FakeRoute(["z"], lie=lambda p: 777), verified=["z"]), PeerRecords())
     with pytest.raises(OutputWithheld, match="nothing decides"):
         run(route)
 
@@ -120,13 +153,13 @@ def test_a_third_route_that_agrees_with_neither_withholds_the_answer():
 def test_a_liar_on_a_route_of_several_hops_is_left_to_localize_and_otherwise_nobody_is_caught():
     records = PeerRecords()
     bad = FakeRoute(["m1", "m2"], lie=lambda p: 666 if p >= 4 else None)
-    route = CrossCheckedRoute([bad, FakeRoute(["h1"])], opener(FakeRoute(["h2"])), records,
+    route = CrossCheckedRoute([bad, FakeRoute(["h1"])], opener(FakeRoute(["h2"]), verified=["h2"]), records,
                               localize=lambda r: [])
     assert run(route) == HONEST[:5]
     assert records.caught() == {}  # two hops: no proof against either without an audit
     assert not records.verified("m1") and not records.verified("m2")
     route2 = CrossCheckedRoute([FakeRoute(["m3", "m4"], lie=lambda p: 666), FakeRoute(["h5"])],
-                               opener(FakeRoute(["h6"])), records, localize=lambda r: ["m4"])
+                               opener(FakeRoute(["h6"]), verified=["h6"]), records, localize=lambda r: ["m4"])
     run(route2)
     assert route2.disputes[0]["caught"] == ["m4"]
 
@@ -242,7 +275,7 @@ def test_a_failover_onto_a_peer_without_a_record_enlists_a_second_route_brought_
             return super().step(position, token_ids, decode)
 
     primary, shadow, third = FailsOver(["a", "b"]), FakeRoute(["c"]), FakeRoute(["d"])
-    route = CrossCheckedRoute([primary], opener(shadow, third), records)
+    route = CrossCheckedRoute([primary], opener(shadow, third, verified=["d"]), records)
     assert run(route) == HONEST[:5]  # the liar's token is never handed on
     assert shadow.seen[:len(primary.seen)] == primary.seen  # brought level, then the step that failed over
     assert third.seen == shadow.seen

@@ -119,7 +119,7 @@ def test_generations_that_start_together_share_one_survey(model_path, monkeypatc
     calls = []
     outcomes = [NoRoute([(0, 30)], "no peer announces this model")]  # the first survey fails: never cached
 
-    async def fake_survey(*args):
+    async def fake_survey(*args, then=None):
         calls.append(threading.get_ident())
         await trio.sleep(0)
         if outcomes:

@@ -283,3 +283,25 @@ async def test_placement_believes_only_the_peers_that_answered_where_their_repor
     assert {s.peer_id for s in got} == {p for p in dialled if int(p[1:]) % 2 == 0}
     assert {s.network for s in got} == {"93.184.216.0/24"}
     assert await answering_spans([], dial) == []
+
+
+def test_a_span_counts_in_the_network_it_answered_from_else_its_reports_address():
+    """Independent witnesses (issue 59) are peers of different networks: the one a dial found,
+    else the report's address (a relayed peer's: its relay's), else the peer alone."""
+    from types import SimpleNamespace
+
+    from meshnet_p2p.swarm.placement import span_network
+
+    pid = "12D3KooWDvvhbSkXBPTEFmWjAPHrSC4hEungQGj4gxcULMMDo9sE"
+
+    def report(**c):
+        return SimpleNamespace(content=c)
+
+    direct = report(addrs=[f"/ip4/8.8.8.7/tcp/4001/p2p/{pid}"])
+    assert span_network(Span(pid, 0, 1, record=direct)) == "8.8.8.0/24"
+    assert span_network(Span(pid, 0, 1, record=direct, network="9.9.9.0/24")) == "9.9.9.0/24"
+    relayed = report(addrs=[f"/ip4/10.0.0.5/tcp/4001/p2p/{pid}"], relay=f"/ip4/1.1.1.9/tcp/4002/p2p/{pid}")
+    assert span_network(Span(pid, 0, 1, record=relayed)) == "1.1.1.0/24"
+    assert span_network(Span(pid, 0, 1, record=report(addrs=[f"/ip4/127.1.0.3/tcp/9/p2p/{pid}"]))) == "127.1.0.3"
+    assert span_network(Span(pid, 0, 1, record=report(addrs=["not a multiaddr"]))) == f"peer:{pid}"
+    assert span_network(Span(pid, 0, 1)) == f"peer:{pid}"

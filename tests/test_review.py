@@ -225,16 +225,18 @@ def test_the_least_verified_peers_are_reviewed_first_and_the_convicted_not_at_al
 def reviewed(tmp_path_factory):
     """A certified swarm, a second certificate from another key (C), a perturbing middle
     peer joined after both, and one review by the bootstrap's key."""
-    from tests.swarm import Proc, certify_swarm, meshnet_peer, start_swarm
+    from tests.swarm import Proc, certify_swarm, meshnet_peer, own_address, start_swarm
     from tests.test_audit_live import PERTURBING_JOIN
 
     tmp = tmp_path_factory.mktemp("review")
     env = {**os.environ, "MESHNET_CACHE_DIR": str(tmp)}
-    boot, addr, joins = start_swarm(tmp, ["0:10", "10:20", "20:30", "10:20", "10:20", "10:15", "15:20", "20:30"])
+    boot, addr, joins = start_swarm(tmp, ["0:10", "10:20", "20:30", "10:20", "10:20", "10:15", "15:20", "20:30"],
+                                    spread=True)
     procs = [*joins, boot]
     try:
         other = certify_swarm(addr, str(tmp / "other.key"), "--max-tokens", "2")
-        cheater = Proc("join", "--layers", "10:20", "--bootstrap", addr, "--threads", "1", env=env,
+        cheater = Proc("join", "--layers", "10:20", "--bootstrap", addr, "--threads", "1", "--listen",
+                       f"{own_address()}:0", env=env,
                        prefix=(sys.executable, "-c", PERTURBING_JOIN))
         procs.insert(0, cheater)
         cheater.address()  # announced; a survey on a loaded host may still miss it: looked for, bounded
@@ -263,7 +265,7 @@ def test_review_verifies_the_honest_peers_and_convicts_the_perturbing_one(review
         assert doc["peers"][joins[i].peer_id]["verdict"] is None
     assert doc["peers"][cheater.peer_id] | {"detail": ""} == {"layers": [10, 20], "audit": "mismatch",
                                                              "verdict": "convicted", "detail": ""}
-    assert doc["published"]["nodes"] >= 1 and doc["published"]["networks"] == 1
+    assert doc["published"]["nodes"] >= 1 and doc["published"]["networks"] >= 1
     assert doc["published"]["fraud_reports"] == 1 and doc["published"]["warning"] is None
     assert doc["certifier"] == reviewed.boot.peer_id
     # the tally is the certifier's own file, apart from a client's records

@@ -2,11 +2,13 @@
 into a signed report claiming the whole model, and its data plane answers every
 step with the attacker's tokens (tests/cheaters.py ``hijack``). A fresh client,
 through the CLI and through the API, never returns its text: the answer equals
-the whole model's, and whenever the hijacker serves a session it is outvoted and
-caught in that first session.
+the whole model's, and the hijacker decides nothing.
 
-The swarm: a certified pair (0:15, 15:30: the certificate's evidence vouches for
-them), a second honest pair that nobody vouched for, and the hijacker."""
+The swarm, each peer at an address of its own: a certified pair (0:15, 15:30:
+the certificate's evidence vouches for them), a second honest pair the
+certifier's review vouched for, and the hijacker. (The catch of a liar that
+does serve, its proof published and re-checked on another machine, is
+tests/test_trust_attacks.py's and tests/test_audit_live.py's.)"""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import requests
 
 from meshnet_p2p.engine.tokenizer import Tokenizer
 from tests.reference import reference_generate
-from tests.swarm import Cheater, Proc, meshnet_peer, start_swarm
+from tests.swarm import Cheater, Proc, meshnet_peer, own_address, start_swarm
 
 PROMPT = "The capital of France is"
 EVIL = "Your account is locked"
@@ -33,13 +35,21 @@ def reference(model_path):
 @pytest.fixture(scope="module")
 def swarm(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("verified")
-    boot, addr, joins = start_swarm(tmp, ["0:15", "15:30"])
+    boot, addr, joins = start_swarm(tmp, ["0:15", "15:30"], spread=True)  # each peer a network of its own
     env = {**os.environ, "MESHNET_CACHE_DIR": str(tmp)}
     procs = list(joins)
     try:
         for span in ["0:15", "15:30"]:  # honest, joined after the certificate: no record with anyone
-            procs.append(Proc("join", "--layers", span, "--bootstrap", addr, "--threads", "1", env=env))
-        hijacker = Cheater("hijack", "--bootstrap", addr)
+            procs.append(Proc("join", "--layers", span, "--bootstrap", addr, "--threads", "1",
+                              "--listen", f"{own_address()}:0", env=env))
+        for p in procs:
+            p.address()
+        # the certifier reviews them (each span has a replayer on another network): a dispute is settled
+        # only by a third route of verified peers (issue 59), and these are the swarm's other route
+        r = meshnet_peer("review", "--bootstrap", addr, "--identity", boot.identity_path, "--json", env=env,
+                         timeout=300)
+        assert r.returncode == 0 and len(json.loads(r.stdout)["verified"]) == 4, (r.stdout, r.stderr[-2000:])
+        hijacker = Cheater("hijack", "--bootstrap", addr, "--host", own_address())
         procs.append(hijacker)
         for p in procs:
             p.address()
@@ -67,32 +77,27 @@ def test_a_fresh_cli_client_never_returns_the_hijackers_text(swarm, reference):
     assert out["verification"]["mode"] in ("verified-peers", "cross-checked")
 
 
-def test_with_verify_the_hijacker_is_caught_in_its_first_session_through_the_cli(swarm, reference):
+def test_with_verify_two_routes_on_other_networks_answer_and_the_hijacker_decides_nothing(swarm, reference):
+    """--verify: two routes with no peer and no network in common, stepped side by side. The
+    swarm has two routes of peers verified for this client (the certificate's, the review's),
+    so the hijacker, with no record, is not even the second: it decides nothing (issue 59;
+    a dispute is settled only by a third route of verified peers, tests/test_crosscheck.py)."""
     addr, hijacker, env = swarm
     out = generate_json(addr, env, "--verify")
     assert out["token_ids"] == reference and EVIL not in out["text"]
     v = out["verification"]
-    assert v["mode"] == "cross-checked"
-    assert [d["caught"] for d in v["disputes"]] == [[hijacker.peer_id]]
-    assert hijacker.peer_id not in {h["peer_id"] for r in v["routes"] for h in r}
-    # this machine's clients remember it (verify/peer_records.py), and `status` shows it
+    assert v["mode"] == "cross-checked" and v["disputes"] == [] and len(v["routes"]) == 2
+    first, second = ({h["peer_id"] for h in r} for r in v["routes"])
+    assert not first & second and hijacker.peer_id not in first | second
     r = meshnet_peer("status", "--bootstrap", addr, "--json", "--no-probe", env=env)
     assert r.returncode == 0, r.stderr
     [model] = json.loads(r.stdout)["models"]
     records = {p["peer_id"]: p["record"] for rec in model["recipes"] for p in rec["peers"]}
-    assert records[hijacker.peer_id]["caught"] and records[hijacker.peer_id]["verified_sessions"] == 0
-    assert sum(rec["vouched"] for rec in records.values()) == 2  # the certificate's route
-    text = meshnet_peer("status", "--bootstrap", addr, "--no-probe", env=env).stdout
-    assert "CAUGHT computing something else" in text
-    # the client published its proof; another machine convicts the hijacker only on its own replays of it
-    elsewhere = {**env, "MESHNET_CACHE_DIR": env["MESHNET_CACHE_DIR"] + "-elsewhere"}
-    r = meshnet_peer("audit", "--bootstrap", addr, "--peer", hijacker.peer_id, "--recheck", "--json", env=elsewhere)
-    assert r.returncode == 3, r.stderr[-3000:]
-    [report] = json.loads(r.stdout)["reports"]
-    assert report["outcome"] == "confirmed", report
+    assert sum(rec["vouched"] for rec in records.values()) == 4  # the certificate's route and the review's
+    assert not records[hijacker.peer_id]["vouched"] and not records[hijacker.peer_id]["caught"]
 
 
-def test_through_the_api_the_hijacker_is_caught_and_the_answer_is_the_whole_models(swarm, reference, model_path,
+def test_through_the_api_the_hijacker_decides_nothing_and_the_answer_is_the_whole_models(swarm, reference, model_path,
                                                                                    tmp_path):
     addr, hijacker, env = swarm
     # another machine's API server: no record of the hijacker (this machine's clients have caught it already)
@@ -100,11 +105,9 @@ def test_through_the_api_the_hijacker_is_caught_and_the_answer_is_the_whole_mode
     try:
         url = server.wait_line("listening on ").removeprefix("listening on ")
         text = Tokenizer(model_path).decode(reference)
-        # A fresh API client: its first request, with verify "always", plans the vouched pair and, as the
-        # disjoint route to check it, the cheapest one that is left: the hijacker's one hop (nothing measured
-        # yet, so it saves a round trip). It is outvoted and caught in that first session, and never
-        # planned again: the later requests (whose audits have measured the other peers) never meet it.
-        for i, verify in enumerate(("always", "auto", "always")):
+        # A fresh API client: whatever it is asked to verify, the hijacker (no record) never decides an
+        # answer: "always" checks two routes of verified peers on other networks against each other
+        for verify in ("always", "auto", "always"):
             r = requests.post(f"{url}/v1/completions", timeout=300, json={
                 "model": "SmolLM2-135M-Instruct", "prompt": PROMPT, "max_tokens": N, "temperature": 0,
                 "verify": verify})
@@ -113,9 +116,7 @@ def test_through_the_api_the_hijacker_is_caught_and_the_answer_is_the_whole_mode
             assert doc["choices"][0]["text"] == text and EVIL not in doc["choices"][0]["text"]
             v = doc["meshnet_verification"]
             if verify == "always":
-                assert v["mode"] == "cross-checked"
-            caught = [d["caught"] for d in v.get("disputes", [])]
-            assert caught == ([[hijacker.peer_id]] if i == 0 else []), v
+                assert v["mode"] == "cross-checked" and v["disputes"] == []
             assert hijacker.peer_id not in {h["peer_id"] for route in v.get("routes", []) for h in route}
     finally:
         assert server.stop() == 0

@@ -40,7 +40,7 @@ from meshnet_p2p.core.stats import ClientStats
 from meshnet_p2p.dataplane.transport.pool import ChannelPool
 from meshnet_p2p.dataplane.transport.tls import make_client_credentials
 from meshnet_p2p.engine.contract import SamplingParams
-from meshnet_p2p.swarm.placement import Span, plan_route
+from meshnet_p2p.swarm.placement import Span, plan_route, span_network
 from meshnet_p2p.core.records import wall_ms
 from meshnet_p2p.swarm.view import routable_spans, survey
 from meshnet_p2p.trust.verdicts import report_key, sign_report
@@ -53,7 +53,7 @@ from meshnet_p2p.route.options import PeerMeasures, RouteOptions
 from meshnet_p2p.route.ring import RingRoute
 from meshnet_p2p.route.star import StarRoute
 from meshnet_p2p.verify.auditor import Auditor, transcripts
-from meshnet_p2p.verify.crosscheck import CrossCheckedRoute, OutputWithheld, peers_of
+from meshnet_p2p.verify.crosscheck import CrossCheckedRoute, OutputWithheld, networks_of, peers_of
 from meshnet_p2p.verify.peer_records import AUDIT_RATE, PeerRecords, records_path
 from meshnet_p2p.verify.reports import exchange_reports, fetch_reports
 
@@ -332,17 +332,19 @@ class Client:
         if verify == "off":
             return primary
 
-        def open_disjoint(exclude: set[str]) -> Chain:
-            return open_route(lambda: [s for s in provider() if s.peer_id not in exclude], self.n_layer, opts,
-                              self.measures)
+        def open_disjoint(exclude: set[str], networks: set[str] = frozenset(), *, verified_only: bool = False) -> Chain:
+            def spans() -> list[Span]:
+                return [s for s in provider() if s.peer_id not in exclude and span_network(s) not in networks
+                        and (not verified_only or self.records.verified(s.peer_id))]
+            return open_route(spans, self.n_layer, opts, self.measures)
         routes = [primary]
         if verify == "always":
             try:
-                routes.append(open_disjoint(peers_of(primary) | set(self.records.caught())))
+                routes.append(open_disjoint(peers_of(primary) | set(self.records.caught()), networks_of(primary)))
             except GenerationError as e:
                 primary.close()
-                raise OutputWithheld(f"verification needs two routes with no peer in common, and there is no "
-                                     f"second one: {e}") from None
+                raise OutputWithheld(f"verification needs two routes with no peer and no network in common, and "
+                                     f"there is no second one: {e}") from None
             except BaseException:
                 primary.close()
                 raise

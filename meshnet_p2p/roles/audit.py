@@ -63,7 +63,8 @@ def generate_and_audit(client: "Client", peer_id: str, prompt: str, max_tokens: 
     from meshnet_p2p.verify.replay import audit_hop
 
     done, transcript, spans, opts = generate_through(client, peer_id, prompt, max_tokens)
-    return done, audit_hop(transcript, spans, opts, exclude=exclude, measures=client.measures)
+    return done, audit_hop(transcript, spans, opts, exclude=exclude, measures=client.measures,
+                           verified=client.records.verified)
 
 
 def generate_through(client: "Client", peer_id: str, prompt: str, max_tokens: int):

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from typing import Sequence
 
 from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.core.local_addrs import is_wildcard
@@ -93,7 +94,10 @@ class Swarm:
     ``with Swarm(...) as swarm`` stops them all (joins first) however it ends."""
 
     def __init__(self, spans, *join_args: str, env: dict | None = None, process=PeerProcess, timeout: float = 300,
-                 boot_identity: str | None = None, boot_args: tuple[str, ...] = ()) -> None:
+                 boot_identity: str | None = None, boot_args: tuple[str, ...] = (),
+                 join_hosts: Sequence[str] | None = None) -> None:
+        # join_hosts: where each join listens (one loopback address each: a network of its own,
+        # as volunteers on different machines are; default: every address, dialled at loopback)
         # The bootstrap peer runs with a key file, so its operator can certify the
         # swarm's recipe with it (clients trust their bootstrap peers' keys).
         self._keys = None
@@ -105,7 +109,9 @@ class Swarm:
         self.joins: list[PeerProcess] = []
         try:
             self.addr = self.boot.address(timeout)
-            self.joins = [process("join", "--layers", s, "--bootstrap", self.addr, *join_args, env=env) for s in spans]
+            where = [("--listen", f"{h}:0") for h in join_hosts] if join_hosts else [()] * len(spans)
+            self.joins = [process("join", "--layers", s, "--bootstrap", self.addr, *w, *join_args, env=env)
+                          for s, w in zip(spans, where)]
             for j in self.joins:
                 j.address(timeout)
         except BaseException:

@@ -130,7 +130,7 @@ def client_net(client: "Client", identity: "Identity", prompt: str | None, max_t
     def recheck(record, exclude: set):
         opts = client.route_options(1, SamplingParams(), False)  # the replays open sessions of their own
         return recheck_proof(proof_of(record), lambda: [s for s in spans() if s.peer_id not in exclude], opts,
-                             measures=client.measures)
+                             measures=client.measures, verified=client.records.verified)
 
     def publish(items: list):
         return trio.run(publish_records, client.bootstrap, identity, items)

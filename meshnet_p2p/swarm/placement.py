@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from meshnet_p2p.core.errors import MeshnetError
+from meshnet_p2p.core.multiaddr import Multiaddr
+from meshnet_p2p.core.netgroup import network_of
 
 DEFAULT_HOP_MS = 2.0
 DEFAULT_TOKENS_PER_S = 50.0
@@ -66,6 +68,23 @@ class Span:
         start, end = c["layers"]
         return cls(str(c["peer_id"]), int(start), int(end), float(c["throughput"]),
                    int(c["free_sessions"]), c["departing"] is True, record, c["direct"] is False)
+
+
+def span_network(span: Span) -> str:
+    """The network a span's peer counts in when witnesses must be independent (two
+    routes that check each other, two replays that convict): the network it answered
+    a dial from when one did (``Span.network``), else that of the address its signed
+    report gives (a relayed peer's: its relay's, so that the identities one operator
+    hides behind one relay count once). Identities cost nothing; addresses do
+    (core/netgroup.py). A span with no report counts alone."""
+    if span.network:
+        return span.network
+    c = getattr(span.record, "content", None) or {}
+    try:
+        host = Multiaddr.parse(c["relay"] if c.get("relay") else c["addrs"][0]).host
+    except (KeyError, IndexError, TypeError, ValueError, MeshnetError):
+        host = None
+    return network_of(host) if host else f"peer:{span.peer_id}"
 
 
 def coverage(spans: Iterable[Span], n_layer: int) -> list[float]:

@@ -157,7 +157,8 @@ class Auditor:
         """One audit, now (blocking); its verdict applied to the records. ``spans_provider``:
         the caller's, when it runs in a generation's thread (its surveys go back to its loop)."""
         opts = dataclasses.replace(self.opts(), on_event=lambda m: None)
-        result = audit_hop(t, spans_provider or self.spans_provider, opts, exclude=exclude, measures=self.measures)
+        result = audit_hop(t, spans_provider or self.spans_provider, opts, exclude=exclude, measures=self.measures,
+                           verified=self.records.verified)
         self._apply(result)
         return result
 
@@ -279,7 +280,7 @@ class Auditor:
             self.on_event(f"a fraud report from {record.signer} does not parse: {e}")
             return None
         opts = dataclasses.replace(self.opts(), on_event=lambda m: None)
-        result = recheck_proof(proof, self.spans_provider, opts, measures=self.measures)
+        result = recheck_proof(proof, self.spans_provider, opts, measures=self.measures, verified=self.records.verified)
         with self._lock:
             self.rechecks.append(result)
         pid = proof_id(record)

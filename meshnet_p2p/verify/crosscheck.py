@@ -27,6 +27,7 @@ from concurrent import futures
 from typing import Callable, Sequence
 
 from meshnet_p2p.core.errors import MeshnetError
+from meshnet_p2p.swarm.placement import span_network
 
 from meshnet_p2p.route.chain import Chain
 from meshnet_p2p.route.errors import GenerationError
@@ -47,15 +48,24 @@ def peers_of(route: Chain) -> set[str]:
     return {h.span.peer_id for h in [*route.hops, *route.retired]}
 
 
+def networks_of(route: Chain) -> set[str]:
+    """The networks of every peer that computed anything for ``route`` (placement.span_network)."""
+    return {span_network(h.span) for h in [*route.hops, *route.retired]}
+
+
 def _describe(reply) -> str:
     return "end of generation" if reply.is_eog else f"token {reply.token_id}"
 
 
 class CrossCheckedRoute:
-    """A Route (route/generation.py) over two disjoint routes; ``open_disjoint(exclude)``
+    """A Route (route/generation.py) over two disjoint routes; ``open_disjoint(exclude, networks,
+    verified_only=False)`` opens another route over every layer, with none of the peers in
+    ``exclude`` nor any peer of the networks in ``networks`` (many identities of one network
+    are one witness), and only peers with a verified record when ``verified_only`` (the third
+    route that settles a dispute: a stranger's word cannot decide one).
     opens another route over every layer, with none of the peers in ``exclude``."""
 
-    def __init__(self, routes: Sequence[Chain], open_disjoint: Callable[[set[str]], Chain], records: PeerRecords,
+    def __init__(self, routes: Sequence[Chain], open_disjoint: Callable[..., Chain], records: PeerRecords,
                  *, localize: Callable[[Chain], list[str]] | None = None,
                  prove: Callable[[Chain], None] | None = None, on_event: Callable[[str], None] = lambda msg: None) -> None:
         if len(routes) not in (1, 2):
@@ -89,6 +99,9 @@ class CrossCheckedRoute:
     def _excluded(self) -> set[str]:
         return set().union(*(peers_of(r) for r in self.all_routes())) | set(self.records.caught())
 
+    def _networks(self) -> set[str]:
+        return set().union(*(networks_of(r) for r in self.all_routes()))
+
     def step(self, position: int, token_ids: Sequence[int], decode: bool):
         token_ids = tuple(token_ids)
         self.steps.append((position, token_ids, decode))
@@ -112,7 +125,7 @@ class CrossCheckedRoute:
         if self.unchecked or all(self.records.verified(p) for p in peers_of(route)):
             return False
         try:
-            shadow = self.open_disjoint(self._excluded())
+            shadow = self.open_disjoint(self._excluded(), self._networks())
         except MeshnetError as e:
             self.unchecked = str(e)
             unverified = sorted(p[-8:] for p in peers_of(route) if not self.records.verified(p))
@@ -148,7 +161,7 @@ class CrossCheckedRoute:
         old.close()
         self.dropped.append(old)
         try:
-            new = self.open_disjoint(self._excluded())
+            new = self.open_disjoint(self._excluded(), self._networks())
         except MeshnetError as e:
             raise OutputWithheld(f"a cross-checking route failed ({error}) and no other route with no peer in "
                                  f"common could replace it ({e}); the answer is withheld") from None
@@ -167,10 +180,10 @@ class CrossCheckedRoute:
         what = f"at position {position} the routes disagree ({_describe(replies[0])} and {_describe(replies[1])})"
         self.on_event(f"{what}; asking a third route")
         try:
-            third = self.open_disjoint(self._excluded())
+            third = self.open_disjoint(self._excluded(), self._networks(), verified_only=True)
         except MeshnetError as e:
-            raise OutputWithheld(f"{what}, and no third route with no peer in common could decide ({e}); "
-                                 "the answer is withheld") from None
+            raise OutputWithheld(f"{what}, and no third route of verified peers on other networks could decide "
+                                 f"({e}); the answer is withheld") from None
         try:
             decider = self._bring_level(third)
         except BaseException:

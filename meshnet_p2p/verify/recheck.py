@@ -72,9 +72,11 @@ def cut_planner(cuts: tuple[int, ...], end: int, avoid: set[str]) -> Callable[..
 
 
 def recheck_proof(proof: FraudProof, spans_provider: Callable[[], list[Span]], opts: RouteOptions, *,
-                  measures: PeerMeasures | None = None) -> RecheckResult:
+                  measures: PeerMeasures | None = None, verified: Callable[[str], bool] | None = None
+                  ) -> RecheckResult:
     """Check ``proof`` by this node's own replays (see the module's docstring).
-    Blocking; ``opts`` says how to reach peers; closes every session it opens."""
+    Blocking; ``opts`` says how to reach peers; closes every session it opens.
+    ``verified``: as audit_hop's (a confirmation needs a witness this node has a record of)."""
     why = proof.transferable()
     if why is not None:
         return RecheckResult(Recheck.NOT_TRANSFERABLE, proof.peer_id, why)
@@ -95,7 +97,7 @@ def recheck_proof(proof: FraudProof, spans_provider: Callable[[], list[Span]], o
         t = dataclasses.replace(t, steps=tuple(StepRecord(s.position, x, s.decode, None, s.commitment)
                                                for s, x in zip(t.steps, inputs)))
     audit = audit_hop(t, spans_provider, opts, measures=measures,
-                      peer_outputs=[c.output_digest.hex() for c in commitments])
+                      peer_outputs=[c.output_digest.hex() for c in commitments], verified=verified)
     outcome = {Verdict.MISMATCH: Recheck.CONFIRMED, Verdict.MATCH: Recheck.REFUTED,
                Verdict.NO_REPLAYER: Recheck.NO_REPLAYER}.get(audit.verdict, Recheck.UNDECIDED)
     detail = {Recheck.CONFIRMED: f"replayed here, {audit.detail}: the proof stands",

@@ -36,7 +36,7 @@ from typing import Callable, Iterable, Sequence
 
 from meshnet_p2p.core.errors import sanitize
 from meshnet_p2p.dataplane.stub import ShardConnectionError, ShardError
-from meshnet_p2p.swarm.placement import NoRoute, Span, plan_route
+from meshnet_p2p.swarm.placement import NoRoute, Span, plan_route, span_network
 from meshnet_p2p.trust.fraud_proof import MAX_PROOF_STEPS, MAX_PROOF_TOKENS, ChainLink, FraudProof, output_digest
 
 from meshnet_p2p.route.chain import Chain
@@ -75,6 +75,7 @@ class Decision:
     verdict: Verdict
     step: int | None = None  # the first step whose outputs differ (the first replay's)
     suspect: tuple[str, ...] = ()  # undecided: the replayers outvoted
+    note: str = ""  # undecided: why, when it is not the replays' disagreement
 
 
 def first_difference(a: Sequence[str], b: Sequence[str]) -> int | None:
@@ -114,12 +115,15 @@ def seam_composes(t: HopTranscript) -> bool:
     return t.fingerprint.recipe_axes.get("seam_dtype") == "f32"
 
 
-def replay_planner(exact_span: bool, avoid: set[str]) -> Callable[..., list[Span]]:
-    """plan_route over peers not in ``avoid`` (read at each plan: it grows as replayers
-    are used or fail), only over spans that are exactly the hop's when ``exact_span``."""
+def replay_planner(exact_span: bool, avoid: set[str], networks: set[str] = frozenset()) -> Callable[..., list[Span]]:
+    """plan_route over peers not in ``avoid`` nor in ``networks`` (both read at each plan:
+    they grow as replayers are used or fail), only over spans that are exactly the hop's
+    when ``exact_span``. A replayer in the audited peer's network, or in the first replay's,
+    is no independent witness: many identities of one network are one (issue 59)."""
 
     def plan(spans: Iterable[Span], start: int, end: int, **kw) -> list[Span]:
-        usable = [s for s in spans if s.peer_id not in avoid and (not exact_span or (s.start, s.end) == (start, end))]
+        usable = [s for s in spans if s.peer_id not in avoid and span_network(s) not in networks
+                  and (not exact_span or (s.start, s.end) == (start, end))]
         return plan_route(usable, start, end, **kw)
 
     return plan
@@ -187,30 +191,51 @@ def step_output(record: StepRecord) -> object:
 
 def audit_hop(transcript: HopTranscript, spans_provider: Callable[[], list[Span]], opts: RouteOptions, *,
               exclude: Iterable[str] = (), measures: PeerMeasures | None = None,
-              peer_outputs: Sequence[str] | None = None) -> AuditResult:
+              peer_outputs: Sequence[str] | None = None,
+              verified: Callable[[str], bool] | None = None) -> AuditResult:
     """Replay ``transcript``'s steps on peers other than its own and ``exclude``,
     and say whether the hop computed what the recipe computes (see the module's
     docstring). ``opts``: how to reach peers (timeouts, credentials, pool,
     on_event); the replay's own session settings come from the transcript.
     ``peer_outputs``: the output digests the peer is held to (default: those of
-    its replies; a proof's re-check gives those the peer signed).
+    its replies; a proof's re-check gives those the peer signed). Replayers are
+    taken from other networks than the peer's, and the second replay's from other
+    networks than the first's. ``verified``: whose records this node holds; with it,
+    two replays that agree against the peer convict only when one of them ran
+    wholly on such peers (else undecided, nobody blamed).
     Blocking, like the client's stepping; closes every session it opens."""
     t = transcript
     if not t.steps:
         raise ValueError("a transcript with no steps has nothing to audit")
     peer = list(peer_outputs) if peer_outputs is not None else \
         [output_digest(s.position, step_output(s)) for s in t.steps]
-    avoid = {t.peer_id, *exclude}
-    search = replay_search(t, spans_provider, opts, measures, replay_planner(not seam_composes(t), avoid))
+    avoid, networks = {t.peer_id, *exclude}, set()
+    search = replay_search(t, spans_provider, opts, measures, replay_planner(not seam_composes(t), avoid, networks))
+    networks.update(_networks(search, [t.peer_id], t.network))
     first = _replay(search, t, len(t.steps), peer, avoid)
     second = None
     if first is not None and first_difference(peer, first.outputs) is not None:
         k = first_difference(peer, first.outputs)
         avoid.update(first.replayers)  # a second opinion from peers disjoint from the first
+        networks.update(_networks(search, first.replayers))  # and from other networks than theirs
         second = _replay(search, t, k + 1, peer, avoid)
     d = decide(peer, first, second)
+    if d.verdict is Verdict.MISMATCH and verified is not None \
+            and not any(all(verified(p) for p in r.replayers) for r in (first, second)):
+        # two replays agree against the peer, but no witness has a record with this node: identities
+        # on two networks cost an attacker little, and an honest peer is never convicted by them
+        d = Decision(Verdict.UNDECIDED, d.step, note="two replays agree against the peer, but neither ran wholly "
+                                                     "on peers with a verified record here")
     runs = tuple(r.replayers for r in (first, second) if r is not None)
     return _result(t, d, runs, peer, first)
+
+
+def _networks(search: RouteSearch, peers: Iterable[str], known: str = "") -> set[str]:
+    """The networks ``peers`` count in, as the search's spans show them (``known``: one
+    already known, e.g. the audited peer's from its route, which it may have left)."""
+    peers = set(peers)
+    found = {span_network(s) for s in search.spans if s.peer_id in peers}
+    return found | {known} if known else found
 
 
 def replay_search(t: HopTranscript, spans_provider: Callable[[], list[Span]], opts: RouteOptions,
@@ -296,8 +321,8 @@ def _result(t: HopTranscript, d: Decision, runs: tuple[tuple[str, ...], ...], pe
                                           "disjoint second replayer could confirm it (no blame)")
     if d.verdict is Verdict.UNDECIDED:
         who = f"{', '.join(d.suspect)} is the odd one" if d.suspect else "three different outputs"
-        return AuditResult(**base, suspect=d.suspect, detail=f"{where}: the replays disagree with each other ({who}); "
-                                                             "the peer is not blamed")
+        why = d.note or f"the replays disagree with each other ({who})"
+        return AuditResult(**base, suspect=d.suspect, detail=f"{where}: {why}; the peer is not blamed")
     proof = FraudProof(t.peer_id, t.fingerprint.model_digest, t.fingerprint.recipe_digest, t.start, t.end,
                        t.n_layer, t.session_id, k, position, peer[k], first.outputs[k],
                        tuple(dict.fromkeys(p for r in runs for p in r)), t.sampling, t.max_tokens,

@@ -17,6 +17,7 @@ from typing import Sequence
 from meshnet_p2p.dataplane.wire import Fingerprint
 from meshnet_p2p.engine.contract import SamplingParams, TensorBundle
 
+from meshnet_p2p.swarm.placement import span_network
 from meshnet_p2p.trust.commitment import Commitment
 
 from meshnet_p2p.route.hop import DishonestHop, Hop, commitments_of, route_fingerprint
@@ -49,6 +50,7 @@ class HopTranscript:
     steps: tuple[StepRecord, ...]
     tokens: tuple[int, ...] = ()  # the route's token ids from position 0 (a proof carries them: trust/fraud_proof.py)
     cuts: tuple[int, ...] = ()  # the first layers of the route's hops before this one (a later hop's inputs)
+    network: str = ""  # the network the peer counts in (placement.span_network): no replayer of it is its witness
 
     @property
     def is_tail(self) -> bool:
@@ -80,4 +82,4 @@ def transcript_of(hop: Hop, n_layer: int, sampling: SamplingParams, max_tokens: 
                                    for (p, x, d), r, c in zip(hop.history, hop.replies, signed)]
     return HopTranscript(hop.span.peer_id, hop.span.start, hop.span.end, n_layer,
                          route_fingerprint(hop.span.record.content), hop.n_ubatch, sampling, max_tokens,
-                         hop.stream.session_id, tuple(steps), tokens, cuts)
+                         hop.stream.session_id, tuple(steps), tokens, cuts, span_network(hop.span))
