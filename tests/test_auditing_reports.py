@@ -183,3 +183,30 @@ def test_an_audit_under_way_when_its_client_closes_surveys_the_swarm_no_more(mon
     assert surveys == [1], surveys
     assert outcome and "closed" in str(outcome[0]), outcome
     assert not [e for e in events if "could not audit" in e], events  # a closed client's audit blames nobody
+
+
+def test_a_verified_record_decays_and_a_records_file_keeps_when_it_was_earned(tmp_path):
+    """Issue 59: trust is kept only while checks go on. Sessions halve every HALF_LIFE_S since
+    the last match; a peer nobody checked for weeks is audited as a newcomer is; the file keeps
+    the time (and a file of the format before it still loads, undecayed)."""
+    import msgpack
+
+    from meshnet_p2p.verify.peer_records import HALF_LIFE_S, load_records
+
+    now = [1_000_000.0]
+    path = str(tmp_path / "records")
+    records = PeerRecords(path, clock=lambda: now[0])
+    for _ in range(8):
+        records.matched("p")
+    assert records.snapshot()["p"]["verified_sessions"] == 8 and records.audit_probability("p", 0.01) == 1 / 9
+    now[0] += HALF_LIFE_S
+    assert records.snapshot()["p"]["verified_sessions"] == 4 and records.verified("p")
+    records.matched("p")  # a match adds to what is left, and restarts the clock
+    assert records.snapshot()["p"]["verified_sessions"] == 5
+    now[0] += 4 * HALF_LIFE_S  # 5/16: none left
+    assert records.snapshot()["p"]["verified_sessions"] == 0
+    assert not records.verified("p") and records.audit_probability("p") == 1.0
+    assert PeerRecords(path, clock=lambda: now[0]).snapshot()["p"]["verified_sessions"] == 0  # kept in the file
+    old = tmp_path / "old"
+    old.write_bytes(msgpack.packb({"q": [3, 0, ""]}))
+    assert load_records(str(old))["q"].verified == 3 and PeerRecords(str(old)).verified("q")

@@ -27,11 +27,13 @@ file of its own (``records_path``: one per model, under the cache directory,
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import msgpack
 
@@ -39,6 +41,10 @@ from meshnet_p2p.engine.models import cache_dir
 
 AUDIT_RATE = 0.05  # default: at least one hop-session in twenty is replayed, however long a peer's record
 MAX_REPORTED = 4096  # unsettled fraud reports held in memory (each a signature)
+# A verified record decays: its sessions halve for every week since its last exact match, so a
+# peer nobody has checked for a while is checked as often as a newcomer again (issue 59: trust
+# is earned from many checks over time, and kept only while they go on)
+HALF_LIFE_S = 7 * 24 * 3600.0
 MAX_KEPT = 4096  # peers a records file keeps (the caught and the best verified first)
 MAX_FILE_BYTES = 4 << 20
 
@@ -50,9 +56,16 @@ def records_path(model_digest: str) -> str:
 
 @dataclass
 class PeerRecord:
-    verified: int = 0  # sessions of its whose audit matched exactly
+    verified: int = 0  # sessions of its whose audit matched exactly (as of ``at``)
     unconfirmed: int = 0  # mismatches one replay showed and none confirmed
     caught: str = ""  # why it was proven to compute something else ("" while it was not)
+    at: float = 0.0  # when its last session matched (wall seconds; 0: unknown, an old file's)
+
+    def sessions(self, now: float) -> int:
+        """Its verified sessions, decayed (HALF_LIFE_S) since the last match."""
+        if not self.verified or not self.at:
+            return self.verified
+        return math.floor(self.verified * 0.5 ** (max(0.0, now - self.at) / HALF_LIFE_S) + 0.5)  # nearest
 
     def to_dict(self, vouched: bool) -> dict:
         return {"verified_sessions": self.verified, "vouched": vouched, "unconfirmed_mismatches": self.unconfirmed,
@@ -63,13 +76,14 @@ class PeerRecords:
     """Per peer: its record with this client. Thread-safe (routes and audits run in worker
     threads). With ``path``, loaded from that file and written back at every change."""
 
-    def __init__(self, path: str | None = None) -> None:
+    def __init__(self, path: str | None = None, clock: Callable[[], float] = time.time) -> None:
         self._by: dict[str, PeerRecord] = load_records(path) if path else {}
         self._vouched: set[str] = set()
         self._convicted: dict[str, str] = {}  # by trusted certifiers, as the last survey found
         self._reported: dict[str, set[bytes]] = {}  # peer -> its fraud reports not settled here yet
         self._lock = threading.Lock()
         self.path = path
+        self.clock = clock
 
     def vouch(self, peers: Iterable[str]) -> None:
         """Peers a trusted certifier's evidence shows computing exactly (replaces the last set)."""
@@ -109,7 +123,8 @@ class PeerRecords:
             r = self._by.get(peer)
             if (r is not None and r.caught) or peer in self._convicted or self._reported.get(peer):
                 return False
-            return (r is not None and r.verified > 0) or (peer in self._vouched and (r is None or not r.unconfirmed))
+            return (r is not None and r.sessions(self.clock()) > 0) or \
+                (peer in self._vouched and (r is None or not r.unconfirmed))
 
     def caught(self) -> dict[str, str]:
         with self._lock:
@@ -122,7 +137,7 @@ class PeerRecords:
         peer is reported."""
         with self._lock:
             r = self._by.get(peer) or PeerRecord()
-            n = r.verified
+            n = r.sessions(self.clock())
             reported = bool(self._reported.get(peer))
         if r.caught or n == 0 or peer in self._convicted or reported:
             return 1.0
@@ -130,7 +145,8 @@ class PeerRecords:
 
     def matched(self, peer: str) -> None:
         with self._lock:
-            self._get(peer).verified += 1
+            r, now = self._get(peer), self.clock()
+            r.verified, r.at = r.sessions(now) + 1, now
             self._save()
 
     def unconfirmed(self, peer: str) -> None:
@@ -156,7 +172,11 @@ class PeerRecords:
     def snapshot(self) -> dict[str, dict]:
         with self._lock:
             peers = set(self._by) | self._vouched | set(self._convicted) | set(self._reported)
-            out = {p: (self._by.get(p) or PeerRecord()).to_dict(p in self._vouched) for p in sorted(peers)}
+            now = self.clock()
+            out = {}
+            for p in sorted(peers):
+                r = self._by.get(p) or PeerRecord()
+                out[p] = {**r.to_dict(p in self._vouched), "verified_sessions": r.sessions(now)}
             for p, why in self._convicted.items():
                 out[p]["convicted"] = why
             for p, left in self._reported.items():
@@ -180,13 +200,17 @@ def load_records(path: str) -> dict[str, PeerRecord]:
     for peer, entry in list(doc.items())[:MAX_KEPT]:  # a malformed entry is left out
         if type(peer) is str and len(peer) <= 128 and isinstance(entry, list) and len(entry) == 3 and \
                 [type(x) for x in entry] == [int, int, str] and entry[0] >= 0 and entry[1] >= 0:
-            out[peer] = PeerRecord(entry[0], entry[1], entry[2][:1000])
+            out[peer] = PeerRecord(entry[0], entry[1], entry[2][:1000])  # before decay: no time (kept as is)
+        elif type(peer) is str and len(peer) <= 128 and isinstance(entry, list) and len(entry) == 4 and \
+                [type(x) for x in entry[:3]] == [int, int, str] and type(entry[3]) in (int, float) and \
+                entry[0] >= 0 and entry[1] >= 0 and math.isfinite(entry[3]) and entry[3] >= 0:
+            out[peer] = PeerRecord(entry[0], entry[1], entry[2][:1000], float(entry[3]))
     return out
 
 
 def save_records(path: str, by: dict[str, PeerRecord]) -> None:
     kept = sorted(by.items(), key=lambda kv: (not kv[1].caught, -kv[1].verified))[:MAX_KEPT]
-    data = msgpack.packb({p: [r.verified, r.unconfirmed, r.caught] for p, r in kept})
+    data = msgpack.packb({p: [r.verified, r.unconfirmed, r.caught, r.at] for p, r in kept})
     folder = os.path.dirname(path)
     try:
         os.makedirs(folder, exist_ok=True)
