@@ -34,6 +34,7 @@ from typing import Callable, Sequence
 
 import trio
 
+from meshnet_p2p.core.errors import MeshnetError
 from meshnet_p2p.core.identity import Identity
 from meshnet_p2p.core.multiaddr import Multiaddr
 from meshnet_p2p.core.stats import ClientStats
@@ -60,6 +61,7 @@ from meshnet_p2p.verify.reports import exchange_reports, fetch_reports
 from . import bridge
 from .text import TextStream, prompt_ids
 
+REPORT_LOOKUP_TIMEOUT_S = 5.0  # the most a survey waits for the fraud reports against its trusted peers
 SPANS_MAX_AGE_S = 5.0  # a generation may start from a survey this recent (a failover always surveys afresh)
 VERIFY_MODES = ("auto", "always", "off")
 
@@ -206,8 +208,18 @@ class Client:
                 trusted = [s.peer_id for s in routable_spans(view, self.trust)
                            if s.peer_id in vouched or self.records.verified(s.peer_id)]
                 due = self.auditor.due(trusted)
-                if due:
-                    found.update(await fetch_reports(node, self.model_digest, due))
+                if not due:
+                    return
+                # bounded: a slow DHT delays the first token by this much at most, and a lookup
+                # that fails is the survey's loss of nothing but the reports (looked up again after)
+                with trio.move_on_after(REPORT_LOOKUP_TIMEOUT_S):
+                    try:
+                        found.update(await fetch_reports(node, self.model_digest, due))
+                        return
+                    except MeshnetError as e:
+                        if self.on_event:
+                            self.on_event(f"could not look up fraud reports: {e}")
+                self.auditor.forget(due)  # not looked up after all: due again at the next look
 
             view = await survey(self.bootstrap, self.model_digest, self.n_layer, self.trust,
                                 then=reports if self.verify != "off" else None)

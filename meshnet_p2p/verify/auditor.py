@@ -207,6 +207,12 @@ class Auditor:
                 self._looked_up[p] = now
         return due
 
+    def forget(self, peers: Iterable[str]) -> None:
+        """``peers``' reports were not looked up after all (the look-up failed): due again."""
+        with self._lock:
+            for p in peers:
+                self._looked_up.pop(p, None)
+
     def heard(self, found: dict[str, list[Record]]) -> int:
         """Reports fetched against peers (earliest first): each new one makes its peer
         reported and is queued for a re-check. Returns how many were queued."""

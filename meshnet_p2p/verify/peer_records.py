@@ -67,9 +67,10 @@ class PeerRecord:
             return self.verified
         return math.floor(self.verified * 0.5 ** (max(0.0, now - self.at) / HALF_LIFE_S) + 0.5)  # nearest
 
-    def to_dict(self, vouched: bool) -> dict:
-        return {"verified_sessions": self.verified, "vouched": vouched, "unconfirmed_mismatches": self.unconfirmed,
-                "caught": self.caught or None}
+    def to_dict(self, vouched: bool, now: float | None = None) -> dict:
+        """Its fields as shown (``now``: its sessions as decayed then; default the wall clock's)."""
+        return {"verified_sessions": self.sessions(time.time() if now is None else now), "vouched": vouched,
+                "unconfirmed_mismatches": self.unconfirmed, "caught": self.caught or None}
 
 
 class PeerRecords:
@@ -176,7 +177,7 @@ class PeerRecords:
             out = {}
             for p in sorted(peers):
                 r = self._by.get(p) or PeerRecord()
-                out[p] = {**r.to_dict(p in self._vouched), "verified_sessions": r.sessions(now)}
+                out[p] = r.to_dict(p in self._vouched, now)
             for p, why in self._convicted.items():
                 out[p]["convicted"] = why
             for p, left in self._reported.items():
