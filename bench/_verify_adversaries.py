@@ -11,8 +11,11 @@ are tests/adversaries.py's (the tests assert on them; this measures them).
   without, median of ``clients`` each, in turns;
 - cost: the honest swarm (no attacker), the default policy (``auto``, audits)
   against verification off (``off``, no audits), fresh clients in turns: the
-  peers' CPU seconds (every process's, from /proc) and the user's wait; and a
-  returning user (records kept across ``clients`` generations) likewise.
+  peers' CPU seconds (every process's, from /proc), the time to the answer
+  (``answer_ratio``: what the user waits for) and until the CLI would exit
+  (``exit_ratio``: the answer, then the audits it waits for); and a returning
+  user (one client kept across ``clients`` generations, its records growing)
+  likewise.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ def run(model_path: str, clients: int, forged: int, tokens: int) -> dict:
         os.environ["MESHNET_CACHE_DIR"] = tmp  # the in-process clients' cache: this run's
         try:
             # the honest swarm's default cost, before any attacker: fresh users, in turns
-            walls, cpu = {"off": [], "auto": []}, {"off": 0.0, "auto": 0.0}
+            walls, answered, cpu = {"off": [], "auto": []}, {"off": [], "auto": []}, {"off": 0.0, "auto": 0.0}
             for prompt in plain:
                 for mode in ("off", "auto"):
                     before = cpu_seconds(swarm.procs)
@@ -68,11 +71,12 @@ def run(model_path: str, clients: int, forged: int, tokens: int) -> dict:
                                      audits=mode != "off")
                     cpu[mode] += cpu_seconds(swarm.procs) - before
                     walls[mode].append(o.wait_s)
+                    answered[mode].append(o.answer_s)
             returning = _returning(swarm, plain, said, tokens)
             out["cost"] = {
                 "fresh": {"compute_ratio": round(cpu["auto"] / max(cpu["off"], 1e-9), 3),
-                          "wait_ratio": round(statistics.median(walls["auto"]) / statistics.median(walls["off"]), 3),
-                          "wait_s_off": round(statistics.median(walls["off"]), 3)},
+                          "answer_ratio": ratio(answered), "answer_s_off": round(statistics.median(answered["off"]), 3),
+                          "exit_ratio": ratio(walls)},
                 "returning": returning}
 
             # the sleeper: vouched by a review while honest, then lying
@@ -125,7 +129,9 @@ def run(model_path: str, clients: int, forged: int, tokens: int) -> dict:
                     framed_waits.append(fresh_client(swarm.addr, prompt, said[prompt], tokens=tokens))
                 doc = swarm.review()
                 out["framing"] = {"forged": forged, "stored": stored, **tally(framed_waits),
-                                  "wait_ratio": round(statistics.median(o.wait_s for o in framed_waits)
+                                  "answer_ratio": round(statistics.median(o.answer_s for o in framed_waits)
+                                                        / statistics.median(o.answer_s for o in clean), 3),
+                                  "exit_ratio": round(statistics.median(o.wait_s for o in framed_waits)
                                                       / statistics.median(o.wait_s for o in clean), 3),
                                   "honest_convicted": convicted_honest(swarm, doc, [framed])}
             finally:
@@ -141,7 +147,7 @@ def run(model_path: str, clients: int, forged: int, tokens: int) -> dict:
 def _returning(swarm: HonestSwarm, prompts, said, tokens) -> dict:
     """One user's client kept across generations (its records grow, its audits thin out),
     against the same with verification off, in turns."""
-    walls, cpu = {"off": [], "auto": []}, {"off": 0.0, "auto": 0.0}
+    walls, answered, cpu = {"off": [], "auto": []}, {"off": [], "auto": []}, {"off": 0.0, "auto": 0.0}
     clients = {"off": Through([swarm.addr], verify="off"), "auto": Through([swarm.addr])}
     clients["off"].auditor.submit = lambda items, peers=(): None
     try:
@@ -149,6 +155,7 @@ def _returning(swarm: HonestSwarm, prompts, said, tokens) -> dict:
             for mode, c in clients.items():
                 before, t0 = cpu_seconds(swarm.procs), time.perf_counter()
                 c.generate(prompt, tokens, stop_at_eog=False)
+                answered[mode].append(time.perf_counter() - t0)
                 c.wait_audits(300)
                 walls[mode].append(time.perf_counter() - t0)
                 cpu[mode] += cpu_seconds(swarm.procs) - before
@@ -156,4 +163,9 @@ def _returning(swarm: HonestSwarm, prompts, said, tokens) -> dict:
         for c in clients.values():
             c.close()
     return {"generations": len(prompts), "compute_ratio": round(cpu["auto"] / max(cpu["off"], 1e-9), 3),
-            "wait_ratio": round(statistics.median(walls["auto"]) / statistics.median(walls["off"]), 3)}
+            "answer_ratio": ratio(answered), "exit_ratio": ratio(walls)}
+
+
+def ratio(times: dict) -> float:
+    """Median wall time with the default policy over the same with verification off."""
+    return round(statistics.median(times["auto"]) / statistics.median(times["off"]), 3)

@@ -259,8 +259,9 @@ def measure_audits(args, doc: dict) -> None:
 
             # cost at the policy's rate: replayed hop-steps over generated ones (records start empty)
             replayed = 0
-            for i in range(args.cost_sessions):
-                replayed += sum(r.steps for r in session(client, middles[i % len(middles)], args.tokens)[1])
+            for i in range(args.cost_sessions):  # (an audit that found no replayer replayed nothing)
+                replayed += sum(r.steps for r in session(client, middles[i % len(middles)], args.tokens)[1]
+                                if r.verdict is not Verdict.NO_REPLAYER)
             hop_steps = 3 * (args.tokens + 1) * args.cost_sessions  # a prefill and a step per later token, 3 hops
             doc["cost"] = {"sessions": args.cost_sessions, "replayed_over_generated": round(replayed / hop_steps, 4)}
 

@@ -132,7 +132,8 @@ def seen_by_a_client(addr: str, peer: str, looks: int = 20) -> None:
 @dataclass
 class Outcome:
     what: str  # "right", "WRONG" (delivered: the CLI's exit 0), "withheld" (refused with an error)
-    wait_s: float  # the user's wait: the answer, then the audits and reports the CLI waits for
+    wait_s: float  # until the CLI would exit: the answer, then the audits and reports it waits for
+    answer_s: float = 0.0  # until the answer (what the user waits for before reading it)
 
 
 class Through(Client):
@@ -165,10 +166,11 @@ def fresh_client(addr: str, prompt: str, answer: str, *, verify: str = "auto", t
             what = "right" if r.text == answer else "WRONG"
         except GenerationError:
             what = "withheld"
+        answered = time.perf_counter() - t0
         c.wait_audits(300)
     finally:
         c.close()
-    return Outcome(what, time.perf_counter() - t0)
+    return Outcome(what, time.perf_counter() - t0, answered)
 
 
 def fresh_clients(addr: str, prompts: list[str], answers: dict, **kw) -> list[Outcome]:
