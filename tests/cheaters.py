@@ -155,12 +155,51 @@ def nudge(bundle: TensorBundle, position: int) -> TensorBundle:
 
 
 @dataclass
-class PerturbingEngine(ShardEngine):
+class Wrapped(ShardEngine):
+    """A real engine behind a cheater's changes: what a cheater does not change, it passes on."""
+
+    inner: ShardEngine
+
+    def open_session(self, request) -> Status:
+        return self.inner.open_session(request)
+
+    def prefill(self, request) -> StepResult:
+        return self.inner.prefill(request)
+
+    def decode(self, request) -> StepResult:
+        return self.inner.decode(request)
+
+    def load(self, request) -> LoadResult:
+        return self.inner.load(request)
+
+    def capabilities(self) -> EngineCapabilities | None:
+        return self.inner.capabilities()
+
+    def rollback(self, session_id: str, position: int) -> Status:
+        return self.inner.rollback(session_id, position)
+
+    def cancel(self, session_id: str, *, keep_session: bool = False) -> Status:
+        return self.inner.cancel(session_id, keep_session=keep_session)
+
+    def release(self, session_id: str) -> Status:
+        return self.inner.release(session_id)
+
+    def health(self) -> HealthResult:
+        return self.inner.health()
+
+    def metrics(self) -> MetricsResult:
+        return self.inner.metrics()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+@dataclass
+class PerturbingEngine(Wrapped):
     """A real engine whose hidden output is nudged on the steps :func:`perturbs`
     picks at ``rate``; with ``honest_sessions``, only in sessions opened after
     that many (then at every step: ``late``)."""
 
-    inner: ShardEngine
     rate: float = 0.01
     seed: int = 0
     honest_sessions: int = 0
@@ -190,43 +229,23 @@ class PerturbingEngine(ShardEngine):
     def decode(self, request) -> StepResult:
         return self._nudged(request, self.inner.decode(request))
 
-    def load(self, request) -> LoadResult:
-        return self.inner.load(request)
-
-    def capabilities(self) -> EngineCapabilities | None:
-        return self.inner.capabilities()
-
-    def rollback(self, session_id: str, position: int) -> Status:
-        return self.inner.rollback(session_id, position)
-
-    def cancel(self, session_id: str, *, keep_session: bool = False) -> Status:
-        return self.inner.cancel(session_id, keep_session=keep_session)
 
     def release(self, session_id: str) -> Status:
         with self._lock:
             self._cheating.discard(session_id)
         return self.inner.release(session_id)
 
-    def health(self) -> HealthResult:
-        return self.inner.health()
-
-    def metrics(self) -> MetricsResult:
-        return self.inner.metrics()
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 @dataclass
-class LyingEngine(ShardEngine):
+class LyingEngine(Wrapped):
     """A real whole-model engine that, in the sessions it chooses to lie in, answers
     each step with ``tokens[i]`` for the i-th token after the prompt (as the
     hijacker does) while still computing (its cache stays that of the real
     model). ``flip_file``: it lies in every session opened once that file exists
     (the sleeper); ``trigger``: in a session once its prompt holds those token ids."""
 
-    inner: ShardEngine
-    tokens: list
+    tokens: list = field(default_factory=list)
     flip_file: str | None = None
     trigger: tuple = ()
     _lying: dict = field(default_factory=dict)  # session -> prompt end, for the sessions it lies in
@@ -268,17 +287,6 @@ class LyingEngine(ShardEngine):
         token = self.tokens[(result.position - prompt_end) % len(self.tokens)]
         return replace(result, token=TokenOutput(token, is_eog=False))
 
-    def load(self, request) -> LoadResult:
-        return self.inner.load(request)
-
-    def capabilities(self) -> EngineCapabilities | None:
-        return self.inner.capabilities()
-
-    def rollback(self, session_id: str, position: int) -> Status:
-        return self.inner.rollback(session_id, position)
-
-    def cancel(self, session_id: str, *, keep_session: bool = False) -> Status:
-        return self.inner.cancel(session_id, keep_session=keep_session)
 
     def release(self, session_id: str) -> Status:
         with self._lock:
@@ -286,14 +294,6 @@ class LyingEngine(ShardEngine):
             self._prompts.pop(session_id, None)
         return self.inner.release(session_id)
 
-    def health(self) -> HealthResult:
-        return self.inner.health()
-
-    def metrics(self) -> MetricsResult:
-        return self.inner.metrics()
-
-    def close(self) -> None:
-        self.inner.close()
 
 
 # --- building one from flags ----------------------------------------------------------------------
