@@ -1185,3 +1185,24 @@ async def test_a_node_counts_the_bytes_it_sends_by_the_kind_of_request_they_ask_
             got = {k: v for k, v in n.stats.items() if k.startswith(("bytes_sent_", "bytes_answered_"))}
             assert got == expect[n.addr]
         nursery.cancel_scope.cancel()
+
+
+async def test_a_role_may_bound_one_sources_values_of_a_key_tighter(autojump_clock):
+    """Issue 59, the shield: one network's reports against a peer are a few, kept earliest first
+    (swarm.node.source_cap: 4 of a fraud/ key); another network's still go in."""
+    from meshnet_p2p.swarm.node import REPORTS_PER_NETWORK, source_cap
+
+    assert source_cap(f"fraud/{'ab' * 32}/12D3KooWpeer") == REPORTS_PER_NETWORK
+    assert source_cap(f"model/{'ab' * 32}") is None and source_cap("fraud/not-a-digest/p") is None
+    async with trio.open_nursery() as nursery:
+        _, nodes = await start_swarm(nursery, 6, TYPES)
+        target, mallory, honest = nodes[0], nodes[1], nodes[2]
+        target.source_cap = lambda key: 2 if key == KEY else None
+        accepted = []
+        for i in range(10):
+            reply = await mallory.request(target.contact(), "store", {"key": KEY, "record": report(swarm_identity(7000 + i))})
+            accepted.append(bool(reply and reply.body["ok"]))
+        assert accepted == [True, True] + [False] * 8  # the earliest kept, the rest refused
+        reply = await honest.request(target.contact(), "store", {"key": KEY, "record": report(honest.identity)})
+        assert reply.body["ok"] is True
+        nursery.cancel_scope.cancel()

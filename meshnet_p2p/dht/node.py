@@ -94,6 +94,9 @@ Answer = tuple[str, dict[str, Any]]  # a reply's kind and body
 # live here, or None; ``holds(key)`` says whether this node holds a live value under a key (in
 # its store or gossip). The swarm's policy (swarm.node.lifetime_cap): the DHT knows no key names.
 LifetimeCap = Callable[[str, Callable[[str], bool]], "int | None"]
+# source_cap(key) -> how many values of ``key`` one source network may store here, when the role's
+# policy bounds it tighter than the store's default (swarm.node.source_cap: fraud reports), or None
+SourceCap = Callable[[str], "int | None"]
 LOOKUP_OPS = ("find_node", "get", "put")
 
 
@@ -177,6 +180,7 @@ class DHTNode:
         *,
         now_ms: Callable[[], int] = wall_ms,
         lifetime_cap: LifetimeCap | None = None,
+        source_cap: SourceCap | None = None,
     ) -> None:
         self.identity = identity
         self.peer_id = identity.peer_id
@@ -188,6 +192,7 @@ class DHTNode:
         self.store = ValueStore()
         self.store_rates = SourceRates(STORE_RATE_PER_S, STORE_BURST)
         self.lifetime_cap = lifetime_cap
+        self.source_cap = source_cap
         self.verifier = RecordVerifier(types)
         self.gossip = GossipState()
         self.stats: Counter[str] = Counter()
@@ -593,8 +598,9 @@ class DHTNode:
         own = record.signer == self.peer_id
         cap = self.lifetime_cap(key, self._holds) if self.lifetime_cap is not None and not own else None
         news = self.store.expires_at(key, record.signer.multihash) is None  # a signer new here
+        per_source = self.source_cap(key) if self.source_cap is not None and not own else None
         ok, reason = self.store.put(key, record, self.now_ms(), source=source, own=own, live=self._known_live,
-                                    lifetime_cap_ms=cap, volatile=self._volatile(record))
+                                    lifetime_cap_ms=cap, volatile=self._volatile(record), per_source=per_source)
         if ok and reason != "unchanged":
             if self.follows(key):
                 self._gossip_in(wire_record, from_peer=None, record=record)

@@ -107,12 +107,14 @@ class ValueStore:
 
     def put(self, key: str, record: Record, now_ms: int, *, source: Any = None, own: bool = False,
             live: Callable[[Record], bool] | None = None, lifetime_cap_ms: int | None = None,
-            volatile: frozenset[str] = frozenset()) -> tuple[bool, str]:
+            volatile: frozenset[str] = frozenset(), per_source: int | None = None) -> tuple[bool, str]:
         """``source``: the network a store came from (None: this node). ``own``: a
         record this node signed, which others' records never crowd out. ``live``:
         whether a record's signer is known live here (see the module's doc).
         ``lifetime_cap_ms``: the longest this value may live here from now on.
-        ``volatile``: its payload type's load fields (a refresh changes only those)."""
+        ``volatile``: its payload type's load fields (a refresh changes only those).
+        ``per_source``: the values of this key one source may store, when the node's
+        policy bounds it tighter than ``max_values_per_source`` (e.g. fraud reports)."""
         if record.content.get("key") != key:
             return False, "the record's signed key does not match the key it is stored under"
         if record.expires_at_ms <= now_ms:
@@ -136,8 +138,9 @@ class ValueStore:
             self._soonest[key] = min(self._soonest.get(key, expires), expires)  # a cap may shorten it
             self._add_bytes(meta.source, len(record.wire) - len(old.wire))
             return True, "replaced" if old.seq < record.seq else "unchanged"
-        if source is not None and self._in_key.get((key, source), 0) >= self.max_values_per_source:
-            return False, f"this source already stored {self.max_values_per_source} values under this key"
+        bound = self.max_values_per_source if per_source is None else min(per_source, self.max_values_per_source)
+        if source is not None and self._in_key.get((key, source), 0) >= bound:
+            return False, f"this source already stored {bound} values under this key"
         if source is not None and self._held(source) >= self.max_values_per_network:
             return False, f"this source network already stored {self.max_values_per_network} values here"
         size = len(record.wire)

@@ -60,6 +60,18 @@ def lifetime_cap(key: str, holds: Callable[[str], bool]) -> int | None:
     return UNANNOUNCED_LIFETIME_MS
 
 
+# Fraud reports one source network may store under one accused peer's key on a node. The
+# accused (or a framer) has a network or a few; honest reporters are many networks. So one
+# operator cannot bury the reports against it under its own (issue 59, the shield): a home
+# keeps the earliest it took and refuses that network's next ones.
+REPORTS_PER_NETWORK = 4
+
+
+def source_cap(key: str) -> int | None:
+    """This node's bound on one source network's values of ``key`` (dht.node.SourceCap)."""
+    return REPORTS_PER_NETWORK if verdicts.model_of_key(key) is not None and key.startswith("fraud/") else None
+
+
 def parse_listen(text: str, flag: str = "--listen") -> tuple[str, int]:
     """``HOST:PORT`` or ``[IPV6]:PORT`` (``flag``: the option named in the error)."""
     host, sep, port = text.rpartition(":")
@@ -148,7 +160,8 @@ async def start_node(
     host, port = parse_listen(listen)
     transport = await UdpTransport.bind(host, port)
     node = DHTNode(identity, transport, types, DHTConfig(client_mode=client_mode, follow_all=follow_all),
-                   lifetime_cap=lifetime_cap)  # evidence for models nobody announces lives minutes
+                   lifetime_cap=lifetime_cap,  # evidence for models nobody announces lives minutes
+                   source_cap=source_cap)  # fraud reports: a few a source network per accused peer
     if serve is not None:
         serve(node)
     await nursery.start(node.run)
