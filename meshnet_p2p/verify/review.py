@@ -114,13 +114,13 @@ class RoundResult:
 
 @dataclass
 class Heard:
-    """What a run remembers of others' reports from round to round: the reports it
-    re-checked (by signature), and the reporters it caught in a lie (a report its
-    replays refuted), not heard again."""
+    """What a run remembers of others' reports from round to round: the reports its
+    re-checks settled (by signature: refuted, confirmed, or moot), not re-checked again,
+    and the reporters it caught in a lie (a report its replays refuted), not heard again.
+    An undecided report is re-checked in a later round."""
 
-    seen: set = field(default_factory=set)
     liars: set = field(default_factory=set)
-    settled: set = field(default_factory=set)  # reports whose re-check settled them (refuted, confirmed, moot)
+    settled: set = field(default_factory=set)
 
 
 def in_turn(found: Mapping[str, list]) -> list[tuple[str, object]]:
@@ -183,7 +183,6 @@ def review_round(net: ReviewNet, tally: "PeerRecords", identity: "Identity", mod
         if rechecks >= MAX_RECHECKS:
             unsettled.add(peer)  # not re-checked this round: not vouched for either
             continue
-        heard.seen.add(record.signature)
         rechecks += 1
         try:
             result = net.recheck(record, set(tally.caught()))
