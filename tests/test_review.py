@@ -317,3 +317,19 @@ def test_a_client_that_does_not_trust_the_reviewer_ignores_its_verdicts(reviewed
     vouched = {p for p, r in client.records.snapshot().items() if r["vouched"]}
     assert vouched == route  # its certificate's only, not the review's
     assert set(json.loads(reviewed.run.stdout)["verified"]) - route
+
+
+def test_a_prompts_file_is_read_bounded_and_a_bad_one_is_a_typed_error(tmp_path):
+    """review --prompts-file: its lines (escaped newlines kept as \\n), and a clear error for a
+    file that is missing, not UTF-8, or holds no prompt."""
+    from meshnet_p2p.roles.review import MAX_PROMPT_CHARS, read_prompts
+
+    good = tmp_path / "prompts"
+    good.write_text("What is a bank?\n\n  \nQ: one\\nA:\n" + "x" * (MAX_PROMPT_CHARS + 10) + "\n")
+    assert read_prompts(str(good)) == ["What is a bank?", "Q: one\nA:", "x" * MAX_PROMPT_CHARS]
+    assert read_prompts(None) == []
+    (tmp_path / "empty").write_text("\n \n")
+    (tmp_path / "binary").write_bytes(b"\xff\xfe\x00bad")
+    for name, why in (("missing", "cannot read"), ("empty", "has no prompt"), ("binary", "cannot read")):
+        with pytest.raises(MeshnetError, match=why):
+            read_prompts(str(tmp_path / name))
