@@ -15,7 +15,9 @@ are tests/adversaries.py's (the tests assert on them; this measures them).
   (``answer_ratio``: what the user waits for) and until the CLI would exit
   (``exit_ratio``: the answer, then the audits it waits for); and a returning
   user (one client kept across ``clients`` generations, its records growing)
-  likewise.
+  likewise; and ``whole_model``: the same for fresh users beside a vouched
+  honest whole-model peer (one identity computing every layer, which a client
+  that has not checked it itself runs beside a second route).
 """
 
 from __future__ import annotations
@@ -122,7 +124,23 @@ def run(model_path: str, clients: int, forged: int, tokens: int) -> dict:
             framed = swarm.join("0:30")
             try:
                 swarm.review()
-                clean = [fresh_client(swarm.addr, prompt, said[prompt], tokens=tokens) for prompt in plain]
+                # first, what a vouched honest whole-model peer costs fresh users: one identity
+                # computing every layer runs beside a second route until a client checked it itself
+                clean, off, cpu = [], [], {"off": 0.0, "auto": 0.0}
+                for prompt in plain:
+                    for mode in ("off", "auto"):
+                        before = cpu_seconds(swarm.procs)
+                        o = fresh_client(swarm.addr, prompt, said[prompt], verify=mode, tokens=tokens,
+                                         audits=mode != "off")
+                        cpu[mode] += cpu_seconds(swarm.procs) - before
+                        (clean if mode == "auto" else off).append(o)
+                out["cost"]["whole_model"] = {
+                    "compute_ratio": round(cpu["auto"] / max(cpu["off"], 1e-9), 3),
+                    "answer_ratio": round(statistics.median(o.answer_s for o in clean)
+                                          / statistics.median(o.answer_s for o in off), 3),
+                    "exit_ratio": round(statistics.median(o.wait_s for o in clean)
+                                        / statistics.median(o.wait_s for o in off), 3),
+                    "right": sum(o.what == "right" for o in clean)}
                 framed_waits = []
                 stored = forge_reports(swarm.addr, framed.peer_id, forged, sessions=2)
                 for prompt in plain:

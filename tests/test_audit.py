@@ -96,6 +96,16 @@ def test_a_replay_plans_the_exact_span_unless_the_seam_composes():
         exact(spans(), 10, 20)
 
 
+def test_a_replay_looks_first_for_replayers_with_a_record_as_a_conviction_needs_one():
+    # m3+m4 are the cheapest chain; m2 alone holds a record: only a replay wholly on such peers
+    # convicts (issue 59), so an audit that could run one does not leave it to the planner's ms
+    assert [s.peer_id for s in replay_planner(False, {"m1"})(spans(), 10, 20)] == ["m3", "m4"]
+    plan = replay_planner(False, {"m1"}, verified=lambda p: p == "m2")
+    assert [s.peer_id for s in plan(spans(), 10, 20)] == ["m2"]
+    plan = replay_planner(False, {"m1", "m2"}, verified=lambda p: p == "m2")
+    assert [s.peer_id for s in plan(spans(), 10, 20)] == ["m3", "m4"]  # none left: the cheapest again
+
+
 def test_an_audited_route_goes_through_the_audited_peer():
     plan = planner_through("m2")  # the slowest of the middle peers: never the cheapest plan
     assert [s.peer_id for s in plan(spans(), 0, 30)] == ["h", "m2", "t"]

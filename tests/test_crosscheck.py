@@ -143,6 +143,23 @@ def test_without_a_third_route_the_answer_is_withheld_and_nobody_is_blamed():
     assert records.caught() == {}
 
 
+def test_a_withheld_answer_sends_both_routes_to_the_audits_that_can_still_prove_who_lied():
+    """Issue 59: a vouched whole-model liar against a chain, with no verified third route,
+    withholds the answer; its audit (replays on other networks) then makes the proof that
+    stops the next client, instead of every fresh client being withheld in turn."""
+    evil, honest, proved = FakeRoute(["evil"], lie=lambda p: 666), FakeRoute(["h1", "h2"]), []
+    route = CrossCheckedRoute([evil, honest], opener(), PeerRecords(), prove=proved.append)
+    with pytest.raises(OutputWithheld):
+        run(route)
+    assert proved == [evil, honest]
+    z = FakeRoute(["z"], lie=lambda p: 777)
+    route = CrossCheckedRoute([FakeRoute(["x"], lie=lambda p: 666), FakeRoute(["y"])], opener(z, verified=["z"]),
+                              PeerRecords(), prove=proved.append)
+    with pytest.raises(OutputWithheld, match="nothing decides"):
+        run(route)
+    assert [r.peers for r in proved[2:]] == [["x"], ["y"]]
+
+
 def test_a_third_route_that_agrees_with_neither_withholds_the_answer():
     route = CrossCheckedRoute([FakeRoute(["x"], lie=lambda p: 666), FakeRoute(["y"])],
                               opener(FakeRoute(["z"], lie=lambda p: 777), verified=["z"]), PeerRecords())
@@ -289,3 +306,60 @@ def test_with_no_second_route_a_route_without_records_runs_unchecked_and_says_so
     assert run(route) == HONEST[:5]
     assert route.summary()["mode"] == "unchecked" and route.summary()["unverified_peers"] == ["new"]
     assert sum("not cross-checked" in e for e in events) == 1  # said once, not at every step
+
+
+def test_one_vouched_peer_computing_every_layer_is_checked_by_a_second_route():
+    """Issue 59, the sleeper: a vouch is someone else's check. A route of one hop, whose peer
+    alone computes the whole answer, runs beside a second route until this client's own
+    checks matched that peer: a vouched peer turned liar is outvoted before its first token."""
+    records = PeerRecords()
+    records.vouch(["whole", "h1", "h2", "h3"])
+    sleeper = FakeRoute(["whole"], lie=lambda pos: 666)
+    chain, third = FakeRoute(["h1", "h2"]), FakeRoute(["h3"])
+    route = CrossCheckedRoute([sleeper], opener(chain, third, verified=["h3"]), records)
+    assert run(route) == HONEST[:5]  # the liar's text is never handed on
+    assert "whole" in records.caught() and route.summary()["mode"] == "cross-checked"
+
+
+def test_a_whole_model_peer_this_client_checked_itself_is_stepped_alone():
+    records = PeerRecords()
+    records.vouch(["whole"])
+    records.matched("whole")  # this client's own exact check, not only a vouch
+    open_disjoint = opener(FakeRoute(["c"]))
+    route = CrossCheckedRoute([FakeRoute(["whole"])], open_disjoint, records)
+    assert run(route) == HONEST[:5]
+    assert open_disjoint.asked == [] and route.summary()["mode"] == "verified-peers"
+
+
+def test_agreeing_step_for_step_with_verified_peers_checks_a_whole_model_session():
+    records = PeerRecords()
+    records.vouch(["whole", "h1", "h2"])
+    whole, chain = FakeRoute(["whole"]), FakeRoute(["h1", "h2"])
+    route = CrossCheckedRoute([whole], opener(chain), records)
+    run(route)
+    assert route.checked_alone() == {"whole"}  # the client's own check: the audit is not run again
+    # a route of a peer with no record checks nothing (it may be the liar's own); the
+    # vouched one checks it, as an audit's replay would
+    records2 = PeerRecords()
+    records2.vouch(["whole"])
+    route = CrossCheckedRoute([FakeRoute(["whole"])], opener(FakeRoute(["new"])), records2)
+    run(route)
+    assert route.summary()["mode"] == "cross-checked" and route.checked_alone() == {"new"}
+    # a second route brought level after the first step was compared from then on only
+    records3 = PeerRecords()
+    records3.vouch(["whole", "h1"])
+    late = CrossCheckedRoute([FakeRoute(["whole"])], opener(FakeRoute(["h1"])), records3)
+    late.unchecked = "not yet"  # the first step alone
+    late.step(0, (1, 2, 3), False)
+    late.unchecked = ""
+    late.step(3, (11,), True)
+    assert len(late.routes) == 2 and late.checked_alone() == set()
+
+
+def test_a_whole_model_peer_with_no_second_route_runs_unchecked_and_says_why():
+    records, events = PeerRecords(), []
+    records.vouch(["whole"])
+    route = CrossCheckedRoute([FakeRoute(["whole"])], opener(), records, on_event=events.append)
+    assert run(route) == HONEST[:5]
+    assert route.summary()["mode"] == "unchecked" and route.checked_alone() == set()
+    assert sum("computes every layer alone" in e for e in events) == 1

@@ -305,3 +305,21 @@ def test_a_span_counts_in_the_network_it_answered_from_else_its_reports_address(
     assert span_network(Span(pid, 0, 1, record=report(addrs=[f"/ip4/127.1.0.3/tcp/9/p2p/{pid}"]))) == "127.1.0.3"
     assert span_network(Span(pid, 0, 1, record=report(addrs=["not a multiaddr"]))) == f"peer:{pid}"
     assert span_network(Span(pid, 0, 1)) == f"peer:{pid}"
+
+
+def test_a_span_is_replayable_only_by_peers_of_other_networks_over_its_very_cuts():
+    """Issue 59: a span no peer on another network can replay is a position no audit checks."""
+    from meshnet_p2p.swarm.placement import replayable
+
+    def at(peer, start, end, net=None):
+        return Span(peer, start, end, network=net or f"net-{peer}")
+
+    whole, a, b, c = at("w", 0, 30), at("a", 0, 10), at("b", 10, 20), at("c", 20, 30)
+    swarm = [whole, a, b, c, at("d", 0, 15), at("e", 15, 30)]
+    assert replayable(whole, swarm)  # a float32 seam: any chain of cuts inside it
+    assert not replayable(whole, swarm, composes=False)  # other seams: the very same layers only
+    assert not replayable(a, swarm)  # 0:15 does not stop at layer 10
+    assert replayable(a, [*swarm, at("a2", 0, 10)], composes=False)
+    assert not replayable(a, [*swarm, at("a2", 0, 10, net="net-a")])  # its own network: one witness
+    assert not replayable(whole, [whole, a, b, at("c2", 20, 30, net="net-w")])  # a gap the own network fills
+    assert not replayable(whole, [whole])

@@ -243,9 +243,11 @@ def reviewed(tmp_path_factory):
         seen = Client([addr], ring=False)
         assert any(cheater.peer_id in {s.peer_id for s in trio.run(seen.spans)} for _ in range(5))
         seen.close()
-        r = meshnet_peer("review", "--bootstrap", addr, "--identity", boot.identity_path, "--json", env=env,
-                         timeout=300)
-        yield SimpleNamespace(addr=addr, boot=boot, joins=joins, cheater=cheater, other=other, run=r, tmp=tmp)
+        # replays on other peers only, as a certifier without the whole model's file reviews
+        r = meshnet_peer("review", "--bootstrap", addr, "--identity", boot.identity_path, "--json",
+                         "--no-own-replay", env=env, timeout=300)
+        yield SimpleNamespace(addr=addr, boot=boot, joins=joins, cheater=cheater, other=other, run=r, tmp=tmp,
+                              env=env)
     finally:
         for p in procs:
             p.stop()
@@ -275,6 +277,27 @@ def test_review_verifies_the_honest_peers_and_convicts_the_perturbing_one(review
     [report] = found[cheater.peer_id]
     assert str(report.signer) == reviewed.boot.peer_id and proof_of(report).peer_id == cheater.peer_id
     assert proof_of(report).transferable() is None
+
+
+def test_a_certifier_holding_the_whole_model_is_a_witness_for_every_span_even_one_nobody_else_serves(reviewed):
+    """Issue 59: a head nobody else serves, and sub-spans nobody else cuts, have no replayer
+    among the peers; a certifier with the whole model's file replays every audited hop on its
+    own weights (verify/oracle.py), so it verifies them and convicts the perturber alone."""
+    from tests.swarm import meshnet_peer
+
+    r = meshnet_peer("review", "--bootstrap", reviewed.addr, "--identity", str(reviewed.tmp / "oracle.key"),
+                     "--json", env=reviewed.env, timeout=300)
+    assert r.returncode == 3, r.stderr
+    doc = json.loads(r.stdout)
+    me = doc["certifier"]
+    assert doc["convicted"].keys() == {reviewed.cheater.peer_id}, doc
+    # the first review's report against it, re-checked here on these weights (or its own audit)
+    assert doc["peers"][reviewed.cheater.peer_id]["audit"] in ("report", "mismatch"), doc["peers"]
+    assert f"own replay ({me}" in doc["peers"][reviewed.cheater.peer_id]["detail"], doc["peers"]
+    assert doc["verified"] == {p.peer_id: 1 for p in reviewed.joins}, (r.stdout, r.stderr[-3000:])
+    for p in reviewed.joins:
+        assert doc["peers"][p.peer_id]["audit"] == "match" and doc["peers"][p.peer_id]["verdict"] == "verified"
+
 
 
 def test_a_client_that_trusts_the_reviewer_holds_its_verified_peers_vouched_and_never_plans_the_convicted(

@@ -11,7 +11,8 @@ scenarios are tests/adversaries.py's, which bench/verify.py measures too):
 
 The acceptance (issue 59): sleeper and trigger, at most one wrong answer
 delivered (returned, not withheld) over 20 fresh clients after the flip, none
-after a fraud report exists; the Sybil pair, none with --verify always, at most
+after a fraud report exists (now none at all: a whole-model peer a client has not
+checked itself runs beside a second route); the Sybil pair, none with --verify always, at most
 one with auto, and no honest peer convicted; framing convicts nobody.
 """
 
@@ -47,7 +48,7 @@ def outcomes(addr, prompts, answers, **kw) -> list[str]:
     return [o.what for o in fresh_clients(addr, prompts, answers, **kw)]
 
 
-def test_a_vouched_sleeper_deceives_at_most_one_fresh_client(honest, answers, tmp_path, monkeypatch):
+def test_a_vouched_sleeper_deceives_no_fresh_client(honest, answers, tmp_path, monkeypatch):
     flip = tmp_path / "flip"
     sleeper = honest.liar("sleeper", "--flip-file", str(flip))
     try:
@@ -72,11 +73,15 @@ def test_a_vouched_sleeper_deceives_at_most_one_fresh_client(honest, answers, tm
         assert {x["outcome"] for x in json.loads(r.stdout)["reports"]} == {"confirmed"}, r.stdout
     finally:
         assert sleeper.stop() == 0
-    assert got[0] == "WRONG", got  # the sleeper lies once vouched: the one user it can deceive
+    # the first user, sent to it, ran a second route beside it (a vouch is someone else's check; one
+    # identity computing every layer decides the whole answer): they disagreed at the first token, and
+    # with no third route of verified peers (one chain here is vouched) the answer was withheld, not
+    # delivered; its audit then proved the lie (above) for every client after it
+    assert got[0] in ("right", "withheld"), got
     assert got[1:] == ["right"] * (FRESH_CLIENTS - 1), got  # a report exists: none after it
 
 
-def test_a_vouched_trigger_deceives_at_most_one_fresh_client(honest, answers):
+def test_a_vouched_trigger_deceives_no_fresh_client(honest, answers):
     liar = honest.liar("trigger")
     try:
         honest.review()  # its prompts are drawn: they may or may not hold the trigger
@@ -84,8 +89,10 @@ def test_a_vouched_trigger_deceives_at_most_one_fresh_client(honest, answers):
         got = outcomes(honest.addr, prompts, answers)
     finally:
         assert liar.stop() == 0
-    assert got.count("WRONG") <= 1, list(zip(prompts, got))
-    assert got.count("right") >= FRESH_CLIENTS - 1, list(zip(prompts, got))
+    # every fresh client runs a second route beside a whole-model peer it has not checked itself:
+    # the lie is never delivered; the first trigger prompt is withheld (no verified third route)
+    # and its audit's proof stops the clients after it
+    assert "WRONG" not in got and got.count("withheld") <= 1, list(zip(prompts, got))
 
 
 def test_a_sybil_pair_decides_no_answer_and_convicts_no_honest_peer(honest, answers):

@@ -41,7 +41,7 @@ from meshnet_p2p.core.stats import ClientStats
 from meshnet_p2p.dataplane.transport.pool import ChannelPool
 from meshnet_p2p.dataplane.transport.tls import make_client_credentials
 from meshnet_p2p.engine.contract import SamplingParams
-from meshnet_p2p.swarm.placement import Span, plan_route, span_network
+from meshnet_p2p.swarm.placement import Span, plan_route, replayable, span_network
 from meshnet_p2p.core.records import wall_ms
 from meshnet_p2p.swarm.view import routable_spans, survey
 from meshnet_p2p.trust.verdicts import report_key, sign_report
@@ -49,7 +49,7 @@ from meshnet_p2p.trust.policy import TrustPolicy
 from meshnet_p2p.route.chain import Chain
 from meshnet_p2p.route.errors import GenerationError, RequestRefused
 from meshnet_p2p.route.generation import Generation, generate
-from meshnet_p2p.route.hop import DishonestHop
+from meshnet_p2p.route.hop import DishonestHop, route_fingerprint
 from meshnet_p2p.route.options import PeerMeasures, RouteOptions
 from meshnet_p2p.route.ring import RingRoute
 from meshnet_p2p.route.star import StarRoute
@@ -312,7 +312,12 @@ class Client:
             live, used = (route.routes, route.all_routes()) if isinstance(route, CrossCheckedRoute) \
                 else ([route], [route])
             signed = self._check_signatures(live)
-            audits = self.auditor.pick(used, self.n_layer)
+            # a whole-model hop a route of verified peers matched step for step was checked as an
+            # audit would check it: counted as this client's own, and not replayed again
+            checked = route.checked_alone() if isinstance(route, CrossCheckedRoute) else set()
+            for peer in checked:
+                self.records.matched(peer)
+            audits = self.auditor.pick(used, self.n_layer, skip=checked)
             # after the answer, off its latency; then reports published and fetched for the peers used
             self.auditor.submit(audits, peers=[p for r in used for p in peers_of(r)])
             verification = {**self._verification(route), "signed_steps": signed,
@@ -339,7 +344,8 @@ class Client:
     def _open_checked(self, provider, opts: RouteOptions, verify: str):
         """The route a generation runs on: one route ("off"); two disjoint ones cross-checked step by
         step ("always"); or one that enlists a second as soon as it depends on a peer with no verified
-        record ("auto": at its first step, or after a failover brings one in)."""
+        record, or on one peer alone this client has not checked itself ("auto": at its first step,
+        or after a failover brings one in)."""
         primary = open_route(provider, self.n_layer, opts, self.measures)
         if verify == "off":
             return primary
@@ -366,5 +372,22 @@ class Client:
 
     def _verification(self, route) -> dict:
         if isinstance(route, CrossCheckedRoute):
-            return route.summary()
-        return {"mode": "off", "unverified_peers": sorted(p for p in peers_of(route) if not self.records.verified(p))}
+            out, routes = route.summary(), route.routes
+        else:
+            out, routes = {"mode": "off", "unverified_peers": sorted(
+                p for p in peers_of(route) if not self.records.verified(p))}, [route]
+        return {**out, "unauditable_peers": self._unauditable(routes)}
+
+    def _unauditable(self, routes: list[Chain]) -> list[str]:
+        """The peers of ``routes`` whose span no peer on another network could replay (as the last
+        survey found the swarm): no audit checks them, and each alone decides what its layers give."""
+        with self._survey_lock:
+            spans = self._survey[1] if self._survey is not None else []
+        out = set()
+        for r in routes:
+            for h in r.hops:
+                seam = route_fingerprint(h.span.record.content).recipe_axes.get("seam_dtype") \
+                    if h.span.record is not None else None
+                if not replayable(h.span, spans, composes=seam == "f32"):
+                    out.add(h.span.peer_id)
+        return sorted(out)

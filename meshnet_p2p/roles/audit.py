@@ -56,15 +56,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def generate_and_audit(client: "Client", peer_id: str, prompt: str, max_tokens: int, *,
-                       exclude: Iterable[str] = ()) -> tuple[dict, "AuditResult"]:
+                       exclude: Iterable[str] = (), own_replay=None) -> tuple[dict, "AuditResult"]:
     """A greedy generation through ``peer_id``, then the audit of its hop (replayed
-    on peers other than ``exclude``): what the generation did (route, tokens), and
-    the audit's result."""
+    on peers other than ``exclude``, or by ``own_replay``: verify/oracle.py): what the
+    generation did (route, tokens), and the audit's result."""
     from meshnet_p2p.verify.replay import audit_hop
 
     done, transcript, spans, opts = generate_through(client, peer_id, prompt, max_tokens)
     return done, audit_hop(transcript, spans, opts, exclude=exclude, measures=client.measures,
-                           verified=client.records.verified)
+                           verified=client.records.verified, own_replay=own_replay)
 
 
 def generate_through(client: "Client", peer_id: str, prompt: str, max_tokens: int):

@@ -229,8 +229,20 @@ def _generate_network(args: argparse.Namespace, sampling) -> int:
     client = Client(seeds, model_path=model, model_ref=ref, step_timeout=args.step_timeout, on_event=events,
                     trust=_trust(args, seeds), ring=not args.star, verify=args.verify,
                     audit_rate=args.audit_rate, keep_records=True)
-    result = client.generate(args.prompt, args.max_tokens, sampling, chat=args.chat,
-                             on_token=None if args.json else _write_out)
+    from meshnet_p2p.verify.crosscheck import OutputWithheld
+
+    try:
+        result = client.generate(args.prompt, args.max_tokens, sampling, chat=args.chat,
+                                 on_token=None if args.json else _write_out)
+    except OutputWithheld:
+        # the routes disagreed and nothing here could decide: the audits of both may still
+        # prove which one lied and publish it, so that the next user is not withheld again
+        if not client.wait_audits(AUDIT_WAIT_S):
+            events(f"audits still running after {AUDIT_WAIT_S:g} s: left undone")
+        for a in client.auditor.results:
+            events(f"audit of {a.peer_id} on layers {a.start}-{a.end - 1}: {a.verdict.value}")
+        client.close()
+        raise
     if not args.json:  # the answer first; the audits of the hops it used after it (docs/verification.md)
         sys.stdout.write("\n")
         sys.stdout.flush()

@@ -51,6 +51,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=positive, help="tokens each audited generation makes (default: drawn "
                                                        "between 4 and 24 for each)")
     p.add_argument("--step-timeout", type=positive_float, default=10.0)
+    p.add_argument("--no-own-replay", action="store_true",
+                   help="replay audited hops only on other peers (by default a review whose --model is the whole "
+                        "model replays each audited hop on it itself, where its build computes the hop's recipe: "
+                        "a witness for every span, even one nobody else serves)")
     add_trust(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
@@ -99,11 +103,23 @@ def storage_warning(held: "Stored", visible_networks: int) -> str:
 # --- the real network ----------------------------------------------------------------------------
 
 
+def own_oracle(path: str, model_digest: str, me: str):
+    """The certifier's own replayer when ``path`` is the whole model (verify/oracle.py), else None."""
+    from meshnet_p2p.engine.cut import inspect_gguf
+    from meshnet_p2p.verify.oracle import LocalOracle
+
+    info = inspect_gguf(path)
+    if info.is_cut or info.model_digest != model_digest:
+        return None  # a shard is no witness for layers it does not hold
+    return LocalOracle(path, model_digest, info.source_sha256, me)
+
+
 def client_net(client: "Client", identity: "Identity", prompt: str | None, max_tokens: int | None,
-               prompts: Sequence[str] = ()) -> ReviewNet:
+               prompts: Sequence[str] = (), own_replay=None) -> ReviewNet:
     """The round's calls on the swarm, through ``client`` (a star client, ring=False). Each
     audit's prompt and length: ``prompt`` and ``max_tokens`` when given, else drawn
-    (verify/review.py's audit_request, from ``prompts`` when given)."""
+    (verify/review.py's audit_request, from ``prompts`` when given). ``own_replay``: the
+    certifier's replay on its own weights (verify/oracle.py), for audits and re-checks."""
     import functools
     import random
 
@@ -122,7 +138,8 @@ def client_net(client: "Client", identity: "Identity", prompt: str | None, max_t
 
     def audit(peer: str, exclude: set):
         drawn, n = audit_request(rng, prompts)
-        return generate_and_audit(client, peer, prompt or drawn, max_tokens or n, exclude=exclude)[1]
+        return generate_and_audit(client, peer, prompt or drawn, max_tokens or n, exclude=exclude,
+                                  own_replay=own_replay)[1]
 
     def fetch(peers: list) -> Mapping:
         return trio.run(functools.partial(exchange_reports, client.bootstrap, client.model_digest, (), peers))[0]
@@ -130,7 +147,7 @@ def client_net(client: "Client", identity: "Identity", prompt: str | None, max_t
     def recheck(record, exclude: set):
         opts = client.route_options(1, SamplingParams(), False)  # the replays open sessions of their own
         return recheck_proof(proof_of(record), lambda: [s for s in spans() if s.peer_id not in exclude], opts,
-                             measures=client.measures, verified=client.records.verified)
+                             measures=client.measures, verified=client.records.verified, own_replay=own_replay)
 
     def publish(items: list):
         return trio.run(publish_records, client.bootstrap, identity, items)
@@ -179,7 +196,9 @@ def run(args: argparse.Namespace) -> int:
                     trust=trust_policy(args, seeds), ring=False)
     me = str(identity.peer_id)
     tally = PeerRecords(review_path(client.model_digest, me))
-    net = client_net(client, identity, args.prompt, args.max_tokens, read_prompts(args.prompts_file))
+    oracle = None if args.no_own_replay else own_oracle(model_path(args.model), client.model_digest, me)
+    net = client_net(client, identity, args.prompt, args.max_tokens, read_prompts(args.prompts_file),
+                     own_replay=oracle.replay if oracle is not None else None)
     peers: dict[str, PeerOutcome] = {}
     heard = Heard()
     try:
@@ -197,6 +216,8 @@ def run(args: argparse.Namespace) -> int:
                 say(f"warning: {r.warning}")
     finally:
         client.close()
+        if oracle is not None:
+            oracle.close()
     if args.json:
         print(json.dumps({
             "certifier": me, "model_digest": client.model_digest, "rounds": args.rounds,

@@ -70,6 +70,23 @@ class Span:
                    int(c["free_sessions"]), c["departing"] is True, record, c["direct"] is False)
 
 
+def replayable(span: Span, spans: Iterable[Span], composes: bool = True) -> bool:
+    """Whether peers of ``spans`` on networks other than ``span``'s serve its layers so that an
+    audit could replay its outputs exactly: one over the very same layers, or (``composes``: a
+    float32 seam, which carries every bit across a cut) a chain of them from its first layer to
+    its last. A span no one else can replay is never checked by an audit: one identity alone
+    decides what it computes."""
+    net = span_network(span)
+    parts = sorted((s for s in spans if s.peer_id != span.peer_id and span_network(s) != net
+                    and span.start <= s.start < s.end <= span.end
+                    and (composes or (s.start, s.end) == (span.start, span.end))), key=lambda s: s.start)
+    reach = {span.start}
+    for s in parts:  # by start: every chain reaching s.start was built before s is looked at
+        if s.start in reach:
+            reach.add(s.end)
+    return span.end in reach
+
+
 def span_network(span: Span) -> str:
     """The network a span's peer counts in when witnesses must be independent (two
     routes that check each other, two replays that convict): the network it answered

@@ -190,11 +190,12 @@ class Auditor:
                 self.on_event(f"could not audit {t.peer_id}: {sanitize(e)}")
         return caught
 
-    def pick(self, routes: list[Chain], n_layer: int) -> list[HopTranscript]:
-        """The hop-sessions of ``routes`` to audit, each with its peer's probability."""
-        caught = self.records.caught()
+    def pick(self, routes: list[Chain], n_layer: int, skip: Iterable[str] = ()) -> list[HopTranscript]:
+        """The hop-sessions of ``routes`` to audit, each with its peer's probability; none of the
+        peers in ``skip`` (their session was checked already)."""
+        leave = {*self.records.caught(), *skip}
         return [t for r in routes for t in transcripts(r, n_layer)
-                if t.peer_id not in caught and random.random() < self.records.audit_probability(t.peer_id, self.rate)]
+                if t.peer_id not in leave and random.random() < self.records.audit_probability(t.peer_id, self.rate)]
 
     def due(self, peers: Iterable[str], limit: int = MAX_LOOKED_UP) -> list[str]:
         """Those of ``peers`` whose reports are due to be looked up (at most ``limit``, the

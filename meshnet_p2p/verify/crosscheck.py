@@ -2,7 +2,9 @@
 side, and a token handed on only when both computed it.
 
 Used when a route depends on a peer with no verified record (peer_records.py), or
-always with ``verify="always"``. Started with one route (``verify="auto"``),
+on one peer alone that this client has not checked itself (a route of one hop: one
+identity computes the whole answer, and a certifier's vouch is someone else's check;
+issue 59, the sleeper), or always with ``verify="always"``. Started with one route (``verify="auto"``),
 it steps that route alone while every peer on it has a record, and enlists a
 disjoint second route, brought level by replaying the steps so far, as soon
 as one has none: at the first step, or after a failover that brought in a
@@ -78,6 +80,7 @@ class CrossCheckedRoute:
         self.prove = prove  # a one-hop route caught here is audited later too: that makes a proof others can check
         self.on_event = on_event
         self.steps: list[tuple[int, tuple[int, ...], bool]] = []  # every step so far, to bring a new route level
+        self.compared = 0  # steps whose reply two routes agreed on (or a third settled)
         self.disputes: list[dict] = []
         self.dropped: list[Chain] = []  # routes dropped (their hops' transcripts are still audited)
         self._pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="cross-check")
@@ -114,23 +117,53 @@ class CrossCheckedRoute:
             replies = [reply, self.routes[1].step(position, token_ids, decode)]
         else:
             replies = self._step_both(position, token_ids, decode)
+        self.compared += 1
         if same_output(*replies):
             return replies[0]
         return self._settle(position, replies)
 
+    def needs_check(self, route: Chain) -> bool:
+        """Whether ``route`` alone may not decide an answer: a peer on it has no verified record,
+        or one peer computes every layer and this client has not checked it itself."""
+        peers = peers_of(route)
+        if not all(self.records.verified(p) for p in peers):
+            return True
+        return len(route.hops) == 1 and not self.records.checked(route.hops[0].span.peer_id)
+
+    def checked_alone(self) -> set[str]:
+        """The peers that computed a whole answer alone (a route of one hop, no failover) and whose
+        every step a route of verified peers on other networks gave exactly too: this client has
+        checked their session as an audit would (a whole-model hop's outputs are the tokens an
+        audit compares), so it need not be replayed again."""
+        if self.compared != len(self.steps) or len(self.routes) != 2 or self.dropped:
+            return set()  # a route brought level later was compared from then on only
+        out = set()
+        for i, r in enumerate(self.routes):
+            other = self.routes[1 - i]
+            peers = peers_of(r)
+            if len(peers) == 1 and len(r.hops) == 1 and all(self.records.verified(p) for p in peers_of(other)) \
+                    and not peers & peers_of(other) and not networks_of(r) & networks_of(other):
+                out |= peers
+        return out
+
     def _enlist(self) -> bool:
-        """With one route that depends on a peer with no record, open a disjoint second one, level with
-        the steps before the current one's (``self.steps[:-1]``); True if it did."""
+        """With one route that may not decide alone (:meth:`needs_check`), open a disjoint second one,
+        level with the steps before the current one's (``self.steps[:-1]``); True if it did."""
         route = self.routes[0]
-        if self.unchecked or all(self.records.verified(p) for p in peers_of(route)):
+        if self.unchecked or not self.needs_check(route):
             return False
         try:
             shadow = self.open_disjoint(self._excluded(), self._networks())
         except MeshnetError as e:
             self.unchecked = str(e)
             unverified = sorted(p[-8:] for p in peers_of(route) if not self.records.verified(p))
-            self.on_event(f"no second route to check peers with no verified record ({', '.join(unverified)}): "
-                          f"the output is not cross-checked ({e})")
+            if unverified:
+                self.on_event(f"no second route to check peers with no verified record ({', '.join(unverified)}): "
+                              f"the output is not cross-checked ({e})")
+            else:
+                self.on_event(f"peer {route.hops[0].span.peer_id[-8:]} computes every layer alone and this client "
+                              f"has not checked it itself; no second route to check it: the output is not "
+                              f"cross-checked ({e})")
             return False
         try:
             for position, token_ids, decode in self.steps[:-1]:
@@ -182,6 +215,7 @@ class CrossCheckedRoute:
         try:
             third = self.open_disjoint(self._excluded(), self._networks(), verified_only=True)
         except MeshnetError as e:
+            self._audit_both()
             raise OutputWithheld(f"{what}, and no third route of verified peers on other networks could decide "
                                  f"({e}); the answer is withheld") from None
         try:
@@ -192,6 +226,7 @@ class CrossCheckedRoute:
         agree = [i for i, r in enumerate(replies) if same_output(r, decider)]
         if len(agree) != 1:
             third.close()
+            self._audit_both()
             raise OutputWithheld(f"{what}, and a third route gave {_describe(decider)}: nothing decides; "
                                  "the answer is withheld")
         good, bad = self.routes[agree[0]], self.routes[1 - agree[0]]
@@ -202,6 +237,14 @@ class CrossCheckedRoute:
         self.dropped.append(bad)
         self.routes = [good, third]
         return replies[agree[0]]
+
+    def _audit_both(self) -> None:
+        """A disagreement nothing here could decide: every hop of both routes goes to the audits
+        (``prove``), whose replays on other networks can still prove which one lied, and publish
+        it, so that the next client is not left to withhold again."""
+        if self.prove is not None:
+            for r in self.routes:
+                self.prove(r)
 
     def _convict(self, bad: Chain, position: int, wrong, right) -> list[str]:
         """Who on ``bad`` computed something else: proven for a route of one hop (it

@@ -127,6 +127,15 @@ class PeerRecords:
             return (r is not None and r.sessions(self.clock()) > 0) or \
                 (peer in self._vouched and (r is None or not r.unconfirmed))
 
+    def checked(self, peer: str) -> bool:
+        """Verified by this client's own exact checks (its decayed sessions), not only vouched:
+        what a peer that alone computes a whole answer needs to be stepped without a second route."""
+        with self._lock:
+            r = self._by.get(peer)
+            if r is None or r.caught or peer in self._convicted or self._reported.get(peer):
+                return False
+            return r.sessions(self.clock()) > 0
+
     def caught(self) -> dict[str, str]:
         with self._lock:
             return {**self._convicted, **{p: r.caught for p, r in self._by.items() if r.caught}}

@@ -72,11 +72,12 @@ def cut_planner(cuts: tuple[int, ...], end: int, avoid: set[str]) -> Callable[..
 
 
 def recheck_proof(proof: FraudProof, spans_provider: Callable[[], list[Span]], opts: RouteOptions, *,
-                  measures: PeerMeasures | None = None, verified: Callable[[str], bool] | None = None
-                  ) -> RecheckResult:
+                  measures: PeerMeasures | None = None, verified: Callable[[str], bool] | None = None,
+                  own_replay=None) -> RecheckResult:
     """Check ``proof`` by this node's own replays (see the module's docstring).
     Blocking; ``opts`` says how to reach peers; closes every session it opens.
-    ``verified``: as audit_hop's (a confirmation needs a witness this node has a record of)."""
+    ``verified``: as audit_hop's (a confirmation needs a witness this node has a record of);
+    ``own_replay``: as audit_hop's (the peer's layers replayed on this node's own weights)."""
     why = proof.transferable()
     if why is not None:
         return RecheckResult(Recheck.NOT_TRANSFERABLE, proof.peer_id, why)
@@ -97,7 +98,8 @@ def recheck_proof(proof: FraudProof, spans_provider: Callable[[], list[Span]], o
         t = dataclasses.replace(t, steps=tuple(StepRecord(s.position, x, s.decode, None, s.commitment)
                                                for s, x in zip(t.steps, inputs)))
     audit = audit_hop(t, spans_provider, opts, measures=measures,
-                      peer_outputs=[c.output_digest.hex() for c in commitments], verified=verified)
+                      peer_outputs=[c.output_digest.hex() for c in commitments], verified=verified,
+                      own_replay=own_replay)
     outcome = {Verdict.MISMATCH: Recheck.CONFIRMED, Verdict.MATCH: Recheck.REFUTED,
                Verdict.NO_REPLAYER: Recheck.NO_REPLAYER}.get(audit.verdict, Recheck.UNDECIDED)
     detail = {Recheck.CONFIRMED: f"replayed here, {audit.detail}: the proof stands",

@@ -115,15 +115,20 @@ def seam_composes(t: HopTranscript) -> bool:
     return t.fingerprint.recipe_axes.get("seam_dtype") == "f32"
 
 
-def replay_planner(exact_span: bool, avoid: set[str], networks: set[str] = frozenset()) -> Callable[..., list[Span]]:
+def replay_planner(exact_span: bool, avoid: set[str], networks: set[str] = frozenset(),
+                   verified: Callable[[str], bool] | None = None) -> Callable[..., list[Span]]:
     """plan_route over peers not in ``avoid`` nor in ``networks`` (both read at each plan:
     they grow as replayers are used or fail), only over spans that are exactly the hop's
     when ``exact_span``. A replayer in the audited peer's network, or in the first replay's,
-    is no independent witness: many identities of one network are one (issue 59)."""
+    is no independent witness: many identities of one network are one (issue 59).
+    ``verified``: peers with a record here are preferred, as a route's are: a conviction
+    needs a replay wholly on such peers, so an audit looks for one where one exists."""
 
     def plan(spans: Iterable[Span], start: int, end: int, **kw) -> list[Span]:
         usable = [s for s in spans if s.peer_id not in avoid and span_network(s) not in networks
                   and (not exact_span or (s.start, s.end) == (start, end))]
+        if verified is not None and "prefer" not in kw:
+            kw["prefer"] = {s.peer_id for s in usable if verified(s.peer_id)}
         return plan_route(usable, start, end, **kw)
 
     return plan
@@ -192,7 +197,8 @@ def step_output(record: StepRecord) -> object:
 def audit_hop(transcript: HopTranscript, spans_provider: Callable[[], list[Span]], opts: RouteOptions, *,
               exclude: Iterable[str] = (), measures: PeerMeasures | None = None,
               peer_outputs: Sequence[str] | None = None,
-              verified: Callable[[str], bool] | None = None) -> AuditResult:
+              verified: Callable[[str], bool] | None = None,
+              own_replay: Callable[[HopTranscript], ReplayRun | None] | None = None) -> AuditResult:
     """Replay ``transcript``'s steps on peers other than its own and ``exclude``,
     and say whether the hop computed what the recipe computes (see the module's
     docstring). ``opts``: how to reach peers (timeouts, credentials, pool,
@@ -202,15 +208,24 @@ def audit_hop(transcript: HopTranscript, spans_provider: Callable[[], list[Span]
     taken from other networks than the peer's, and the second replay's from other
     networks than the first's. ``verified``: whose records this node holds; with it,
     two replays that agree against the peer convict only when one of them ran
-    wholly on such peers (else undecided, nobody blamed).
+    wholly on such peers (else undecided, nobody blamed). ``own_replay``: this
+    node's own replay of the hop (verify/oracle.py: a certifier holding the whole
+    model), or None where it has none; when it has one, it alone decides: this
+    node's own computation is the one witness it needs.
     Blocking, like the client's stepping; closes every session it opens."""
     t = transcript
     if not t.steps:
         raise ValueError("a transcript with no steps has nothing to audit")
     peer = list(peer_outputs) if peer_outputs is not None else \
         [output_digest(s.position, step_output(s)) for s in t.steps]
+    mine = own_replay(t) if own_replay is not None else None
+    if mine is not None:
+        k = first_difference(peer, mine.outputs)
+        d = Decision(Verdict.MATCH) if k is None else Decision(Verdict.MISMATCH, k, note="own")
+        return _result(t, d, (mine.replayers,), peer, mine)
     avoid, networks = {t.peer_id, *exclude}, set()
-    search = replay_search(t, spans_provider, opts, measures, replay_planner(not seam_composes(t), avoid, networks))
+    search = replay_search(t, spans_provider, opts, measures, replay_planner(not seam_composes(t), avoid, networks,
+                                                                           verified))
     networks.update(_networks(search, [t.peer_id], t.network))
     first = _replay(search, t, len(t.steps), peer, avoid)
     second = None
@@ -327,6 +342,9 @@ def _result(t: HopTranscript, d: Decision, runs: tuple[tuple[str, ...], ...], pe
                        t.n_layer, t.session_id, k, position, peer[k], first.outputs[k],
                        tuple(dict.fromkeys(p for r in runs for p in r)), t.sampling, t.max_tokens,
                        *_carried(t, k))
+    if d.note == "own":
+        return AuditResult(**base, proof=proof, detail=f"{where}: this node's own replay ({', '.join(runs[0])}, on "
+                                                       "its own copy of the weights) differs from the peer")
     return AuditResult(**base, proof=proof, detail=f"{where}: two independent replays ({'; '.join(', '.join(r) for r in runs)}) "
                                                    "agree with each other and differ from the peer")
 
