@@ -58,3 +58,40 @@ def test_generate_bad_flags_are_clear_errors(args, needle):
 def test_a_bad_kv_memory_is_one_clear_error(command, value, needle):
     r = meshnet_peer(command, "--layers", "0:10", "--kv-memory", value)
     assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_a_withheld_answer_waits_for_its_audits_before_exiting_2(monkeypatch, capsys):
+    """Issue 59: routes that disagree with no verified third route withhold the answer; the
+    audits of both are what prove the liar and publish it, so `generate` waits for them (as
+    after an answer) before it exits, instead of dropping them with the process. (The Client
+    is a unit-test double here; the live dispute is tests/test_trust_attacks.py's.)"""
+    from types import SimpleNamespace
+
+    import meshnet_p2p.client as client_pkg
+    from meshnet_p2p.roles.cli import main
+    from meshnet_p2p.verify.crosscheck import OutputWithheld
+    from meshnet_p2p.verify.replay import Verdict
+
+    seen = []
+
+    class Withholding:
+        def __init__(self, *a, **kw):
+            self.auditor = SimpleNamespace(results=[])
+
+        def generate(self, *a, **kw):
+            raise OutputWithheld("at position 7 the routes disagree; the answer is withheld")
+
+        def wait_audits(self, timeout):
+            seen.append("waited")
+            self.auditor.results = [SimpleNamespace(peer_id="12D3KooWLiar", start=0, end=30, verdict=Verdict.MISMATCH)]
+            return True
+
+        def close(self):
+            seen.append("closed")
+
+    monkeypatch.setattr(client_pkg, "Client", Withholding)
+    code = main(["generate", "--bootstrap", "/ip4/127.0.0.1/udp/9/p2p/12D3KooWDvvhbSkXBPTEFmWjAPHrSC4hEungQGj4gxcULMMDo9sE",
+                 "--prompt", "hi", "--max-tokens", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and seen == ["waited", "closed"], (code, seen, err)
+    assert "audit of 12D3KooWLiar on layers 0-29: mismatch" in err and "error: " in err and "withheld" in err

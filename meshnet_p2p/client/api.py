@@ -317,7 +317,9 @@ class Client:
             checked = route.checked_alone() if isinstance(route, CrossCheckedRoute) else set()
             for peer in checked:
                 self.records.matched(peer)
-            audits = self.auditor.pick(used, self.n_layer, skip=checked)
+            # nor is a hop no peer on another network could replay (as the last survey found the
+            # swarm): its audit would look for a replayer and find none, at every session
+            audits = self.auditor.pick(used, self.n_layer, skip=checked | set(self._unauditable(used)))
             # after the answer, off its latency; then reports published and fetched for the peers used
             self.auditor.submit(audits, peers=[p for r in used for p in peers_of(r)])
             verification = {**self._verification(route), "signed_steps": signed,
