@@ -332,7 +332,7 @@ async def perturbing_engine(args: argparse.Namespace, model: str) -> tuple[Shard
     from meshnet_p2p.engine.cut import parse_layer_range, sha256_file
     from meshnet_p2p.engine.llama_engine import LlamaCppShardEngine
     from meshnet_p2p.engine.models import ensure_shard
-    from meshnet_p2p.roles.join import measure_throughput
+    from meshnet_p2p.roles.volunteer import measure_throughput
 
     shard = args.shard
     if shard is None:
@@ -367,7 +367,7 @@ async def perturbing_engine(args: argparse.Namespace, model: str) -> tuple[Shard
 
 async def run(args: argparse.Namespace, print_line=print) -> None:
     from meshnet_p2p.roles.flags import model_path
-    from meshnet_p2p.roles.join import ANNOUNCE_INTERVAL_S, announce_loop
+    from meshnet_p2p.swarm.announcer import ANNOUNCE_INTERVAL_S, Announcer
     from meshnet_p2p.roles.serve import start_data_plane
     from meshnet_p2p.swarm.node import advertised_host, start_node
 
@@ -385,19 +385,22 @@ async def run(args: argparse.Namespace, print_line=print) -> None:
                 here = str(Multiaddr.for_socket(advertised_host(args.host, args.bootstrap), "tcp", plane.server.port,
                                                 identity.peer_id))
 
-                async def publish() -> None:  # a fresh report each time, like join's
+                def records() -> list:  # a fresh report each time, like join's
                     now = wall_ms()
                     report = CapabilityReport(
                         caps.model_digest, caps.recipe_digest, (caps.start, caps.end), (here,),
                         throughput=round(throughput, 2), free_sessions=plane.servicer.open_to_newcomers(),
                         kv_tokens_free=caps.kv_token_budget, tls_cert=plane.creds.cert_pem.decode(),
                         recipe=caps.recipe, recipe_labels=caps.recipe_labels)
-                    await node.publish(model_key(caps.model_digest),
-                                       report.sign(identity, seq=now, now_ms=now, ttl_ms=CAPABILITY_TTL_MS))
+                    return [(model_key(caps.model_digest),
+                             report.sign(identity, seq=now, now_ms=now, ttl_ms=CAPABILITY_TTL_MS))]
 
-                await publish()  # announced before it says it listens: a test may plan a route at once
-                nursery.start_soon(announce_loop, publish, [trio.Event()], node.stats,
-                                   args.announce_interval or ANNOUNCE_INTERVAL_S)
+                # announced before it says it listens (a test may plan a route at once), then as join does
+                [(key, first)] = records()
+                await node.publish(key, first)
+                announcer = Announcer(node.publish, records, counts=node.stats,
+                                      interval=args.announce_interval or ANNOUNCE_INTERVAL_S)
+                nursery.start_soon(announcer.run, False)
             for addr in plane.addrs:
                 print_line(f"listening on {addr}")
             print_line(f"tls-binding {sign_binding(identity, plane.creds, now_ms=wall_ms()).hex()}")

@@ -344,7 +344,7 @@ async def test_a_follower_pulls_a_co_volunteers_refresh_only_when_it_adds_a_minu
     without a live copy."""
     import dataclasses
 
-    from meshnet_p2p.roles.join import ANNOUNCE_INTERVAL_S
+    from meshnet_p2p.swarm.announcer import ANNOUNCE_INTERVAL_S
     from meshnet_p2p.swarm.capability import CAPABILITY_TTL_MS
 
     base = wall_ms()

@@ -33,26 +33,68 @@ async def run_for(seconds: float, fn, *args) -> None:
     assert scope.cancelled_caught, f"{fn.__name__} ended"
 
 
-async def test_the_announce_loop_counts_a_failing_announce_and_announces_again(autojump_clock):
-    from meshnet_p2p.roles.join import announce_loop
+async def test_the_announcer_counts_a_failing_announce_and_announces_again(autojump_clock):
+    from meshnet_p2p.swarm.announcer import Announcer
 
     counts, calls = Counter(), []
 
-    async def publish():
+    def records():
         calls.append(trio.current_time())
         if len(calls) <= 3:
             raise Boom("a bug in one announce")
+        return [("model/x", b"report")]
 
-    await run_for(200, announce_loop, publish, [trio.Event()], counts, 30.0)
+    async def publish(key, record):
+        return 1
+
+    await run_for(200, Announcer(publish, records, interval=30.0, counts=counts).run)
     assert counts["loop_errors_announce"] == 3 and len(calls) >= 5
 
 
+async def test_the_announcer_says_when_the_swarm_stops_and_starts_again_taking_its_report(autojump_clock):
+    from meshnet_p2p.core.errors import MeshnetError
+    from meshnet_p2p.swarm.announcer import Announcer
+
+    said, answers = [], iter([1, 0, 0, MeshnetError("no node answered"), 2])
+
+    async def publish(key, record):
+        a = next(answers)
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    a = Announcer(publish, lambda: [("model/x", b"report")], interval=30.0, log=said.append)
+    assert [await a.announce() for _ in range(5)] == [1, 0, 0, None, 2]
+    assert said == ["announce reached no peer; retrying every 30 s",
+                    "announce failed, retrying in 30 s: no node answered", "announce reaching peers again (2)"]
+
+
+async def test_no_report_follows_the_departing_one(autojump_clock):
+    from meshnet_p2p.swarm.announcer import Announcer
+
+    sent = []
+
+    async def publish(key, record):
+        sent.append(record)
+        return 1
+
+    a = Announcer(publish, lambda: [("model/x", b"report")], interval=30.0)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(a.run)
+        await trio.sleep(65)  # three rounds: at once, 30 s, 60 s
+        await a.depart("model/x", b"departing")
+        a.wake()
+        await trio.sleep(300)
+    assert sent == [b"report"] * 3 + [b"departing"]
+
+
 async def test_the_reachability_recheck_counts_a_failing_check_and_asks_again(autojump_clock, monkeypatch):
-    import meshnet_p2p.roles.join as peer
+    from meshnet_p2p.roles.volunteer import RECHECK_S, Reachable
 
     node = SimpleNamespace(stats=Counter())
-    monkeypatch.setattr(peer, "_reachability", aboom)
-    await run_for(peer.RECHECK_S * 8, peer._recheck, node, "/ip4/127.0.0.1/tcp/1", None, print, None, None)
+    reach = Reachable(node, SimpleNamespace(relay=None), None, "/ip4/127.0.0.1/tcp/1", print, lambda: None)
+    monkeypatch.setattr(reach, "check", aboom)
+    await run_for(RECHECK_S * 8, reach.recheck, "/ip4/127.0.0.1/tcp/1")
     assert node.stats["loop_errors_recheck"] >= 3
 
 

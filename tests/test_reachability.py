@@ -606,13 +606,13 @@ def test_dial_target_accepts_only_an_ip_a_tcp_port_and_the_askers_id():
 
 
 async def test_placement_counts_a_report_only_where_its_signer_answers():
-    """join --layers auto's dial (roles.join.dial_report): the report's address must
+    """join --layers auto's dial (roles.volunteer.dial_report): the report's address must
     complete a TLS handshake bound to the report's signer; the host it answered at is
     what placement groups by. Another peer's certificate there, nobody there, or an
     address that does not parse: not answered."""
     from types import SimpleNamespace
 
-    from meshnet_p2p.roles.join import dial_report
+    from meshnet_p2p.roles.volunteer import dial_report
     from meshnet_p2p.swarm.placement import Span
 
     me, other = Identity.generate(), Identity.generate()

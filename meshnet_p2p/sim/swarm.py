@@ -35,7 +35,7 @@ from meshnet_p2p.nat.reachability import RELAY_DIAL_TIMEOUT, check_reachability,
 from meshnet_p2p.nat.relay import RelayError, Reservation
 from meshnet_p2p.dht.node import DHTConfig, DHTNode
 from meshnet_p2p.dht.routing import Contact, key_id, node_id_of
-from meshnet_p2p.roles.join import ANNOUNCE_INTERVAL_S
+from meshnet_p2p.swarm.announcer import ANNOUNCE_INTERVAL_S, Announcer
 from meshnet_p2p.swarm.capability import model_key
 from meshnet_p2p.swarm.node import TYPES, lifetime_cap, peers_for_model
 from meshnet_p2p.swarm.placement import Span, choose_span, default_num_layers
@@ -494,25 +494,25 @@ class SimSwarm:
         self.tell(p, "layers", list(p.layers))
 
     async def _announce(self, p: Peer, node: DHTNode, started: float) -> None:
+        """join's announcer (swarm/announcer.py), over this peer's node and report."""
         digest = self.models[p.model]
         liar = p.sybil is Behaviour.LIAR
-        first = True
-        while True:
-            now = self.now_ms()
-            report = records.report(p.identity, digest, p.layers, ip=p.host.addr[0], port=7001 if liar else 7000,
-                                    throughput=1000.0 / p.compute_ms, now_ms=now)
-            try:
-                await node.publish(model_key(digest), report)
-            except MeshnetError:  # as join: this announce failed, the next may not
-                await trio.sleep(ANNOUNCE_INTERVAL_S)
-                continue
-            if first and not liar:
-                first = False
+        first = [True]
+
+        def report() -> list[tuple[str, bytes]]:
+            return [(model_key(digest), records.report(p.identity, digest, p.layers, ip=p.host.addr[0],
+                                                       port=7001 if liar else 7000,
+                                                       throughput=1000.0 / p.compute_ms, now_ms=self.now_ms()))]
+
+        def stored(n: int) -> None:  # its first report taken: announced
+            if first[0] and not liar:
+                first[0] = False
                 p.announced_at = trio.current_time()
                 self.tell(p, "announced", p.announced_at)
                 if self.measuring:
                     self.tasks.start_soon(self._probe_routable, p, started)
-            await trio.sleep(ANNOUNCE_INTERVAL_S)
+
+        await Announcer(node.publish, report, interval=ANNOUNCE_INTERVAL_S, on_stored=stored, counts=node.stats).run()
 
     async def _certify(self, node: DHTNode) -> None:
         """The certifier's records for every model, once the swarm has begun to form
