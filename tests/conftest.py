@@ -18,6 +18,14 @@ settings.load_profile("random" if os.environ.get("MESHNET_FUZZ_RANDOM") else "de
 
 N_UBATCH = 32  # small, so ordinary test prompts span several micro-batches
 
+# Every process a test starts finds "the machine's" key file here, never in the real
+# ~/.config (peer roles take it by default: roles/flags.py peer_identity)
+if not os.environ.get("MESHNET_TESTS_CONFIG_HOME"):
+    import tempfile
+
+    os.environ["MESHNET_TESTS_CONFIG_HOME"] = tempfile.mkdtemp(prefix="meshnet-tests-config-")
+    os.environ["XDG_CONFIG_HOME"] = os.environ["MESHNET_TESTS_CONFIG_HOME"]
+
 
 @pytest.fixture(scope="session")
 def model_path() -> str:

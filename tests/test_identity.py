@@ -156,3 +156,53 @@ def test_cli_identity_new_and_show(tmp_path):
     env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
     r = meshnet_peer("identity", "new", env=env)
     assert r.returncode == 0 and (tmp_path / "cfg" / "meshnet-p2p" / "identity.key").exists()
+
+
+def test_a_peer_role_keeps_the_machines_identity_across_restarts_and_one_process_holds_it(tmp_path):
+    """Issue 60: `bootstrap`, `relay` and `join` without --identity are the machine's peer (its
+    default key file, created 0600 on first use), so a restart is the same peer; a second one
+    on the same key while the first runs is refused with what to do; a throwaway identity only
+    on request."""
+    import subprocess
+    import sys
+
+    from meshnet_p2p.roles.peer_process import OutputLines
+
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "cfg")}
+    key = tmp_path / "cfg" / "meshnet-p2p" / "identity.key"
+    seen = []
+
+    def bootstrap(*extra):
+        return OutputLines(subprocess.Popen([sys.executable, "-m", "meshnet_p2p", "bootstrap", "--listen",
+                                             "127.0.0.1:0", *extra], stdout=subprocess.PIPE,
+                                            stderr=subprocess.DEVNULL, text=True, env=env))
+
+    def stop(p):
+        p.p.terminate()
+        return p.p.wait(timeout=60)
+
+    first = bootstrap()
+    try:
+        seen.append(first.wait_line("identity ", 60))
+        assert f"(created {key})" in seen[0] and os.stat(key).st_mode & 0o777 == 0o600
+        second = subprocess.run([sys.executable, "-m", "meshnet_p2p", "bootstrap", "--listen", "127.0.0.1:0"],
+                                capture_output=True, text=True, env=env, timeout=60)
+        assert second.returncode == 2 and "in use by another running peer" in second.stderr, second.stderr
+        assert "--ephemeral-identity" in second.stderr and "Traceback" not in second.stderr
+        throwaway = bootstrap("--ephemeral-identity")
+        try:
+            line = throwaway.wait_line("identity ", 60)
+            assert "ephemeral" in line and line.split()[1] != seen[0].split()[1]
+        finally:
+            stop(throwaway)
+    finally:
+        assert stop(first) == 0
+    again = bootstrap()
+    try:
+        seen.append(again.wait_line("identity ", 60))
+    finally:
+        stop(again)
+    assert seen[1] == f"identity {seen[0].split()[1]} ({key})", seen  # the same peer, its key not made again
+    both = subprocess.run([sys.executable, "-m", "meshnet_p2p", "bootstrap", "--identity", str(key),
+                           "--ephemeral-identity"], capture_output=True, text=True, env=env, timeout=60)
+    assert both.returncode == 2 and "give one" in both.stderr

@@ -85,7 +85,7 @@ def test_join_on_a_terminal_shows_its_progress_and_a_live_status_line(tmp_path):
     join = None
     try:
         join = subprocess.Popen([sys.executable, "-m", "meshnet_p2p", "join", "--layers", "0:10", "--listen",
-                                 "127.0.0.1:0", "--threads", "1", "--bootstrap", boot.address(60)],
+                                 "127.0.0.1:0", "--threads", "1", "--bootstrap", boot.address(60), "--ephemeral-identity"],
                                 stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True)
         os.close(slave)
         seen, deadline = b"", time.monotonic() + 180

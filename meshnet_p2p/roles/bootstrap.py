@@ -12,13 +12,14 @@ import trio
 from meshnet_p2p.core.lifecycle import until_signalled
 from meshnet_p2p.nat.reachability import dial_checks
 from meshnet_p2p.swarm.node import bootstrap_addrs, node_multiaddrs, parse_listen, start_node
-from .flags import load_or_create_identity, metrics_listen, print_line, run_listener, serve_metrics
+from .flags import metrics_listen, peer_identity, print_line, run_listener, serve_metrics
 
 
 def run(args: argparse.Namespace) -> int:
     parse_listen(args.listen)  # a bad flag fails before anything starts
     metrics = metrics_listen(args)
-    identity = load_or_create_identity(args.identity)
+    said: list[str] = []  # said after the listening lines: the first line is its address
+    identity = peer_identity(args, said.append)
     seeds = bootstrap_addrs(args.bootstrap)
 
     async def serve() -> None:
@@ -31,6 +32,8 @@ def run(args: argparse.Namespace) -> int:
                 await serve_metrics(nursery, metrics, "bootstrap", DhtCollector(node))
             for addr in node_multiaddrs(node):
                 print_line(f"listening on {addr}")
+            for line in said:
+                print_line(line)
             await until_signalled()
             nursery.cancel_scope.cancel()
 

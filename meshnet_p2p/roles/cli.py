@@ -51,14 +51,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     boot = sub.add_parser("bootstrap", help="run a bootstrap peer (DHT and gossip only, no model)")
     boot.add_argument("--listen", default="127.0.0.1:4001", help="HOST:PORT for the UDP socket (port 0: any)")
-    _add_identity(boot)
+    _add_identity(boot, peer=True)
     _add_bootstrap(boot, "other bootstrap peers to join (repeatable; default $MESHNET_BOOTSTRAP)")
     _add_metrics(boot)
 
     relay = sub.add_parser("relay", help="run a relay for peers behind NAT (splices TLS it cannot read)")
     relay.add_argument("--listen", default="0.0.0.0:4002", help="HOST:PORT for the TCP socket (port 0: any); on "
                        "every address by default, announced at the one this machine reaches its bootstrap peers from")
-    _add_identity(relay)
+    _add_identity(relay, peer=True)
     _add_bootstrap(relay, "also join the DHT through these peers (repeatable; default $MESHNET_BOOTSTRAP)")
     relay.add_argument("--announce", metavar="MULTIADDR", help="the address peers and clients reach this relay at, "
                        "when not where it listens (port forwarding, a proxy): /ip4/HOST/tcp/PORT")
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--listen", default="0.0.0.0:0", help="HOST:PORT for the data plane (gRPC over TLS); on every "
                       "address by default, announced at the one this machine reaches its bootstrap peers from")
     _add_bootstrap(join, "bootstrap peers (repeatable; default $MESHNET_BOOTSTRAP, then bootstrap/peers.txt)")
-    _add_identity(join)
+    _add_identity(join, peer=True)
     join.add_argument("--relay", metavar="MULTIADDR", help="be reachable through this relay (behind NAT)")
     join.add_argument("--announce", metavar="MULTIADDR", help="the address others reach the data plane at, when "
                       "not where it listens (port forwarding, a proxy): /ip4/HOST/tcp/PORT")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Callable
 
 from meshnet_p2p.core.errors import MeshnetError
 
@@ -63,8 +64,19 @@ def peer_id(text: str) -> str:
         raise argparse.ArgumentTypeError(f"{text[:60]!r} is not a peer ID ({e})") from None
 
 
-def add_identity(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--identity", help="key file (created if missing; default: a fresh identity per run)")
+def add_identity(p: argparse.ArgumentParser, *, peer: bool = False) -> None:
+    """``--identity``; for a peer (a role others know by its peer ID: join, serve, relay,
+    bootstrap) the default is the machine's key file, and ``--ephemeral-identity`` asks for
+    a throwaway one; for a client role, no key unless named."""
+    if not peer:
+        p.add_argument("--identity", metavar="FILE", help="key file (created 0600 if missing; default: a fresh "
+                                                          "identity per run)")
+        return
+    p.add_argument("--identity", metavar="FILE", help="this peer's key file, created 0600 if missing (default: "
+                                                      "$XDG_CONFIG_HOME/meshnet-p2p/identity.key): the same peer ID, "
+                                                      "and the same verified record, after every restart")
+    p.add_argument("--ephemeral-identity", action="store_true",
+                   help="a fresh identity for this run only, kept nowhere: a new peer at every start")
 
 
 def add_bootstrap(p: argparse.ArgumentParser, help: str) -> None:
@@ -227,6 +239,45 @@ def load_or_create_identity(path: str | None):
         ident.save(path)
         return ident
     return Identity.load(path)
+
+
+_HELD: list = []  # the lock files of the keys this process serves as (held until it exits)
+
+
+def peer_identity(args: argparse.Namespace, say: Callable[[str], None]):
+    """A peer role's identity (``add_identity(peer=True)``'s flags): the key file named, else
+    the machine's default one (created 0600 on first use), held for this process's life (a
+    second peer running on the same key would be the same peer twice: refused with what to
+    do), or a throwaway one on request. Says which, with its peer ID."""
+    from meshnet_p2p.core.identity import Identity, default_identity_path
+
+    if getattr(args, "ephemeral_identity", False):
+        if args.identity:
+            raise MeshnetError("--identity and --ephemeral-identity name two identities; give one")
+        ident = Identity.generate()
+        say(f"identity {ident.peer_id} (ephemeral: a new peer at every start)")
+        return ident
+    path = os.path.abspath(args.identity or default_identity_path())
+    made = not os.path.exists(path)
+    ident = load_or_create_identity(path)
+    hold_identity(path)
+    say(f"identity {ident.peer_id} ({'created ' if made else ''}{path})")
+    return ident
+
+
+def hold_identity(path: str) -> None:
+    """Take ``path``'s lock (``path.lock``) for this process's life, or a clear error when
+    another running process holds it."""
+    import fcntl
+
+    lock = open(path + ".lock", "a")  # noqa: SIM115 (kept open: the lock lives as long as the process)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        raise MeshnetError(f"the identity {path} is in use by another running peer on this machine; give this "
+                           "one its own key (--identity FILE) or --ephemeral-identity") from None
+    _HELD.append(lock)
 
 
 def trust_policy(args: argparse.Namespace, seeds: list):

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from meshnet_p2p.engine.cut import parse_layer_range
     from meshnet_p2p.core.multiaddr import announced
     from meshnet_p2p.swarm.node import parse_listen
-    from .flags import engine_options, keep_warm, load_or_create_identity, metrics_listen, model_source, print_line, \
+    from .flags import engine_options, keep_warm, metrics_listen, model_source, peer_identity, print_line, \
         required_seeds, run_listener, trust_policy
     from .progress import TerminalProgress
 
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = metrics_listen(args)
     layers = None if args.layers == "auto" else parse_layer_range(args.layers)
     seeds = required_seeds(args)
-    identity = load_or_create_identity(args.identity)
+    identity = peer_identity(args, print_line)
     path, ref = model_source(args.model)
     opts = JoinOptions(
         model_path=path, model_ref=ref, trust=trust_policy(args, seeds), layers=layers, num_layers=args.num_layers,

@@ -57,8 +57,16 @@ class OutputLines:
         return f"{self.p.args!r} printed no {prefix!r} line (its output: {self.lines[-5:]})"
 
 
+PEER_ROLES = ("join", "relay", "bootstrap")  # the roles that take the machine's key by default
+
+
 class PeerProcess(OutputLines):
+    """A peer role started by code (the demo, benches, tests) is a throwaway peer unless
+    given a key (``--identity``): several on one machine cannot all be the machine's peer."""
+
     def __init__(self, *args: str, env: dict | None = None, stderr=subprocess.DEVNULL, prefix: tuple[str, ...] = ()) -> None:
+        if args and args[0] in PEER_ROLES and "--identity" not in args and "--ephemeral-identity" not in args:
+            args = (*args, "--ephemeral-identity")
         self.args = args
         # prefix: how to run it elsewhere, e.g. ("ip", "netns", "exec", NS) for a simulated host
         super().__init__(subprocess.Popen([*prefix, sys.executable, "-m", "meshnet_p2p", *args], stdout=subprocess.PIPE,

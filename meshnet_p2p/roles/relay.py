@@ -18,13 +18,13 @@ from meshnet_p2p.nat.reachability import dial_checks
 from meshnet_p2p.nat.relay import Relay, RelayLimits
 from meshnet_p2p.swarm.node import advertised_host, bootstrap_addrs, parse_listen, start_node
 from meshnet_p2p.swarm.relay_offers import RELAY_ANNOUNCE_INTERVAL_S, RELAYS_KEY, sign_relay_record
-from .flags import load_or_create_identity, metrics_listen, print_line, run_listener, serve_metrics
+from .flags import metrics_listen, peer_identity, print_line, run_listener, serve_metrics
 
 
 def run(args: argparse.Namespace) -> int:
     host, port = parse_listen(args.listen)
     metrics = metrics_listen(args)
-    identity = load_or_create_identity(args.identity)
+    identity = peer_identity(args, print_line)
     announce = announced(args.announce, identity.peer_id) if args.announce else None
     seeds = bootstrap_addrs(args.bootstrap)
     limits = RelayLimits(max_reservations=args.max_reservations, max_connections_per_peer=args.max_connections_per_peer,
