@@ -206,3 +206,31 @@ def test_a_peer_role_keeps_the_machines_identity_across_restarts_and_one_process
     both = subprocess.run([sys.executable, "-m", "meshnet_p2p", "bootstrap", "--identity", str(key),
                            "--ephemeral-identity"], capture_output=True, text=True, env=env, timeout=60)
     assert both.returncode == 2 and "give one" in both.stderr
+
+
+def test_a_restarted_volunteer_is_the_same_peer_and_certify_signs_with_the_machines_key(tmp_path):
+    """Issue 60: `join` with no --identity, stopped and started again, serves as the same peer
+    ID (so every client's record of it still applies); `certify` with no --identity signs with
+    that same machine key (and says so), not a fresh one."""
+    from meshnet_p2p.roles.peer_process import PeerProcess
+    from tests.swarm import Proc
+
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "cfg"), "MESHNET_CACHE_DIR": str(tmp_path / "cache")}
+    boot = Proc("bootstrap", "--listen", "127.0.0.1:0", env=env)  # a throwaway peer (PeerProcess's default)
+    try:
+        addr = boot.address(60)
+        seen = []
+        for _ in range(2):  # as a volunteer runs it: no identity flag at all
+            join = PeerProcess("join", "--layers", "0:10", "--bootstrap", addr, "--listen", "127.0.0.1:0",
+                               "--threads", "1", env=env, machine_key=True)
+            try:
+                seen.append((join.wait_line("identity ", 120), join.address(120).rsplit("/", 1)[1]))
+            finally:
+                assert join.stop() == 0
+        (first_line, first), (second_line, second) = seen
+        assert first == second and "created" in first_line and "created" not in second_line, seen
+        assert first_line.split()[1] == first
+        r = meshnet_peer("certify", "--bootstrap", addr, "--json", env=env, timeout=120)  # (no recipe to certify)
+        assert f"signing as {first}" in r.stderr, r.stderr[-2000:]
+    finally:
+        boot.stop()

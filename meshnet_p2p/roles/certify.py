@@ -156,10 +156,10 @@ def run(args) -> int:
     import json
     import sys
 
-    from .flags import load_or_create_identity, model_path, print_line, required_seeds
+    from .flags import model_path, print_line, required_seeds, signing_identity
 
     seeds = required_seeds(args)
-    opts = CertifyOptions(bootstrap=seeds, identity=load_or_create_identity(args.identity),
+    opts = CertifyOptions(bootstrap=seeds, identity=signing_identity(args.identity),
                           model_path=model_path(args.model), recipe=args.recipe, method=args.method,
                           prompt=args.prompt or DEFAULT_PROMPT, max_tokens=args.max_tokens,
                           step_timeout=args.step_timeout, name=args.name)

@@ -120,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     cert = sub.add_parser("certify", help="certify a dark recipe by a real distributed forward (signed evidence)")
     _add_bootstrap(cert, "bootstrap peers (repeatable; default $MESHNET_BOOTSTRAP)")
-    cert.add_argument("--identity", help="key file that signs the evidence (e.g. a bootstrap peer's; default: a fresh one)")
+    cert.add_argument("--identity", metavar="FILE", help="key file that signs the evidence (e.g. a bootstrap peer's; "
+                                                         "default: this machine's, $XDG_CONFIG_HOME/meshnet-p2p/"
+                                                         "identity.key)")
     cert.add_argument("--model", help="GGUF model (default: the embedded SmolLM2-135M-Instruct)")
     cert.add_argument("--name", help="the name this model is listed under in the certifier's catalogue "
                                      "(default: its file name up to the first dot)")

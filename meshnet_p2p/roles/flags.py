@@ -265,6 +265,21 @@ def peer_identity(args: argparse.Namespace, say: Callable[[str], None]):
     return ident
 
 
+def signing_identity(path: str | None):
+    """What ``certify`` and ``review`` sign with: the key file named, else the machine's (created
+    0600 on first use; not held: they do not run as that peer). Says which on stderr (their
+    stdout may be JSON)."""
+    import sys
+
+    from meshnet_p2p.core.identity import default_identity_path
+
+    path = os.path.abspath(path or default_identity_path())
+    made = not os.path.exists(path)
+    ident = load_or_create_identity(path)
+    print(f"signing as {ident.peer_id} ({'created ' if made else ''}{path})", file=sys.stderr, flush=True)
+    return ident
+
+
 def hold_identity(path: str) -> None:
     """Take ``path``'s lock (``path.lock``) for this process's life, or a clear error when
     another running process holds it."""

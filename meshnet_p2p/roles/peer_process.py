@@ -62,10 +62,13 @@ PEER_ROLES = ("join", "relay", "bootstrap")  # the roles that take the machine's
 
 class PeerProcess(OutputLines):
     """A peer role started by code (the demo, benches, tests) is a throwaway peer unless
-    given a key (``--identity``): several on one machine cannot all be the machine's peer."""
+    given a key (``--identity``): several on one machine cannot all be the machine's peer.
+    ``machine_key``: with no ``--identity``, the machine's own key, as a volunteer runs it."""
 
-    def __init__(self, *args: str, env: dict | None = None, stderr=subprocess.DEVNULL, prefix: tuple[str, ...] = ()) -> None:
-        if args and args[0] in PEER_ROLES and "--identity" not in args and "--ephemeral-identity" not in args:
+    def __init__(self, *args: str, env: dict | None = None, stderr=subprocess.DEVNULL, prefix: tuple[str, ...] = (),
+                 machine_key: bool = False) -> None:
+        if args and args[0] in PEER_ROLES and not machine_key and "--identity" not in args \
+                and "--ephemeral-identity" not in args:
             args = (*args, "--ephemeral-identity")
         self.args = args
         # prefix: how to run it elsewhere, e.g. ("ip", "netns", "exec", NS) for a simulated host

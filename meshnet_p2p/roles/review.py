@@ -16,6 +16,7 @@ ignore its verdicts (docs/verification.md, "Certifiers review peers").
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -40,8 +41,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("review", help="as a certifier: audit the peers of the certified recipe, re-check "
                                              "fraud reports against them, sign and publish the verdicts")
     add_bootstrap(p, "bootstrap peers (repeatable; default $MESHNET_BOOTSTRAP)")
-    p.add_argument("--identity", required=True, help="the certifier's key file: signs the verdicts and fraud "
-                                                     "reports (e.g. a bootstrap peer's, which clients trust)")
+    p.add_argument("--identity", metavar="FILE", help="the certifier's key file: signs the verdicts and fraud "
+                                                      "reports (e.g. a bootstrap peer's, which clients trust; "
+                                                      "default: this machine's, $XDG_CONFIG_HOME/meshnet-p2p/"
+                                                      "identity.key)")
     p.add_argument("--model", help="GGUF model (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--rounds", type=positive, default=1, help="review rounds, each published (default 1)")
     p.add_argument("--prompt", help="what every audited generation is given (default: drawn afresh for each, as "
@@ -185,15 +188,17 @@ def run(args: argparse.Namespace) -> int:
     from meshnet_p2p.client import Client
     from meshnet_p2p.verify.peer_records import PeerRecords
     from meshnet_p2p.core.records import wall_ms
-    from .flags import load_or_create_identity, model_path, required_seeds, trust_policy
+    from .flags import model_path, required_seeds, signing_identity, trust_policy
 
     seeds = required_seeds(args)
-    identity = load_or_create_identity(args.identity)
+    identity = signing_identity(args.identity)
     say = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else (lambda m: print(m, flush=True))
     events = (lambda msg: print(f"[{sanitize(msg)}]", file=sys.stderr, flush=True))
-    # trust_policy counts --identity's key: the certifier's own certificates and earlier verdicts
+    # its own key counts: the certifier's own certificates and earlier verdicts (the default key too)
+    policy = trust_policy(args, seeds)
+    trust = dataclasses.replace(policy, certifiers=policy.certifiers | {str(identity.peer_id)})
     client = Client(seeds, model_path=model_path(args.model), step_timeout=args.step_timeout, on_event=events,
-                    trust=trust_policy(args, seeds), ring=False)
+                    trust=trust, ring=False)
     me = str(identity.peer_id)
     tally = PeerRecords(review_path(client.model_digest, me))
     oracle = None if args.no_own_replay else own_oracle(model_path(args.model), client.model_digest, me)
